@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both install what they need.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+
+.PHONY: demo test test-fast venv redis protos clean
+
+$(BIN)/tandem: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(BIN)/tandem
+
+# Debian's redis-server 7.0 if none is on PATH; the tests start their own instance on a free port.
+redis:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
+demo: venv redis
+	$(BIN)/tandem formats
+
+test: venv redis
+	$(BIN)/python -m pytest tests -q
+
+test-fast: venv
+	$(BIN)/python -m pytest tests/unit -q -m "not slow"
+
+protos: venv
+	$(BIN)/python -m tandem.protos
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,34 @@
+"""The `tandem` command.
+
+Each subcommand lives in its own module under `tandem.commands` and exposes
+`add_arguments(parser)` and `main(args) -> int`. Modules are imported only when their
+subcommand runs, so `tandem formats` does not pay for gRPC or Redis imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Keep sorted by the order a user meets them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "formats": ("tandem.commands.formats", "quantize a tensor with every format and print a table"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = (argv if argv is not None else sys.argv[1:])[:1]
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        # Only the chosen subcommand's module is imported to add its arguments.
+        if chosen == [name]:
+            importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
