@@ -1,0 +1,71 @@
+"""Shared pieces of the quantizer contract: input checks and the fp32/E4M3 primitives.
+
+Every format is a pure function of its input bits: the input is upcast to fp32 (exact for
+bf16/fp16), every operation is a single correctly rounded IEEE fp32 operation done by a
+torch kernel on fp32 tensors (never Python float64 arithmetic, which would round twice),
+and the results are stored in the dtypes the contract names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPEC_VERSION = "tandem-quant-1"
+"""Bumped whenever any format's bytes change; part of the contract fingerprint."""
+
+FLT_MAX = torch.finfo(torch.float32).max
+E4M3_MAX = 448.0
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_input(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
+    """Validate a quantizer input and return it as a contiguous fp32 [M, K] tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"{what}: dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
+    if x.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D [M, K] tensor, got {x.dim()}-D shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{what}: last dim K is 0; nothing to quantize")
+    if x.shape[1] % block != 0:
+        raise ValueError(f"{what}: last dim K={x.shape[1]} is not divisible by the block size {block}")
+    xf = x.detach().to(torch.float32).contiguous()
+    if not bool(torch.isfinite(xf).all()):
+        bad = int((~torch.isfinite(xf)).sum())
+        raise ValueError(f"{what}: input has {bad} non-finite value(s) (NaN or Inf)")
+    return xf
+
+
+def fp32(value: float) -> torch.Tensor:
+    """A python constant rounded once to fp32 (e.g. fp32(1/6))."""
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def to_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> float8_e4m3fn, round to nearest even (incl. subnormals). Callers clamp to ±448 first:
+    torch's cast does not saturate (out-of-range becomes NaN), so the clamp is part of the contract."""
+    return v.to(torch.float8_e4m3fn)
+
+
+def blocks(xf: torch.Tensor, block: int) -> torch.Tensor:
+    """[M, K] -> [M, K // block, block] view (blocks run along K)."""
+    m, k = xf.shape
+    return xf.view(m, k // block, block)
+
+
+def amax(v: torch.Tensor, dim=None) -> torch.Tensor:
+    """max |v| (exact in fp32: no rounding involved)."""
+    a = v.abs()
+    return a.amax() if dim is None else a.amax(dim=dim)
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Check one part of a transported quantized tensor (used by every from_parts)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"part {name!r}: expected a tensor, got {type(t).__name__}")
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise ValueError(
+            f"part {name!r}: expected {dtype} {tuple(shape)}, got {t.dtype} {tuple(t.shape)}"
+        )
+    return t
