@@ -37,7 +37,7 @@ class INT4Tensor:
         """int32 [M, K//8] in the compressed-tensors pack-quantized layout (`weight_packed`)."""
         m, k = self.shape
         u = (self.codes.to(torch.int64) + 8).view(m, k // PACK, PACK)
-        word = (u << (4 * torch.arange(PACK, dtype=torch.int64))).sum(dim=-1)
+        word = (u << (4 * torch.arange(PACK, dtype=torch.int64, device=u.device))).sum(dim=-1)
         # Reinterpret the unsigned 32-bit words as int32 (two's complement).
         return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
@@ -73,7 +73,8 @@ def fake_quant(x: torch.Tensor, group_size: int = DEFAULT_GROUP) -> torch.Tensor
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of INT4Tensor.packed(): int32 [M, K//8] -> int8 codes [M, K]."""
     m, w = packed.shape
-    nib = (packed.to(torch.int64).unsqueeze(-1) >> (4 * torch.arange(PACK, dtype=torch.int64))) & 0xF
+    shifts = 4 * torch.arange(PACK, dtype=torch.int64, device=packed.device)
+    nib = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
     return (nib - 8).to(torch.int8).view(m, w * PACK)
 
 

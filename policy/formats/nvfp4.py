@@ -52,7 +52,7 @@ class NVFP4Tensor:
 def e2m1_round(v: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     """E2M1 code (uint8 0..15) of fp32 values already clamped to [-6, 6]; `negative` sets the sign bit."""
     a = v.abs()
-    mag = torch.zeros(a.shape, dtype=torch.uint8)
+    mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
     for mid, tie_up in _MIDPOINTS:
         mag += (a >= mid) if tie_up else (a > mid)
     return mag | (negative.to(torch.uint8) << 3)
@@ -68,7 +68,7 @@ def quantize(x: torch.Tensor, scope: str = "tensor") -> NVFP4Tensor:
     if scope == "row":
         gamax = bamax.amax(dim=1)  # [M]
     else:  # an empty [0, K] tensor has amax 0, like an all-zero one
-        gamax = bamax.amax().reshape(1) if m else torch.zeros(1)
+        gamax = bamax.amax().reshape(1) if m else bamax.new_zeros(1)
 
     # torch.div on two fp32 tensors is one correctly rounded IEEE division ("c / t" in Python
     # would be reciprocal(t) * c: two roundings).
