@@ -1,0 +1,660 @@
+"""Qwen3-MoE-style decoder in one file: config, modules, full-sequence and KV-cache forward, sampling.
+
+Architecture (one layer): RMSNorm -> grouped-query attention (q/k RMSNorm per head, RoPE) -> residual
+-> RMSNorm -> MoE block (softmax router, top-k, routed SwiGLU experts with a fused gate_up projection,
+optional always-on shared expert added DeepSeek/GLM style) -> residual. Final RMSNorm and an untied LM
+head. Parameter names are the canonical ones from the policy contract (HF Qwen3-MoE style), so
+`model.named_parameters()` is what recipes, manifests and TP plans talk about.
+
+Quantization is not in this file. Every matmul and every non-matmul parameter goes through a
+`QuantHook` (`model.quant_hook`): the default computes plainly; `policy.qat` installs a hook that
+fake-quantizes weights and activations per a recipe (with a straight-through backward), and a rollout
+installs `ActivationQuantHook` (per-token activation fake quant, no autograd) after loading dequantized
+weights. A hook sees the *site* of each matmul: the weight name without ".weight" (for example
+"model.layers.3.mlp.experts.5.down_proj"); the activation site is that plus ".input".
+
+Row independence (a row's result does not depend on the rest of the batch) is kept by construction:
+per-token routing, per-row attention masks, no batch statistics. Float results can still differ in
+the last bits between batch shapes because BLAS blocking depends on the matrix sizes; an exact mode is
+future work (see DESIGN.md).
+
+Simplifications, on purpose: no dropout, no biases (Qwen3 has none), no router auxiliary loss or
+capacity limits (RL fine-tuning of a pretrained router; the tiny demo does not need balancing), no
+sliding-window attention, MoE dispatch as a loop over experts with gathered tokens (readable and fast
+enough on CPU; GPU serving uses fused kernels elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "PRESETS",
+    "ActivationQuantHook",
+    "Generation",
+    "KVCache",
+    "ModelConfig",
+    "QuantHook",
+    "Transformer",
+    "activation_sites",
+    "generate",
+    "parameter_shapes",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of the decoder. Frozen and validated; `fingerprint()` is the manifest's model hash.
+
+    `dim` need not equal `n_heads * head_dim` (Qwen3-30B-A3B: 2048 vs 32*128). `shared_expert_ffn_dim`
+    0 means no shared expert. `norm_topk_prob` renormalizes the top-k router probabilities to sum 1
+    (Qwen3-MoE does). `max_seq_len` bounds generation (prompt + new tokens); RoPE has no table, so it
+    is a guard, not an allocation.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    top_k: int
+    expert_ffn_dim: int
+    shared_expert_ffn_dim: int = 0
+    norm_topk_prob: bool = True
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    max_seq_len: int = 4096
+
+    def __post_init__(self) -> None:
+        errors = []
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "n_experts", "top_k", "expert_ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                errors.append(f"{name}={value!r} must be a positive int")
+        if (not isinstance(self.shared_expert_ffn_dim, int) or isinstance(self.shared_expert_ffn_dim, bool)
+                or self.shared_expert_ffn_dim < 0):
+            errors.append(f"shared_expert_ffn_dim={self.shared_expert_ffn_dim!r} must be an int >= 0")
+        if not isinstance(self.norm_topk_prob, bool):
+            errors.append(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                    or not math.isfinite(value):
+                errors.append(f"{name}={value!r} must be a finite number > 0")
+        if not errors:
+            if self.n_heads % self.n_kv_heads:
+                errors.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+            if self.head_dim % 2:
+                errors.append(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+            if self.top_k > self.n_experts:
+                errors.append(f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
+        if errors:
+            raise ValueError("invalid ModelConfig: " + "; ".join(errors))
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        object.__setattr__(self, "norm_eps", float(self.norm_eps))
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig:
+        """A named preset (see `PRESETS`), optionally with fields replaced (validated again)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown} in overrides for preset {name!r}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s): {unknown}")
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """sha256 hex of the canonical JSON (sorted keys, no spaces) of every field."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_expert_ffn_dim > 0
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(s) for s in parameter_shapes(self).values())
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # CPU demo: ~3.9M parameters (3.1M in routed experts). Every K is a multiple of 128 so every
+    # built-in recipe (fp8_block 128x128 included) applies.
+    "tiny": ModelConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+                        n_experts=8, top_k=2, expert_ffn_dim=256, shared_expert_ffn_dim=256,
+                        rope_theta=10_000.0, max_seq_len=1024),
+    # ~0.74B parameters: GPU smoke tests and TP planning at a realistic shape.
+    "small": ModelConfig(vocab_size=32768, dim=1024, n_layers=12, n_heads=16, n_kv_heads=4, head_dim=64,
+                         n_experts=32, top_k=4, expert_ffn_dim=512, shared_expert_ffn_dim=1024,
+                         max_seq_len=8192),
+    # Qwen/Qwen3-30B-A3B (config.json of the HF release).
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                                 head_dim=128, n_experts=128, top_k=8, expert_ffn_dim=768,
+                                 shared_expert_ffn_dim=0, max_seq_len=40960),
+    # Qwen/Qwen3-235B-A22B.
+    "qwen3-235b-a22b": ModelConfig(vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+                                   head_dim=128, n_experts=128, top_k=8, expert_ffn_dim=1536,
+                                   shared_expert_ffn_dim=0, max_seq_len=40960),
+}
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of every parameter, in `named_parameters()` order, without allocating."""
+    D, hd, F_, Fs = cfg.dim, cfg.head_dim, cfg.expert_ffn_dim, cfg.shared_expert_ffn_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, D)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (D,)
+        shapes[f"{p}.self_attn.q_proj.weight"] = (cfg.n_heads * hd, D)
+        shapes[f"{p}.self_attn.k_proj.weight"] = (cfg.n_kv_heads * hd, D)
+        shapes[f"{p}.self_attn.v_proj.weight"] = (cfg.n_kv_heads * hd, D)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (D, cfg.n_heads * hd)
+        shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
+        shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (D,)
+        shapes[f"{p}.mlp.gate.weight"] = (cfg.n_experts, D)
+        for e in range(cfg.n_experts):
+            shapes[f"{p}.mlp.experts.{e}.gate_up_proj.weight"] = (2 * F_, D)
+            shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (D, F_)
+        if Fs:
+            shapes[f"{p}.mlp.shared_expert.gate_up_proj.weight"] = (2 * Fs, D)
+            shapes[f"{p}.mlp.shared_expert.down_proj.weight"] = (D, Fs)
+    shapes["model.norm.weight"] = (D,)
+    shapes["lm_head.weight"] = (cfg.vocab_size, D)
+    return shapes
+
+
+def activation_sites(cfg: ModelConfig) -> dict[str, int]:
+    """Activation site name ("<weight name minus .weight>.input") -> K, for every matmul input."""
+    return {name[: -len(".weight")] + ".input": shape[1]
+            for name, shape in parameter_shapes(cfg).items()
+            if len(shape) == 2 and name != "model.embed_tokens.weight"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantization hooks
+
+
+class QuantHook:
+    """How the model runs each matmul and reads each non-matmul parameter. The default is plain.
+
+    `linear(site, x, weight, x_hat=None)`: y = x @ weight.T for the matmul at `site` (the weight
+        name minus ".weight"). `x_hat`, when given, is x already activation-quantized by
+        `quantize_inputs` (the MoE block quantizes all experts' inputs in one call); a hook with a
+        high-precision backward still needs x itself.
+    `quantize_inputs(sites, x, counts)`: activation quantization of x [sum(counts), K] whose rows
+        come in chunks, chunk i feeding site sites[i]; returns x̂ of the same shape, or None when
+        no site quantizes. Rows are quantized independently, so one call over all chunks gives the
+        same bits as one call per chunk, minus the per-call overhead.
+    `param(name, p)`: the effective value of a non-matmul parameter (embeddings, norm weights).
+    Implementations must treat rows independently (per-row scales only): no batch statistics.
+    """
+
+    def linear(self, site: str, x: Tensor, weight: Tensor, x_hat: Tensor | None = None) -> Tensor:
+        return F.linear(x if x_hat is None else x_hat, weight)
+
+    def quantize_inputs(self, sites: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
+        return None
+
+    def param(self, name: str, p: Tensor) -> Tensor:
+        return p
+
+
+class ActivationQuantHook(QuantHook):
+    """Rollout-side hook: `act_quant(site + ".input", x)` before each matmul, weights used as loaded.
+
+    `act_quant` is the same per-token fake-quant callable QAT uses (`policy.qat.ActivationQuantizer`);
+    it returns `x` unchanged at sites the recipe leaves in high precision. If it also has
+    `quantize_rows(names, x, counts)` (ActivationQuantizer does), grouped MoE inputs use that.
+    """
+
+    def __init__(self, act_quant: Callable[[str, Tensor], Tensor]):
+        self.act_quant = act_quant
+        self._names: dict[str, str] = {}
+
+    def _input_name(self, site: str) -> str:
+        name = self._names.get(site)
+        if name is None:
+            name = self._names[site] = site + ".input"
+        return name
+
+    def linear(self, site: str, x: Tensor, weight: Tensor, x_hat: Tensor | None = None) -> Tensor:
+        return F.linear(self.act_quant(self._input_name(site), x) if x_hat is None else x_hat, weight)
+
+    def quantize_inputs(self, sites: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
+        names = [self._input_name(s) for s in sites]
+        rows = getattr(self.act_quant, "quantize_rows", None)
+        if rows is not None:
+            return rows(names, x, counts)
+        return torch.cat([self.act_quant(n, c) for n, c in zip(names, x.split(list(counts)))])
+
+
+_PLAIN = QuantHook()
+
+
+# --------------------------------------------------------------------------------------------------
+# Modules
+
+
+class Linear(nn.Module):
+    """Bias-free linear whose matmul goes through the hook. Weight is [out, in] (K = in)."""
+
+    def __init__(self, in_features: int, out_features: int, site: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.site = site
+
+    def forward(self, x: Tensor, hook: QuantHook, x_hat: Tensor | None = None) -> Tensor:
+        return hook.linear(self.site, x, self.weight, x_hat)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, name: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.name = name + ".weight"
+
+    def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
+        # fp32 statistics per row (Qwen3 does the same); no cross-row reduction.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * hook.param(self.name, self.weight).float()).to(x.dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (HF/NeoX convention, as Qwen3). x [B, T, H, hd]; cos/sin [B, T, 1, hd/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = Linear(cfg.dim, q_out, f"{prefix}.q_proj")
+        self.k_proj = Linear(cfg.dim, kv_out, f"{prefix}.k_proj")
+        self.v_proj = Linear(cfg.dim, kv_out, f"{prefix}.v_proj")
+        self.o_proj = Linear(q_out, cfg.dim, f"{prefix}.o_proj")
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, f"{prefix}.q_norm")
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, f"{prefix}.k_norm")
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, hook: QuantHook,
+                kv: tuple[Tensor, Tensor] | None, start: int) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x, hook).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x, hook).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x, hook).view(B, T, self.n_kv_heads, self.head_dim)
+        q = _rope(self.q_norm(q, hook), cos, sin).transpose(1, 2)
+        k = _rope(self.k_norm(k, hook), cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if kv is not None:
+            k_buf, v_buf = kv
+            k_buf[:, :, start:start + T] = k
+            v_buf[:, :, start:start + T] = v
+            k, v = k_buf[:, :, :start + T], v_buf[:, :, :start + T]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), hook)
+
+
+class Expert(nn.Module):
+    """SwiGLU FFN: gate_up_proj rows [0, F) are the gate, [F, 2F) the up projection."""
+
+    def __init__(self, dim: int, ffn_dim: int, prefix: str):
+        super().__init__()
+        self.ffn_dim = ffn_dim
+        self.gate_up_proj = Linear(dim, 2 * ffn_dim, f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(ffn_dim, dim, f"{prefix}.down_proj")
+
+    def hidden(self, x: Tensor, hook: QuantHook, x_hat: Tensor | None = None) -> Tensor:
+        gate, up = self.gate_up_proj(x, hook, x_hat).split(self.ffn_dim, dim=-1)
+        return F.silu(gate) * up
+
+    def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
+        return self.down_proj(self.hidden(x, hook), hook)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str):
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_topk_prob = cfg.n_experts, cfg.top_k, cfg.norm_topk_prob
+        self.gate = Linear(cfg.dim, cfg.n_experts, f"{prefix}.gate")
+        self.experts = nn.ModuleList(Expert(cfg.dim, cfg.expert_ffn_dim, f"{prefix}.experts.{e}")
+                                     for e in range(cfg.n_experts))
+        self.shared_expert = (Expert(cfg.dim, cfg.shared_expert_ffn_dim, f"{prefix}.shared_expert")
+                              if cfg.has_shared_expert else None)
+
+    def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        N, k = x.shape[0], self.top_k
+        if N == 0:
+            return x.clone().view(shape)
+        probs = self.gate(x, hook).float().softmax(dim=-1)
+        weights, experts = probs.topk(k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        # Dispatch: sort the N*k (token, slot) assignments by expert, run each expert once on its
+        # gathered rows, scatter the results back to (token, slot) order, then sum the k slots per
+        # token in slot order. A token's arithmetic depends only on its own routing. Activation
+        # quantization of all experts' inputs is one hook call per matmul kind, not one per expert.
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
+        used = [e for e in range(self.n_experts) if counts[e]]
+        sizes = [counts[e] for e in used]
+        xg = x.index_select(0, order // k)
+        xs = xg.split(sizes)
+        xg_hat = hook.quantize_inputs([self.experts[e].gate_up_proj.site for e in used], xg, sizes)
+        xs_hat = xs if xg_hat is None else xg_hat.split(sizes)
+        h = torch.cat([self.experts[e].hidden(xs[i], hook, xs_hat[i]) for i, e in enumerate(used)])
+        hs = h.split(sizes)
+        h_hat = hook.quantize_inputs([self.experts[e].down_proj.site for e in used], h, sizes)
+        hs_hat = hs if h_hat is None else h_hat.split(sizes)
+        y = x.new_empty(N * k, shape[-1])
+        y[order] = torch.cat([self.experts[e].down_proj(hs[i], hook, hs_hat[i]) for i, e in enumerate(used)])
+        out = (y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x, hook)
+        return out.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, f"{p}.input_layernorm")
+        self.self_attn = Attention(cfg, f"{p}.self_attn")
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, f"{p}.post_attention_layernorm")
+        self.mlp = MoE(cfg, f"{p}.mlp")
+
+    def forward(self, x, cos, sin, mask, hook, kv, start):
+        x = x + self.self_attn(self.input_layernorm(x, hook), cos, sin, mask, hook, kv, start)
+        return x + self.mlp(self.post_attention_layernorm(x, hook), hook)
+
+
+class KVCache:
+    """Per-layer key/value buffers [B, Hkv, capacity, hd] plus which slots hold real tokens.
+
+    Rows advance in lockstep (`length` is shared); padding and finished rows are slots with
+    `key_valid` False, which no query attends to. `next_pos[b]` is row b's next RoPE position (its
+    count of real tokens so far), so left padding does not shift positions.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, capacity: int, *, dtype=torch.float32, device=None):
+        if capacity > cfg.max_seq_len:
+            raise ValueError(f"KV cache capacity {capacity} exceeds max_seq_len={cfg.max_seq_len}")
+        shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.n_layers)]
+        self.key_valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
+        self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
+        self.length = 0
+        self.capacity = capacity
+
+
+class _Body(nn.Module):
+    """Holds the `model.` prefix of the canonical names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, "model.norm")
+
+
+class Transformer(nn.Module):
+    """The policy model. Parameters carry the canonical names; see `parameter_shapes`.
+
+    forward(tokens [B, T], attention_mask=None, cache=None, last_only=False) -> logits [B, T|1, V]
+      attention_mask [B, T] bool, True = real token; any padding pattern (left or right) is fine:
+      positions count real tokens only and padded keys are never attended to. With `cache`, the
+      tokens are appended to it (incremental decoding).
+    token_logprobs(tokens, targets, attention_mask=None, temperature=1.0) -> [B, T] fp32
+    load_weights({canonical name: tensor}) copies effective weights in (e.g. dequantized packed ones).
+    quant_hook: a `QuantHook` or None (plain); `set_activation_quant(fn)` installs the rollout hook.
+
+    On the meta device (`with torch.device("meta"): Transformer(cfg)`) nothing is allocated or
+    initialized, which is how planning code inspects the 30B model.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, seed: int | None = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Body(cfg)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, "lm_head")
+        self.quant_hook: QuantHook | None = None
+        if self.lm_head.weight.device.type != "meta":
+            self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = 0) -> None:
+        """Normal(0, 0.02) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms."""
+        g = torch.Generator(device=self.lm_head.weight.device)
+        g.manual_seed(0 if seed is None else seed)
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                p.normal_(0.0, std, generator=g)
+
+    def set_activation_quant(self, act_quant: Callable[[str, Tensor], Tensor] | None) -> None:
+        """Install (or with None remove) per-site activation quantization, no weight quantization."""
+        self.quant_hook = None if act_quant is None else ActivationQuantHook(act_quant)
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, Tensor], *, strict: bool = True) -> None:
+        """Copy canonical-name tensors into the parameters (cast to the parameter dtype).
+
+        strict: every parameter must be given, and no unknown names. Shapes must match exactly.
+        """
+        params = dict(self.named_parameters())
+        unknown = sorted(set(tensors) - set(params))
+        missing = sorted(set(params) - set(tensors)) if strict else []
+        bad = [f"{n}: {tuple(t.shape)} != {tuple(params[n].shape)}"
+               for n, t in tensors.items() if n in params and tuple(t.shape) != tuple(params[n].shape)]
+        if unknown or missing or bad:
+            raise ValueError(f"load_weights: unknown {unknown[:5]}{'...' if len(unknown) > 5 else ''}, "
+                             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                             f"bad shapes {bad[:5]}")
+        for n, t in tensors.items():
+            params[n].copy_(t)
+
+    def forward(self, tokens: Tensor, *, attention_mask: Tensor | None = None,
+                cache: KVCache | None = None, last_only: bool = False) -> Tensor:
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        B, T = tokens.shape
+        hook = self.quant_hook or _PLAIN
+        device = tokens.device
+        valid = (torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None
+                 else attention_mask.to(device=device, dtype=torch.bool))
+        if valid.shape != tokens.shape:
+            raise ValueError(f"attention_mask shape {tuple(valid.shape)} != tokens shape {tuple(tokens.shape)}")
+        rank = (valid.cumsum(dim=1) - 1).clamp(min=0)  # index among the row's real tokens
+        if cache is None:
+            start, positions, key_valid = 0, rank, valid
+        else:
+            start = cache.length
+            if start + T > cache.capacity:
+                raise ValueError(f"KV cache full: {start} + {T} tokens > capacity {cache.capacity}")
+            positions = cache.next_pos[:, None] + rank
+            cache.key_valid[:, start:start + T] = valid
+            cache.next_pos += valid.sum(dim=1)
+            key_valid = cache.key_valid[:, :start + T]
+        S = start + T
+        q_index = torch.arange(start, S, device=device)
+        k_index = torch.arange(S, device=device)
+        # Causal over cache slots, only real keys; a query always sees its own slot so that rows of
+        # padding have a well-defined (unused) output instead of a NaN softmax.
+        mask = ((k_index[None, :] <= q_index[:, None])[None] & key_valid[:, None, :]) \
+            | (k_index[None, :] == q_index[:, None])[None]
+        mask = mask[:, None]  # [B, 1, T, S]
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (
+            torch.arange(0, self.cfg.head_dim, 2, device=device, dtype=torch.float32) / self.cfg.head_dim))
+        angles = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
+        cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+
+        emb = hook.param("model.embed_tokens.weight", self.model.embed_tokens.weight)
+        x = F.embedding(tokens, emb)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, mask, hook, None if cache is None else cache.layers[i], start)
+        if cache is not None:
+            cache.length = S
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x, hook), hook)
+
+    def token_logprobs(self, tokens: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
+                       temperature: float = 1.0) -> Tensor:
+        """log p(targets[b, t] | tokens[b, :t+1]) in fp32, [B, T], from logits / temperature.
+
+        Positions masked out by `attention_mask` get garbage values; the caller masks them.
+        """
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
+        logits = self(tokens, attention_mask=attention_mask).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation
+
+
+@dataclass
+class Generation:
+    """Result of `generate`. Row b produced `lengths[b]` tokens: tokens[b, :lengths[b]] (the stop
+    token included), with the sampling policy's log-probs in logprobs[b, :lengths[b]]; the rest is
+    pad_id / 0. `stopped[b]` is True when the row ended on a stop token, False at max_new_tokens."""
+
+    tokens: Tensor  # [B, N] long
+    logprobs: Tensor  # [B, N] fp32
+    lengths: Tensor  # [B] long
+    stopped: Tensor  # [B] bool
+
+    def completions(self) -> list[list[int]]:
+        return [self.tokens[b, :n].tolist() for b, n in enumerate(self.lengths.tolist())]
+
+    def completion_logprobs(self) -> list[list[float]]:
+        return [self.logprobs[b, :n].tolist() for b, n in enumerate(self.lengths.tolist())]
+
+
+def _row_generators(batch: int, generator: torch.Generator | None, seeds: Sequence[int] | None):
+    if seeds is not None:
+        if len(seeds) != batch:
+            raise ValueError(f"seeds has {len(seeds)} entries for {batch} prompts")
+        row_seeds = [int(s) for s in seeds]
+    else:
+        row_seeds = torch.randint(0, 2**62, (batch,), generator=generator).tolist()
+    return [torch.Generator().manual_seed(s) for s in row_seeds]
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature: float = 1.0, generator: torch.Generator | None = None,
+             seeds: Sequence[int] | None = None, eos_id: int | None = None,
+             stop_ids: Sequence[int] = (), pad_id: int = 0) -> Generation:
+    """Sample continuations of variable-length prompts (left-padded into one batch, KV cache).
+
+    Returns the new tokens and, per token, the log-probability under the distribution it was sampled
+    from: log_softmax(logits / temperature) (temperature 0 = greedy, log-probs at temperature 1).
+    These are the rollout's behavior log-probs.
+
+    Each row draws its randomness from its own generator, seeded by `seeds[b]` or, if not given, by
+    a seed drawn from `generator` (or torch's global generator). So a row's sample depends only on
+    its prompt and its seed, not on padding or on the other rows (up to last-bit float differences
+    between batch shapes, see the module docstring). Generation stops per row at `eos_id` or any of
+    `stop_ids` (the stop token is included), or after `max_new_tokens`.
+    """
+    cfg = model.cfg
+    B = len(prompts)
+    if B == 0:
+        raise ValueError("no prompts")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not temperature >= 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature={temperature} must be finite and >= 0")
+    lens = [len(p) for p in prompts]
+    if min(lens) == 0:
+        raise ValueError(f"empty prompt(s) at index {[b for b, n in enumerate(lens) if n == 0]}")
+    L = max(lens)
+    if L + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"longest prompt {L} + max_new_tokens {max_new_tokens} > max_seq_len {cfg.max_seq_len}")
+    stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
+    for t in stop | {pad_id}:
+        if not 0 <= t < cfg.vocab_size:
+            raise ValueError(f"token id {t} (stop/eos/pad) outside vocab of size {cfg.vocab_size}")
+
+    device = model.lm_head.weight.device
+    tokens = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        tokens[b, L - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[b, L - len(p):] = True
+    if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, vocab_size={cfg.vocab_size})")
+    tokens, mask = tokens.to(device), mask.to(device)
+    gens = _row_generators(B, generator, seeds) if temperature > 0 else None
+    stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+
+    cache = KVCache(cfg, B, L + max_new_tokens, dtype=model.lm_head.weight.dtype, device=device)
+    out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_logp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)
+
+    logits = model(tokens, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()
+    for step in range(max_new_tokens):
+        if temperature > 0:
+            logp = (logits / temperature).log_softmax(dim=-1)
+            # Gumbel-max with per-row exponential noise: argmax(logp - log E) ~ Categorical(exp(logp)).
+            noise = torch.stack([torch.empty(cfg.vocab_size).exponential_(generator=g) for g in gens])
+            nxt = (logp - noise.to(device).clamp_min(1e-30).log()).argmax(dim=-1)
+        else:
+            logp = logits.log_softmax(dim=-1)
+            nxt = logits.argmax(dim=-1)
+        lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
+        out_tokens[:, step] = torch.where(alive, nxt, pad_id)
+        out_logp[:, step] = torch.where(alive, lp, 0.0)
+        lengths += alive.long()
+        hit = alive & torch.isin(nxt, stop_t)
+        stopped |= hit
+        alive &= ~hit
+        if not alive.any() or step == max_new_tokens - 1:
+            break
+        # Finished rows keep stepping in lockstep, as padding nobody attends to.
+        logits = model(torch.where(alive, nxt, pad_id)[:, None], attention_mask=alive[:, None],
+                       cache=cache)[:, -1].float()
+    return Generation(out_tokens.cpu(), out_logp.cpu(), lengths.cpu(), stopped.cpu())

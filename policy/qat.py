@@ -1,0 +1,315 @@
+"""Quantization-aware forward (trainer) and the packed-weight path (rollout), from one recipe plan.
+
+Trainer side: `apply_qat(model, recipe, backward="hp"|"dequant")` installs a `QATHook`. Forward uses
+fake_quant(w) = dequantize(quantize(w)) for every parameter per the recipe (bf16-format parameters are
+rounded to bf16) and per-token fake quantization at the recipe's activation sites. Backward is the
+straight-through estimator, in one of two modes:
+  hp       gradients of each matmul use the original high-precision operands (x, W);
+  dequant  gradients use the dequantized operands the forward used (x̂, Ŵ).
+Non-matmul parameters (embeddings, norm weights) pass gradients straight through in both modes.
+
+Rollout side: `quantize_weights(model, recipe)` gives the packed tensors a trainer publishes;
+`load_packed(model, packed)` loads dequantize(packed) into a model and `install_activation_quant`
+puts the same per-token activation quantizer (`ActivationQuantizer`) in front of each matmul.
+
+Bit-exactness: QAT's effective weight for a parameter is `dequantize(quantize(w))` computed by the same
+policy.formats functions the rollout uses on the published tensors, cast to the parameter dtype on both
+sides, so for version v the trainer's effective weights equal the rollout's bitwise (tested). The
+matmul then sees identical operands on both sides.
+
+Effective weights are cached per parameter and recomputed only when the parameter's bits change
+(checked with one exact comparison against a snapshot per forward; the autograd version counter is
+not enough because fused optimizers do not bump it). This costs one extra copy of the parameters.
+
+`probe_mismatch` compares BF16, QAT and packed-weight forwards (mean |Δ log-prob| and KL per pair).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from policy import formats
+from policy.model import QuantHook, Transformer
+from policy.recipe import Plan, Recipe
+
+__all__ = [
+    "BACKWARD_MODES",
+    "ActivationQuantizer",
+    "QATHook",
+    "apply_qat",
+    "bits",
+    "dequantize_packed",
+    "install_activation_quant",
+    "load_packed",
+    "probe_mismatch",
+    "quantize_weights",
+    "remove_qat",
+]
+
+BACKWARD_MODES = ("hp", "dequant")
+
+
+def _as_plan(model: Transformer, recipe: Recipe | Plan) -> Plan:
+    if isinstance(recipe, Plan):
+        if recipe.config != model.cfg:
+            raise ValueError("the plan was made for a different model config")
+        return recipe
+    if isinstance(recipe, Recipe):
+        return recipe.plan(model)
+    raise ValueError(f"expected a Recipe or a Plan, got {type(recipe).__name__}")
+
+
+def _quantize_param(entry, w: Tensor):
+    """The quantized object of one parameter; 1-D parameters travel as a [1, N] matrix."""
+    w2 = w.detach().reshape(1, -1) if w.ndim == 1 else w.detach()
+    return formats.get(entry.format).quantize(w2, **entry.kwargs)
+
+
+def _effective(entry, w: Tensor) -> Tensor:
+    """dequantize(quantize(w)) in w's dtype and shape: the value both sides compute with."""
+    return formats.get(entry.format).dequantize(_quantize_param(entry, w)).view(w.shape).to(w.dtype)
+
+
+class ActivationQuantizer:
+    """Per-token activation fake quantization: `aq(site_name, x) -> x̂` (no autograd).
+
+    `site_name` is an activation site ("...down_proj.input"); x is [..., K] and is quantized as a
+    [rows, K] matrix with row-local scales, so each token's result depends only on that token.
+    Sites the recipe leaves in bf16 return x unchanged.
+    """
+
+    def __init__(self, plan: Plan):
+        self.sites = {e.name: (formats.get(e.format), e.kwargs) for e in plan.activations if e.format != "bf16"}
+
+    def __call__(self, name: str, x: Tensor) -> Tensor:
+        spec = self.sites.get(name)
+        if spec is None:
+            return x
+        module, kwargs = spec
+        with torch.no_grad():
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            return module.fake_quant(x2, **kwargs).view(x.shape)
+
+    def quantize_rows(self, names: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
+        """x [sum(counts), K], chunk i (counts[i] rows) feeding site names[i] -> x̂, or None if no
+        site quantizes. One fake_quant call when all sites share a spec (the usual MoE case): rows
+        are independent, so this equals quantizing chunk by chunk, bit for bit."""
+        specs = [self.sites.get(n) for n in names]
+        if all(s is None for s in specs):
+            return None
+        with torch.no_grad():
+            x = x.detach()
+            if all(s == specs[0] for s in specs):
+                module, kwargs = specs[0]
+                return module.fake_quant(x.reshape(-1, x.shape[-1]), **kwargs).view(x.shape)
+            return torch.cat([c if s is None else s[0].fake_quant(c, **s[1])
+                              for s, c in zip(specs, x.split(list(counts)))])
+
+
+class _QATLinear(torch.autograd.Function):
+    """y = x̂ Ŵᵀ; backward with (x, W) in hp mode or (x̂, Ŵ) in dequant mode (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, x, w, x_hat, w_hat, hp: bool):
+        ctx.save_for_backward(x if hp else x_hat, w if hp else w_hat)
+        return F.linear(x_hat, w_hat)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xs, ws = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(ws.to(grad.dtype))
+        if ctx.needs_input_grad[1]:
+            g2 = grad.reshape(-1, grad.shape[-1])
+            grad_w = g2.t().matmul(xs.reshape(-1, xs.shape[-1]).to(grad.dtype)).to(ws.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward returns the fake-quantized value, backward passes the gradient to the master."""
+
+    @staticmethod
+    def forward(ctx, p, p_hat):
+        return p_hat.view_as(p_hat)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class QATHook(QuantHook):
+    """The QAT `QuantHook`: fake-quantized weights (cached) and activations, straight-through backward."""
+
+    def __init__(self, plan: Plan, backward: str = "hp"):
+        if backward not in BACKWARD_MODES:
+            raise ValueError(f"backward={backward!r}; expected one of {BACKWARD_MODES}")
+        self.plan = plan
+        self.backward = backward
+        self.act_quant = ActivationQuantizer(plan)
+        self._params = {e.name: e for e in plan.params}
+        self._sites: dict[str, tuple[str, str]] = {}
+        # name -> (snapshot of the master bits, effective weight). Comparing bits, not the autograd
+        # version counter: fused optimizers (AdamW(fused=True)) update parameters without bumping it.
+        self._cache: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def invalidate(self) -> None:
+        self._cache.clear()
+
+    def effective(self, name: str, p: Tensor) -> Tensor:
+        """fake_quant of parameter `name` (no autograd), recomputed only when `p`'s bits changed."""
+        hit = self._cache.get(name)
+        if (hit is not None and hit[0].shape == p.shape and hit[0].dtype == p.dtype
+                and hit[0].device == p.device and torch.equal(_ints(hit[0]), _ints(p))):
+            return hit[1]
+        with torch.no_grad():
+            self._cache[name] = (p.detach().clone(), value := _effective(self._params[name], p))
+        return value
+
+    def effective_weights(self, model: Transformer) -> dict[str, Tensor]:
+        return {n: self.effective(n, p) for n, p in model.named_parameters()}
+
+    def _names(self, site: str) -> tuple[str, str]:
+        names = self._sites.get(site)
+        if names is None:
+            names = self._sites[site] = (site + ".weight", site + ".input")
+        return names
+
+    def quantize_inputs(self, sites: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
+        return self.act_quant.quantize_rows([self._names(s)[1] for s in sites], x, counts)
+
+    def linear(self, site: str, x: Tensor, weight: Tensor, x_hat: Tensor | None = None) -> Tensor:
+        names = self._names(site)
+        w_hat = self.effective(names[0], weight)
+        if x_hat is None:
+            x_hat = self.act_quant(names[1], x)
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _QATLinear.apply(x, weight, x_hat, w_hat, self.backward == "hp")
+        return F.linear(x_hat, w_hat)
+
+    def param(self, name: str, p: Tensor) -> Tensor:
+        p_hat = self.effective(name, p)
+        if torch.is_grad_enabled() and p.requires_grad:
+            return _StraightThrough.apply(p, p_hat)
+        return p_hat
+
+
+def apply_qat(model: Transformer, recipe: Recipe | Plan, backward: str = "hp") -> QATHook:
+    """Install QAT on `model` (in place) and return the hook."""
+    hook = QATHook(_as_plan(model, recipe), backward)
+    model.quant_hook = hook
+    return hook
+
+
+def remove_qat(model: Transformer) -> None:
+    model.quant_hook = None
+
+
+@torch.no_grad()
+def quantize_weights(model: Transformer, recipe: Recipe | Plan) -> dict[str, object]:
+    """Canonical name -> quantized object (policy.formats) for every parameter: what gets published.
+
+    1-D parameters (norm weights) are quantized as [1, N] matrices (always bf16 in valid recipes).
+    """
+    plan = _as_plan(model, recipe)
+    return {n: _quantize_param(plan[n], p) for n, p in model.named_parameters()}
+
+
+_FORMAT_OF = {"BF16Tensor": "bf16", "FP8BlockTensor": "fp8_block", "MXFP8Tensor": "mxfp8",
+              "NVFP4Tensor": "nvfp4", "INT4Tensor": "int4"}
+
+
+def dequantize_packed(q) -> Tensor:
+    """fp32 [M, K] values of one quantized object, whatever its format."""
+    name = _FORMAT_OF.get(type(q).__name__)
+    if name is None:
+        raise ValueError(f"not a policy.formats quantized tensor: {type(q).__name__}")
+    return formats.get(name).dequantize(q)
+
+
+@torch.no_grad()
+def load_packed(model: Transformer, packed: dict[str, object]) -> None:
+    """Load dequantize(packed[name]) into every parameter (cast to its dtype). All names required."""
+    params = dict(model.named_parameters())
+    model.load_weights({n: dequantize_packed(q).view(params[n].shape) if n in params else dequantize_packed(q)
+                        for n, q in packed.items()})
+
+
+def install_activation_quant(model: Transformer, recipe: Recipe | Plan) -> ActivationQuantizer:
+    """Rollout side: per-token activation fake quant at the recipe's sites, weights used as loaded."""
+    aq = ActivationQuantizer(_as_plan(model, recipe))
+    model.set_activation_quant(aq)
+    return aq
+
+
+# --------------------------------------------------------------------------------------------------
+# Mismatch probe
+
+
+def _pair_metrics(lp_a: Tensor, lp_b: Tensor, targets: Tensor, mask: Tensor) -> dict[str, float]:
+    """lp_*: [B, T, V] log-probs. Mean |Δ log p(target)|, max, and KL(a || b) over the vocab."""
+    ta = lp_a.gather(-1, targets[..., None]).squeeze(-1)
+    tb = lp_b.gather(-1, targets[..., None]).squeeze(-1)
+    diff = (ta - tb).abs()[mask]
+    kl = (lp_a.exp() * (lp_a - lp_b)).sum(-1)[mask]
+    return {"mean_abs_dlogp": diff.mean().item(), "max_abs_dlogp": diff.max().item(),
+            "kl": kl.mean().item()}
+
+
+@torch.no_grad()
+def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor,
+                   attention_mask: Tensor | None = None) -> dict:
+    """Compare three forwards of `model` on `tokens` [B, T] (targets = next tokens):
+
+    bf16    the `bf16` recipe: weights rounded to bf16, activations unquantized (BF16 baseline);
+    qat     the QAT forward under `recipe` (trainer side);
+    packed  a copy of the model with weights loaded from quantize_weights(model, recipe) and the
+            activation quantizer installed (what a rollout computes).
+    Returns {"pairs": {"bf16~qat": {...}, "bf16~packed": {...}, "qat~packed": {...}},
+             "weights_bitwise_equal": bool (QAT effective weights vs packed-loaded weights),
+             "tokens": number of scored tokens}.
+    """
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"tokens must be [B, T] with T >= 2, got {tuple(tokens.shape)}")
+    mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    saved = model.quant_hook
+    try:
+        def logprobs(m: Transformer) -> Tensor:
+            return m(tokens, attention_mask=mask).float().log_softmax(-1)[:, :-1]
+
+        apply_qat(model, Recipe.load("bf16"))
+        lp_bf16 = logprobs(model)
+        hook = apply_qat(model, recipe)
+        lp_qat = logprobs(model)
+        effective = hook.effective_weights(model)
+
+        w = model.lm_head.weight
+        rollout = Transformer(model.cfg).to(device=w.device, dtype=w.dtype)
+        load_packed(rollout, quantize_weights(model, hook.plan))
+        install_activation_quant(rollout, hook.plan)
+        lp_packed = logprobs(rollout)
+        same = all(torch.equal(bits(effective[n]), bits(p)) for n, p in rollout.named_parameters())
+    finally:
+        model.quant_hook = saved
+
+    targets = tokens[:, 1:]
+    valid = mask[:, 1:] & mask[:, :-1]
+    pairs = {"bf16~qat": _pair_metrics(lp_bf16, lp_qat, targets, valid),
+             "bf16~packed": _pair_metrics(lp_bf16, lp_packed, targets, valid),
+             "qat~packed": _pair_metrics(lp_qat, lp_packed, targets, valid)}
+    return {"recipe": recipe.name, "pairs": pairs, "weights_bitwise_equal": same,
+            "tokens": int(valid.sum()), "logits_bitwise_equal": bool(torch.equal(lp_qat, lp_packed))}
+
+
+def _ints(t: Tensor) -> Tensor:
+    """Same-size integer view, so torch.equal compares bits (-0.0 vs 0.0, NaN payloads)."""
+    return t.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def bits(t: Tensor) -> Tensor:
+    """The raw bytes of a tensor, for bitwise comparisons (torch.equal says -0.0 == 0.0)."""
+    return t.detach().contiguous().view(torch.uint8)
