@@ -1,0 +1,343 @@
+"""Client of `tandem.v1.PolicyService`: fetch a policy, verify every byte, rebuild the tensors.
+
+    with PolicyClient(PolicyClientConfig(address="127.0.0.1:50051", expected_fingerprint=fp)) as c:
+        policy = c.fetch()                    # latest version, full tensors
+        policy = c.fetch(7, tp_rank=1, tp_size=2, names=[...])
+        policy.tensors["model.layers.0.mlp.experts.0.down_proj.weight"]   # a policy.formats object
+
+What is checked: the manifest's internal consistency and contract fingerprint (recomputed from
+the contract, then compared with `expected_fingerprint`: FingerprintMismatch names both); the TP
+degree against the contract; each chunk's xxh3 against the chunk; for a tensor received whole,
+each chunk's xxh3 and the tensor's sha256 against the *manifest* (end to end); for a TP shard,
+whose bytes the manifest does not describe, the sha256 the server computed when it cut the
+shard, and the shard's size against the layout the TP plan predicts.
+
+Recovery, bounded by `max_attempts` stream restarts per fetch: a chunk that fails its checksum
+is fetched again (the stream restarts at that chunk's index, at most `max_refetch_per_chunk`
+times per chunk); a stream that drops (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) resumes at
+the chunk after the last good one. Every call has a deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from policy.manifest import (
+    MAX_MANIFEST_BYTES,
+    ChecksumMismatch,
+    FingerprintMismatch,
+    TensorLayout,
+    check_fingerprint,
+    check_tp_compatible,
+    chunk_count,
+    first_chunk_indices,
+    manifest_from_bytes,
+    rebuild,
+    tensor_layout,
+    tp_plan_of,
+)
+from policy.tp import check_tp
+from tandem.v1 import manifest_pb2, policy_pb2
+
+__all__ = ["ChecksumMismatch", "FetchStats", "FetchedPolicy", "FingerprintMismatch", "PolicyClient",
+           "PolicyClientConfig"]
+
+SERVICE = "/tandem.v1.PolicyService/"
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyClientConfig:
+    """`expected_fingerprint=None` accepts any contract (inspection tools only; workers set it)."""
+
+    address: str
+    expected_fingerprint: str | None = None
+    call_timeout_s: float = 10.0  # GetManifest, health
+    fetch_timeout_s: float = 600.0  # one FetchTensors stream
+    max_attempts: int = 8  # stream restarts per fetch (resumes + re-fetches)
+    max_refetch_per_chunk: int = 3
+    retry_backoff_s: float = 0.05
+    max_receive_message_bytes: int = MAX_MANIFEST_BYTES + (1 << 20)
+    max_send_message_bytes: int = 4 << 20
+    tls_root_ca_path: str | None = None  # set to use TLS
+    tls_cert_chain_path: str | None = None  # client certificate (mTLS)
+    tls_private_key_path: str | None = None
+    tls_server_name: str | None = None  # overrides the name checked against the server certificate
+
+    def __post_init__(self) -> None:
+        bad = []
+        if not isinstance(self.address, str) or ":" not in self.address:
+            bad.append(f"address={self.address!r} must be 'host:port'")
+        if self.expected_fingerprint is not None and (
+                not isinstance(self.expected_fingerprint, str) or len(self.expected_fingerprint) != 64):
+            bad.append(f"expected_fingerprint={self.expected_fingerprint!r} must be a 64-char sha256 hex or None")
+        for name in ("call_timeout_s", "fetch_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                bad.append(f"{name}={v!r} must be a number > 0")
+        if isinstance(self.retry_backoff_s, bool) or not isinstance(self.retry_backoff_s, (int, float)) \
+                or not 0 <= self.retry_backoff_s <= 10:
+            bad.append(f"retry_backoff_s={self.retry_backoff_s!r} must be a number in [0, 10]")
+        for name in ("max_attempts", "max_refetch_per_chunk", "max_receive_message_bytes", "max_send_message_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad.append(f"{name}={v!r} must be an int >= 1")
+        if (self.tls_cert_chain_path is None) != (self.tls_private_key_path is None):
+            bad.append("tls_cert_chain_path and tls_private_key_path must be set together")
+        if self.tls_cert_chain_path is not None and self.tls_root_ca_path is None:
+            bad.append("a client certificate (mTLS) needs tls_root_ca_path")
+        for name in ("tls_root_ca_path", "tls_cert_chain_path", "tls_private_key_path"):
+            v = getattr(self, name)
+            if v is not None and not Path(v).is_file():
+                bad.append(f"{name}={v!r} is not a file")
+        if bad:
+            raise ValueError("invalid PolicyClientConfig: " + "; ".join(bad))
+
+
+@dataclass
+class FetchStats:
+    chunks: int = 0
+    bytes: int = 0
+    streams: int = 0
+    refetched_chunks: int = 0
+    resumed_streams: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class FetchedPolicy:
+    manifest: manifest_pb2.Manifest
+    tensors: dict  # name -> policy.formats object (a TP shard when tp_size > 1)
+    layouts: dict[str, TensorLayout]
+    stats: FetchStats = field(default_factory=FetchStats)
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+class _Tensor:
+    """Reassembly state of one tensor: bytes received so far, in order, and their sha256.
+
+    The buffer is np.empty (no zero-fill pass: the copy in is its first touch), and sha256 runs
+    on a worker thread (hashlib releases the GIL), overlapping the hashing with receiving.
+    """
+
+    def __init__(self, layout: TensorLayout, entry: manifest_pb2.TensorEntry, first_index: int, chunk_bytes: int):
+        self.layout, self.entry, self.first_index = layout, entry, first_index
+        self.data = np.empty(layout.nbytes, dtype=np.uint8)
+        self.view = memoryview(self.data)
+        self.filled = 0
+        self.sha = hashlib.sha256()
+        self.n_chunks = chunk_count(layout.nbytes, chunk_bytes)
+        self.done = False
+        self.digest: concurrent.futures.Future | None = None
+        self.expected_sha256 = b""
+
+
+class PolicyClient:
+    def __init__(self, config: PolicyClientConfig):
+        self.config = config
+        options = [
+            ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+            ("grpc.max_send_message_length", config.max_send_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if config.tls_root_ca_path:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=Path(config.tls_root_ca_path).read_bytes(),
+                private_key=Path(config.tls_private_key_path).read_bytes() if config.tls_private_key_path else None,
+                certificate_chain=Path(config.tls_cert_chain_path).read_bytes() if config.tls_cert_chain_path else None,
+            )
+            if config.tls_server_name:
+                options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+            self._channel = grpc.secure_channel(config.address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(config.address, options=options)
+        self._get_manifest = self._channel.unary_unary(
+            SERVICE + "GetManifest", request_serializer=policy_pb2.GetManifestRequest.SerializeToString,
+            response_deserializer=None)  # raw bytes: parsed and verified by manifest_from_bytes
+        self._fetch = self._channel.unary_stream(
+            SERVICE + "FetchTensors", request_serializer=policy_pb2.FetchTensorsRequest.SerializeToString,
+            response_deserializer=policy_pb2.TensorChunk.FromString)
+        self._watch = self._channel.unary_stream(
+            SERVICE + "WatchVersions", request_serializer=policy_pb2.WatchVersionsRequest.SerializeToString,
+            response_deserializer=policy_pb2.VersionAnnouncement.FromString)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PolicyClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- small calls ------------------------------------------------------------------------------
+
+    def health(self, service: str = "tandem.v1.PolicyService", *, wait_for_ready: bool = False) -> str:
+        """The grpc.health.v1 status of `service` ("SERVING", "NOT_SERVING", ...); "" = the whole server."""
+        resp = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                  timeout=self.config.call_timeout_s, wait_for_ready=wait_for_ready)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def get_manifest(self, version: int | None = None) -> manifest_pb2.Manifest:
+        """The verified manifest of `version` (latest if None); FingerprintMismatch if not expected.
+
+        Waits up to call_timeout_s for the server to become reachable (a rollout may start first)."""
+        req = policy_pb2.GetManifestRequest()
+        if version is not None:
+            req.version = version
+        raw = self._get_manifest(req, timeout=self.config.call_timeout_s, wait_for_ready=True)
+        m = manifest_from_bytes(raw)
+        if version is not None and m.version != version:
+            raise ValueError(f"asked for version {version}, server sent version {m.version}")
+        if self.config.expected_fingerprint is not None:
+            check_fingerprint(m, self.config.expected_fingerprint)
+        return m
+
+    def watch_versions(self, after_version: int = 0, *, timeout_s: float = 60.0
+                       ) -> Iterator[policy_pb2.VersionAnnouncement]:
+        """Announcements of versions newer than `after_version`, until `timeout_s` passes (then it
+        just ends: DEADLINE_EXCEEDED is the normal end of a watch)."""
+        call = self._watch(policy_pb2.WatchVersionsRequest(after_version=after_version), timeout=timeout_s)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        finally:
+            call.cancel()
+
+    # -- fetching ---------------------------------------------------------------------------------
+
+    def fetch(self, version: int | None = None, *, names: Sequence[str] | None = None, tp_rank: int = 0,
+              tp_size: int = 1) -> FetchedPolicy:
+        """Manifest + tensors of `version` (latest if None), all verified, rebuilt via from_parts."""
+        manifest = self.get_manifest(version)
+        raw, layouts, stats = self.fetch_bytes(manifest, names=names, tp_rank=tp_rank, tp_size=tp_size)
+        entries = {t.name: t for t in manifest.tensors}
+        tensors = {n: rebuild(entries[n], layouts[n], data) for n, data in raw.items()}
+        return FetchedPolicy(manifest, tensors, layouts, stats, tp_rank, tp_size)
+
+    def fetch_bytes(self, manifest: manifest_pb2.Manifest, *, names: Sequence[str] | None = None,
+                    tp_rank: int = 0, tp_size: int = 1
+                    ) -> tuple[dict[str, np.ndarray], dict[str, TensorLayout], FetchStats]:
+        """The verified bytes (uint8 numpy arrays) of each selected tensor (or TP shard) of a verified
+        manifest."""
+        check_tp(tp_rank, tp_size)
+        check_tp_compatible(manifest, tp_size)
+        entries = {t.name: t for t in manifest.tensors}
+        selected = list(entries) if names is None else list(dict.fromkeys(names))
+        unknown = [n for n in selected if n not in entries]
+        if unknown:
+            raise ValueError(f"version {manifest.version} has no tensor(s) {unknown[:5]}")
+        plan = tp_plan_of(manifest)
+        first = first_chunk_indices(manifest)
+        cb = manifest.chunk_bytes
+        state = {n: _Tensor(tensor_layout(entries[n], plan, tp_rank, tp_size), entries[n], first[n], cb)
+                 for n in selected}
+        stats = FetchStats()
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+            self._stream(manifest, state, names, selected, tp_rank, tp_size, stats, hasher)
+        missing = [n for n, t in state.items() if not t.done]
+        if missing:
+            raise ChecksumMismatch(f"version {manifest.version}: stream ended before tensor(s) {missing[:5]} "
+                                   f"were complete")
+        bad = [n for n, t in state.items() if t.digest.result() != t.expected_sha256]
+        if bad:
+            raise ChecksumMismatch(f"version {manifest.version}: tensor(s) {bad[:5]} failed the sha256 check")
+        stats.seconds = time.perf_counter() - t0
+        return ({n: t.data for n, t in state.items()}, {n: t.layout for n, t in state.items()}, stats)
+
+    def _stream(self, manifest, state, names, selected, tp_rank, tp_size, stats, hasher) -> None:
+        """Run FetchTensors until every selected chunk arrived, resuming and re-fetching as needed."""
+        next_index = 0
+        refetches: dict[int, int] = {}
+        restarts = 0
+        while True:
+            req = policy_pb2.FetchTensorsRequest(
+                version=manifest.version, tensor_names=[] if names is None else selected,
+                tp_rank=tp_rank, tp_size=tp_size, start_chunk=next_index)
+            stats.streams += 1
+            call = self._fetch(req, timeout=self.config.fetch_timeout_s, wait_for_ready=True)
+            bad_index = None
+            try:
+                for chunk in call:
+                    if not self._accept(chunk, state, manifest, next_index, hasher):
+                        bad_index = chunk.chunk_index  # checksum failed: fetch this chunk again
+                        break
+                    stats.chunks += 1
+                    stats.bytes += len(chunk.data)
+                    next_index = chunk.chunk_index + 1
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE or restarts >= self.config.max_attempts:
+                    raise
+                restarts += 1
+                stats.resumed_streams += 1
+                time.sleep(self.config.retry_backoff_s * restarts)
+                continue
+            finally:
+                call.cancel()
+            if bad_index is None:
+                return
+            refetches[bad_index] = refetches.get(bad_index, 0) + 1
+            if refetches[bad_index] > self.config.max_refetch_per_chunk or restarts >= self.config.max_attempts:
+                raise ChecksumMismatch(f"version {manifest.version}: chunk {bad_index} failed its xxh3 check "
+                                       f"{refetches[bad_index]} times")
+            restarts += 1
+            stats.refetched_chunks += 1
+            next_index = bad_index
+
+    @staticmethod
+    def _accept(chunk, state: dict[str, _Tensor], manifest, next_index: int, hasher) -> bool:
+        """Verify one chunk and copy it in place. False: its payload is corrupt (fetch it again).
+        Anything else wrong (order, sizes) is a protocol error: ValueError, no retry."""
+        v = manifest.version
+        t = state.get(chunk.tensor_name)
+        if chunk.version != v or t is None:
+            raise ValueError(f"version {v}: unexpected chunk {chunk.chunk_index} (version {chunk.version}, "
+                             f"tensor {chunk.tensor_name!r})")
+        data = chunk.data
+        if xxhash.xxh3_64_intdigest(data) != chunk.xxh3:
+            return False
+        cb = manifest.chunk_bytes
+        j = chunk.chunk_index - t.first_index
+        expect_len = min(cb, t.layout.nbytes - t.filled)
+        if (chunk.chunk_index < next_index or chunk.offset != t.filled or j != t.filled // cb or j >= t.n_chunks
+                or chunk.tensor_nbytes != t.layout.nbytes or len(data) != expect_len or t.done):
+            raise ValueError(f"version {v}: chunk {chunk.chunk_index} of tensor {t.layout.name} is out of order "
+                             f"or mis-sized (offset {chunk.offset}, {len(data)} bytes; expected offset {t.filled}, "
+                             f"{expect_len} bytes of {t.layout.nbytes})")
+        if not t.layout.sharded and chunk.xxh3 != t.entry.chunk_xxh3[j]:
+            return False  # the server sent bytes other than the manifest's: fetch again
+        end = t.filled + len(data)
+        t.view[t.filled:end] = data
+        hasher.submit(t.sha.update, t.view[t.filled:end])  # one worker: updates stay in order
+        t.filled = end
+        if j == t.n_chunks - 1:
+            # A whole tensor is checked against the manifest (end to end); a shard against the
+            # digest the server computed when it cut the shard.
+            t.expected_sha256 = t.entry.sha256 if not t.layout.sharded else chunk.tensor_sha256
+            if not t.layout.sharded and chunk.tensor_sha256 != t.entry.sha256:
+                raise ChecksumMismatch(f"version {v}: tensor {t.layout.name}: the server's sha256 differs from "
+                                       f"the manifest's")
+            t.digest = hasher.submit(t.sha.digest)
+            t.done = True
+        return True

@@ -1,0 +1,587 @@
+"""gRPC `tandem.v1.PolicyService`: serves the last K published policies to rollout workers.
+
+The server runs grpc.aio on its own event loop (uvloop where available) in a background
+thread, so the trainer, which is synchronous torch code, just calls `publish()`:
+
+    server = PolicyServer(PolicyServerConfig(port=0))
+    port = server.start()
+    server.publish(build_manifest(version=1, ...))   # thread-safe
+    ...
+    server.stop()
+
+Published versions are immutable: publishing a version again with the same content is a
+no-op, with different content a ValueError; versions must increase. The last `keep_versions`
+are held in memory.
+
+Why FetchTensors is fast: at publish, every chunk's response message (`TensorChunk`) is
+serialized once; FetchTensors then writes those bytes as they are (the method is registered
+with an identity serializer), so a fetch costs no protobuf work and no Python-level copy. The
+chunk payload is the tail of its message (field 15 is appended after the other fields), and
+the server keeps a memoryview of it, so the policy bytes are held once. A TP shard layout is
+cut lazily on first request (in a worker thread), cached per (version, tp_rank, tp_size), and
+reuses the full layout's messages for tensors a shard does not cut (replicated ones).
+
+Requests are parsed by the handlers themselves (raw bytes in), so malformed or oversized
+requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL. Requests
+above the transport limit (`max_receive_message_bytes`) are refused by gRPC itself with
+RESOURCE_EXHAUSTED. Health (grpc.health.v1) reports NOT_SERVING until the first publish.
+
+Test hooks are named `testonly_*`; they do nothing unless a test calls them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import xxhash
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from policy.manifest import (
+    MAX_MANIFEST_BYTES,
+    MAX_NAME_CHARS,
+    PackedPolicy,
+    chunk_count,
+    manifest_to_bytes,
+    shard_tensor_bytes,
+    tensor_layout,
+    tp_plan_of,
+    verify_manifest,
+)
+from policy.tp import MAX_TP_SIZE
+from tandem.v1 import manifest_pb2, policy_pb2
+
+log = logging.getLogger("tandem.policy_server")
+
+SERVICE_NAME = "tandem.v1.PolicyService"
+_DATA_FIELD_TAG = bytes([(15 << 3) | 2])  # TensorChunk.data: field 15, length-delimited
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyServerConfig:
+    """`port=0` picks a free port. TLS: set cert + key; add a client CA to require client certs (mTLS)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    keep_versions: int = 4
+    max_request_bytes: int = 1 << 20  # checked by the handlers: INVALID_ARGUMENT above it
+    max_receive_message_bytes: int = 4 << 20  # transport limit: RESOURCE_EXHAUSTED above it
+    max_send_message_bytes: int = MAX_MANIFEST_BYTES + (1 << 20)
+    max_tensor_names: int = 1 << 16
+    shard_layouts_per_version: int = 16
+    tls_cert_chain_path: str | None = None
+    tls_private_key_path: str | None = None
+    tls_client_ca_path: str | None = None
+    use_uvloop: bool = True
+    start_timeout_s: float = 30.0
+    stop_grace_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        bad = []
+        for name in ("keep_versions", "max_request_bytes", "max_receive_message_bytes", "max_send_message_bytes",
+                     "max_tensor_names", "shard_layouts_per_version"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad.append(f"{name}={v!r} must be an int >= 1")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            bad.append(f"port={self.port!r} must be an int in [0, 65535]")
+        if not isinstance(self.host, str) or not self.host:
+            bad.append(f"host={self.host!r} must be a non-empty string")
+        if isinstance(self.max_request_bytes, int) and isinstance(self.max_receive_message_bytes, int) \
+                and self.max_request_bytes > self.max_receive_message_bytes:
+            bad.append(f"max_request_bytes={self.max_request_bytes} must not exceed "
+                       f"max_receive_message_bytes={self.max_receive_message_bytes}")
+        if isinstance(self.max_send_message_bytes, int) and self.max_send_message_bytes < (2 << 20):
+            bad.append(f"max_send_message_bytes={self.max_send_message_bytes} must be >= 2 MiB (1 MiB chunks)")
+        if (self.tls_cert_chain_path is None) != (self.tls_private_key_path is None):
+            bad.append("tls_cert_chain_path and tls_private_key_path must be set together")
+        if self.tls_client_ca_path is not None and self.tls_cert_chain_path is None:
+            bad.append("tls_client_ca_path (mTLS) needs tls_cert_chain_path and tls_private_key_path")
+        for name in ("tls_cert_chain_path", "tls_private_key_path", "tls_client_ca_path"):
+            v = getattr(self, name)
+            if v is not None and not Path(v).is_file():
+                bad.append(f"{name}={v!r} is not a file")
+        for name in ("start_timeout_s", "stop_grace_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                bad.append(f"{name}={v!r} must be a number > 0")
+        if bad:
+            raise ValueError("invalid PolicyServerConfig: " + "; ".join(bad))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+@dataclass
+class _Layout:
+    """Pre-serialized TensorChunk messages of one (version, tp_rank, tp_size), in chunk-index order."""
+
+    indices: list[int] = field(default_factory=list)  # chunk_index of each message (rising)
+    messages: list[bytes] = field(default_factory=list)
+    payloads: list[memoryview] = field(default_factory=list)  # each message's data field
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # tensor -> [start, stop) in the lists
+
+    def add_tensor(self, *, version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int,
+                   expected_xxh3=None) -> None:
+        mv = memoryview(data)
+        start = len(self.messages)
+        n = chunk_count(len(mv), chunk_bytes)
+        for j in range(n):
+            piece = mv[j * chunk_bytes:(j + 1) * chunk_bytes]
+            digest = xxhash.xxh3_64_intdigest(piece)
+            if expected_xxh3 is not None and digest != expected_xxh3[j]:
+                raise ValueError(f"publish: tensor {name} chunk {j}: bytes do not match the manifest's xxh3")
+            head = policy_pb2.TensorChunk(
+                version=version, chunk_index=first_index + j, tensor_name=name, tensor_nbytes=len(mv),
+                offset=j * chunk_bytes, xxh3=digest, tensor_sha256=sha256 if j == n - 1 else b"",
+            ).SerializeToString(deterministic=True)
+            prefix = head + _DATA_FIELD_TAG + _varint(len(piece))
+            msg = b"".join((prefix, piece))
+            self.indices.append(first_index + j)
+            self.messages.append(msg)
+            self.payloads.append(memoryview(msg)[len(prefix):])
+        self.ranges[name] = (start, len(self.messages))
+
+    def reuse_tensor(self, other: _Layout, name: str) -> None:
+        a, b = other.ranges[name]
+        start = len(self.messages)
+        self.indices += other.indices[a:b]
+        self.messages += other.messages[a:b]
+        self.payloads += other.payloads[a:b]
+        self.ranges[name] = (start, len(self.messages))
+
+    def tensor_bytes(self, name: str) -> bytes:
+        a, b = self.ranges[name]
+        return b"".join(self.payloads[a:b])
+
+
+class _Version:
+    """One published policy: immutable once built (the shard cache only grows, on the loop thread)."""
+
+    def __init__(self, policy: PackedPolicy):
+        m = policy.manifest
+        verify_manifest(m)
+        names = [t.name for t in m.tensors]
+        if sorted(policy.blobs) != names:
+            missing = sorted(set(names) - set(policy.blobs))
+            extra = sorted(set(policy.blobs) - set(names))
+            raise ValueError(f"publish: blobs do not match the manifest (missing {missing[:5]}, extra {extra[:5]})")
+        self.manifest = m
+        self.version = m.version
+        self.manifest_bytes = manifest_to_bytes(m)
+        self.content_digest = content_digest(m)
+        self.plan = tp_plan_of(m)
+        self.entries = {t.name: t for t in m.tensors}
+        self.first_index = {}
+        self.full = _Layout()
+        i = 0
+        for t in m.tensors:
+            blob = policy.blobs[t.name]
+            if len(blob) != t.nbytes:
+                raise ValueError(f"publish: tensor {t.name} has {len(blob)} bytes, manifest says {t.nbytes}")
+            self.first_index[t.name] = i
+            self.full.add_tensor(version=m.version, name=t.name, first_index=i, data=blob, sha256=t.sha256,
+                                 chunk_bytes=m.chunk_bytes, expected_xxh3=t.chunk_xxh3)
+            i += chunk_count(t.nbytes, m.chunk_bytes)
+        announcement = policy_pb2.VersionAnnouncement(
+            version=m.version, created_unix_ns=m.created_unix_ns, contract_fingerprint=m.contract_fingerprint,
+            total_bytes=m.total_bytes, tensor_count=len(m.tensors))
+        if m.HasField("parent_version"):
+            announcement.parent_version = m.parent_version
+        self.announcement_bytes = announcement.SerializeToString(deterministic=True)
+        self.shards: OrderedDict[tuple[int, int], asyncio.Future] = OrderedDict()
+
+    def build_shard(self, tp_rank: int, tp_size: int) -> _Layout:
+        """Cut every tensor for one rank (runs in a worker thread; reads only immutable state)."""
+        layout = _Layout()
+        for name, entry in self.entries.items():
+            tl = tensor_layout(entry, self.plan, tp_rank, tp_size)
+            if not tl.sharded:
+                layout.reuse_tensor(self.full, name)
+                continue
+            data = shard_tensor_bytes(entry, self.full.tensor_bytes(name), tl)
+            layout.add_tensor(version=self.version, name=name, first_index=self.first_index[name], data=data,
+                              sha256=hashlib.sha256(data).digest(), chunk_bytes=self.manifest.chunk_bytes)
+        return layout
+
+
+def content_digest(m: manifest_pb2.Manifest) -> bytes:
+    """sha256 of the manifest without its creation time: equal iff the published content is equal."""
+    c = manifest_pb2.Manifest()
+    c.CopyFrom(m)
+    c.created_unix_ns = 0
+    return hashlib.sha256(manifest_to_bytes(c)).digest()
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class PolicyServer:
+    """See the module docstring. All public methods are thread-safe."""
+
+    def __init__(self, config: PolicyServerConfig):
+        self.config = config
+        self._lock = threading.Lock()  # guards _versions, _digests, _latest, hooks, counters
+        self._versions: OrderedDict[int, _Version] = OrderedDict()
+        self._digests: dict[int, bytes] = {}  # every version ever published -> content digest
+        self._latest = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._changed: asyncio.Condition | None = None
+        self._stopping: asyncio.Event | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-shard")
+        self._port = 0
+        self._counters = {"fetch_streams": 0, "chunks_sent": 0, "bytes_sent": 0, "rejected_requests": 0}
+        self._corrupt: dict[tuple[int, int, int, int], int] = {}
+        self._drop_after: list[int] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self._port}"
+
+    def start(self) -> int:
+        """Start serving in a background thread; return the bound port."""
+        if self._thread is not None:
+            raise RuntimeError("PolicyServer already started")
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = _new_event_loop(self.config.use_uvloop)
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._serve(ready))
+            except BaseException as e:  # reported to start() below
+                failure.append(e)
+                ready.set()
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="policy-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(self.config.start_timeout_s):
+            raise TimeoutError(f"policy server did not start within {self.config.start_timeout_s} s")
+        if failure:
+            raise RuntimeError(f"policy server failed to start: {failure[0]}") from failure[0]
+        return self._port
+
+    def stop(self) -> None:
+        if self._thread is None or self._loop is None or self._loop.is_closed():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._signal_stop(), self._loop).result(self.config.stop_grace_s + 10)
+        except RuntimeError:  # loop already stopped
+            pass
+        self._thread.join(self.config.stop_grace_s + 10)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> PolicyServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    async def _serve(self, ready: threading.Event) -> None:
+        cfg = self.config
+        self._changed = asyncio.Condition()
+        self._stopping = asyncio.Event()
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_send_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "GetManifest": grpc.unary_unary_rpc_method_handler(self._get_manifest),
+            "FetchTensors": grpc.unary_stream_rpc_method_handler(self._fetch_tensors),
+            "WatchVersions": grpc.unary_stream_rpc_method_handler(self._watch_versions),
+        }),))
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        status = health_pb2.HealthCheckResponse.SERVING if self._latest else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set("", status)
+        await self._health.set(SERVICE_NAME, status)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert_chain_path:
+            creds = grpc.ssl_server_credentials(
+                [(Path(cfg.tls_private_key_path).read_bytes(), Path(cfg.tls_cert_chain_path).read_bytes())],
+                root_certificates=Path(cfg.tls_client_ca_path).read_bytes() if cfg.tls_client_ca_path else None,
+                require_client_auth=cfg.tls_client_ca_path is not None,
+            )
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+        if not port:
+            raise OSError(f"could not bind {address}")
+        await server.start()
+        self._server, self._port = server, port
+        log.info("policy server listening on %s:%d (%s)", cfg.host, port,
+                 "TLS" if cfg.tls_cert_chain_path else "plaintext")
+        ready.set()
+        await self._stopping.wait()
+        await self._health.enter_graceful_shutdown()
+        async with self._changed:
+            self._changed.notify_all()
+        await server.stop(cfg.stop_grace_s)
+
+    async def _signal_stop(self) -> None:
+        self._stopping.set()
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    def publish(self, policy: PackedPolicy) -> bool:
+        """Publish a version. True if new; False if this exact content was already published.
+
+        The chunk messages are built here, in the caller's thread (one copy of the bytes).
+        """
+        m = policy.manifest
+        digest = content_digest(m)
+        with self._lock:
+            known = self._digests.get(m.version)
+            if known is not None:
+                if known != digest:
+                    raise ValueError(f"publish: version {m.version} was already published with different "
+                                     f"content; published versions are immutable")
+                return False
+            if m.version <= self._latest:
+                raise ValueError(f"publish: version {m.version} is not newer than the latest published "
+                                 f"version {self._latest}")
+        built = _Version(policy)
+        if self._loop is None or self._thread is None:
+            raise RuntimeError("publish: start() the server first")
+        asyncio.run_coroutine_threadsafe(self._install(built, digest), self._loop).result(30)
+        return True
+
+    async def _install(self, v: _Version, digest: bytes) -> None:
+        first = False
+        with self._lock:
+            if v.version in self._digests:  # a concurrent publish of the same version won
+                if self._digests[v.version] != digest:
+                    raise ValueError(f"publish: version {v.version} was already published with different content")
+                return
+            if v.version <= self._latest:
+                raise ValueError(f"publish: version {v.version} is not newer than {self._latest}")
+            self._digests[v.version] = digest
+            first = self._latest == 0
+            self._latest = v.version
+            self._versions[v.version] = v
+            while len(self._versions) > self.config.keep_versions:
+                self._versions.popitem(last=False)
+        if first:
+            await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("published policy version %d (%d tensors, %d bytes)", v.version, len(v.entries),
+                 v.manifest.total_bytes)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            return list(self._versions)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    # -- test hooks ---------------------------------------------------------------------------
+
+    def testonly_corrupt_chunk(self, *, version: int, chunk_index: int, tp_rank: int = 0, tp_size: int = 1,
+                               times: int = 1) -> None:
+        """TEST ONLY: flip the last payload byte of this chunk the next `times` times it is sent."""
+        with self._lock:
+            self._corrupt[(version, chunk_index, tp_rank, tp_size)] = times
+
+    def testonly_drop_stream_after(self, n_chunks: int) -> None:
+        """TEST ONLY: end the next FetchTensors stream with UNAVAILABLE after `n_chunks` chunks."""
+        with self._lock:
+            self._drop_after.append(n_chunks)
+
+    def _take_corruption(self, key) -> bool:
+        with self._lock:
+            left = self._corrupt.get(key, 0)
+            if not left:
+                return False
+            if left == 1:
+                del self._corrupt[key]
+            else:
+                self._corrupt[key] = left - 1
+            return True
+
+    # -- handlers -----------------------------------------------------------------------------
+
+    def _parse(self, cls, request: bytes):
+        if len(request) > self.config.max_request_bytes:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request of {len(request)} bytes exceeds the limit of {self.config.max_request_bytes}")
+        msg = cls()
+        try:
+            msg.ParseFromString(request)
+        except Exception as e:  # DecodeError: malformed bytes
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.DESCRIPTOR.name}: {e}") from None
+        return msg
+
+    def _lookup(self, version: int | None) -> _Version:
+        with self._lock:
+            if not self._versions:
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, "no policy has been published yet")
+            if version is None:
+                return self._versions[next(reversed(self._versions))]
+            v = self._versions.get(version)
+            if v is None:
+                raise _Abort(grpc.StatusCode.NOT_FOUND, f"version {version} is not held (held: {list(self._versions)})")
+            return v
+
+    async def _reject(self, context, e: _Abort) -> None:
+        with self._lock:
+            self._counters["rejected_requests"] += 1
+        await context.abort(e.code, e.message)
+
+    async def _get_manifest(self, request: bytes, context) -> bytes:
+        try:
+            req = self._parse(policy_pb2.GetManifestRequest, request)
+            return self._lookup(req.version if req.HasField("version") else None).manifest_bytes
+        except _Abort as e:
+            await self._reject(context, e)
+
+    def _selection(self, req, v: _Version, layout: _Layout) -> list[int]:
+        """Positions in `layout` of the requested chunks, rising."""
+        if not req.tensor_names:
+            ranges = [(0, len(layout.messages))]
+        else:
+            unknown = sorted({n for n in req.tensor_names if n not in layout.ranges})
+            if unknown:
+                raise _Abort(grpc.StatusCode.NOT_FOUND, f"version {v.version} has no tensor(s) {unknown[:5]}"
+                             + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+            ranges = sorted({layout.ranges[n] for n in req.tensor_names})
+        out = []
+        for a, b in ranges:
+            out += [i for i in range(a, b) if layout.indices[i] >= req.start_chunk]
+        return out
+
+    async def _layout_for(self, v: _Version, tp_rank: int, tp_size: int) -> _Layout:
+        if tp_size == 1:
+            return v.full
+        key = (tp_rank, tp_size)
+        fut = v.shards.get(key)
+        if fut is None:
+            fut = asyncio.wrap_future(self._executor.submit(v.build_shard, tp_rank, tp_size))
+            v.shards[key] = fut
+            while len(v.shards) > self.config.shard_layouts_per_version:
+                v.shards.popitem(last=False)
+        else:
+            v.shards.move_to_end(key)
+        try:
+            return await asyncio.shield(fut)
+        except ValueError as e:  # the TP plan refuses this split
+            if v.shards.get(key) is fut:
+                v.shards.pop(key)
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except Exception as e:  # a bug: do not cache it, report it
+            if v.shards.get(key) is fut:
+                v.shards.pop(key)
+            log.exception("cutting TP shard %s of version %d failed", key, v.version)
+            raise _Abort(grpc.StatusCode.INTERNAL, f"cutting TP shard {key} failed: {e}") from None
+
+    async def _fetch_tensors(self, request: bytes, context):
+        try:
+            req = self._parse(policy_pb2.FetchTensorsRequest, request)
+            tp_size = req.tp_size or 1
+            bad = []
+            if req.version < 1:
+                bad.append("version must be set (>= 1); GetManifest gives the latest")
+            if tp_size > MAX_TP_SIZE:
+                bad.append(f"tp_size={tp_size} exceeds {MAX_TP_SIZE}")
+            if req.tp_rank >= tp_size:
+                bad.append(f"tp_rank={req.tp_rank} must be below tp_size={tp_size}")
+            if len(req.tensor_names) > self.config.max_tensor_names:
+                bad.append(f"{len(req.tensor_names)} tensor names exceed the limit of {self.config.max_tensor_names}")
+            if any(len(n) > MAX_NAME_CHARS for n in req.tensor_names):
+                bad.append(f"a tensor name is longer than {MAX_NAME_CHARS} characters")
+            if bad:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(bad))
+            v = self._lookup(req.version)
+            pinned = v.manifest.contract.tp_plan.partition_tp_size
+            if pinned and tp_size != pinned:
+                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"version {v.version} uses tp_scale_mode 'shard', which pins tp_size={pinned}; "
+                             f"requested tp_size={tp_size}")
+            layout = await self._layout_for(v, req.tp_rank, tp_size)
+            positions = self._selection(req, v, layout)
+        except _Abort as e:
+            await self._reject(context, e)
+            return
+        with self._lock:
+            self._counters["fetch_streams"] += 1
+            drop_after = self._drop_after.pop(0) if self._drop_after else None
+        sent = nbytes = 0
+        try:
+            for pos in positions:
+                msg = layout.messages[pos]
+                if self._corrupt and self._take_corruption((v.version, layout.indices[pos], req.tp_rank, tp_size)):
+                    corrupted = bytearray(msg)
+                    corrupted[-1] ^= 0xFF
+                    msg = bytes(corrupted)
+                yield msg
+                sent += 1
+                nbytes += len(msg)
+                if drop_after is not None and sent >= drop_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "testonly: stream dropped")
+        finally:
+            with self._lock:
+                self._counters["chunks_sent"] += sent
+                self._counters["bytes_sent"] += nbytes
+
+    async def _watch_versions(self, request: bytes, context):
+        try:
+            req = self._parse(policy_pb2.WatchVersionsRequest, request)
+        except _Abort as e:
+            await self._reject(context, e)
+            return
+        last = req.after_version
+        while not self._stopping.is_set():
+            with self._lock:
+                newer = [v for k, v in self._versions.items() if k > last]
+            for v in newer:
+                yield v.announcement_bytes
+                last = v.version
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._latest > last or self._stopping.is_set())
+
+
+def _new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()

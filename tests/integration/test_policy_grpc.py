@@ -1,0 +1,411 @@
+"""The gRPC policy server and client against each other on 127.0.0.1 (real server, real channel)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+
+import grpc
+import pytest
+import torch
+
+from broker.policy_client import ChecksumMismatch, FingerprintMismatch, PolicyClient, PolicyClientConfig
+from broker.policy_server import PolicyServer, PolicyServerConfig
+from policy import manifest as M
+from policy import tp
+from policy.model import ModelConfig, parameter_shapes
+from tandem.v1 import policy_pb2
+
+pytestmark = pytest.mark.integration
+
+CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)
+CHUNK = 8192  # small chunks: most tensors span several
+
+
+def _format_for(name: str) -> tuple[str, dict]:
+    if ".experts." in name:
+        return "nvfp4", {"scope": "tensor"}
+    if "o_proj" in name:
+        return "mxfp8", {}
+    if "q_proj" in name:
+        return "int4", {"group_size": 32}
+    if "lm_head" in name:
+        return "fp8_block", {"block": (128, 128)}
+    return "bf16", {}
+
+
+def make_tensors(seed: int) -> dict[str, M.QuantizedParam]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in parameter_shapes(CFG).items():
+        w = torch.randn(*shape, generator=g) if len(shape) == 2 else torch.randn(1, shape[0], generator=g)
+        fmt, kw = _format_for(name)
+        out[name] = M.quantize_param(w, fmt, **kw)
+    return out
+
+
+def with_one_change(tensors: dict[str, M.QuantizedParam], seed: int) -> dict[str, M.QuantizedParam]:
+    """The same policy with the final norm's weight replaced (cheap "different content")."""
+    w = torch.randn(1, CFG.dim, generator=torch.Generator().manual_seed(seed))
+    return {**tensors, "model.norm.weight": M.quantize_param(w, "bf16")}
+
+
+def make_contract(mode: str = "global", trainer_tp_size: int = 1) -> M.Contract:
+    sites = [M.ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", tp_scale_mode=mode)
+             for n in parameter_shapes(CFG) if ".experts." in n]
+    return M.Contract(model_config=CFG, recipe_name="mixed", recipe_rules={"rules": ["test"]},
+                      activation_sites=sites, trainer_tp_size=trainer_tp_size)
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return make_tensors(0)
+
+
+@pytest.fixture(scope="module")
+def policy(tensors):
+    return M.build_manifest(version=1, parent_version=None, contract=make_contract(), tensors=tensors,
+                            chunk_bytes=CHUNK)
+
+
+@pytest.fixture
+def server():
+    s = PolicyServer(PolicyServerConfig(keep_versions=2, max_request_bytes=64 << 10,
+                                        max_receive_message_bytes=256 << 10))
+    s.start()
+    yield s
+    s.stop()
+
+
+def client(server: PolicyServer, **kw) -> PolicyClient:
+    kw.setdefault("expected_fingerprint", make_contract().fingerprint())
+    kw.setdefault("call_timeout_s", 10.0)
+    kw.setdefault("fetch_timeout_s", 30.0)
+    kw.setdefault("retry_backoff_s", 0.0)
+    return PolicyClient(PolicyClientConfig(address=server.address, **kw))
+
+
+def assert_bitwise_equal(got: dict, want: dict[str, M.QuantizedParam]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, q in want.items():
+        g = got[name].parts()
+        for part, t in q.value.parts().items():
+            assert torch.equal(g[part].view(torch.uint8), t.contiguous().view(torch.uint8)), (name, part)
+
+
+def test_health_goes_from_not_serving_to_serving(server, policy):
+    with client(server) as c:
+        assert c.health() == "NOT_SERVING"
+        assert c.health("") == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as e:
+            c.get_manifest()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert server.publish(policy) is True
+        assert c.health() == "SERVING"
+        assert c.health("") == "SERVING"
+
+
+def test_round_trip_is_bitwise_exact(server, policy, tensors):
+    server.publish(policy)
+    with client(server) as c:
+        fetched = c.fetch()
+    assert fetched.version == 1
+    assert fetched.manifest == policy.manifest
+    assert_bitwise_equal(fetched.tensors, tensors)
+    n_chunks = sum(M.chunk_count(t.nbytes, CHUNK) for t in policy.manifest.tensors)
+    assert fetched.stats.chunks == n_chunks > len(tensors)
+    assert fetched.stats.refetched_chunks == fetched.stats.resumed_streams == 0
+
+
+def test_fetch_by_name_and_by_tp_shard(server, policy, tensors):
+    server.publish(policy)
+    names = ["model.layers.1.mlp.experts.1.down_proj.weight", "lm_head.weight", "model.norm.weight"]
+    with client(server) as c:
+        part = c.fetch(1, names=names)
+        assert sorted(part.tensors) == sorted(names)
+        assert_bitwise_equal(part.tensors, {n: tensors[n] for n in names})
+        plan = tp.TPPlan()
+        for rank in range(2):
+            shard = c.fetch(1, tp_rank=rank, tp_size=2)
+            for name, q in tensors.items():
+                cut = plan.cut(name, fmt=q.format, kwargs=q.kwargs, shape=q.value.shape, tp_rank=rank, tp_size=2)
+                want = tp.shard_quantized(q.value, fmt=q.format, kwargs=q.kwargs, cut=cut)
+                got = shard.tensors[name]
+                assert got.shape == want.shape
+                for p, t in want.parts().items():
+                    assert torch.equal(got.parts()[p].view(torch.uint8), t.view(torch.uint8)), (name, p, rank)
+        # lm_head is fp8 128x128 with 512 rows: 8 ranks would cut 64-row pieces. The server refuses too.
+        with pytest.raises(ValueError, match="lm_head.weight.*not a whole number of 128-row"):
+            c.fetch(1, tp_rank=0, tp_size=8)
+        raw = c._fetch(policy_pb2.FetchTensorsRequest(version=1, tp_rank=0, tp_size=8), timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lm_head.weight" in e.value.details()
+
+
+def test_corrupted_chunk_is_detected_and_fetched_again(server, policy, tensors):
+    server.publish(policy)
+    first = M.first_chunk_indices(policy.manifest)
+    index = first["model.layers.0.mlp.experts.1.gate_up_proj.weight"] + 2
+    server.testonly_corrupt_chunk(version=1, chunk_index=index)
+    with client(server) as c:
+        fetched = c.fetch()
+    assert fetched.stats.refetched_chunks == 1 and fetched.stats.streams == 2
+    assert_bitwise_equal(fetched.tensors, tensors)
+    # A chunk that stays corrupt is refused after a bounded number of attempts.
+    server.testonly_corrupt_chunk(version=1, chunk_index=index, times=100)
+    with client(server, max_refetch_per_chunk=2) as c, pytest.raises(ChecksumMismatch, match=f"chunk {index}"):
+        c.fetch()
+
+
+def test_corrupted_shard_chunk_is_fetched_again(server, policy, tensors):
+    server.publish(policy)
+    index = M.first_chunk_indices(policy.manifest)["model.layers.1.mlp.experts.0.down_proj.weight"]
+    server.testonly_corrupt_chunk(version=1, chunk_index=index, tp_rank=1, tp_size=2)
+    with client(server) as c:
+        fetched = c.fetch(tp_rank=1, tp_size=2)
+    assert fetched.stats.refetched_chunks == 1
+
+
+def test_dropped_stream_resumes_from_the_next_chunk(server, policy, tensors):
+    server.publish(policy)
+    server.testonly_drop_stream_after(7)
+    with client(server) as c:
+        fetched = c.fetch()
+    assert fetched.stats.resumed_streams == 1 and fetched.stats.streams == 2
+    assert_bitwise_equal(fetched.tensors, tensors)
+    # No chunk was sent twice: the second stream started where the first one stopped.
+    assert server.stats()["chunks_sent"] == fetched.stats.chunks
+    # Drops on every stream: the client gives up after max_attempts restarts.
+    for _ in range(5):
+        server.testonly_drop_stream_after(1)
+    with client(server, max_attempts=3) as c, pytest.raises(grpc.RpcError) as e:
+        c.fetch()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class DroppingProxy:
+    """A TCP proxy on 127.0.0.1 that cuts its first connection after `drop_after` bytes from the server
+    (a real dropped stream: the client sees the connection die mid-FetchTensors)."""
+
+    def __init__(self, upstream_port: int, drop_after: int):
+        self.upstream_port, self.drop_after = upstream_port, drop_after
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.2)
+        self.port = self.listener.getsockname()[1]
+        self.connections = 0
+        self.dropped = threading.Event()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                down, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
+            limit = self.drop_after if self.connections == 0 else None
+            self.connections += 1
+            for src, dst, lim in ((down, up, None), (up, down, limit)):
+                t = threading.Thread(target=self._pump, args=(src, dst, lim, (down, up)), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src, dst, limit, pair) -> None:
+        sent = 0
+        src.settimeout(0.2)
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = src.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                if limit is not None and sent + len(data) > limit:
+                    self.dropped.set()
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in pair:  # either direction ending ends the connection
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.listener.close()
+        for t in self._threads:
+            t.join(5)
+
+
+def test_stream_cut_by_the_network_resumes(server, policy, tensors):
+    server.publish(policy)
+    proxy = DroppingProxy(server.port, drop_after=policy.manifest.total_bytes // 3)
+    try:
+        with PolicyClient(PolicyClientConfig(address=f"127.0.0.1:{proxy.port}", call_timeout_s=10,
+                                             fetch_timeout_s=30, retry_backoff_s=0.0)) as c:
+            fetched = c.fetch()
+        assert proxy.dropped.is_set() and proxy.connections >= 2
+        assert fetched.stats.resumed_streams >= 1
+        assert_bitwise_equal(fetched.tensors, tensors)
+        n_chunks = sum(M.chunk_count(t.nbytes, CHUNK) for t in policy.manifest.tensors)
+        assert fetched.stats.chunks == n_chunks  # every chunk accepted once, none skipped
+        assert server.stats()["chunks_sent"] < 2 * n_chunks  # resumed, not restarted from scratch
+    finally:
+        proxy.close()
+
+
+def test_wrong_fingerprint_is_refused_with_a_clear_error(server, policy):
+    server.publish(policy)
+    expected = make_contract(mode="shard", trainer_tp_size=2).fingerprint()
+    with client(server, expected_fingerprint=expected) as c, pytest.raises(FingerprintMismatch) as e:
+        c.fetch()
+    assert expected in str(e.value) and policy.manifest.contract_fingerprint in str(e.value)
+
+
+def test_shard_scale_mode_refuses_another_tp_degree(server, tensors):
+    pinned = make_contract(mode="shard", trainer_tp_size=2)
+    server.publish(M.build_manifest(version=1, parent_version=None, contract=pinned, tensors=tensors))
+    with client(server, expected_fingerprint=pinned.fingerprint()) as c:
+        assert len(c.fetch(tp_rank=0, tp_size=2).tensors) == len(tensors)
+        with pytest.raises(ValueError, match="pins the trainer's partition tp_size=2; this rollout has tp_size=1"):
+            c.fetch()
+        with pytest.raises(grpc.RpcError) as e:  # the server refuses on its own as well
+            list(c._fetch(policy_pb2.FetchTensorsRequest(version=1, tp_size=1), timeout=10))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_malformed_and_oversized_requests_are_rejected_without_crashing(server, policy, tensors):
+    server.publish(policy)
+    channel = grpc.insecure_channel(server.address)
+    try:
+        def raw(method: str, payload: bytes, stream: bool = False) -> grpc.RpcError:
+            path = f"/tandem.v1.PolicyService/{method}"
+            call = (channel.unary_stream if stream else channel.unary_unary)(path)
+            with pytest.raises(grpc.RpcError) as e:
+                result = call(payload, timeout=10)
+                if stream:
+                    list(result)
+            return e.value
+
+        garbage = b"\x0a\xff\xff\xff\x0f"  # field 1, length-delimited, length far past the end
+        for method, stream in (("GetManifest", False), ("FetchTensors", True), ("WatchVersions", True)):
+            err = raw(method, garbage, stream)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in err.details(), method
+        names = policy_pb2.FetchTensorsRequest(version=1, tensor_names=["x" * 500] * 200).SerializeToString()
+        err = raw("FetchTensors", names, stream=True)  # ~100 KiB: over the handler's 64 KiB limit
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the limit" in err.details()
+        huge = policy_pb2.FetchTensorsRequest(version=1, tensor_names=["y" * 500] * 1000).SerializeToString()
+        err = raw("FetchTensors", huge, stream=True)  # ~500 KiB: over the 256 KiB transport limit
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        bad = [
+            (policy_pb2.FetchTensorsRequest(version=1, tp_rank=2, tp_size=2), grpc.StatusCode.INVALID_ARGUMENT),
+            (policy_pb2.FetchTensorsRequest(version=1, tp_size=100_000), grpc.StatusCode.INVALID_ARGUMENT),
+            (policy_pb2.FetchTensorsRequest(version=0), grpc.StatusCode.INVALID_ARGUMENT),
+            (policy_pb2.FetchTensorsRequest(version=1, tensor_names=["x" * 600]), grpc.StatusCode.INVALID_ARGUMENT),
+            (policy_pb2.FetchTensorsRequest(version=77), grpc.StatusCode.NOT_FOUND),
+            (policy_pb2.FetchTensorsRequest(version=1, tensor_names=["nope"]), grpc.StatusCode.NOT_FOUND),
+        ]
+        for req, code in bad:
+            assert raw("FetchTensors", req.SerializeToString(), stream=True).code() == code, req
+        assert raw("GetManifest", policy_pb2.GetManifestRequest(version=3).SerializeToString()).code() \
+            == grpc.StatusCode.NOT_FOUND
+        assert server.stats()["rejected_requests"] == 3 + 1 + 6 + 1
+    finally:
+        channel.close()
+    with client(server) as c:  # still serving
+        assert c.health() == "SERVING"
+        assert_bitwise_equal(c.fetch().tensors, tensors)
+
+
+def test_versions_are_immutable_and_only_the_last_k_are_held(server, policy, tensors):
+    assert server.publish(policy) is True
+    assert server.publish(policy) is False  # same content again: a no-op
+    other = M.build_manifest(version=1, parent_version=None, contract=make_contract(),
+                             tensors=with_one_change(tensors, 1),
+                             chunk_bytes=CHUNK)
+    with pytest.raises(ValueError, match="version 1 was already published with different content"):
+        server.publish(other)
+    v2 = M.build_manifest(version=2, parent_version=1, contract=make_contract(), tensors=tensors)
+    v3 = M.build_manifest(version=3, parent_version=2, contract=make_contract(), tensors=tensors)
+    server.publish(v3)
+    with pytest.raises(ValueError, match="version 2 is not newer than the latest published version 3"):
+        server.publish(v2)
+    v4 = M.build_manifest(version=4, parent_version=3, contract=make_contract(),
+                             tensors=with_one_change(tensors, 2))
+    server.publish(v4)
+    assert server.versions() == [3, 4]  # keep_versions=2
+    with pytest.raises(ValueError, match="version 1 was already published"):
+        server.publish(other)  # still refused after eviction
+    with client(server) as c:
+        assert c.get_manifest().version == 4
+        assert c.get_manifest(3).version == 3
+        with pytest.raises(grpc.RpcError) as e:
+            c.get_manifest(1)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_watch_versions_announces_held_and_new_versions(server, tensors):
+    server.publish(M.build_manifest(version=1, parent_version=None, contract=make_contract(), tensors=tensors))
+    got = []
+    with client(server) as c:
+        def watch():
+            for a in c.watch_versions(0, timeout_s=10):
+                got.append(a)
+                if a.version == 2:
+                    return
+        t = threading.Thread(target=watch)
+        t.start()
+        server.publish(M.build_manifest(version=2, parent_version=1, contract=make_contract(), tensors=tensors))
+        t.join(15)
+        assert not t.is_alive()
+        assert [a.version for a in got] == [1, 2]
+        assert got[1].parent_version == 1 and got[1].contract_fingerprint == make_contract().fingerprint()
+        assert got[1].tensor_count == len(tensors)
+        assert [a.version for a in c.watch_versions(1, timeout_s=0.5)] == [2]  # ends at its deadline
+
+
+def _self_signed(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return str(key), str(cert)
+
+
+def test_tls_and_mtls_round_trip(tmp_path, policy, tensors):
+    key, cert = _self_signed(tmp_path)
+    cfg = PolicyServerConfig(tls_cert_chain_path=cert, tls_private_key_path=key, tls_client_ca_path=cert)
+    with PolicyServer(cfg) as s:
+        s.publish(policy)
+        with client(s, tls_root_ca_path=cert, tls_cert_chain_path=cert, tls_private_key_path=key) as c:
+            assert_bitwise_equal(c.fetch().tensors, tensors)
+        with client(s, tls_root_ca_path=cert, call_timeout_s=1) as c:  # no client certificate: refused
+            with pytest.raises(grpc.RpcError) as e:
+                c.get_manifest()
+            assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_tandem_inspect_prints_a_served_manifest(server, policy, capsys):
+    from tandem.cli import main
+
+    assert main(["inspect", server.address, "--timeout", "1"]) == 1  # nothing published yet
+    assert "UNAVAILABLE: no policy has been published yet" in capsys.readouterr().out
+    server.publish(policy)
+    assert main(["inspect", server.address, "--tensors", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert f"contract fingerprint  {policy.manifest.contract_fingerprint}" in out
+    assert "policy version 1 (parent none)" in out
+    for t in policy.manifest.tensors:
+        assert t.name in out

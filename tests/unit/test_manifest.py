@@ -1,0 +1,269 @@
+"""policy/manifest.py: building, serializing, verifying manifests; the contract fingerprint; TP layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from policy import formats, tp
+from policy import manifest as M
+from policy.model import ModelConfig, Transformer, parameter_shapes
+from policy.recipe import Recipe
+
+CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)  # small: the reference nvfp4 is slow on CPU
+RULES = {"keep_bf16": {"first": 0, "last_fraction": 0.0}, "rules": [{"match": ["x"], "format": "nvfp4"}]}
+
+
+def _format_for(name: str) -> tuple[str, dict]:
+    """A mix of every format over the tiny model (TP-friendly: no 128x128 blocks on 128-wide tensors)."""
+    if ".experts." in name:
+        return "nvfp4", {"scope": "tensor"}
+    if "o_proj" in name:
+        return "mxfp8", {}
+    if "q_proj" in name:
+        return "int4", {"group_size": 32}
+    if "lm_head" in name:
+        return "fp8_block", {"block": (128, 128)}
+    if "shared_expert.down" in name:
+        return "fp8_block", {"block": (1, 64)}
+    return "bf16", {}
+
+
+def make_tensors(seed: int = 0) -> dict[str, M.QuantizedParam]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in parameter_shapes(CFG).items():
+        w = torch.randn(*shape, generator=g) if len(shape) == 2 else 1 + 0.1 * torch.randn(1, shape[0], generator=g)
+        fmt, kw = _format_for(name)
+        out[name] = M.quantize_param(w, fmt, **kw)
+    return out
+
+
+def make_contract(**overrides) -> M.Contract:
+    sites = [M.ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", scope="row")
+             for n in parameter_shapes(CFG) if ".experts." in n]
+    kw = dict(model_config=CFG, recipe_name="mixed", recipe_rules=RULES, activation_sites=sites)
+    kw.update(overrides)
+    return M.Contract(**kw)
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return make_tensors()
+
+
+@pytest.fixture(scope="module")
+def packed(tensors):
+    return M.build_manifest(version=5, parent_version=4, contract=make_contract(), tensors=tensors,
+                            created_unix_ns=123, chunk_bytes=4096)
+
+
+def test_manifest_describes_every_tensor(packed, tensors):
+    m = packed.manifest
+    M.verify_manifest(m)
+    assert m.version == 5 and m.parent_version == 4 and m.created_unix_ns == 123
+    assert [t.name for t in m.tensors] == sorted(tensors)
+    assert m.total_bytes == sum(len(b) for b in packed.blobs.values())
+    assert m.contract.quantizer_spec_version == formats.SPEC_VERSION
+    assert m.contract.model_config_sha256 == CFG.fingerprint()  # same canonical JSON as the model's own hash
+    by_name = {t.name: t for t in m.tensors}
+    e = by_name["model.layers.0.mlp.experts.0.gate_up_proj.weight"]
+    q = tensors[e.name].value
+    assert e.format == "nvfp4" and list(e.shape) == [512, 128] and e.tp_style == tp.COLUMN_GATE_UP
+    assert [(p.name, p.dtype, list(p.shape), p.nbytes) for p in e.parts] == [
+        ("codes", "uint8", [512, 64], 512 * 64), ("block_scales", "float8_e4m3fn", [512, 8], 512 * 8),
+        ("global_scale", "float32", [1], 4)]
+    assert e.HasField("global_scale") and e.global_scale == float(q.global_scale[0])
+    assert len(e.chunk_xxh3) == -(-e.nbytes // 4096) > 1
+    assert not by_name["model.layers.0.mlp.gate.weight"].HasField("global_scale")
+    assert by_name["model.layers.0.self_attn.q_proj.weight"].format_params_json == '{"group_size":32}'
+    sites = m.contract.activation_sites
+    assert [s.name for s in sites] == sorted(s.name for s in sites)
+    assert {(s.format, s.scope, s.tp_scale_mode) for s in sites} == {("nvfp4", "row", "global")}
+
+
+def test_serialization_is_deterministic_and_round_trips(packed, tmp_path):
+    data = M.manifest_to_bytes(packed.manifest)
+    assert data == M.manifest_to_bytes(M.manifest_from_bytes(data))
+    M.write_manifest(tmp_path / "m.pb", packed.manifest)
+    assert M.read_manifest(tmp_path / "m.pb") == packed.manifest
+    with pytest.raises(ValueError, match="not a tandem.v1.Manifest"):
+        M.manifest_from_bytes(b"\x0a\xff\xff")
+
+
+def test_fingerprint_covers_the_contract_and_nothing_else(tensors):
+    base = make_contract()
+    fp = base.fingerprint()
+    a = M.build_manifest(version=1, parent_version=None, contract=base, tensors=tensors)
+    other = make_tensors(seed=1)
+    b = M.build_manifest(version=9, parent_version=8, contract=base, tensors=other, created_unix_ns=1)
+    assert a.manifest.contract_fingerprint == b.manifest.contract_fingerprint == fp
+    assert a.manifest.tensors[0].sha256 != b.manifest.tensors[0].sha256
+
+    site0 = base.activation_sites[0]
+    changed = {
+        "model config": make_contract(model_config=dataclasses.replace(CFG, rope_theta=20_000.0)),
+        "recipe name": make_contract(recipe_name="other"),
+        "recipe rules": make_contract(recipe_rules={**RULES, "keep_bf16": {"first": 1, "last_fraction": 0.0}}),
+        "quantizer spec": make_contract(quantizer_spec_version="tandem-quant-2"),
+        "site scope": make_contract(activation_sites=[dataclasses.replace(site0, format="mxfp8", scope="block")]
+                                    + list(base.activation_sites[1:])),
+        "site mode": make_contract(activation_sites=[dataclasses.replace(site0, tp_scale_mode="shard")]
+                                   + list(base.activation_sites[1:])),
+        "site set": make_contract(activation_sites=base.activation_sites[1:]),
+        "tp plan": make_contract(tp_plan=tp.TPPlan(rules=((".*", tp.REPLICATED),))),
+    }
+    fps = {k: c.fingerprint() for k, c in changed.items()}
+    assert fp not in fps.values()
+    assert len(set(fps.values())) == len(fps)
+    # The trainer's TP degree is in the contract only when `shard` scales pin it.
+    assert make_contract(trainer_tp_size=2).fingerprint() == fp
+    shard_sites = [dataclasses.replace(s, tp_scale_mode="shard") for s in base.activation_sites]
+    assert make_contract(activation_sites=shard_sites, trainer_tp_size=2).partition_tp_size == 2
+    assert (make_contract(activation_sites=shard_sites, trainer_tp_size=2).fingerprint()
+            != make_contract(activation_sites=shard_sites, trainer_tp_size=1).fingerprint())
+    # Non-nvfp4 sites have block-local scales only: `shard` does not pin the partition for them.
+    mx = [M.ActivationSite(name=s.name, format="mxfp8", scope="block", tp_scale_mode="shard")
+          for s in base.activation_sites]
+    assert make_contract(activation_sites=mx, trainer_tp_size=2).partition_tp_size == 0
+
+
+def test_fingerprint_mismatch_names_both(packed):
+    M.check_fingerprint(packed.manifest, packed.manifest.contract_fingerprint)
+    wrong = make_contract(recipe_name="something-else").fingerprint()
+    with pytest.raises(M.FingerprintMismatch) as e:
+        M.check_fingerprint(packed.manifest, wrong)
+    assert wrong in str(e.value) and packed.manifest.contract_fingerprint in str(e.value)
+    assert e.value.expected == wrong and e.value.got == packed.manifest.contract_fingerprint
+    assert "version 5" in str(e.value)
+
+
+@pytest.mark.parametrize(("tamper", "fragment"), [
+    (lambda m: setattr(m, "contract_fingerprint", "0" * 64), "contract_fingerprint"),
+    (lambda m: setattr(m.contract, "recipe_rules_json", '{"rules":[]}'), "recipe_sha256 does not match"),
+    (lambda m: setattr(m.tensors[0].parts[0], "nbytes", 3), "needs"),
+    (lambda m: setattr(m.tensors[1], "tp_style", tp.ROW), "but the TP plan says"),
+    (lambda m: m.tensors[2].chunk_xxh3.append(1), "chunk checksums"),
+    (lambda m: setattr(m.tensors[3].parts[0], "dtype", "object"), "dtype 'object'"),
+    (lambda m: setattr(m, "total_bytes", 1), "total_bytes=1"),
+    (lambda m: setattr(m, "chunk_bytes", (1 << 20) + 1), "chunk_bytes"),
+    (lambda m: m.tensors[0].CopyFrom(m.tensors[1]), "unique and sorted"),
+])
+def test_verify_manifest_catches_tampering(packed, tamper, fragment):
+    m = type(packed.manifest)()
+    m.CopyFrom(packed.manifest)
+    tamper(m)
+    with pytest.raises(ValueError, match="invalid manifest") as e:
+        M.verify_manifest(m)
+    assert fragment in str(e.value)
+
+
+def test_verify_tensor_bytes_detects_one_flipped_bit(packed):
+    e = packed.manifest.tensors[0]
+    blob = packed.blobs[e.name]
+    M.verify_tensor_bytes(e, blob, packed.manifest.chunk_bytes)
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 0x10
+    with pytest.raises(M.ChecksumMismatch, match=f"tensor {e.name}: xxh3 mismatch in chunk"):
+        M.verify_tensor_bytes(e, bad, packed.manifest.chunk_bytes)
+    with pytest.raises(M.ChecksumMismatch, match="bytes, manifest says"):
+        M.verify_tensor_bytes(e, blob[:-1], packed.manifest.chunk_bytes)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_tp_layouts_cut_bytes_like_the_tp_plan_and_rebuild_exactly(packed, tensors, tp_size):
+    m = packed.manifest
+    plan = M.tp_plan_of(m)
+    for e in m.tensors:
+        q = tensors[e.name]
+        for rank in range(tp_size):
+            layout = M.tensor_layout(e, plan, rank, tp_size)
+            data = bytearray(M.shard_tensor_bytes(e, packed.blobs[e.name], layout))
+            got = M.rebuild(e, layout, data)
+            want = tp.shard_quantized(q.value, fmt=q.format, kwargs=q.kwargs, cut=layout.cut)
+            assert got.shape == want.shape == layout.shape
+            for part, t in want.parts().items():
+                assert torch.equal(got.parts()[part].view(torch.uint8), t.contiguous().view(torch.uint8)), \
+                    (e.name, part, rank)
+            assert layout.sharded == (tp_size > 1 and e.tp_style != tp.REPLICATED)
+
+
+def test_first_chunk_indices_follow_manifest_order(packed):
+    m = packed.manifest
+    first = M.first_chunk_indices(m)
+    names = [t.name for t in m.tensors]
+    assert first[names[0]] == 0
+    for a, b in zip(m.tensors, m.tensors[1:]):
+        assert first[b.name] - first[a.name] == M.chunk_count(a.nbytes, m.chunk_bytes)
+
+
+def test_shard_scale_mode_pins_the_partition(tensors):
+    sites = [dataclasses.replace(s, tp_scale_mode="shard") for s in make_contract().activation_sites]
+    m = M.build_manifest(version=1, parent_version=None, tensors=tensors,
+                         contract=make_contract(activation_sites=sites, trainer_tp_size=2)).manifest
+    assert m.contract.tp_plan.partition_tp_size == 2
+    M.check_tp_compatible(m, 2)
+    with pytest.raises(ValueError, match="pins the trainer's partition tp_size=2; this rollout has tp_size=4"):
+        M.check_tp_compatible(m, 4)
+    g = M.build_manifest(version=1, parent_version=None, tensors=tensors, contract=make_contract()).manifest
+    for tps in (1, 2, 4):
+        M.check_tp_compatible(g, tps)  # global mode: any TP degree
+
+
+def test_build_manifest_validates_inputs(tensors):
+    c = make_contract()
+    with pytest.raises(ValueError) as e:
+        M.build_manifest(version=0, parent_version=3, contract=c, tensors=tensors, chunk_bytes=2 << 20)
+    msg = str(e.value)
+    assert "version=0 must be an int >= 1" in msg and "parent_version=3" in msg and "chunk_bytes=2097152" in msg
+    with pytest.raises(ValueError, match="expected a QuantizedParam"):
+        M.build_manifest(version=1, parent_version=None, contract=c, tensors={"lm_head.weight": torch.zeros(2, 2)})
+    # A pinned TP degree must be able to cut every tensor.
+    sites = [dataclasses.replace(s, tp_scale_mode="shard") for s in c.activation_sites]
+    with pytest.raises(ValueError, match="lm_head.weight .*64 rows, not a whole number of 128-row"):
+        M.build_manifest(version=1, parent_version=None, tensors=tensors,
+                         contract=make_contract(activation_sites=sites, trainer_tp_size=8))
+    with pytest.raises(ValueError, match="tp_scale_mode='both'"):
+        M.ActivationSite(name="a.input", format="nvfp4", tp_scale_mode="both")
+    with pytest.raises(ValueError, match="cannot put a Tensor into canonical JSON"):
+        make_contract(recipe_rules={"x": torch.zeros(1)})
+
+
+@pytest.mark.parametrize("recipe_name", ["nvfp4_moe", "int4_qat", "fp8_block"])
+def test_manifest_from_a_recipe_plan(recipe_name):
+    recipe = Recipe.load(recipe_name)
+    model = Transformer(CFG, seed=0)
+    contract = M.contract_from_recipe(model_config=CFG, recipe=recipe)
+    plan = recipe.plan(CFG)
+    params = M.quantize_params(dict(model.named_parameters()), plan)
+    m = M.build_manifest(version=1, parent_version=None, contract=contract, tensors=params).manifest
+    M.verify_manifest(m)
+    assert m.contract.recipe_name == recipe_name
+    assert "description" not in m.contract.recipe_rules_json  # free text is not part of the contract
+    assert {s.name: s.scope for s in m.contract.activation_sites} == plan.activation_scopes()
+    by_name = {t.name: t for t in m.tensors}
+    for entry in plan.params:
+        assert by_name[entry.name].format == entry.format
+    # The rollout rebuilds the same contract from its own config and gets the same fingerprint.
+    again = M.contract_from_recipe(model_config=ModelConfig.from_dict(CFG.to_dict()), recipe=Recipe.load(recipe_name))
+    assert again.fingerprint() == m.contract_fingerprint
+
+
+def test_tandem_inspect_prints_a_manifest_file(packed, tmp_path, capsys):
+    from tandem.cli import main
+
+    path = tmp_path / "manifest.pb"
+    M.write_manifest(path, packed.manifest)
+    assert main(["inspect", str(path), "--tensors", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "policy version 5 (parent 4)" in out
+    assert f"contract fingerprint  {packed.manifest.contract_fingerprint}" in out
+    assert "8 x nvfp4/row/global" in out and "partition tp_size: any" in out
+    assert packed.manifest.tensors[0].name in out and f"{len(packed.manifest.tensors) - 3} more" in out
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert '"recipe_name": "mixed"' in capsys.readouterr().out
+    path.write_bytes(b"\x0a\xff")
+    assert main(["inspect", str(path)]) == 2
+    assert "not a tandem.v1.Manifest" in capsys.readouterr().out
