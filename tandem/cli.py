@@ -13,7 +13,13 @@ import sys
 
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("tandem.commands.run", "run trainer + rollout workers (+ a private Redis) on this machine"),
+    "trainer": ("tandem.commands.trainer", "start the trainer service"),
+    "rollout": ("tandem.commands.rollout", "start one rollout worker"),
     "formats": ("tandem.commands.formats", "quantize a tensor with every format and print a table"),
+    "inspect": ("tandem.commands.inspect", "print a policy manifest from a policy server (host:port) or a file"),
+    "plan": ("tandem.commands.plan", "show the format and scope of every parameter under a recipe"),
+    "probe": ("tandem.commands.probe", "measure BF16 / QAT / packed-weight log-prob mismatch for a recipe"),
 }
 
 
@@ -26,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
         # Only the chosen subcommand's module is imported to add its arguments.
         if chosen == [name]:
             importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(argv)
+    # key=value overrides may come before or after options (argparse stops a positional list at
+    # the first option), so leftovers of that shape join `overrides` where the command takes them.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
 
 

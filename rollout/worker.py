@@ -1,0 +1,151 @@
+"""The rollout worker: prompt groups in, scored trajectory groups out, always with a verified policy.
+
+Loop (one group at a time):
+    newest policy announced? -> fetch through the broker client (checksums + fingerprint verified)
+                                and swap it in between groups
+    read one prompt group (own pending entries first, then entries reclaimed from dead workers,
+    then new ones) -> refuse to start it with a policy more than `max_staleness` versions behind
+    the newest -> generate n samples from the packed quantized weights with per-token activation
+    quantization at the recipe's sites -> score with the task's verifier -> XADD the n
+    trajectories and XACK the prompt in one transaction.
+SIGTERM sets a flag: the group in progress is finished and committed, then the worker exits
+(a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
+
+Simplified: generation is the CPU KV-cache engine of policy.model with weights dequantized once
+per version (weight-only formats are exact after dequantization; GPU engines keep them packed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import zlib
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from broker.codec import PromptGroup, Trajectory, sample_id_for
+from broker.keys import Keys
+from broker.policy_client import PolicyClient, PolicyClientConfig
+from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
+from broker.streams import PromptQueue, StreamConfig, connect
+from policy import manifest as mf
+from policy import qat
+from policy.model import ModelConfig, Transformer, generate
+from policy.recipe import Recipe
+
+from .config import RolloutConfig
+from .tasks import AdditionTask, CharTokenizer
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RolloutConfig, *, run_id: str, redis_url: str, worker_id: str,
+                 model_config: ModelConfig, recipe: Recipe, max_staleness: int, task: AdditionTask,
+                 tokenizer: CharTokenizer, log: Callable[[str], None] = print):
+        self.cfg, self.worker_id, self.max_staleness, self.log = cfg, worker_id, max_staleness, log
+        self.keys = Keys(run_id=run_id)
+        self.redis_url = redis_url
+        self.task, self.tok = task, tokenizer
+        self.recipe = recipe
+        self.model = Transformer(model_config, seed=None)
+        self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
+        self.version: int | None = None
+        self._refused: int | None = None  # last version refused for its fingerprint (logged once)
+        self.groups_done = 0
+        self.stop = asyncio.Event()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+
+    async def run(self) -> int:
+        self.redis = connect(self.redis_url)
+        registry = PolicyRegistry(self.redis, self.keys)
+        queue = PromptQueue(self.redis, self.keys, consumer=self.worker_id, config=StreamConfig(
+            read_count=1, block_ms=self.cfg.read_block_ms, claim_idle_ms=int(self.cfg.reclaim_idle_s * 1000),
+            janitor_every_s=min(5.0, self.cfg.reclaim_idle_s / 2)))
+        await queue.setup()
+        beats = asyncio.create_task(Heartbeats(self.redis, self.keys).run(
+            self.worker_id, role="rollout", stop=self.stop, interval_s=self.cfg.heartbeat_s,
+            ttl_s=self.cfg.heartbeat_ttl_s, info=lambda: {"version": self.version, "groups": self.groups_done}))
+        try:
+            while not self.stop.is_set():
+                latest = await registry.latest()
+                if latest is not None and (self.version is None or latest.version > self.version):
+                    await self._try_load(latest)  # swap between groups; on failure keep the current one
+                if self.version is None:
+                    await asyncio.sleep(0.5)
+                    continue
+                for rec in await queue.read():
+                    # Never start a group with a policy already more than max_staleness behind; if the
+                    # newest cannot be fetched now, the entry stays pending here and is retried.
+                    latest = await registry.latest()
+                    if latest.version - self.version > self.max_staleness and not await self._try_load(latest):
+                        break
+                    trajectories = self._rollout_group(rec.group)
+                    await queue.complete(rec, trajectories)
+                    self.groups_done += 1
+            self.log(f"{self.worker_id}: drained after {self.groups_done} groups")
+            return 0
+        finally:
+            self.stop.set()
+            await beats
+            await self.redis.aclose()
+
+    async def _try_load(self, pointer: PolicyPointer | None) -> bool:
+        """Load `pointer`'s version; False (logged) when it is not for our contract or not reachable
+        now, e.g. a trainer that restarted and has not republished yet."""
+        if pointer is None:
+            return False
+        if pointer.contract_fingerprint != self.fingerprint:
+            if pointer.version != self._refused:
+                self._refused = pointer.version
+                self.log(f"{self.worker_id}: refusing v{pointer.version}: contract fingerprint "
+                         f"{pointer.contract_fingerprint[:12]} is not ours ({self.fingerprint[:12]})")
+            return False
+        try:
+            await self._load(pointer)
+            return True
+        except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
+            self.log(f"{self.worker_id}: fetching v{pointer.version} from {pointer.address} failed, will retry: "
+                     f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            return False
+
+    async def _load(self, pointer: PolicyPointer) -> None:
+        """Fetch and verify a version (in a thread: the gRPC client is blocking), then swap it in."""
+        def fetch():
+            cfg = PolicyClientConfig(address=pointer.address, expected_fingerprint=self.fingerprint,
+                                     fetch_timeout_s=self.cfg.fetch_timeout_s)
+            with PolicyClient(cfg) as client:
+                return client.fetch(pointer.version)
+
+        t0 = time.perf_counter()
+        fetched = await asyncio.to_thread(fetch)
+        qat.load_packed(self.model, fetched.tensors)
+        qat.install_activation_quant(self.model, self.recipe)
+        self.version = fetched.version
+        self.log(f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
+                 f"{time.perf_counter() - t0:.2f}s)")
+
+    def _rollout_group(self, group: PromptGroup) -> list[Trajectory]:
+        n = group.n_samples
+        sample_ids = [sample_id_for(group.group_id, i) for i in range(n)]
+        prompt = group.prompt_tokens.tolist()
+        gen = generate(self.model, [prompt] * n, max_new_tokens=self.task.max_answer_tokens,
+                       temperature=self.cfg.temperature, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
+                       seeds=[zlib.crc32(s.encode()) for s in sample_ids])
+        now = time.time()
+        out = []
+        for i, (completion, logps) in enumerate(zip(gen.completions(), gen.completion_logprobs())):
+            out.append(Trajectory(
+                sample_id=sample_ids[i], prompt_id=group.prompt_id, group_id=group.group_id, sample_index=i,
+                group_size=n, prompt_tokens=np.asarray(prompt, dtype=np.int32),
+                completion_tokens=np.asarray(completion, dtype=np.int32),
+                behavior_logprobs=np.asarray(logps, dtype=np.float32),
+                reward=self.task.score(self.tok, completion, group.task["answer"]),
+                policy_version=self.version, contract_fingerprint=self.fingerprint,
+                worker_id=self.worker_id, created_at=now))
+        return out

@@ -1,0 +1,20 @@
+"""`tandem rollout --config FILE --worker-id ID [key=value ...]`: one rollout worker (Kubernetes)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=os.environ.get("TANDEM_CONFIG"), help="run config YAML ($TANDEM_CONFIG)")
+    p.add_argument("--worker-id", default=os.environ.get("TANDEM_WORKER_ID") or socket.gethostname(),
+                   help="stable consumer name ($TANDEM_WORKER_ID, else the host name: a pod's name)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def main(args) -> int:
+    from tandem import config, services
+
+    cfg = config.load(args.config, config.env_overrides() + args.overrides)
+    return services.serve_rollout(cfg, args.worker_id)

@@ -1,0 +1,67 @@
+"""GRPO with a decoupled PPO clip and truncated importance sampling (TIS), as pure functions.
+
+For each completion token t of a sample drawn by the rollout (behavior policy b, version v):
+    A        = (R - mean_group(R)) / (std_group(R) + eps)        group-normalized advantage
+    r        = exp(logp_new - logp_prox)                           ratio to the proximal policy
+    w        = min(exp(logp_prox - logp_behav), C)                 truncated importance weight
+    loss_t   = -w * min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A)
+The proximal policy is the trainer's own recompute at the start of the step, so the clip bounds
+how far the step moves the trainer, while w corrects for the rollout being stale and quantized
+(decoupled PPO). The loss is a mean over all completion tokens of the batch (token level).
+
+Mismatch metrics, all means over completion tokens:
+    logp_abs_diff       |logp_prox - logp_behav|          total train/rollout mismatch
+    logp_abs_diff_quant |logp_v - logp_behav|             same weights (version v), different path
+    logp_abs_diff_stale |logp_prox - logp_v|              same path, version v -> current
+    kl_k3               E_b[r' - 1 - log r'], r' = p_prox / p_behav   (k3 estimator of KL(b || prox))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """rewards [G * n] in group order -> advantages [G * n]; a group with equal rewards gets 0."""
+    r = rewards.view(-1, group_size)
+    a = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return a.reshape(-1)
+
+
+def policy_loss(logp_new: Tensor, logp_prox: Tensor, logp_behav: Tensor, advantages: Tensor,
+                mask: Tensor, *, clip_low: float, clip_high: float, tis_cap: float,
+                n_tokens: int | None = None) -> tuple[Tensor, dict[str, float]]:
+    """Token-level loss. All [B, T] except advantages [B]; mask is 1.0 on completion tokens.
+
+    n_tokens: the denominator (the whole step's token count when the batch is split into
+    minibatches, so every token weighs the same); defaults to this batch's.
+    """
+    n = float(n_tokens if n_tokens is not None else mask.sum().clamp(min=1))
+    ratio = torch.exp(logp_new - logp_prox)
+    w = torch.exp(logp_prox - logp_behav).clamp(max=tis_cap).detach()
+    adv = advantages[:, None]
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    loss = -(w * surrogate * mask).sum() / n
+    with torch.no_grad():
+        clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
+        stats = {
+            "clip_frac": float((clipped * mask).sum() / mask.sum().clamp(min=1)),
+            "tis_frac": float(((torch.exp(logp_prox - logp_behav) > tis_cap).float() * mask).sum()
+                              / mask.sum().clamp(min=1)),
+        }
+    return loss, stats
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, logp_version: Tensor, mask: Tensor) -> dict[str, float]:
+    d = logp_prox - logp_behav
+    return {
+        "logp_abs_diff": masked_mean(d.abs(), mask),
+        "logp_abs_diff_quant": masked_mean((logp_version - logp_behav).abs(), mask),
+        "logp_abs_diff_stale": masked_mean((logp_prox - logp_version).abs(), mask),
+        "kl_k3": masked_mean(torch.exp(d) - 1 - d, mask),
+    }

@@ -1,0 +1,332 @@
+"""The trainer service: consume trajectory groups, take GRPO steps under QAT, publish versions.
+
+One step, as a short loop (slime-style):
+    feed prompts -> collect `groups_per_step` admissible groups -> GRPO step(s) -> version += 1
+    -> checkpoint -> commit the consumed samples (idempotency keys + XACK) -> publish
+Checkpoint-before-publish keeps the registry from ever naming a version that a restarted trainer
+does not have; commit-after-checkpoint means a crash re-delivers exactly the samples whose effect
+was lost (the checkpoint lists the samples it includes, and a restart commits them first).
+
+The trainer is task-agnostic: the prompts it feeds and the warm-start examples come from
+callables the `tandem trainer` command builds from the configured task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from broker.codec import PromptGroup, Trajectory
+from broker.keys import Keys
+from broker.policy_server import PolicyServer, PolicyServerConfig
+from broker.registry import PolicyPointer, PolicyRegistry
+from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect, stream_stats
+from policy import manifest as mf
+from policy import qat
+from policy.model import ModelConfig, Transformer
+from policy.recipe import Recipe
+
+from . import grpo
+from .config import TrainerConfig
+from .metrics import MetricsSink
+from .sequences import pack, scatter_rows
+from .warmstart import warm_start
+
+
+@dataclass
+class State:
+    """What a checkpoint holds besides model and optimizer."""
+
+    step: int = 0
+    version: int = 0
+    groups_used: int = 0
+    dropped_stale: int = 0
+    dropped_fingerprint: int = 0
+    # (stream_id, sample_id) of every sample consumed since the previous checkpoint
+    pending_commit: list = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, *, run_id: str, redis_url: str, model_config: ModelConfig,
+                 recipe: Recipe, max_staleness: int, run_dir: str | Path, seed: int, temperature: float,
+                 make_prompt: Callable[[int], PromptGroup],
+                 warm_start_example: Callable[[], tuple[list[int], list[int]]], pad_id: int,
+                 log: Callable[[str], None] = print):
+        self.cfg, self.max_staleness, self.log = cfg, max_staleness, log
+        self.temperature = temperature  # the rollouts' sampling temperature: log-probs must match it
+        self.keys = Keys(run_id=run_id)
+        self.redis_url = redis_url
+        self.run_dir = Path(run_dir)
+        self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
+        self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
+        torch.manual_seed(seed)
+        self.model_config, self.recipe = model_config, recipe
+        self.model = Transformer(model_config, seed=seed)
+        self.plan = recipe.plan(model_config)
+        self.contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
+        self.fingerprint = self.contract.fingerprint()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.state = State()
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> master weights at publish
+        self.scratch = Transformer(model_config, seed=seed)  # evaluates older versions' log-probs
+        self._scratch_version: int | None = None
+        self.server = PolicyServer(PolicyServerConfig(host=cfg.grpc_host, port=cfg.grpc_port,
+                                                      keep_versions=max_staleness + 2))
+        self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
+        self._stop = asyncio.Event()
+        self._held: dict[str, list[TrajectoryRecord]] = {}  # group_id -> records of an incomplete group
+        self._foreign: list[TrajectoryRecord] = []  # wrong fingerprint: dead-lettered at the next commit
+
+    # ------------------------------------------------------------------ lifecycle
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        self.redis = connect(self.redis_url)
+        self.registry = PolicyRegistry(self.redis, self.keys)
+        self.prompts = PromptQueue(self.redis, self.keys)
+        self.stream = TrajectoryStream(self.redis, self.keys, consumer="trainer",
+                                       config=StreamConfig(read_count=256, block_ms=500))
+        await self.prompts.setup()
+        await self.stream.setup()
+        self.server.start()
+        try:
+            await self._restore_or_warm_start()
+            await self._publish()
+            while self.state.step < self.cfg.max_steps and not self._stop.is_set():
+                await self._feed_prompts()
+                groups, records = await self._collect()
+                if groups is None:  # stop requested while collecting
+                    break
+                row = self._train_step(groups)
+                self.state.step += 1
+                self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in records]
+                publish = self.state.step % self.cfg.publish_every == 0 or self.state.step == self.cfg.max_steps
+                self.state.version += publish
+                row.update(step=self.state.step, policy_version=self.state.version)
+                # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
+                self.metrics.write(row)
+                self._audit(groups)
+                if publish:
+                    self._snapshot()
+                    self._save_checkpoint()
+                    await self._commit()
+                    await self._publish()
+                self.log(self._progress_line(row))
+            return 0
+        finally:
+            self.server.stop()
+            self.metrics.close()
+            await self.redis.aclose()
+
+    def _progress_line(self, r: dict) -> str:
+        return (f"step {r['step']:>4}/{self.cfg.max_steps} v{r['policy_version']} reward {r['reward_mean']:.3f} "
+                f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']} dropped {r['dropped_stale']}s/"
+                f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {r['logp_abs_diff_quant']:.4f}"
+                f" stale {r['logp_abs_diff_stale']:.4f}) kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s")
+
+    async def _commit(self) -> None:
+        """After a checkpoint: dead-letter the foreign samples, mark every consumed sample used."""
+        for rec in self._foreign:
+            await self.stream.dead_letter(rec, f"contract fingerprint {rec.trajectory.contract_fingerprint[:12]}"
+                                               f" != trainer's {self.fingerprint[:12]}")
+        self._foreign = []
+        await self.stream.commit_ids(self.state.pending_commit)
+        self.state.pending_commit = []
+
+    # ------------------------------------------------------------------ checkpoint / warm start
+    async def _restore_or_warm_start(self) -> None:
+        if self.ckpt_path.exists():
+            ck = torch.load(self.ckpt_path, map_location="cpu", weights_only=True)
+            if ck["fingerprint"] != self.fingerprint:
+                raise ValueError(f"checkpoint {self.ckpt_path} has contract fingerprint {ck['fingerprint'][:12]}, "
+                                 f"this run's is {self.fingerprint[:12]}: different model/recipe")
+            self.model.load_state_dict(ck["model"])
+            self.optimizer.load_state_dict(ck["optimizer"])
+            self.state = State(**ck["state"])
+            self.snapshots = {int(k): v for k, v in ck["snapshots"].items()}
+            # The checkpoint includes these samples: mark them used before reading anything.
+            await self.stream.commit_ids([tuple(p) for p in self.state.pending_commit])
+            self.state.pending_commit = []
+            # Steps after the checkpoint are redone: forget their lines.
+            for name in ("metrics.jsonl", "audit.jsonl"):
+                _truncate_jsonl(self.run_dir / name, self.state.step)
+            self.log(f"resumed from {self.ckpt_path}: step {self.state.step}, version {self.state.version}")
+            return
+        if self.cfg.warmstart_steps:
+            warm_start(self.model, self.warm_start_example, steps=self.cfg.warmstart_steps,
+                       batch=self.cfg.warmstart_batch, lr=self.cfg.warmstart_lr, pad_id=self.pad_id, log=self.log)
+        self.state.version = 1
+        self._snapshot()
+        self._save_checkpoint()
+        qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+
+    def _audit(self, groups: list[list[Trajectory]]) -> None:
+        """audit.jsonl: which groups each step used, from which version and worker (one line per step)."""
+        line = {"step": self.state.step, "version": self.state.version,
+                "groups": [[g[0].group_id, g[0].policy_version, g[0].worker_id] for g in groups]}
+        with open(self.run_dir / "audit.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _snapshot(self) -> None:
+        self.snapshots[self.state.version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        for v in [v for v in self.snapshots if v < self.state.version - self.max_staleness]:
+            del self.snapshots[v]
+
+    def _save_checkpoint(self) -> None:
+        self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.ckpt_path.with_suffix(".tmp")
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "state": self.state.__dict__, "snapshots": {str(k): v for k, v in self.snapshots.items()},
+                    "fingerprint": self.fingerprint}, tmp)
+        os.replace(tmp, self.ckpt_path)  # atomic: a crash leaves the previous checkpoint whole
+
+    # ------------------------------------------------------------------ publish / feed
+    async def _publish(self) -> None:
+        if self.model.quant_hook is None:
+            qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+        v = self.state.version
+        tensors = mf.quantize_params(dict(self.model.named_parameters()), self.plan)
+        packed = mf.build_manifest(version=v, parent_version=v - 1 if v > 1 else None,
+                                   contract=self.contract, tensors=tensors)
+        self.server.publish(packed)
+        await self.registry.publish(PolicyPointer(version=v, address=self.server.address,
+                                                  contract_fingerprint=self.fingerprint, published_at=time.time()))
+
+    async def _feed_prompts(self) -> None:
+        """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
+        p = await stream_stats(self.redis, self.keys.prompts)
+        t = await stream_stats(self.redis, self.keys.trajectories)
+        queued = _group_backlog(p, "rollout") + _group_backlog(t, "trainer") // self.cfg.group_size
+        want = self.cfg.queued_groups(self.max_staleness) - queued
+        if want > 0:
+            first = await self.redis.incrby(self.keys.prefix + "prompt_seq", want) - want
+            await self.prompts.add([self.make_prompt(i) for i in range(first, first + want)])
+
+    # ------------------------------------------------------------------ collect
+    async def _collect(self) -> tuple[list[list[Trajectory]] | None, list[TrajectoryRecord]]:
+        """Read until `groups_per_step` complete, admissible groups are held; drop the rest, counted."""
+        done: list[list[TrajectoryRecord]] = []
+        consumed: list[TrajectoryRecord] = []
+        deadline = time.monotonic() + self.cfg.collect_timeout_s
+        # Groups held from earlier reads: drop those gone stale meanwhile, use the complete ones first.
+        for gid in list(self._held):
+            recs = self._held[gid]
+            if self.state.version - recs[0].trajectory.policy_version > self.max_staleness:
+                self.state.dropped_stale += len(recs)
+                consumed += self._held.pop(gid)
+            elif len(recs) == recs[0].trajectory.group_size:
+                done.append(self._held.pop(gid))
+        while len(done) < self.cfg.groups_per_step:
+            if self._stop.is_set():
+                return None, []
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no complete trajectory group for {self.cfg.collect_timeout_s}s: "
+                                   "are rollout workers running?")
+            for rec in await self.stream.read():
+                t = rec.trajectory
+                if t.contract_fingerprint != self.fingerprint:
+                    # Counted now, dead-lettered after the next checkpoint (so a crash recounts it once).
+                    self.state.dropped_fingerprint += 1
+                    self._foreign.append(rec)
+                    consumed.append(rec)
+                    continue
+                if self.state.version - t.policy_version > self.max_staleness:
+                    self.state.dropped_stale += 1
+                    consumed.append(rec)
+                    continue
+                recs = self._held.setdefault(t.group_id, [])
+                recs.append(rec)
+                if len(recs) == t.group_size:
+                    done.append(sorted(self._held.pop(t.group_id), key=lambda r: r.trajectory.sample_index))
+            await self._feed_prompts()
+        used = done[: self.cfg.groups_per_step]
+        for extra in done[self.cfg.groups_per_step:]:  # keep surplus complete groups for the next step
+            self._held[extra[0].trajectory.group_id] = extra
+        consumed += [r for g in used for r in g]
+        return [[r.trajectory for r in g] for g in used], consumed
+
+    # ------------------------------------------------------------------ the GRPO step
+    def _train_step(self, groups: list[list[Trajectory]]) -> dict:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        samples = [t for g in groups for t in g]
+        tokens, targets, attn, mask = pack([t.prompt_tokens.tolist() for t in samples],
+                                           [t.completion_tokens.tolist() for t in samples], self.pad_id)
+        behav = scatter_rows([t.behavior_logprobs for t in samples], mask)
+        rewards = torch.tensor([t.reward for t in samples], dtype=torch.float32)
+        adv = grpo.group_advantages(rewards, cfg.group_size)
+        versions = torch.tensor([t.policy_version for t in samples])
+
+        with torch.no_grad():
+            prox = self.model.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
+            at_version = prox.clone()
+            for v in sorted(set(versions.tolist())):
+                if v == self.state.version or v not in self.snapshots:
+                    continue  # the current weights are version v (published after the last update)
+                rows = (versions == v).nonzero().squeeze(-1)
+                self._load_scratch(v)
+                at_version[rows] = self.scratch.token_logprobs(tokens[rows], targets[rows], attention_mask=attn[rows],
+                                                               temperature=self.temperature)
+
+        n_tokens = int(mask.sum())
+        grad_norms, stats = [], Counter()
+        for rows in torch.randperm(len(samples)).chunk(cfg.minibatches):
+            logp = self.model.token_logprobs(tokens[rows], targets[rows], attention_mask=attn[rows],
+                                             temperature=self.temperature)
+            loss, s = grpo.policy_loss(logp, prox[rows], behav[rows], adv[rows], mask[rows],
+                                       clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap,
+                                       n_tokens=n_tokens)
+            self.optimizer.zero_grad(set_to_none=True)
+            (loss * cfg.minibatches).backward()  # n_tokens is the whole step's: rescale per update
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
+            self.optimizer.step()
+            stats.update(s)
+
+        staleness = (self.state.version - versions).tolist()
+        row = {
+            "reward_mean": float(rewards.mean()),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "staleness_hist": dict(Counter(str(s) for s in staleness)),
+            "dropped_stale": self.state.dropped_stale,
+            "dropped_fingerprint": self.state.dropped_fingerprint,
+            "duplicates": self.stream.counters.duplicates,
+            **grpo.mismatch_metrics(prox, behav, at_version, mask),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "clip_frac": stats["clip_frac"] / cfg.minibatches,
+            "tis_frac": stats["tis_frac"] / cfg.minibatches,
+            "samples": len(samples),
+            "completion_tokens": n_tokens,
+            "step_time_s": time.perf_counter() - t0,
+        }
+        self.state.groups_used += len(groups)
+        return row
+
+    def _load_scratch(self, version: int) -> None:
+        if self._scratch_version != version:
+            self.scratch.load_weights(self.snapshots[version])
+            if self.scratch.quant_hook is None:
+                qat.apply_qat(self.scratch, self.recipe, backward=self.cfg.backward)
+            self._scratch_version = version
+
+
+def _truncate_jsonl(path: Path, max_step: int) -> None:
+    if path.exists():
+        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= max_step]
+        path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _group_backlog(stats: dict, group: str) -> int:
+    """Entries of `group` not yet acked: never delivered (lag) plus delivered and pending."""
+    g = stats["groups"].get(group)
+    return 0 if g is None else (g["lag"] or 0) + g["pending"]
