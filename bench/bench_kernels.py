@@ -1,0 +1,332 @@
+"""Benchmark the Triton kernels against baselines measured in the same run (CUDA only).
+
+Prints, for each kernel:
+- quantization: achieved GB/s (bytes read once + written once) and its ratio to a
+  device-to-device copy of the same input measured in this run, on 64M-element inputs;
+- decode matmul: time and speedup against torch bf16 `F.linear` at M = 1, 4, 16, 64 tokens on
+  4096x4096 and 8192x8192, and a Qwen3-30B-A3B MoE layer (128 experts, top-8, D=2048, F=768:
+  gate_up 2048 -> 2x768 and down 768 -> 2048) against a torch bf16 loop over the routed
+  experts and torch's grouped bf16 GEMM where this torch has one.
+
+Timing: triton.testing.do_bench medians; it clears the L2 before every run, so weights that
+would fit in the 60 MB L2 are still read from HBM, as in a real decode step.
+
+    PYTHONPATH=. python bench/bench_kernels.py [--tune] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import policy.kernels as K
+from policy.kernels import matmul_triton as mt
+from policy.kernels import quant_triton as qt
+
+RESULTS: dict = {"quant": [], "matmul": [], "moe": [], "tune": []}
+
+
+_FLUSH: torch.Tensor | None = None
+
+
+def bench(fn, rep: int = 60) -> float:
+    """GPU time of fn in microseconds (median), cold L2, no launch overhead.
+
+    Two CUDA graphs are replayed alternately: [clear L2, fn] and [clear L2]; the difference of
+    their event-timed replays is fn's time. Clearing the 60 MB L2 (writing 256 MB) before each
+    run keeps weights that would fit in L2 coming from HBM, as in a real decode step; graphs keep
+    Python launch overhead out (serving engines replay graphs too)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    g_flush, g_both = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_flush):
+        _FLUSH.zero_()
+    with torch.cuda.graph(g_both):
+        _FLUSH.zero_()
+        fn()
+    ev = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(rep)]
+    for _ in range(3):
+        g_flush.replay()
+        g_both.replay()
+    for a, b, c in ev:
+        a.record()
+        g_flush.replay()
+        b.record()
+        g_both.replay()
+        c.record()
+    torch.cuda.synchronize()
+    diffs = sorted(b.elapsed_time(c) - a.elapsed_time(b) for a, b, c in ev)
+    return diffs[len(diffs) // 2] * 1e3
+
+
+def line(s: str = "") -> None:
+    print(s, flush=True)
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def bench_quant(m: int, k: int) -> None:
+    n = m * k
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(x)
+    t_copy = bench(lambda: dst.copy_(x))
+    copy_gbs = 2 * x.numel() * 2 / t_copy / 1e3
+    line(f"copy {m}x{k} bf16: {t_copy:8.1f} us  {copy_gbs:7.0f} GB/s (read+write)")
+    RESULTS["copy_gbs"] = copy_gbs
+    cases = [
+        ("nvfp4 row (fused, 1 pass)", lambda: qt.nvfp4_quantize(x, "row"), 2 * n + n // 2 + n // 16 + 4 * m, 2 * n),
+        ("nvfp4 tensor (amax + quant)", lambda: qt.nvfp4_quantize(x, "tensor"), 2 * n + n // 2 + n // 16 + 4, 4 * n),
+        ("mxfp8", lambda: qt.mxfp8_quantize(x), 2 * n + n + n // 32, 2 * n),
+        ("int4 g32", lambda: qt.int4_quantize(x, 32), 2 * n + n + 2 * n // 32, 2 * n),
+        ("fp8_block 1x128", lambda: qt.fp8_block_quantize(x, (1, 128)), 2 * n + n + 4 * n // 128, 2 * n),
+        ("fp8_block 128x128", lambda: qt.fp8_block_quantize(x, (128, 128)), 2 * n + n + 4 * n // 16384, 2 * n),
+    ]
+    line(f"{'kernel':30s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s}   (bytes = input read once + outputs written once)")
+    for name, fn, nbytes, read_bytes in cases:
+        t = bench(fn)
+        gbs = nbytes / t / 1e3
+        line(f"{name:30s} {t:8.1f} {gbs:7.0f} {100 * gbs / copy_gbs:6.1f}%")
+        RESULTS["quant"].append({"kernel": name, "shape": [m, k], "us": t, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
+                                 "bytes": nbytes, "bytes_moved_incl_rereads": nbytes - 2 * n + read_bytes})
+    if TUNE_QUANT:
+        tune_quant(x, nbytes_row=cases[0][2], copy_gbs=copy_gbs)
+    # Per-token activation quantization at decode sizes: latency, not bandwidth.
+    for mm in (1, 16, 64):
+        xa = torch.randn(mm, 2048, device="cuda", dtype=torch.bfloat16)
+        t = bench(lambda: qt.nvfp4_quantize(xa, "row"))
+        line(f"nvfp4 row [{mm}, 2048] latency: {t:.1f} us")
+        RESULTS["quant"].append({"kernel": "nvfp4 row latency", "shape": [mm, 2048], "us": t})
+
+
+TUNE_QUANT = False
+TUNE_MOE = False
+
+
+def tune_quant(x, nbytes_row: int, copy_gbs: float) -> None:
+    """Try a few tilings of the quantizers on the 64M input; keep the best nvfp4 row config."""
+    m, k = x.shape
+    n = x.numel()
+    best = None
+    for cfg in [(512, 1, True, 2), (512, 1, True, 4), (512, 1, True, 8), (128, 1, False, 4)]:
+        t = bench(lambda: qt.nvfp4_quantize(x, "row", config=cfg))
+        gbs = nbytes_row / t / 1e3
+        line(f"tune nvfp4 row {cfg}: {t:.1f} us {gbs:.0f} GB/s {100 * gbs / copy_gbs:.1f}%")
+        RESULTS["tune"].append({"kernel": "nvfp4 row", "cfg": list(cfg), "us": t, "gbs": gbs})
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    qt.NVFP4_ROW_CONFIG[k // 16] = best[1]
+    for name, fn, nbytes in [("mxfp8", qt.mxfp8_quantize, 2 * n + n + n // 32),
+                             ("int4", lambda x_, config: qt.int4_quantize(x_, 32, config=config), 2 * n + n + 2 * n // 32)]:
+        for cfg in [(2048, 4), (4096, 4), (8192, 8)]:
+            t = bench(lambda: fn(x, config=cfg))
+            gbs = nbytes / t / 1e3
+            line(f"tune {name} {cfg}: {t:.1f} us {gbs:.0f} GB/s {100 * gbs / copy_gbs:.1f}%")
+            RESULTS["tune"].append({"kernel": name, "cfg": list(cfg), "us": t, "gbs": gbs})
+
+
+# --------------------------------------------------------------------------- dense matmul
+
+
+def make_weights(n: int, k: int):
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    return {
+        "bf16": w,
+        "nvfp4": K.pack(K.quantize("nvfp4", w, scope="tensor")),
+        "int4": K.pack(K.quantize("int4", w, group_size=32)),
+        "fp8_block": K.quantize("fp8_block", w, block=(128, 128)),
+    }
+
+
+def run_kernel(x, w: K.PackedLinear, config=None):
+    fid = mt.FMT_NVFP4 if w.fmt == "nvfp4" else mt.FMT_INT4
+    return mt.w4a16_matmul(x, w.codes, w.scales, w.global_scale, fid, w.group_size, config=config)
+
+
+def _time_config(ws, fmt, k, cfg, ms):
+    ts = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        run_kernel(x, ws[fmt], cfg)
+        ts.append(bench(lambda: run_kernel(x, ws[fmt], cfg), rep=50))
+    return ts
+
+
+def tune(main_shape, other_shapes, ms=(1, 16), keep=4) -> None:
+    """Search a small grid on the main shape (nvfp4), then try the best `keep` on the rest."""
+    # num_warps = BN / 16: one warp per 16 weight rows, so no warp dequantizes a row another
+    # warp also holds (a 4-warp BN=32 tile would split the 16 tokens between warps and
+    # dequantize every weight twice).
+    # The fifth entry splits K over that many programs (deterministic split-K, see the kernel).
+    # Fewer stages use less shared memory per program (more programs per SM: Nsight Compute
+    # showed the 4-stage tile limited to 5 programs, 10 warps, per SM).
+    grid = [(32, 256, 2, 4, 2), (32, 256, 2, 2, 2), (32, 256, 2, 2, 4), (32, 256, 2, 2, 8), (32, 256, 2, 3, 2),
+            (32, 256, 2, 3, 4), (32, 512, 2, 2, 4), (64, 256, 4, 2, 4), (16, 256, 1, 2, 4), (16, 256, 1, 2, 8),
+            (32, 128, 2, 3, 8), (32, 128, 2, 2, 8)]
+    scored = []
+    n, k = main_shape
+    ws = make_weights(n, k)
+    for cfg in grid:
+        try:
+            ts = _time_config(ws, "nvfp4", k, cfg, ms)
+        except Exception as e:  # a config that does not compile or fit is skipped, and said so
+            line(f"tune nvfp4 {n}x{k} {cfg}: failed {type(e).__name__}: {str(e)[:160]}")
+            continue
+        line(f"tune nvfp4 {n}x{k} {cfg}: {['%.1f' % t for t in ts]} us")
+        RESULTS["tune"].append({"fmt": "nvfp4", "n": n, "k": k, "cfg": list(cfg), "us": ts})
+        scored.append((sum(ts), cfg))
+    scored.sort()
+    best = [cfg for _, cfg in scored[:keep]]
+    for (n, k) in [main_shape] + list(other_shapes):
+        ws = make_weights(n, k)
+        for fmt in ("nvfp4", "int4"):
+            results = []
+            for cfg in best:
+                if k % cfg[1]:
+                    continue
+                ts = _time_config(ws, fmt, k, cfg, ms)
+                RESULTS["tune"].append({"fmt": fmt, "n": n, "k": k, "cfg": list(cfg), "us": ts})
+                results.append((sum(ts), cfg, ts))
+            results.sort()
+            line(f"tune {fmt} {n}x{k}: " + "; ".join(f"{c} {['%.1f' % t for t in ts]}" for _, c, ts in results))
+        mt.CONFIGS[(n, k)] = results[0][1] if results else mt.DEFAULT_CONFIG
+
+
+def bench_dense(shapes, ms=(1, 4, 16, 64)) -> None:
+    line(f"{'shape':>11s} {'M':>3s} {'bf16 us':>8s} | {'nvfp4 us':>8s} {'x':>5s} | {'int4 us':>8s} {'x':>5s} | {'fp8blk us':>9s} {'x':>5s}")
+    for (n, k) in shapes:
+        ws = make_weights(n, k)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf = bench(lambda: F.linear(x, ws["bf16"]))
+            t4 = bench(lambda: K.qmatmul(x, ws["nvfp4"]))
+            ti = bench(lambda: K.qmatmul(x, ws["int4"]))
+            y8 = K._scaled_mm_fp8_block(x, ws["fp8_block"])
+            t8 = bench(lambda: K._scaled_mm_fp8_block(x, ws["fp8_block"])) if y8 is not None else float("nan")
+            line(f"{n:5d}x{k:<5d} {m:3d} {t_bf:8.1f} | {t4:8.1f} {t_bf / t4:5.2f} | {ti:8.1f} {t_bf / ti:5.2f} | {t8:9.1f} {t_bf / t8:5.2f}")
+            RESULTS["matmul"].append({"n": n, "k": k, "m": m, "bf16_us": t_bf, "nvfp4_us": t4, "int4_us": ti,
+                                      "fp8_block_scaled_mm_us": t8, "config": list(mt.pick_config(n, k, 0, 32))})
+            if m == ms[0]:  # fresh inputs: the kernel must still match the reference dequant + matmul
+                ref = (x.float() @ K.dequantize(K.unpack(ws["nvfp4"])).T)
+                err = float((K.qmatmul(x, ws["nvfp4"]).float() - ref).norm() / ref.norm())
+                line(f"  nvfp4 rel. error vs reference dequant+matmul: {err:.2e}")
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+def bench_moe(ms=(1, 4, 16, 64), experts=128, topk=8, d=2048, f=768) -> None:
+    layers = {"gate_up 2048->2x768": (2 * f, d), "down 768->2048": (d, f)}
+    grouped = getattr(torch, "_grouped_mm", None)
+    line(f"MoE {experts} experts top-{topk}; baselines: torch bf16 loop over routed experts, torch._grouped_mm bf16")
+    line(f"{'layer':>20s} {'T':>3s} {'loop us':>8s} {'grp us':>8s} | {'nvfp4 us':>8s} {'x loop':>6s} {'x grp':>6s} | {'int4 us':>8s} {'x loop':>6s} {'x grp':>6s} | {'align us':>8s}")
+    for name, (n, k) in layers.items():
+        w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        packed = {fmt: K.pack_experts([K.quantize(fmt, w[e], **kw) for e in range(experts)])
+                  for fmt, kw in (("nvfp4", {"scope": "tensor"}), ("int4", {"group_size": 32}))}
+        w_t = w.transpose(1, 2).contiguous()  # [E, K, N] for grouped_mm
+        for t in ms:
+            g = torch.Generator(device="cpu").manual_seed(t)
+            ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(t)]).cuda()
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            # Baseline 1: loop over routed experts with pre-gathered inputs (routing done outside the timing).
+            active = torch.unique(ids).tolist()
+            xs = [x[(ids == e).any(dim=1)] for e in active]
+
+            def loop():
+                return [F.linear(xe, w[e]) for xe, e in zip(xs, active)]
+            t_loop = bench(loop)
+            # Baseline 2: torch grouped GEMM over tokens sorted by expert.
+            t_grp = float("nan")
+            if grouped is not None:
+                flat = ids.flatten()
+                order = torch.sort(flat, stable=True).indices
+                xg = x[order // topk].contiguous()
+                offs = torch.cumsum(torch.bincount(flat, minlength=experts), 0).to(torch.int32)
+                for wb in (w.transpose(1, 2), w_t):  # the K-major view first, as torch's own tests use
+                    try:
+                        grouped(xg, wb, offs=offs, out_dtype=torch.bfloat16)
+                        t_grp = bench(lambda: grouped(xg, wb, offs=offs, out_dtype=torch.bfloat16))
+                        break
+                    except Exception as e:  # not every torch build has a bf16 grouped GEMM for sm_90
+                        line(f"  torch._grouped_mm failed: {type(e).__name__}: {str(e)[:160]}")
+                if t_grp != t_grp:
+                    grouped = None
+            align = mt.moe_align_fast(ids, experts)
+            t_align = bench(lambda: mt.moe_align_fast(ids, experts))
+            t_align_torch = bench(lambda: mt.moe_align(ids, experts))
+            if t == ms[0] and TUNE_MOE:
+                pw = packed["nvfp4"]
+                best = None
+                for cfg in [(32, 256, 2, 3, 1), (32, 512, 2, 3, 1), (32, 256, 2, 2, 1), (32, 256, 2, 2, 2), (64, 256, 4, 2, 1)]:
+                    if k % cfg[1]:
+                        continue
+                    tc = bench(lambda: mt.moe_w4a16_matmul(x, pw.codes, pw.scales, pw.global_scale, ids, mt.FMT_NVFP4,
+                                                           0, align=align, config=cfg))
+                    line(f"  tune moe {name} T={t} {cfg}: {tc:.1f} us")
+                    if best is None or tc < best[0]:
+                        best = (tc, cfg)
+                mt.MOE_CONFIGS[(n, k)] = best[1]
+            res = {}
+            for fmt, pw in packed.items():
+                fid = mt.FMT_NVFP4 if fmt == "nvfp4" else mt.FMT_INT4
+                res[fmt] = bench(lambda: mt.moe_w4a16_matmul(x, pw.codes, pw.scales, pw.global_scale, ids, fid,
+                                                             pw.group_size, align=align))
+            line(f"{name:>20s} {t:3d} {t_loop:8.1f} {t_grp:8.1f} | {res['nvfp4']:8.1f} {t_loop / res['nvfp4']:6.2f} "
+                 f"{t_grp / res['nvfp4']:6.2f} | {res['int4']:8.1f} {t_loop / res['int4']:6.2f} {t_grp / res['int4']:6.2f} | {t_align:8.1f} (torch ops {t_align_torch:.1f})")
+            RESULTS["moe"].append({"layer": name, "tokens": t, "active_experts": len(active), "loop_bf16_us": t_loop,
+                                   "grouped_bf16_us": t_grp, "nvfp4_us": res["nvfp4"], "int4_us": res["int4"],
+                                   "align_us": t_align, "align_torch_us": t_align_torch})
+        w = w_t = packed = None  # free before the next layer
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tune", action="store_true", help="search matmul configs first (prints the table to keep)")
+    ap.add_argument("--tune-quant", action="store_true", help="try quantizer tilings on the 64M input")
+    ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: quant,dense,moe")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    line(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    RESULTS["device"] = props.name
+    skip = set(args.skip.split(","))
+    global TUNE_QUANT, TUNE_MOE
+    TUNE_QUANT = args.tune_quant
+    TUNE_MOE = args.tune
+    t0 = time.time()
+    if "quant" not in skip:
+        bench_quant(8192, 8192)
+    dense_shapes = [(4096, 4096), (8192, 8192)]
+    moe_shapes = [(1536, 2048), (2048, 768)]
+    if args.tune:
+        tune((8192, 8192), [(4096, 4096)] + moe_shapes)
+        line("CONFIGS = " + repr(dict(mt.CONFIGS)))
+    RESULTS["configs"] = {f"{n}x{k}": list(c) for (n, k), c in mt.CONFIGS.items()}
+    RESULTS["nvfp4_row_config"] = {str(k): list(c) for k, c in qt.NVFP4_ROW_CONFIG.items()}
+    if "dense" not in skip:
+        bench_dense(dense_shapes)
+    if "moe" not in skip:
+        bench_moe()
+        if args.tune:
+            line("MOE_CONFIGS = " + repr(dict(mt.MOE_CONFIGS)))
+        RESULTS["moe_configs"] = {f"{n}x{k}": list(c) for (n, k), c in mt.MOE_CONFIGS.items()}
+    line(f"total bench time {time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Reproduces every device number of the "Triton kernels" section of docs/benchmarks.md and runs
+# the GPU parity tests. Run on the CUDA machine from the repo root:
+#     bash bench/run_device.sh            # tests + benchmark (fixed configs)
+#     BENCH_ARGS=--tune bash bench/run_device.sh   # also search matmul configs first
+# Logs and bench.json land in $OUT (default /tmp/tandem-bench).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/tandem-bench}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  # --noconftest: the shared conftest imports the Redis helpers, which this image lacks; the
+  # GPU tests need none of its fixtures.
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests/gpu --noconftest -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  status=${PIPESTATUS[0]}
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-420}" python3 bench/bench_kernels.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+exit $status

@@ -1,0 +1,341 @@
+"""Kernel dispatch: the functions the rollout engine and QAT call to quantize and multiply.
+
+On a CUDA tensor, when Triton imports and the GPU is sm_89 or newer (the E4M3 conversions),
+the Triton kernels in `quant_triton` / `matmul_triton` run; everywhere else the CPU reference
+in `policy.formats` does (the same bytes: the GPU tests check that). Triton is an optional
+extra (`tandem-rl[gpu]`); nothing here imports it until a CUDA tensor asks for it.
+
+    quantize(fmt, x, **kw)          -> the format's quantized object (NVFP4Tensor, ...)
+    dequantize(q) / fake_quant(...) -> fp32 / x.dtype, via the reference (device-agnostic torch)
+    pack(q) / pack_experts([q...])  -> PackedLinear, the layout the matmul kernels read (once per
+                                       weight version; unpack() gives the format object back)
+    qmatmul(x, w)                   -> x @ dequant(w).T          (w: PackedLinear or a quantized tensor)
+    moe_qmatmul(x, w, topk_ids)     -> [T, topk, N], all routed experts in one launch
+
+Semantics of the matmuls: nvfp4 and int4 are weight-only (bf16 activations, fp32 accumulate,
+output in x.dtype); fp8_block is W8A8 as on Hopper: x is quantized with 1x128 tiles first, on
+every backend, so the CPU path computes the same function as `torch._scaled_mm`. Other formats
+(bf16, mxfp8) multiply by the dequantized weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from policy import formats
+from policy.formats import fp8_block as _fp8_block
+from policy.formats import int4 as _int4
+from policy.formats import mxfp8 as _mxfp8
+from policy.formats import nvfp4 as _nvfp4
+
+from . import bitmath
+
+_BLOCKS = {"nvfp4": _nvfp4.BLOCK, "mxfp8": _mxfp8.BLOCK}
+NONFINITE_BITS = 0x7F800000
+
+
+# --------------------------------------------------------------------------- backend choice
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ok(device_index: int) -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def backend(x: torch.Tensor) -> str:
+    """"triton" when the GPU kernels serve tensors on x's device, else "reference"."""
+    if x.device.type != "cuda":
+        return "reference"
+    return "triton" if _triton_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()) else "reference"
+
+
+def to_device(q, device):
+    """The same quantized object with its tensors on `device`."""
+    moved = {f.name: getattr(q, f.name).to(device) for f in dataclasses.fields(q)
+             if isinstance(getattr(q, f.name), torch.Tensor)}
+    return dataclasses.replace(q, **moved)
+
+
+def _reference_quantize(fmt: str, x: torch.Tensor, kw: dict):
+    """The CPU reference, for any device: compute on the CPU, bring the result back."""
+    return to_device(formats.get(fmt).quantize(x.cpu(), **kw), x.device)
+
+
+def _check(fmt: str, x: torch.Tensor, block: int) -> None:
+    """The reference's shape/dtype checks, without its fp32 copy of the input."""
+    what = f"{fmt}.quantize"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
+    if x.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D [M, K] tensor, got {x.dim()}-D shape {tuple(x.shape)}")
+    if x.shape[1] == 0 or x.shape[1] % block:
+        raise ValueError(f"{what}: last dim K={x.shape[1]} is not a positive multiple of the block size {block}")
+
+
+def _raise_if_nonfinite(fmt: str, status: torch.Tensor) -> None:
+    if int(status.item()) >= NONFINITE_BITS:
+        raise ValueError(f"{fmt}.quantize: input has non-finite value(s) (NaN or Inf)")
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+def quantize(fmt: str, x: torch.Tensor, *, check_finite: bool = True, **kw):
+    """Quantize 2-D `x` with format `fmt` (kwargs as the format's quantize: scope, group_size, block).
+
+    On the GPU path `check_finite=True` reads one status word back (a host sync) to raise
+    ValueError on NaN/Inf like the reference; pass False on a hot path whose inputs are known
+    finite (the bytes for non-finite input are then unspecified)."""
+    mod = formats.get(fmt)
+    if not isinstance(x, torch.Tensor) or x.device.type == "cpu" or fmt == "bf16":
+        return mod.quantize(x, **kw)  # bf16 is a plain cast: torch does it on any device
+    if backend(x) != "triton":
+        return _reference_quantize(fmt, x, kw)
+    from . import quant_triton as qt
+
+    if not qt.kernel_supports(fmt, x, kw):
+        return _reference_quantize(fmt, x, kw)
+    x = x.detach().contiguous()
+    if fmt == "nvfp4":
+        scope = kw.get("scope", "tensor")
+        if scope not in _nvfp4.SCOPES:
+            raise ValueError(f"nvfp4.quantize: scope must be one of {_nvfp4.SCOPES}, got {scope!r}")
+        _check(fmt, x, _nvfp4.BLOCK)
+        codes, sf, gs, status = qt.nvfp4_quantize(x, scope)
+        out = _nvfp4.NVFP4Tensor(codes, sf, gs, tuple(x.shape), scope)
+    elif fmt == "mxfp8":
+        _check(fmt, x, _mxfp8.BLOCK)
+        codes, scales, status = qt.mxfp8_quantize(x)
+        out = _mxfp8.MXFP8Tensor(codes, scales, tuple(x.shape))
+    elif fmt == "int4":
+        g = kw.get("group_size", _int4.DEFAULT_GROUP)
+        _check(fmt, x, g)
+        codes, scales, status = qt.int4_quantize(x, g)
+        out = _int4.INT4Tensor(codes, scales, g, tuple(x.shape))
+    elif fmt == "fp8_block":
+        block = tuple(kw.get("block", _fp8_block.WEIGHT_BLOCK))
+        _check(fmt, x, block[1])
+        codes, sinv, status = qt.fp8_block_quantize(x, block)
+        out = _fp8_block.FP8BlockTensor(codes, sinv, block, tuple(x.shape))
+    else:  # pragma: no cover - formats.get already rejected it
+        raise ValueError(f"unknown format {fmt!r}")
+    if check_finite:
+        _raise_if_nonfinite(fmt, status)
+    return out
+
+
+def dequantize(q) -> torch.Tensor:
+    """fp32 [M, K], by the reference formula (plain torch: runs on the tensors' device)."""
+    return _module_of(q).dequantize(q)
+
+
+def fake_quant(fmt: str, x: torch.Tensor, **kw) -> torch.Tensor:
+    """dequantize(quantize(x)) in x.dtype: QAT's forward, with the kernels on the GPU."""
+    return dequantize(quantize(fmt, x, **kw)).to(x.dtype)
+
+
+_format_name = formats.format_of  # one lookup of an object's format, shared with QAT
+
+
+def _module_of(q):
+    return formats.get(_format_name(q))
+
+
+# --------------------------------------------------------------------------- packed weights
+
+
+@dataclass(frozen=True)
+class PackedLinear:
+    """A weight [N, K] (or E experts [E, N, K]) in the layout the matmul kernels read.
+
+    nvfp4: codes = int32 words [(E,) N, K/8] in the kernel layout (`bitmath.repack`: the
+           transported nibbles regrouped within each 16-element block), scales
+           float8_e4m3fn [(E,) N, K/16], global_scale fp32 [E or 1].
+    int4:  codes = int32 words [(E,) N, K/8], kernel layout of the offset-8 nibbles,
+           scales bf16 [(E,) N, K/g].
+    other formats: `quantized` holds the format object(s) and the matmul multiplies by its
+    dequantization (fp8_block on CUDA: torch._scaled_mm where supported).
+    """
+
+    fmt: str
+    shape: tuple[int, int]  # (N, K) of one weight
+    codes: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    group_size: int = 0
+    num_experts: int = 0  # 0: a single weight
+    quantized: tuple = ()
+
+    def __post_init__(self):
+        if self.fmt not in formats.FORMATS:
+            raise ValueError(f"PackedLinear: unknown format {self.fmt!r}")
+
+
+def pack(q) -> PackedLinear:
+    """The kernel layout of one quantized weight (nvfp4 must be tensor scope)."""
+    n, k = q.shape
+    if isinstance(q, _nvfp4.NVFP4Tensor):
+        if q.scope != "tensor":
+            raise ValueError("pack: an nvfp4 weight must be quantized with scope='tensor'")
+        return PackedLinear("nvfp4", (n, k), bitmath.repack(_nvfp4.unpack_codes(q.codes)), q.block_scales,
+                            q.global_scale.reshape(1))
+    if isinstance(q, _int4.INT4Tensor):
+        return PackedLinear("int4", (n, k), bitmath.repack(q.codes.to(torch.int16) + 8), q.scales, None, q.group_size)
+    return PackedLinear(_format_name(q), (n, k), quantized=(q,))
+
+
+def pack_experts(qs) -> PackedLinear:
+    """Stack E quantized expert weights of one shape (each with its own nvfp4 global scale)."""
+    packed = [pack(q) for q in qs]
+    if not packed:
+        raise ValueError("pack_experts: no experts given")
+    first = packed[0]
+    bad = [i for i, p in enumerate(packed) if (p.fmt, p.shape, p.group_size) != (first.fmt, first.shape, first.group_size)]
+    if bad:
+        raise ValueError(f"pack_experts: experts {bad} differ from expert 0 in format, shape or group size")
+    if first.codes is None:
+        return PackedLinear(first.fmt, first.shape, num_experts=len(packed), quantized=tuple(q for p in packed for q in p.quantized))
+    gs = torch.cat([p.global_scale for p in packed]) if first.global_scale is not None else None
+    return PackedLinear(first.fmt, first.shape, torch.stack([p.codes for p in packed]),
+                        torch.stack([p.scales for p in packed]), gs, first.group_size, len(packed))
+
+
+def unpack(w: PackedLinear, expert: int | None = None):
+    """The format object back from a PackedLinear (one expert of a stack with `expert`)."""
+    def pick(t):
+        return t if expert is None else t[expert]
+    n, k = w.shape
+    if w.num_experts and expert is None:
+        raise ValueError("unpack: a stacked PackedLinear needs expert=<index>")
+    if w.fmt == "nvfp4":
+        gs = w.global_scale.reshape(-1)[0 if expert is None else expert].reshape(1)
+        nib = bitmath.unrepack(pick(w.codes))
+        return _nvfp4.NVFP4Tensor((nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous(), pick(w.scales), gs, (n, k), "tensor")
+    if w.fmt == "int4":
+        codes = (bitmath.unrepack(pick(w.codes)).to(torch.int8) - 8).contiguous()
+        return _int4.INT4Tensor(codes, pick(w.scales), w.group_size, (n, k))
+    return w.quantized[0 if expert is None else expert]
+
+
+# --------------------------------------------------------------------------- matmul
+
+
+def _as_packed(w) -> PackedLinear:
+    return w if isinstance(w, PackedLinear) else pack(w)
+
+
+def _check_x(x: torch.Tensor, k: int, what: str) -> None:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{what}: x must be [M, {k}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: x dtype {x.dtype} is not a float type")
+
+
+def _kernel_fmt(w: PackedLinear, x: torch.Tensor):
+    """The Triton matmul's format id if it serves (x, w), else None."""
+    if w.fmt not in ("nvfp4", "int4") or backend(x) != "triton" or x.dtype != torch.bfloat16:
+        return None
+    from . import matmul_triton as mt
+
+    fmt = mt.FMT_NVFP4 if w.fmt == "nvfp4" else mt.FMT_INT4
+    return fmt if mt.check_k(w.shape[1], fmt, w.group_size) else None
+
+
+def reference_qmatmul(x: torch.Tensor, w: PackedLinear, expert: int | None = None) -> torch.Tensor:
+    """x @ dequant(W).T in fp32 from the reference dequantization, cast to x.dtype."""
+    q = unpack(w, expert)
+    xf = x.to(torch.float32)
+    if w.fmt == "fp8_block":
+        xf = _fp8_block.dequantize(_fp8_block.quantize(x, block=_fp8_block.ACTIVATION_BLOCK))
+    return (xf @ dequantize(q).to(xf.device).T).to(x.dtype)
+
+
+def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequant(W).T for a quantized weight W [N, K]."""
+    w = _as_packed(w)
+    if w.num_experts:
+        raise ValueError("qmatmul: got a stack of experts; use moe_qmatmul")
+    _check_x(x, w.shape[1], "qmatmul")
+    fmt = _kernel_fmt(w, x)
+    if fmt is not None:
+        from . import matmul_triton as mt
+
+        return mt.w4a16_matmul(x, w.codes, w.scales, w.global_scale, fmt, w.group_size)
+    if w.fmt == "fp8_block" and backend(x) == "triton":
+        y = _scaled_mm_fp8_block(x, w.quantized[0])
+        if y is not None:
+            return y
+    return reference_qmatmul(x, w)
+
+
+def moe_qmatmul(x: torch.Tensor, w: PackedLinear, topk_ids: torch.Tensor) -> torch.Tensor:
+    """y [T, topk, N]: y[t, j] = x[t] @ dequant(W[topk_ids[t, j]]).T, every expert in one launch on GPU."""
+    if not w.num_experts:
+        raise ValueError("moe_qmatmul: w must be a stack of experts (pack_experts)")
+    _check_x(x, w.shape[1], "moe_qmatmul")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_qmatmul: topk_ids must be [T={x.shape[0]}, topk], got {tuple(topk_ids.shape)}")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= w.num_experts):
+        raise ValueError(f"moe_qmatmul: expert ids must lie in [0, {w.num_experts})")
+    fmt = _kernel_fmt(w, x)
+    if fmt is not None:
+        from . import matmul_triton as mt
+
+        return mt.moe_w4a16_matmul(x, w.codes, w.scales, w.global_scale, topk_ids, fmt, w.group_size)
+    t, topk = topk_ids.shape
+    y = torch.empty(t, topk, w.shape[0], dtype=x.dtype, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        rows, slots = torch.nonzero(topk_ids == e, as_tuple=True)
+        y[rows, slots] = reference_qmatmul(x[rows], w, expert=e)
+    return y
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_state(device_index: int) -> dict:
+    return {"ok": None}
+
+
+def _scaled_mm_fp8_block(x: torch.Tensor, wq) -> torch.Tensor | None:
+    """W8A8 fp8 block matmul through cuBLAS (torch scaled_mm, 1x128 x 128x128 scales).
+
+    Returns None where this torch/GPU does not support blockwise scaling (then the caller
+    uses the dequantized reference path). cuBLAS wants the token count a multiple of 4, the
+    activation scales outer-dim-major and the weight's K blocks a multiple of 4."""
+    state = _scaled_mm_state(x.device.index or 0)
+    n, k = wq.shape
+    if state["ok"] is False or wq.block != (128, 128) or n % 128 or k % 128:
+        return None
+    m = x.shape[0]
+    xp = torch.nn.functional.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    xq = quantize("fp8_block", xp.to(torch.bfloat16), block=(1, 128), check_finite=False)
+    kb = k // 128
+    s_b = wq.scale_inv
+    if kb % 4:
+        s_b = torch.nn.functional.pad(s_b, (0, -kb % 4))
+    s_a = xq.scale_inv.t().contiguous().t()
+    try:
+        F = torch.nn.functional
+        if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+            y = F.scaled_mm(xq.codes, wq.codes.t(), s_a, F.ScalingType.BlockWise1x128, s_b.t(),
+                            F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+        else:
+            y = torch._scaled_mm(xq.codes, wq.codes.t(), s_a, s_b.t(), out_dtype=x.dtype)
+        state["ok"] = True
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        state["ok"] = False
+        return None
+    return y[:m]
+
+
+__all__ = [
+    "PackedLinear", "backend", "dequantize", "fake_quant", "moe_qmatmul", "pack", "pack_experts",
+    "qmatmul", "quantize", "reference_qmatmul", "to_device", "unpack",
+]

@@ -1,0 +1,395 @@
+"""Weight-only 4-bit matmul for decoding: y = x @ dequant(W).T with bf16 x, on CUDA via Triton.
+
+W is nvfp4 (tensor scope) or int4 (groups along K), dequantized in registers (never written
+out in bf16) and fed to the tensor cores with x:
+
+- nvfp4: two codes at a time become bf16 bit patterns worth e2m1 * 2^-126 (bit moves only: the
+  nibble's e1 e0 m bits land on bf16 bits 6-8, which makes the E2M1 subnormal 0.5 the bf16
+  subnormal 2^-127), and one bf16x2 multiply by sf * 2^119 gives e2m1 * sf * 2^-7, exact in
+  bf16 (at most 6 significant bits, magnitude in [2^-17, 21]). The fp32 accumulator is
+  multiplied by 2^7 * S_dec at the end, so the tensor cores see the reference dequantization
+  up to one fp32 factor applied after the sum.
+- int4: the nibble goes into the mantissa of bf16 128 (0x4300 | n = 128 + n), one bf16x2 FMA
+  subtracts 136 (exact), one bf16x2 multiply by the group scale rounds q * s to bf16 once:
+  exactly `dequantize(W).to(bf16)`, as Marlin-style W4A16 kernels define it.
+
+Kernel layout (`bitmath.repack`, done once per weight by `policy.kernels.pack`): the transported
+codes (byte j = elements 2j, 2j+1) are regrouped into int32 words, two per 16-element block;
+word h of block b holds, in nibbles j and j+4 (j = 0..3), elements 16b + 4j + 2h and
+16b + 4j + 2h + 1. One shift + mask then puts a pair of K-consecutive codes in the two 16-bit
+lanes of a register, so four bf16x2 values (P_0..P_3) come out of each word with no byte
+shuffling, and P_j across a tile is a dense [BN, BK/4] operand whose K index is
+16 * (c // 4) + 4j + c % 4: x is loaded in that order (8-byte pieces) for the j-th of four dots.
+
+The tile is [BN weight rows] x [BM tokens] ("swap AB": weights are the wide operand of the
+dot, tokens the narrow one), with BM = 16 for every M. Each token's output is computed the
+same way whatever M is (no split-K, fixed K order), so a row's result does not depend on the
+batch it came in: the batch-invariance DESIGN.md asks of the rollout engine.
+
+MoE: all routed experts of one layer run in one launch. Expert weights are stacked
+[E, N, K/8]; tokens are grouped by expert into 16-row blocks (`moe_align`, torch ops, no host
+sync, CUDA-graph safe), and each program multiplies one block of tokens by one BN-row tile of
+its expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .routing import BLOCK_M, moe_align
+
+FMT_NVFP4 = 0
+FMT_INT4 = 1
+
+# Four bf16x2 outputs from one word of eight codes: P_j from nibbles j (low lane) and j+4
+# (high lane), scaled by the bf16x2 scale word $5.
+_NVFP4_ASM = tl.constexpr("""
+{
+.reg .b32 u, s, nz;
+mov.b32 nz, 0x80008000;
+shl.b32 u, $4, 6;
+and.b32 u, u, 0x03C003C0;
+and.b32 s, u, 0x02000200;
+mad.lo.u32 u, s, 63, u;
+fma.rn.bf16x2 $0, u, $5, nz;
+shl.b32 u, $4, 2;
+and.b32 u, u, 0x03C003C0;
+and.b32 s, u, 0x02000200;
+mad.lo.u32 u, s, 63, u;
+fma.rn.bf16x2 $1, u, $5, nz;
+shr.b32 u, $4, 2;
+and.b32 u, u, 0x03C003C0;
+and.b32 s, u, 0x02000200;
+mad.lo.u32 u, s, 63, u;
+fma.rn.bf16x2 $2, u, $5, nz;
+shr.b32 u, $4, 6;
+and.b32 u, u, 0x03C003C0;
+and.b32 s, u, 0x02000200;
+mad.lo.u32 u, s, 63, u;
+fma.rn.bf16x2 $3, u, $5, nz;
+}
+""")
+
+_INT4_ASM = tl.constexpr("""
+{
+.reg .b32 u, one, n136, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 n136, 0xC308C308;
+mov.b32 nz, 0x80008000;
+and.b32 u, $4, 0x000F000F;
+or.b32 u, u, 0x43004300;
+fma.rn.bf16x2 u, u, one, n136;
+fma.rn.bf16x2 $0, u, $5, nz;
+shr.b32 u, $4, 4;
+and.b32 u, u, 0x000F000F;
+or.b32 u, u, 0x43004300;
+fma.rn.bf16x2 u, u, one, n136;
+fma.rn.bf16x2 $1, u, $5, nz;
+shr.b32 u, $4, 8;
+and.b32 u, u, 0x000F000F;
+or.b32 u, u, 0x43004300;
+fma.rn.bf16x2 u, u, one, n136;
+fma.rn.bf16x2 $2, u, $5, nz;
+shr.b32 u, $4, 12;
+and.b32 u, u, 0x000F000F;
+or.b32 u, u, 0x43004300;
+fma.rn.bf16x2 u, u, one, n136;
+fma.rn.bf16x2 $3, u, $5, nz;
+}
+""")
+
+
+@triton.jit
+def _lanes(o, BN: tl.constexpr, BK: tl.constexpr):
+    """int32 [BN, BK/8] words of two bf16 (low lane first) -> bf16 [BN, BK/4]."""
+    lo = (o & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (o >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+
+
+@triton.jit
+def _plain_pair(q, j: tl.constexpr, f, FMT: tl.constexpr):
+    """USE_ASM=False: the same bf16 values as the PTX, with ordinary Triton ops (cross-check)."""
+    c_lo = (q >> (4 * j)) & 0xF
+    c_hi = (q >> (4 * j + 16)) & 0xF
+    if FMT == 0:
+        # E2M1 value via the fp16 bit trick (exact), times sf * 2^-7 (f holds sf as fp32).
+        v_lo = (((c_lo & 7) << 9) | ((c_lo & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        v_hi = (((c_hi & 7) << 9) | ((c_hi & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        lo = (v_lo * 16384.0 * (f * 0.0078125)).to(tl.bfloat16)
+        hi = (v_hi * 16384.0 * (f * 0.0078125)).to(tl.bfloat16)
+    else:
+        lo = ((c_lo - 8).to(tl.float32) * f).to(tl.bfloat16)
+        hi = ((c_hi - 8).to(tl.float32) * f).to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr,
+    M, N, K, stride_xm, stride_ym, stride_wn, stride_sn,
+    pair_ptr, block_expert_ptr, num_blocks_ptr, stride_we, stride_se, ws_ptr, lock_ptr,
+    FMT: tl.constexpr, G: tl.constexpr, MOE: tl.constexpr, TOPK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """w: int32 words [N, K/8] (kernel layout), stride_wn = K/8; s: nvfp4 e4m3 bytes [N, K/16]
+    or int4 bf16 [N, K/G], stride_sn = its row length (separate args so the launcher's
+    divisible-by-16 specialization gives vector loads).
+
+    SPLIT > 1 splits K over program_id(2): each program writes its fp32 partial tile to ws, and
+    the last of a tile's SPLIT programs to arrive (a counter in lock, acq_rel) adds the
+    partials in the fixed order 0..SPLIT-1 and writes y: deterministic, and the same for every
+    M. Decode has too few output tiles to keep the GPU's warps busy without it."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    tok = tl.arange(0, BM)
+    if MOE:
+        if pid_m >= tl.load(num_blocks_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair = tl.load(pair_ptr + pid_m * BM + tok)  # -1 pads the block
+        rmask = pair >= 0
+        x_row = tl.where(rmask, pair // TOPK, 0)
+        y_row = tl.where(rmask, pair, 0)
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
+        gs_ptr += expert
+    else:
+        rows = pid_m * BM + tok
+        rmask = rows < M
+        x_row = rows
+        y_row = rows
+
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < N
+    n64 = n.to(tl.int64)
+    NB: tl.constexpr = BK // 16
+    w_base = w_ptr + n64[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # [BN, BK/8]
+    c = tl.arange(0, BK // 4)
+    x_k = 16 * (c // 4) + (c % 4)  # K offset of operand column c, for j = 0
+    x_base = x_ptr + x_row.to(tl.int64)[None, :] * stride_xm + x_k[:, None]  # [BK/4, BM]
+    xmask = rmask[None, :]
+
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    tiles_per_split = tl.cdiv(K // BK, SPLIT)
+    k_lo = pid_s * tiles_per_split * BK
+    k_hi = tl.minimum(K, k_lo + tiles_per_split * BK)
+    for k0 in range(k_lo, k_hi, BK):
+        q = tl.load(w_base + k0 // 8, mask=nmask[:, None], other=0)
+        if FMT == 0:
+            sb = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // 16 + tl.arange(0, NB)[None, :]),
+                         mask=nmask[:, None], other=0)
+            sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, NB]
+            if USE_ASM:
+                fb = (sf * 6.646139978924579e35).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                f = fb | (fb << 16)  # sf * 2^119 in both lanes
+            else:
+                f = sf
+        else:
+            if G <= BK:
+                ng = tl.arange(0, BK // G)
+                sg = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // G + ng[None, :]), mask=nmask[:, None], other=0.0)
+                sg = tl.reshape(tl.broadcast_to(sg[:, :, None], (BN, BK // G, G // 16)), (BN, NB))
+            else:
+                sg = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 + tl.arange(0, NB)[None, :] * 16) // G,
+                             mask=nmask[:, None], other=0.0)
+            if USE_ASM:
+                fb = sg.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                f = fb | (fb << 16)
+            else:
+                f = sg.to(tl.float32)
+        # One scale per 16-block = per two words.
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, NB, 2)), (BN, BK // 8))
+        if USE_ASM:
+            if FMT == 0:
+                p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                    _NVFP4_ASM, "=r,=r,=r,=r,r,r", [q, f], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True, pack=1)
+            else:
+                p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                    _INT4_ASM, "=r,=r,=r,=r,r,r", [q, f], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True, pack=1)
+            u0 = _lanes(p0, BN, BK)
+            u1 = _lanes(p1, BN, BK)
+            u2 = _lanes(p2, BN, BK)
+            u3 = _lanes(p3, BN, BK)
+        else:
+            lo, hi = _plain_pair(q, 0, f, FMT)
+            u0 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+            lo, hi = _plain_pair(q, 1, f, FMT)
+            u1 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+            lo, hi = _plain_pair(q, 2, f, FMT)
+            u2 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+            lo, hi = _plain_pair(q, 3, f, FMT)
+            u3 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+        acc = tl.dot(u0, tl.load(x_base + k0, mask=xmask, other=0.0), acc)
+        acc = tl.dot(u1, tl.load(x_base + (k0 + 4), mask=xmask, other=0.0), acc)
+        acc = tl.dot(u2, tl.load(x_base + (k0 + 8), mask=xmask, other=0.0), acc)
+        acc = tl.dot(u3, tl.load(x_base + (k0 + 12), mask=xmask, other=0.0), acc)
+
+    y = y_ptr + y_row.to(tl.int64)[None, :] * stride_ym + n64[:, None]
+    ymask = nmask[:, None] & rmask[None, :]
+    if SPLIT == 1:
+        _store_tile(acc, y, ymask, gs_ptr, FMT)
+    else:
+        tile = pid_m * tl.num_programs(0) + pid_n
+        t_ofs = tl.arange(0, BN)[:, None] * BM + tok[None, :]
+        base = ws_ptr + tile.to(tl.int64) * (SPLIT * BN * BM) + t_ofs
+        tl.store(base + pid_s * (BN * BM), acc)
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:
+            total = tl.load(base, cache_modifier=".cg")
+            for s_i in tl.static_range(1, SPLIT):
+                total += tl.load(base + s_i * (BN * BM), cache_modifier=".cg")
+            _store_tile(total, y, ymask, gs_ptr, FMT)
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
+
+
+@triton.jit
+def _store_tile(acc, y, ymask, gs_ptr, FMT: tl.constexpr):
+    if FMT == 0:
+        acc = acc * (tl.load(gs_ptr) * 128.0)
+    tl.store(y, acc.to(y.dtype.element_ty), mask=ymask)
+
+
+# Config per weight shape (BN, BK, num_warps, num_stages, SPLIT), chosen on the H200 by
+# bench/bench_kernels.py --tune; a fixed table (never per M) keeps results batch-invariant and
+# identical from one process to the next. num_warps = BN / 16: one warp per 16 weight rows.
+# MoE launches already have one tile row per routed expert, so they default to no split.
+# Values: `BENCH_ARGS="--tune --tune-quant" bash bench/run_device.sh` on the H200, 2026-11-29.
+DEFAULT_CONFIG = (32, 256, 2, 2, 4)
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (8192, 8192): (32, 256, 2, 2, 4),
+    (4096, 4096): (32, 256, 2, 2, 8),
+    (1536, 2048): (32, 256, 2, 2, 8),
+    (2048, 768): (32, 256, 2, 2, 4),
+}
+MOE_DEFAULT_CONFIG = (32, 256, 2, 3, 1)
+MOE_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (1536, 2048): (32, 256, 2, 3, 1),
+    (2048, 768): (32, 256, 2, 3, 1),
+}
+
+
+def pick_config(n: int, k: int, fmt: int, group: int, moe: bool = False):
+    table, default = (MOE_CONFIGS, MOE_DEFAULT_CONFIG) if moe else (CONFIGS, DEFAULT_CONFIG)
+    bn, bk, warps, stages, split = table.get((n, k), default)
+    while bk > 64 and k % bk:
+        bk //= 2
+    return bn, bk, warps, stages, max(1, min(split, k // bk))
+
+
+_WORKSPACE: dict = {}
+
+
+def _workspace(device, tiles: int, split: int, bn: int):
+    """fp32 partial tiles and zeroed arrival counters for split-K, grown on demand, per device."""
+    ws, locks = _WORKSPACE.get(device, (None, None))
+    need = tiles * split * bn * BLOCK_M
+    if ws is None or ws.numel() < need or locks.numel() < tiles:
+        ws = torch.empty(max(need, 1), dtype=torch.float32, device=device)
+        locks = torch.zeros(max(tiles, 1), dtype=torch.int32, device=device)
+        _WORKSPACE[device] = (ws, locks)
+    return ws, locks
+
+
+def _scale_view(scales: torch.Tensor) -> torch.Tensor:
+    """nvfp4 block scales travel as float8_e4m3fn; the kernel reads their bytes."""
+    return scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
+
+
+def check_k(k: int, fmt: int, group: int) -> bool:
+    """Shapes the kernel covers: K a multiple of 64; int4 groups a multiple of 16."""
+    return k % 64 == 0 and (fmt == FMT_NVFP4 or group % 16 == 0)
+
+
+def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config=None, use_asm=True, out=None):
+    """y [M, N] = x [M, K] @ dequant(W).T; words int32 [N, K/8] (kernel layout, see `bitmath.repack`)."""
+    m, k = x.shape
+    n = words.shape[0]
+    bn, bk, warps, stages, split = config or pick_config(n, k, fmt, group)
+    scales = _scale_view(scales)
+    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    gs = global_scale if global_scale is not None else y  # unused for int4
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, BLOCK_M), split)
+    ws, locks = _workspace(x.device, grid[0] * grid[1], split, bn)
+    _w4a16_kernel[grid](
+        x, words, scales, gs, y, m, n, k, x.stride(0), y.stride(0), words.stride(0), scales.stride(0),
+        y, y, y, 0, 0, ws, locks,
+        FMT=fmt, G=group, MOE=False, TOPK=1, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split,
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_blocks_ptr, P,
+                      E: tl.constexpr, EP: tl.constexpr, PB: tl.constexpr, MAXB: tl.constexpr,
+                      MAXBP: tl.constexpr, BM: tl.constexpr):
+    """`moe_align` in one program: histogram, prefix sums, a stable sort of (expert, pair) keys,
+    and the scatter into 16-row blocks. EP > E, PB >= P, MAXBP >= MAXB are powers of two."""
+    p = tl.arange(0, PB)
+    e = tl.load(ids_ptr + p, mask=p < P, other=E).to(tl.int32)  # padding sorts last, bin E
+    eb = tl.arange(0, EP)
+    counts = tl.where(eb < E, tl.histogram(e, EP), 0)
+    blocks_per = (counts + BM - 1) // BM
+    block_end = tl.cumsum(blocks_per, 0)
+    block_start = block_end - blocks_per
+    first = tl.cumsum(counts, 0) - counts
+    key = tl.sort(e * PB + p)  # stable by construction: ties broken by pair index
+    se = key // PB
+    i = tl.arange(0, PB)
+    slot = tl.gather(block_start, se, 0) * BM + (i - tl.gather(first, se, 0))
+    every = tl.arange(0, MAXBP * BM)
+    tl.store(pairs_ptr + every, tl.full([MAXBP * BM], -1, tl.int32), mask=every < MAXB * BM)
+    tl.debug_barrier()
+    tl.store(pairs_ptr + slot, key % PB, mask=i < P)
+    b = tl.arange(0, MAXBP)
+    be = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + b, tl.minimum(be, E - 1), mask=b < MAXB)
+    tl.store(num_blocks_ptr, tl.sum(blocks_per, 0))
+
+
+def moe_align_fast(topk_ids: torch.Tensor, num_experts: int):
+    """Same result as `moe_align`, from one small Triton program (decode sizes), else torch."""
+    p = topk_ids.numel()
+    max_blocks = min(p, num_experts) + p // BLOCK_M
+    pb = triton.next_power_of_2(max(p, 16))
+    maxbp = triton.next_power_of_2(max(max_blocks, 16))
+    ep = triton.next_power_of_2(num_experts + 1)
+    if pb > 2048 or maxbp * ep > 65536:
+        return moe_align(topk_ids, num_experts)
+    dev = topk_ids.device
+    pairs = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
+    _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), pairs, block_expert, num_blocks, p,
+                            E=num_experts, EP=ep, PB=pb, MAXB=max_blocks, MAXBP=maxbp, BM=BLOCK_M, num_warps=8)
+    return pairs, block_expert, num_blocks, max_blocks
+
+
+def moe_w4a16_matmul(x, codes, scales, global_scale, topk_ids, fmt: int, group: int, *, config=None,
+                     use_asm=True, align=None):
+    """y [T, topk, N]: token t times the weights of each of its routed experts.
+
+    words int32 [E, N, K/8] (kernel layout), scales [E, N, K/16 or K/G], global_scale fp32 [E] (nvfp4)."""
+    t, k = x.shape
+    e, n, _ = codes.shape
+    topk = topk_ids.shape[1]
+    pairs, block_expert, num_blocks, max_blocks = align or moe_align_fast(topk_ids, e)
+    bn, bk, warps, stages, split = config or pick_config(n, k, fmt, group, moe=True)
+    scales = _scale_view(scales)
+    y = torch.empty(t * topk, n, dtype=x.dtype, device=x.device)
+    gs = global_scale if global_scale is not None else y
+    grid = (triton.cdiv(n, bn), max_blocks, split)
+    ws, locks = _workspace(x.device, grid[0] * grid[1], split, bn)
+    _w4a16_kernel[grid](
+        x, codes, scales, gs, y, t * topk, n, k, x.stride(0), y.stride(0), codes.stride(1), scales.stride(1),
+        pairs, block_expert, num_blocks, codes.stride(0), scales.stride(0), ws, locks,
+        FMT=fmt, G=group, MOE=True, TOPK=topk, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split,
+        num_warps=warps, num_stages=stages,
+    )
+    return y.view(t, topk, n)

@@ -1,0 +1,460 @@
+"""Triton quantization kernels that reproduce `policy.formats` byte for byte on CUDA.
+
+One kernel per format (nvfp4, mxfp8, int4, fp8_block) plus a tensor-wide amax reduction for
+nvfp4's tensor scope. The order of operations is DESIGN.md's contract, literally; what makes
+the bytes equal to the CPU reference is how each step is lowered:
+
+- Inputs are read as raw bits: a bf16 value becomes fp32 by a 16-bit shift, an fp32 value is
+  loaded as int32. Absolute values, block maxima and the sign test run on the integer bits, so
+  a flush-to-zero anywhere cannot change them (max |x| of non-negative floats is the max of
+  their bit patterns).
+- Every fp32 multiply and divide that feeds a stored byte is inline PTX `mul.rn.f32` /
+  `div.rn.f32` without `.ftz`: IEEE subnormals are kept (S_dec and block scales can be
+  subnormal), no multiply is contracted into an FMA, and the division is correctly rounded.
+  Triton's `tl.math.div_rn` goes through libdevice, whose FTZ flag Triton sets, so it is not
+  used here.
+- fp32 -> E4M3 is Triton's conversion (`cvt.rn.satfinite.e4m3x2.f32` on sm_89+): round to
+  nearest even, IEEE subnormals; the reference's clamps come first so saturation never matters.
+- fp32 -> bf16 (int4 scales) is `cvt.rn.bf16.f32`; rint is `cvt.rni.f32.f32` (ties to even).
+- E2M1 rounding has no hardware instruction on Hopper; it is one fp32 add with a magic constant
+  (see `policy.kernels.bitmath.e2m1_code`, the CPU transcription the unit tests check).
+
+Every kernel also folds max |bits| of what it read into a status word, so the caller can
+raise ValueError on non-finite input without a second pass over the data.
+
+Simplified: one program handles ROWS rows by CHUNK blocks; no persistent grid, no TMA. The
+shapes these run on are memory-bound and large enough that a plain grid saturates the chip.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Constants as exact fp32 values (each is the fp32 the reference's fp32(...) rounds to).
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1/6)
+ONE_OVER_448 = tl.constexpr(0.0022321429569274187)  # fp32(1/448)
+ONE_OVER_7 = tl.constexpr(0.1428571492433548)  # fp32(1/7)
+INT4_SCALE_FLOOR = tl.constexpr(9.999999747378752e-06)  # fp32(1e-5)
+NONFINITE_BITS = 0x7F800000  # |bits| >= this: inf or NaN
+NONFINITE = tl.constexpr(NONFINITE_BITS)
+
+_IN_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+# --------------------------------------------------------------------------- fp32 primitives
+
+
+@triton.jit
+def _mul_rn(a, b):
+    """IEEE fp32 a * b, round to nearest even, subnormals kept, never fused."""
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _div_rn(a, b):
+    """IEEE fp32 a / b, correctly rounded, subnormals kept."""
+    return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _rint(a):
+    """Round to the nearest integer, ties to even (fp32 -> fp32)."""
+    return tl.inline_asm_elementwise("cvt.rni.f32.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _as_f32(bits):
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_bits(x_ptr, offs, mask, IN_KIND: tl.constexpr):
+    """fp32 bit patterns (int32) of the input elements at `offs`; masked lanes read +0."""
+    if IN_KIND == 0:  # bf16 passed as int16: the fp32 pattern is the 16 bits shifted up
+        v = tl.load(x_ptr + offs, mask=mask, other=0)
+        bits = v.to(tl.int32) << 16
+    elif IN_KIND == 1:  # fp16: every fp16 value is a normal fp32, the convert is exact
+        v = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        bits = v.to(tl.float32).to(tl.int32, bitcast=True)
+    else:  # fp32 passed as int32
+        bits = tl.load(x_ptr + offs, mask=mask, other=0)
+    return bits
+
+
+@triton.jit
+def _e4m3(v, SW: tl.constexpr):
+    """fp32 (already clamped to [-448, 448]) -> E4M3 byte (uint8), round to nearest even.
+
+    SW=False: Triton's conversion (hardware cvt on sm_89+). SW=True: the same rounding done on
+    the bits (subnormal range by a magic add with ulp 2^-9, normal range by the usual
+    add-half-ulp-and-truncate); kept as a cross-check and a fallback.
+    """
+    if SW:
+        bits = v.to(tl.int32, bitcast=True)
+        a = bits & 0x7FFFFFFF
+        sign = (bits >> 24) & 0x80
+        sub = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - 0x46800000
+        norm = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+        code = tl.where(a < 0x3C800000, sub, norm) | sign
+        return code.to(tl.uint8)
+    else:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(byte):
+    """E4M3 byte -> fp32 value (exact)."""
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_code(a, x_bits):
+    """E2M1 code of a = min(|x| * enc, 6); see policy.kernels.bitmath.e2m1_code."""
+    a_bits = a.to(tl.int32, bitcast=True)
+    e = tl.maximum(a_bits, 0x3F800000) >> 23
+    m_bits = (e << 23) + (22 << 23)
+    r = a + m_bits.to(tl.float32, bitcast=True)
+    code = r.to(tl.int32, bitcast=True) - m_bits + 2 * (e - 127)
+    negative = x_bits.to(tl.uint32, bitcast=True) > 0x80000000
+    return tl.where(negative, code | 8, code)
+
+
+# --------------------------------------------------------------------------- nvfp4
+
+
+@triton.jit
+def _amax_bits_kernel(x_ptr, status_ptr, numel, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """status = max(status, max |bits| of x): the tensor amax (non-finite shows as >= 0x7F800000).
+
+    A grid of a few programs per SM strides over the tensor, so only a few hundred atomics hit
+    the one status word (same-address atomics serialize in L2)."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(pid.to(tl.int64) * BLOCK, numel, step):
+        offs = start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, _load_bits(x_ptr, offs, offs < numel, IN_KIND) & 0x7FFFFFFF)
+    tl.atomic_max(status_ptr, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _flag_nonfinite(status_ptr, max_bits):
+    """Mark the status word only when something non-finite was read: a store that normally never
+    happens, instead of an atomic per program on one address."""
+    tl.store(status_ptr, NONFINITE, mask=max_bits >= NONFINITE)
+
+
+@triton.jit
+def _nvfp4_kernel(
+    x_ptr, codes_ptr, sf_ptr, gs_ptr, amax_ptr, status_ptr, M, K,
+    IN_KIND: tl.constexpr, ROW_SCOPE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+    SINGLE: tl.constexpr, E4M3_SW: tl.constexpr,
+):
+    """ROWS rows per program; CHUNK 16-element blocks per step along K (SINGLE: one step).
+
+    Row scope: one program owns whole rows (the row amax needs all of it first). Tensor scope:
+    the amax is already known, so the grid also splits K (program_id(1) = chunk)."""
+    pid = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r = pid * ROWS + tl.arange(0, ROWS)
+    rmask = r < M
+    r64 = r.to(tl.int64)
+    nblocks = K // 16
+    b = tl.arange(0, CHUNK)
+    e = tl.arange(0, 16)
+
+    if SINGLE:
+        m3 = rmask[:, None, None] & (b < nblocks)[None, :, None]
+        offs = r64[:, None, None] * K + (b[None, :, None] * 16 + e[None, None, :])
+        bits0 = _load_bits(x_ptr, offs, m3, IN_KIND)
+        ab0 = bits0 & 0x7FFFFFFF
+        bmax0 = tl.max(ab0, axis=2)  # [ROWS, CHUNK]
+
+    if ROW_SCOPE:
+        if SINGLE:
+            amax_bits = tl.max(bmax0, axis=1)
+        else:
+            amax_bits = tl.zeros([ROWS], dtype=tl.int32)
+            for c in range(0, nblocks, CHUNK):
+                blk = c + b
+                m3 = rmask[:, None, None] & (blk < nblocks)[None, :, None]
+                offs = r64[:, None, None] * K + (blk[None, :, None] * 16 + e[None, None, :])
+                bits = _load_bits(x_ptr, offs, m3, IN_KIND)
+                amax_bits = tl.maximum(amax_bits, tl.max(tl.max(bits & 0x7FFFFFFF, axis=2), axis=1))
+        _flag_nonfinite(status_ptr, tl.max(amax_bits, axis=0))
+    else:
+        amax_bits = tl.load(amax_ptr + r * 0)  # the tensor amax, broadcast to every row
+
+    amax = _as_f32(amax_bits)
+    s_enc = tl.minimum(_div_rn(tl.full([ROWS], 2688.0, tl.float32), amax), FLT_MAX)
+    s_enc = tl.where(amax_bits == 0, 1.0, s_enc)
+    s_dec = _div_rn(tl.full([ROWS], 1.0, tl.float32), s_enc)
+    kk = _mul_rn(s_enc, tl.full([ROWS], ONE_SIXTH, tl.float32))
+    if ROW_SCOPE:
+        tl.store(gs_ptr + r, s_dec, mask=rmask)
+        c_start = 0
+        c_end = nblocks
+    else:
+        tl.store(gs_ptr + r * 0, s_dec, mask=rmask & (r == 0) & (pid_c == 0))
+        c_start = pid_c * CHUNK
+        c_end = c_start + CHUNK
+
+    for c in range(c_start, c_end, CHUNK):
+        blk = c + b
+        bmask = rmask[:, None] & (blk < nblocks)[None, :]
+        if SINGLE:
+            bits = bits0
+            ab = ab0
+            bmax = bmax0
+        else:
+            m3 = bmask[:, :, None]
+            offs = r64[:, None, None] * K + (blk[None, :, None] * 16 + e[None, None, :])
+            bits = _load_bits(x_ptr, offs, m3, IN_KIND)
+            ab = bits & 0x7FFFFFFF
+            bmax = tl.max(ab, axis=2)
+        t = tl.minimum(_mul_rn(_as_f32(bmax), tl.broadcast_to(kk[:, None], [ROWS, CHUNK])), 448.0)
+        sf8 = _e4m3(t, E4M3_SW)
+        sf = _e4m3_value(sf8)
+        block_scale = _mul_rn(sf, tl.broadcast_to(s_dec[:, None], [ROWS, CHUNK]))
+        enc = tl.minimum(_div_rn(tl.full([ROWS, CHUNK], 1.0, tl.float32), block_scale), FLT_MAX)
+        a = tl.minimum(_mul_rn(_as_f32(ab), tl.broadcast_to(enc[:, :, None], [ROWS, CHUNK, 16])), 6.0)
+        code = _e2m1_code(a, bits)
+        lo, hi = tl.split(tl.reshape(code, (ROWS, CHUNK, 8, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        j = tl.arange(0, 8)
+        coffs = r64[:, None, None] * (K // 2) + (blk[None, :, None] * 8 + j[None, None, :])
+        tl.store(codes_ptr + coffs, packed, mask=bmask[:, :, None])
+        tl.store(sf_ptr + r64[:, None] * nblocks + blk[None, :], sf8, mask=bmask)
+
+
+# --------------------------------------------------------------------------- mxfp8
+
+
+@triton.jit
+def _mxfp8_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K,
+                  IN_KIND: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, E4M3_SW: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r = pid_r * ROWS + tl.arange(0, ROWS)
+    r64 = r.to(tl.int64)
+    nblocks = K // 32
+    blk = pid_c * CHUNK + tl.arange(0, CHUNK)
+    e32 = tl.arange(0, 32)
+    bmask = (r < M)[:, None] & (blk < nblocks)[None, :]
+    offs = r64[:, None, None] * K + (blk[None, :, None] * 32 + e32[None, None, :])
+    bits = _load_bits(x_ptr, offs, bmask[:, :, None], IN_KIND)
+    bmax = tl.max(bits & 0x7FFFFFFF, axis=2)
+    _flag_nonfinite(status_ptr, tl.max(tl.max(bmax, axis=1), axis=0))
+
+    d = _mul_rn(_as_f32(bmax), tl.full([ROWS, CHUNK], ONE_OVER_448, tl.float32))
+    d_bits = d.to(tl.int32, bitcast=True)
+    ex = (d_bits >> 23) & 0xFF
+    mant = d_bits & 0x7FFFFF
+    up = (mant != 0) & (ex != 254) & ((ex != 0) | (mant > 0x400000))
+    ex = ex + up.to(tl.int32)
+    n = 127 - ex
+    inv_bits = tl.where(n >= -126, (n + 127) << 23, 1 << 22)  # 2^n, 2^-127 is subnormal
+    v = _mul_rn(_as_f32(bits), tl.broadcast_to(_as_f32(inv_bits)[:, :, None], [ROWS, CHUNK, 32]))
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(codes_ptr + offs, _e4m3(v, E4M3_SW), mask=bmask[:, :, None])
+    tl.store(scales_ptr + r64[:, None] * nblocks + blk[None, :], ex.to(tl.uint8), mask=bmask)
+
+
+# --------------------------------------------------------------------------- int4
+
+
+@triton.jit
+def _int4_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K,
+                 IN_KIND: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r = pid_r * ROWS + tl.arange(0, ROWS)
+    r64 = r.to(tl.int64)
+    ngroups = K // G
+    grp = pid_c * CHUNK + tl.arange(0, CHUNK)
+    eg = tl.arange(0, G)
+    gmask = (r < M)[:, None] & (grp < ngroups)[None, :]
+    offs = r64[:, None, None] * K + (grp[None, :, None] * G + eg[None, None, :])
+    bits = _load_bits(x_ptr, offs, gmask[:, :, None], IN_KIND)
+    gmax = tl.max(bits & 0x7FFFFFFF, axis=2)
+    _flag_nonfinite(status_ptr, tl.max(tl.max(gmax, axis=1), axis=0))
+
+    s = tl.maximum(_mul_rn(_as_f32(gmax), tl.full([ROWS, CHUNK], ONE_OVER_7, tl.float32)), INT4_SCALE_FLOOR)
+    s16 = s.to(tl.bfloat16)
+    sf = s16.to(tl.float32)
+    q = _rint(_div_rn(_as_f32(bits), tl.broadcast_to(sf[:, :, None], [ROWS, CHUNK, G])))
+    q = tl.minimum(tl.maximum(q, -7.0), 7.0)
+    tl.store(codes_ptr + offs, q.to(tl.int8), mask=gmask[:, :, None])
+    tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], s16, mask=gmask)
+
+
+# --------------------------------------------------------------------------- fp8_block
+
+
+@triton.jit
+def _fp8_block_kernel(x_ptr, codes_ptr, sinv_ptr, status_ptr, M, K,
+                      IN_KIND: tl.constexpr, GR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                      E4M3_SW: tl.constexpr):
+    """GR blocks of (BM x BK), stacked along rows, per program: S = min(448 / amax, FLT_MAX),
+    code = e4m3(clamp(x * S)), scale_inv = 1 / S. (1 x 128 tiles: GR rows per program.)"""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    g = pid_r * GR + tl.arange(0, GR)  # row-block index
+    r = g[:, None] * BM + tl.arange(0, BM)[None, :]  # [GR, BM]
+    r64 = r.to(tl.int64)
+    k = pid_c * BK + tl.arange(0, BK)
+    mask = (r < M)[:, :, None] & (k < K)[None, None, :]
+    offs = r64[:, :, None] * K + k[None, None, :]
+    bits = _load_bits(x_ptr, offs, mask, IN_KIND)
+    amax_bits = tl.max(tl.max(bits & 0x7FFFFFFF, axis=2), axis=1)  # [GR]
+    _flag_nonfinite(status_ptr, tl.max(amax_bits, axis=0))
+    s = tl.minimum(_div_rn(tl.full([GR], 448.0, tl.float32), _as_f32(amax_bits)), FLT_MAX)
+    s = tl.where(amax_bits == 0, 1.0, s)
+    v = _mul_rn(_as_f32(bits), tl.broadcast_to(s[:, None, None], [GR, BM, BK]))
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    tl.store(codes_ptr + offs, _e4m3(v, E4M3_SW), mask=mask)
+    sinv = _div_rn(tl.full([GR], 1.0, tl.float32), s)
+    nrb = (M + BM - 1) // BM
+    tl.store(sinv_ptr + g.to(tl.int64) * (K // BK) + pid_c, sinv, mask=g < nrb)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _bits_view(x: torch.Tensor) -> torch.Tensor:
+    """The input as the pointer type the kernels read (bf16 -> int16, fp32 -> int32)."""
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16)
+    if x.dtype == torch.float32:
+        return x.view(torch.int32)
+    return x
+
+
+def _status(device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=None):
+    """-> (codes uint8 [M, K/2], block_scales fp8 [M, K/16], global_scale fp32, status int32 [1])."""
+    m, k = x.shape
+    nblocks = k // 16
+    codes = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
+    sf = torch.empty(m, nblocks, dtype=torch.float8_e4m3fn, device=x.device)
+    gs = torch.empty(m if scope == "row" else 1, dtype=torch.float32, device=x.device)
+    status = _status(x.device)
+    xv = _bits_view(x)
+    kind = _IN_KIND[x.dtype]
+    if scope == "tensor":
+        block = 4096
+        grid = min(triton.cdiv(x.numel(), block), 4 * _sm_count(x.device))
+        _amax_bits_kernel[(grid,)](xv, status, x.numel(), IN_KIND=kind, BLOCK=block, num_warps=8)
+    chunk, rows, single, warps = config or _nvfp4_config(m, nblocks, scope)
+    grid = (triton.cdiv(m, rows), 1 if scope == "row" else triton.cdiv(nblocks, chunk))
+    _nvfp4_kernel[grid](
+        xv, codes, sf.view(torch.uint8), gs, status, status, m, k,
+        IN_KIND=kind, ROW_SCOPE=scope == "row", ROWS=rows, CHUNK=chunk, SINGLE=single and scope == "row",
+        E4M3_SW=e4m3_sw, num_warps=warps,
+    )
+    return codes, sf, gs, status
+
+
+# (CHUNK blocks, ROWS, SINGLE, num_warps) for the row scope, by K/16 blocks; chosen on the H200
+# by bench/bench_kernels.py --tune-quant.
+NVFP4_ROW_CONFIG: dict[int, tuple[int, int, bool, int]] = {512: (512, 1, True, 4)}
+
+
+def _nvfp4_config(m: int, nblocks: int, scope: str):
+    if scope == "tensor":
+        chunk = min(_pow2_at_least(nblocks), 64)
+        return chunk, max(1, 64 // chunk), False, 4
+    if nblocks in NVFP4_ROW_CONFIG:
+        return NVFP4_ROW_CONFIG[nblocks]
+    # Rows up to K = 8192: the whole row in registers (one HBM read), several rows per program
+    # when they are short. Longer rows: two passes over K in chunks, the second read from L2.
+    # (Measured on the H200 at K = 8192: one pass with 4 warps beat 8 or 16 warps and every
+    # two-pass tiling; docs/benchmarks.md.)
+    if nblocks <= 64:
+        chunk = _pow2_at_least(nblocks)
+        return chunk, max(1, 64 // chunk), True, 4
+    if nblocks <= 512:
+        return _pow2_at_least(nblocks), 1, True, 4
+    return 128, 1, False, 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def mxfp8_quantize(x: torch.Tensor, e4m3_sw: bool = False, config=None):
+    """config: (elements per program, num_warps)."""
+    m, k = x.shape
+    nblocks = k // 32
+    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(m, nblocks, dtype=torch.uint8, device=x.device)
+    status = _status(x.device)
+    per_prog, warps = config or (2048, 4)
+    chunk = min(_pow2_at_least(nblocks), per_prog // 32)
+    rows = max(1, per_prog // 32 // chunk)
+    grid = (triton.cdiv(m, rows), triton.cdiv(nblocks, chunk))
+    _mxfp8_kernel[grid](_bits_view(x), codes.view(torch.uint8), scales, status, m, k,
+                        IN_KIND=_IN_KIND[x.dtype], ROWS=rows, CHUNK=chunk, E4M3_SW=e4m3_sw, num_warps=warps)
+    return codes, scales, status
+
+
+def int4_quantize(x: torch.Tensor, group_size: int, config=None):
+    """config: (elements per program, num_warps)."""
+    m, k = x.shape
+    ngroups = k // group_size
+    codes = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    scales = torch.empty(m, ngroups, dtype=torch.bfloat16, device=x.device)
+    status = _status(x.device)
+    elems, warps = config or (2048, 4)
+    per_prog = max(1, elems // group_size)
+    chunk = min(_pow2_at_least(ngroups), per_prog)
+    rows = max(1, per_prog // chunk)
+    grid = (triton.cdiv(m, rows), triton.cdiv(ngroups, chunk))
+    _int4_kernel[grid](_bits_view(x), codes, scales, status, m, k,
+                       IN_KIND=_IN_KIND[x.dtype], G=group_size, ROWS=rows, CHUNK=chunk, num_warps=warps)
+    return codes, scales, status
+
+
+def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int], e4m3_sw: bool = False):
+    m, k = x.shape
+    bm, bk = block
+    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    sinv = torch.empty(triton.cdiv(m, bm), k // bk, dtype=torch.float32, device=x.device)
+    status = _status(x.device)
+    nrb = triton.cdiv(m, bm)
+    gr = max(1, min(_pow2_at_least(nrb), 4096 // (bm * bk)))  # about 4K elements per program
+    warps = 8 if gr * bm * bk >= 8192 else 4
+    _fp8_block_kernel[(triton.cdiv(nrb, gr), k // bk)](_bits_view(x), codes.view(torch.uint8), sinv, status, m, k,
+                                                       IN_KIND=_IN_KIND[x.dtype], GR=gr, BM=bm, BK=bk,
+                                                       E4M3_SW=e4m3_sw, num_warps=warps)
+    return codes, sinv, status
+
+
+def kernel_supports(fmt: str, x: torch.Tensor, kw: dict) -> bool:
+    """Whether a Triton kernel covers this call (otherwise the dispatcher uses the reference)."""
+    if x.dim() != 2 or x.dtype not in _IN_KIND or x.shape[0] == 0:
+        return False
+    if fmt == "int4":
+        g = kw.get("group_size", 32)
+        return isinstance(g, int) and g >= 16 and g & (g - 1) == 0 and g <= 512
+    if fmt == "fp8_block":
+        block = kw.get("block", (128, 128))
+        if not isinstance(block, (tuple, list)) or len(block) != 2:
+            return False  # the reference raises the ValueError that names it
+        bm, bk = block
+        pow2 = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0 for v in (bm, bk))
+        return pow2 and bm * bk <= 16384 and bk >= 16
+    return fmt in ("nvfp4", "mxfp8")
