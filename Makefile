@@ -25,7 +25,7 @@ demo: venv redis
 	$(BIN)/tandem formats
 
 test: venv redis
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest -q
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit -q -m "not slow"

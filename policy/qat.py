@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from policy import formats
+from policy import formats, kernels
 from policy.model import QuantHook, Transformer
 from policy.recipe import Plan, Recipe
 
@@ -66,12 +66,12 @@ def _as_plan(model: Transformer, recipe: Recipe | Plan) -> Plan:
 def _quantize_param(entry, w: Tensor):
     """The quantized object of one parameter; 1-D parameters travel as a [1, N] matrix."""
     w2 = w.detach().reshape(1, -1) if w.ndim == 1 else w.detach()
-    return formats.get(entry.format).quantize(w2, **entry.kwargs)
+    return kernels.quantize(entry.format, w2, **entry.kwargs)
 
 
 def _effective(entry, w: Tensor) -> Tensor:
     """dequantize(quantize(w)) in w's dtype and shape: the value both sides compute with."""
-    return formats.get(entry.format).dequantize(_quantize_param(entry, w)).view(w.shape).to(w.dtype)
+    return kernels.dequantize(_quantize_param(entry, w)).view(w.shape).to(w.dtype)
 
 
 class ActivationQuantizer:
@@ -83,16 +83,18 @@ class ActivationQuantizer:
     """
 
     def __init__(self, plan: Plan):
-        self.sites = {e.name: (formats.get(e.format), e.kwargs) for e in plan.activations if e.format != "bf16"}
+        # (format, kwargs) per quantized site; policy.kernels runs the Triton kernel on CUDA tensors
+        # and the policy.formats reference elsewhere (the same bytes either way).
+        self.sites = {e.name: (e.format, e.kwargs) for e in plan.activations if e.format != "bf16"}
 
     def __call__(self, name: str, x: Tensor) -> Tensor:
         spec = self.sites.get(name)
         if spec is None:
             return x
-        module, kwargs = spec
+        fmt, kwargs = spec
         with torch.no_grad():
             x2 = x.detach().reshape(-1, x.shape[-1])
-            return module.fake_quant(x2, **kwargs).view(x.shape)
+            return kernels.fake_quant(fmt, x2, **kwargs).view(x.shape)
 
     def quantize_rows(self, names: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
         """x [sum(counts), K], chunk i (counts[i] rows) feeding site names[i] -> x̂, or None if no
@@ -104,9 +106,9 @@ class ActivationQuantizer:
         with torch.no_grad():
             x = x.detach()
             if all(s == specs[0] for s in specs):
-                module, kwargs = specs[0]
-                return module.fake_quant(x.reshape(-1, x.shape[-1]), **kwargs).view(x.shape)
-            return torch.cat([c if s is None else s[0].fake_quant(c, **s[1])
+                fmt, kwargs = specs[0]
+                return kernels.fake_quant(fmt, x.reshape(-1, x.shape[-1]), **kwargs).view(x.shape)
+            return torch.cat([c if s is None else kernels.fake_quant(s[0], c, **s[1])
                               for s, c in zip(specs, x.split(list(counts)))])
 
 
@@ -219,16 +221,9 @@ def quantize_weights(model: Transformer, recipe: Recipe | Plan) -> dict[str, obj
     return {n: _quantize_param(plan[n], p) for n, p in model.named_parameters()}
 
 
-_FORMAT_OF = {"BF16Tensor": "bf16", "FP8BlockTensor": "fp8_block", "MXFP8Tensor": "mxfp8",
-              "NVFP4Tensor": "nvfp4", "INT4Tensor": "int4"}
-
-
 def dequantize_packed(q) -> Tensor:
     """fp32 [M, K] values of one quantized object, whatever its format."""
-    name = _FORMAT_OF.get(type(q).__name__)
-    if name is None:
-        raise ValueError(f"not a policy.formats quantized tensor: {type(q).__name__}")
-    return formats.get(name).dequantize(q)
+    return formats.dequantize(q)
 
 
 @torch.no_grad()

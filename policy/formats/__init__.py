@@ -22,4 +22,21 @@ def get(name: str) -> ModuleType:
         raise ValueError(f"unknown quantization format {name!r}; known formats: {', '.join(FORMATS)}") from None
 
 
-__all__ = ["FORMATS", "SPEC_VERSION", "get", "bf16", "fp8_block", "int4", "mxfp8", "nvfp4"]
+_TYPES = {bf16.BF16Tensor: "bf16", fp8_block.FP8BlockTensor: "fp8_block", mxfp8.MXFP8Tensor: "mxfp8",
+          nvfp4.NVFP4Tensor: "nvfp4", int4.INT4Tensor: "int4"}
+
+
+def format_of(q) -> str:
+    """The format name of a quantized object; ValueError for anything else."""
+    name = _TYPES.get(type(q))
+    if name is None:
+        raise ValueError(f"not a policy.formats quantized tensor: {type(q).__name__}")
+    return name
+
+
+def dequantize(q):
+    """fp32 [M, K] values of a quantized object of any format."""
+    return get(format_of(q)).dequantize(q)
+
+
+__all__ = ["FORMATS", "SPEC_VERSION", "dequantize", "format_of", "get", "bf16", "fp8_block", "int4", "mxfp8", "nvfp4"]
