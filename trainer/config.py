@@ -11,7 +11,7 @@ class TrainerConfig:
     max_steps: int = 40
     groups_per_step: int = 8  # prompt groups consumed per optimizer step
     group_size: int = 8  # samples per prompt (GRPO group)
-    lr: float = 2e-3
+    lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -22,9 +22,9 @@ class TrainerConfig:
     backward: str = "hp"  # QAT straight-through mode: "hp" or "dequant"
     # publishing (max_staleness is the run's, RunConfig.max_staleness, shared with the rollouts)
     publish_every: int = 1
-    prompts_ahead: int = 0  # prompt groups kept queued; 0 = groups_per_step * (max_staleness + 2)
+    prompts_ahead: int = 0  # prompt groups queued or in flight; 0 = groups_per_step * (max_staleness + 1)
     # warm start: supervised steps on correct answers before RL, so the policy is sometimes right
-    warmstart_steps: int = 150
+    warmstart_steps: int = 600
     warmstart_batch: int = 64
     warmstart_lr: float = 3e-3
     # services
@@ -58,4 +58,7 @@ class TrainerConfig:
             raise ValueError("TrainerConfig: " + "; ".join(errors))
 
     def queued_groups(self, max_staleness: int) -> int:
-        return self.prompts_ahead or self.groups_per_step * (max_staleness + 2)
+        """Consumed first in, first out, a group queued behind Q others is used Q / groups_per_step
+        steps later: this many keeps fast rollouts from producing samples that are already too stale
+        (and with max_staleness=0 it is the synchronous loop: one step's groups, then wait)."""
+        return self.prompts_ahead or self.groups_per_step * (max_staleness + 1)
