@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from broker.codec import PromptGroup, Trajectory, sample_id_for
+from broker.health import ROLLOUT_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
@@ -55,13 +56,23 @@ class RolloutWorker:
         self._refused: int | None = None  # last version refused for its fingerprint (logged once)
         self.groups_done = 0
         self.stop = asyncio.Event()
+        # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
+        self.health = HealthServer(port=cfg.health_port, service=ROLLOUT_HEALTH)
+        if cfg.client_tls()["tls_root_ca_path"]:  # missing TLS files: fail at start, not at every fetch
+            PolicyClientConfig(address="tls-files-check:1", **cfg.client_tls())
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
+            loop.add_signal_handler(sig, self.request_stop)
+
+    def request_stop(self) -> None:
+        self.health.set_serving(False)
+        self.stop.set()
 
     async def run(self) -> int:
+        if self.health.start() is not None:
+            self.log(f"{self.worker_id}: health (grpc.health.v1) on {self.health.host}:{self.health.port}")
         self.redis = connect(self.redis_url)
         registry = PolicyRegistry(self.redis, self.keys)
         queue = PromptQueue(self.redis, self.keys, consumer=self.worker_id, config=StreamConfig(
@@ -94,6 +105,7 @@ class RolloutWorker:
             self.stop.set()
             await beats
             await self.redis.aclose()
+            self.health.stop()
 
     async def _try_load(self, pointer: PolicyPointer | None) -> bool:
         """Load `pointer`'s version; False (logged) when it is not for our contract or not reachable
@@ -118,7 +130,7 @@ class RolloutWorker:
         """Fetch and verify a version (in a thread: the gRPC client is blocking), then swap it in."""
         def fetch():
             cfg = PolicyClientConfig(address=pointer.address, expected_fingerprint=self.fingerprint,
-                                     fetch_timeout_s=self.cfg.fetch_timeout_s)
+                                     fetch_timeout_s=self.cfg.fetch_timeout_s, **self.cfg.client_tls())
             with PolicyClient(cfg) as client:
                 return client.fetch(pointer.version)
 
@@ -127,6 +139,7 @@ class RolloutWorker:
         qat.load_packed(self.model, fetched.tensors)
         qat.install_activation_quant(self.model, self.recipe)
         self.version = fetched.version
+        self.health.set_serving(not self.stop.is_set())
         self.log(f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
                  f"{time.perf_counter() - t0:.2f}s)")
 

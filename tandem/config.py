@@ -9,11 +9,13 @@ keys by their full dotted path, so a typo never silently falls back to a default
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import yaml
 
@@ -34,7 +36,7 @@ class ModelSection:
 @dataclass(frozen=True, kw_only=True)
 class TaskSection:
     name: str = "addition"
-    digits: int = 2
+    digits: int = 1
 
     def __post_init__(self):
         if self.name != "addition":
@@ -142,14 +144,60 @@ def dump(cfg: RunConfig) -> str:
     return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)
 
 
-def env_overrides() -> list[str]:
-    """Settings a deployment provides through the environment (Kubernetes Secrets/ConfigMaps):
-    TANDEM_REDIS_URL, and TANDEM_RUN_ID; they override the YAML file."""
+# What a deployment provides per pod, through the environment (Kubernetes: Secrets, ConfigMaps,
+# mounted files): variable -> config key. Applied after the YAML file, before command-line overrides.
+# The commands themselves read TANDEM_CONFIG, TANDEM_RUN_DIR and TANDEM_WORKER_ID.
+ENV_KEYS = {
+    "TANDEM_RUN_ID": "run_id",
+    "TANDEM_REDIS_URL": "redis_url",  # plus TANDEM_REDIS_PASSWORD / TANDEM_REDIS_CA_FILE, merged in
+    "TANDEM_TRAINER_TLS_CERT": "trainer.grpc_tls_cert",
+    "TANDEM_TRAINER_TLS_KEY": "trainer.grpc_tls_key",
+    "TANDEM_TRAINER_TLS_CLIENT_CA": "trainer.grpc_tls_client_ca",
+    "TANDEM_ROLLOUT_TLS_CA": "rollout.grpc_tls_ca",
+    "TANDEM_ROLLOUT_TLS_CERT": "rollout.grpc_tls_cert",
+    "TANDEM_ROLLOUT_TLS_KEY": "rollout.grpc_tls_key",
+    "TANDEM_ROLLOUT_TLS_SERVER_NAME": "rollout.grpc_tls_server_name",
+}
+REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE")
+
+
+def env_overrides(environ: dict | None = None) -> list[str]:
+    """`key=value` overrides from the environment (`os.environ` by default), per ENV_KEYS.
+
+    The Redis password comes apart from the URL, so that the URL can live in a ConfigMap and only
+    the password in a Secret: TANDEM_REDIS_PASSWORD (and TANDEM_REDIS_CA_FILE, the CA of a
+    rediss:// server) are merged into TANDEM_REDIS_URL, which they therefore require.
+    """
     import os
 
+    env = os.environ if environ is None else environ
     out = []
-    if os.environ.get("TANDEM_REDIS_URL"):
-        out.append(f"redis_url={os.environ['TANDEM_REDIS_URL']}")
-    if os.environ.get("TANDEM_RUN_ID"):
-        out.append(f"run_id={os.environ['TANDEM_RUN_ID']}")
+    for name, key in ENV_KEYS.items():
+        value = env.get(name, "")
+        if name == "TANDEM_REDIS_URL":
+            if not value and any(env.get(n) for n in REDIS_URL_PARTS):
+                raise ValueError(f"{' / '.join(n for n in REDIS_URL_PARTS if env.get(n))} set without TANDEM_REDIS_URL")
+            value = value and redis_url_with(value, password=env.get("TANDEM_REDIS_PASSWORD", ""),
+                                             ca_file=env.get("TANDEM_REDIS_CA_FILE", ""))
+        if value:
+            out.append(f"{key}={json.dumps(value)}")  # a JSON string is a YAML string: "2024" stays text
     return out
+
+
+def redis_url_with(url: str, *, password: str = "", ca_file: str = "") -> str:
+    """`url` with `password` as its password (replacing any; the user name is kept) and `ca_file`
+    as the CA that verifies a rediss:// server (redis-py's `ssl_ca_certs` URL parameter)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"TANDEM_REDIS_URL has scheme {parts.scheme!r}: want redis://, rediss:// or unix://")
+    netloc, query = parts.netloc, parts.query
+    if password:
+        userinfo, at, hostport = netloc.rpartition("@")
+        user = userinfo.partition(":")[0] if at else ""
+        netloc = f"{user}:{quote(password, safe='')}@{hostport}"
+    if ca_file:
+        if parts.scheme != "rediss":
+            raise ValueError(f"TANDEM_REDIS_CA_FILE={ca_file!r} needs a rediss:// TANDEM_REDIS_URL, "
+                             f"not {parts.scheme}://")
+        query = "&".join(q for q in (query, urlencode({"ssl_ca_certs": ca_file})) if q)
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     # RL step
-    max_steps: int = 40
-    groups_per_step: int = 8  # prompt groups consumed per optimizer step
+    max_steps: int = 100
+    groups_per_step: int = 16  # prompt groups consumed per optimizer step
     group_size: int = 8  # samples per prompt (GRPO group)
     lr: float = 3e-4
     betas: tuple[float, float] = (0.9, 0.99)
@@ -22,21 +22,31 @@ class TrainerConfig:
     backward: str = "hp"  # QAT straight-through mode: "hp" or "dequant"
     # publishing (max_staleness is the run's, RunConfig.max_staleness, shared with the rollouts)
     publish_every: int = 1
-    prompts_ahead: int = 0  # prompt groups queued or in flight; 0 = groups_per_step * (max_staleness + 1)
+    prompts_ahead: int = 0  # prompt groups queued or in flight; 0 = groups_per_step * max(1, max_staleness)
     # warm start: supervised steps on correct answers before RL, so the policy is sometimes right
-    warmstart_steps: int = 600
+    warmstart_steps: int = 150
     warmstart_batch: int = 64
     warmstart_lr: float = 3e-3
     # services
-    grpc_host: str = "127.0.0.1"
+    grpc_host: str = "127.0.0.1"  # a pod binds "0.0.0.0"
     grpc_port: int = 0  # 0 = a free port (published in policy:latest)
+    # host:port the rollouts dial, published in policy:latest; "" = the bound address. In a pod: the
+    # Service's DNS name (a bound 0.0.0.0 is no address to dial).
+    grpc_advertise: str = ""
+    # TLS of the policy gRPC (PEM paths; "" = plaintext): certificate chain + key; a client CA as
+    # well requires client certificates signed by it (mTLS).
+    grpc_tls_cert: str = ""
+    grpc_tls_key: str = ""
+    grpc_tls_client_ca: str = ""
+    # Plaintext grpc.health.v1 for Kubernetes probes (kubelet's gRPC probe cannot speak TLS): SERVING
+    # once a policy is published. -1 = off, 0 = a free port on 127.0.0.1, else that port on 0.0.0.0.
+    health_port: int = -1
     metrics_port: int = 0  # Prometheus; 0 = a free port, -1 = off
-    checkpoint_every: int = 1
     collect_timeout_s: float = 300.0  # give up waiting for trajectories after this long
 
     def __post_init__(self):
         errors = []
-        for name in ("max_steps", "groups_per_step", "group_size", "minibatches", "publish_every", "checkpoint_every"):
+        for name in ("max_steps", "groups_per_step", "group_size", "minibatches", "publish_every"):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} (must be >= 1)")
         if self.group_size < 2:
@@ -54,11 +64,30 @@ class TrainerConfig:
             errors.append(f"backward={self.backward!r} (hp or dequant)")
         if self.warmstart_steps < 0:
             errors.append(f"warmstart_steps={self.warmstart_steps} (must be >= 0)")
+        if self.grpc_advertise:
+            host, _, port = self.grpc_advertise.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                errors.append(f"grpc_advertise={self.grpc_advertise!r} (want host:port)")
+            elif self.grpc_port == 0:
+                errors.append(f"grpc_advertise={self.grpc_advertise!r} needs a fixed grpc_port (it is 0: a free port)")
+        if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
+            errors.append(f"grpc_tls_cert={self.grpc_tls_cert!r}, grpc_tls_key={self.grpc_tls_key!r} "
+                          "(set both or neither)")
+        if self.grpc_tls_client_ca and not self.grpc_tls_cert:
+            errors.append(f"grpc_tls_client_ca={self.grpc_tls_client_ca!r} (mTLS needs grpc_tls_cert and grpc_tls_key)")
+        if not -1 <= self.health_port <= 65535:
+            errors.append(f"health_port={self.health_port} (-1 = off, 0 = free, else a port)")
         if errors:
             raise ValueError("TrainerConfig: " + "; ".join(errors))
 
+    def server_tls(self) -> dict:
+        """The TLS keyword arguments of broker.policy_server.PolicyServerConfig (files checked there)."""
+        return {"tls_cert_chain_path": self.grpc_tls_cert or None, "tls_private_key_path": self.grpc_tls_key or None,
+                "tls_client_ca_path": self.grpc_tls_client_ca or None}
+
     def queued_groups(self, max_staleness: int) -> int:
-        """Consumed first in, first out, a group queued behind Q others is used Q / groups_per_step
-        steps later: this many keeps fast rollouts from producing samples that are already too stale
-        (and with max_staleness=0 it is the synchronous loop: one step's groups, then wait)."""
-        return self.prompts_ahead or self.groups_per_step * (max_staleness + 1)
+        """Groups are consumed first in, first out, and the groups being trained on still count as
+        queued until their commit, so a group fed now is used about Q / groups_per_step - 1 steps
+        later. Q = groups_per_step * max(1, max_staleness) keeps fast rollouts from producing samples
+        that are already too stale, and with max_staleness=0 it is the synchronous loop."""
+        return self.prompts_ahead or self.groups_per_step * max(1, max_staleness)

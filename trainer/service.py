@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from broker.codec import PromptGroup, Trajectory
+from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer, PolicyRegistry
@@ -80,7 +81,8 @@ class Trainer:
         self.scratch = Transformer(model_config, seed=seed)  # evaluates older versions' log-probs
         self._scratch_version: int | None = None
         self.server = PolicyServer(PolicyServerConfig(host=cfg.grpc_host, port=cfg.grpc_port,
-                                                      keep_versions=max_staleness + 2))
+                                                      keep_versions=max_staleness + 2, **cfg.server_tls()))
+        self.health = HealthServer(port=cfg.health_port, service=TRAINER_HEALTH)  # Kubernetes probes
         self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
         self._stop = asyncio.Event()
         self._held: dict[str, list[TrajectoryRecord]] = {}  # group_id -> records of an incomplete group
@@ -88,6 +90,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
+        self.health.set_serving(False)
         self._stop.set()
 
     async def run(self) -> int:
@@ -99,6 +102,10 @@ class Trainer:
         await self.prompts.setup()
         await self.stream.setup()
         self.server.start()
+        if self.health.start() is not None:
+            self.log(f"health (grpc.health.v1) on {self.health.host}:{self.health.port}")
+        self.log(f"policy server on {self.server.address}; metrics in {self.metrics.path}"
+                 + (f" and on Prometheus port {self.metrics.port}" if self.metrics.port else ""))
         try:
             await self._restore_or_warm_start()
             await self._publish()
@@ -124,6 +131,7 @@ class Trainer:
                 self.log(self._progress_line(row))
             return 0
         finally:
+            self.health.stop()
             self.server.stop()
             self.metrics.close()
             await self.redis.aclose()
@@ -199,8 +207,9 @@ class Trainer:
         packed = mf.build_manifest(version=v, parent_version=v - 1 if v > 1 else None,
                                    contract=self.contract, tensors=tensors)
         self.server.publish(packed)
-        await self.registry.publish(PolicyPointer(version=v, address=self.server.address,
+        await self.registry.publish(PolicyPointer(version=v, address=self.cfg.grpc_advertise or self.server.address,
                                                   contract_fingerprint=self.fingerprint, published_at=time.time()))
+        self.health.set_serving(not self._stop.is_set())
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""

@@ -1,0 +1,76 @@
+"""A plaintext `grpc.health.v1` endpoint for Kubernetes probes, on a port of its own.
+
+    health = HealthServer(port=8081, service=ROLLOUT_HEALTH)   # port -1: does nothing at all
+    health.start()                  # NOT_SERVING
+    health.set_serving(True)        # once a policy is there; False again while draining
+    health.stop()
+
+Why a separate server: kubelet's gRPC probes speak plaintext only, while the trainer's policy port
+may require TLS or client certificates, and a rollout worker has no gRPC server at all. It runs on
+gRPC's own threads, so probes are answered while the owner's event loop is busy (a rollout worker
+generating a group). The status is one bit, reported for the whole server ("") and for `service`.
+
+Binding follows trainer.metrics.MetricsSink: port 0 = a free port on 127.0.0.1 (tests), any other
+port = 0.0.0.0 (a pod, where kubelet probes the pod IP).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+TRAINER_HEALTH = "tandem.trainer"  # the trainer's health service name (SERVING: a policy is published)
+ROLLOUT_HEALTH = "tandem.rollout"  # a rollout worker's (SERVING: a verified policy is loaded)
+
+_STATUS = {True: health_pb2.HealthCheckResponse.SERVING, False: health_pb2.HealthCheckResponse.NOT_SERVING}
+
+
+class HealthServer:
+    def __init__(self, *, port: int, service: str):
+        if isinstance(port, bool) or not isinstance(port, int) or not -1 <= port <= 65535:
+            raise ValueError(f"HealthServer: port={port!r} (want -1 = off, 0 = free, or a port)")
+        if not service:
+            raise ValueError("HealthServer: service must be a non-empty name")
+        self.enabled = port >= 0
+        self.host = "127.0.0.1" if port == 0 else "0.0.0.0"
+        self.port = port
+        self.service = service
+        self.serving = False
+        self._server: grpc.Server | None = None
+        self._servicer: health.HealthServicer | None = None
+
+    def start(self) -> int | None:
+        """Start answering (NOT_SERVING); return the bound port, or None when disabled."""
+        if not self.enabled:
+            return None
+        if self._server is not None:
+            raise RuntimeError("HealthServer already started")
+        # Two threads answer Check calls; a Watch holds one, so watchers beyond that wait in line.
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
+                             options=[("grpc.so_reuseport", 0)])
+        self._servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        port = server.add_insecure_port(f"{self.host}:{self.port}")
+        if not port:
+            raise OSError(f"HealthServer: could not bind {self.host}:{self.port}")
+        self._publish()
+        server.start()
+        self._server, self.port = server, port
+        return port
+
+    def set_serving(self, serving: bool) -> None:
+        self.serving = bool(serving)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._servicer is not None:
+            for name in ("", self.service):
+                self._servicer.set(name, _STATUS[self.serving])
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            self.set_serving(False)
+            self._server.stop(grace_s).wait(grace_s + 5)
+            self._server = None

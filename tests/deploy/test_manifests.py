@@ -1,0 +1,423 @@
+"""deploy/: every rendered manifest of both overlays against the Kubernetes schemas
+(kubernetes-validate, offline, strict: unknown fields are errors) and KEDA's ScaledObject schema
+(keda_schema.py, by hand), then the cross-references a person gets wrong: ports and probes against
+what the code listens on, env names against what the code reads, Secret and ConfigMap keys, labels
+against selectors, the KEDA trigger against broker/keys.py, the run config against tandem.config.
+
+Rendering: kustomize_lite.py; where `kubectl` is installed, its output is compared with
+`kubectl kustomize` (the real Kustomize) object for object.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import keda_schema
+import kubernetes_validate
+import kustomize_lite
+import pytest
+import yaml
+
+from broker.health import ROLLOUT_HEALTH, TRAINER_HEALTH
+from broker.keys import PROMPTS_GROUP, Keys
+from tandem import config as run_config
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+OVERLAYS = ("cpu", "gpu")
+K8S_VERSION = "1.33.0"  # the schemas validated against (kubernetes-validate bundles 1.25 ... 1.37)
+TEST_PASSWORD = "test-only-password"
+# Secrets the cluster provides (cert-manager or kubectl create secret tls), named in deploy/README.md.
+EXTERNAL_TLS_SECRETS = {"tandem-trainer-tls", "tandem-rollout-tls"}
+TLS_KEYS = {"tls.crt", "tls.key", "ca.crt"}
+NAMESPACE = "tandem"
+
+
+def _tree(tmp_path_factory) -> Path:
+    """deploy/k8s copied, with the Redis password file that deploy/README.md step 1 creates."""
+    tree = tmp_path_factory.mktemp("deploy") / "k8s"
+    shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("redis.env"))
+    (tree / "base" / "redis.env").write_text(f"password={TEST_PASSWORD}\n")
+    return tree
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    return _tree(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def rendered(tree) -> dict[str, list[dict]]:
+    return {o: kustomize_lite.render(tree / "overlays" / o) for o in OVERLAYS}
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def get(docs, kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: found {len(found)}"
+    return found[0]
+
+
+def workloads(docs) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def container(workload: dict) -> dict:
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def port_of(c: dict, name: str) -> int:
+    (p,) = [p["containerPort"] for p in c["ports"] if p["name"] == name]
+    return p
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"only matchLabels selectors are used: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def pod_labels(w: dict) -> dict:
+    return w["spec"]["template"]["metadata"]["labels"]
+
+
+def run_yaml(docs) -> str:
+    return get(docs, "ConfigMap", "tandem-config")["data"]["run.yaml"]
+
+
+def resolve_env(docs, c: dict) -> dict[str, str]:
+    """The environment a container gets: literal values and ConfigMap/Secret keys resolved."""
+    out = {}
+    for e in c.get("env", []):
+        ref = e.get("valueFrom", {})
+        if "value" in e:
+            out[e["name"]] = e["value"]
+        elif "configMapKeyRef" in ref:
+            cm = ref["configMapKeyRef"]
+            out[e["name"]] = get(docs, "ConfigMap", cm["name"])["data"][cm["key"]]
+        elif "secretKeyRef" in ref:
+            data = get(docs, "Secret", ref["secretKeyRef"]["name"])["data"]
+            out[e["name"]] = base64.b64decode(data[ref["secretKeyRef"]["key"]]).decode()
+    return out
+
+
+def loaded_config(docs, tmp_path: Path, workload: str):
+    """tandem.config.load of the ConfigMap's run.yaml with the env overrides that pod gets."""
+    path = tmp_path / "run.yaml"
+    path.write_text(run_yaml(docs))
+    w = get(docs, "StatefulSet" if workload == "tandem-trainer" else "Deployment", workload)
+    return run_config.load(path, run_config.env_overrides(resolve_env(docs, container(w))))
+
+
+# ---------------------------------------------------------------------------------------- schemas
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_manifest_is_valid(rendered, overlay):
+    docs = rendered[overlay]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(["ConfigMap", "Secret", "Service", "Service", "StatefulSet", "StatefulSet", "Deployment",
+                            "ScaledObject", "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget",
+                            "NetworkPolicy", "NetworkPolicy"])
+    problems = []
+    for d in docs:
+        where = f"{d['kind']}/{d['metadata']['name']}"
+        if d["apiVersion"].startswith("keda.sh/"):
+            problems += [f"{where}: {e}" for e in keda_schema.errors(d)]
+            continue
+        try:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            problems.append(f"{where}: {'.'.join(map(str, e.path))}: {e.message}")
+        assert d["metadata"].get("namespace") == NAMESPACE, where
+    assert not problems, "\n".join(problems)
+
+
+def test_the_validators_catch_typical_mistakes(rendered):
+    """Both validators can fail: a misspelled field, a wrong type, KEDA trigger rules."""
+    rollout = get(rendered["cpu"], "Deployment", "tandem-rollout")
+    bad = yaml.safe_load(yaml.safe_dump(rollout))
+    bad["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {"grpc": {"port": 8081}}
+    with pytest.raises(kubernetes_validate.ValidationError, match="livenesProbe"):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+    bad = yaml.safe_load(yaml.safe_dump(rollout))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "health"  # must be int
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+    so = get(rendered["cpu"], "ScaledObject", "tandem-rollout")
+    assert keda_schema.errors(so) == []
+    bad = yaml.safe_load(yaml.safe_dump(so))
+    md = bad["spec"]["triggers"][0]["metadata"]
+    del md["activationLagCount"], md["consumerGroup"]
+    md["lagCount"] = 2  # not a string
+    bad["spec"]["minReplicaCount"] = "0"
+    bad["spec"]["scaleTargetRef"]["nmae"] = "x"
+    errs = "\n".join(keda_schema.errors(bad))
+    assert "'0' is not of type 'integer'" in errs and "'nmae' was unexpected" in errs and "2 is not of type" in errs
+    md["lagCount"], bad["spec"]["minReplicaCount"] = "2", 0
+    del bad["spec"]["scaleTargetRef"]["nmae"]
+    errs = "\n".join(keda_schema.errors(bad))
+    assert "needs consumerGroup" in errs and "needs activationLagCount" in errs
+
+
+# ---------------------------------------------------------------------------------------- wiring
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ports_and_probes_match_what_the_code_listens_on(rendered, overlay, tmp_path):
+    docs = rendered[overlay]
+    cfg = loaded_config(docs, tmp_path, "tandem-trainer").trainer
+    trainer = get(docs, "StatefulSet", "tandem-trainer")
+    c = container(trainer)
+    assert cfg.grpc_host == "0.0.0.0", "a pod must bind all interfaces"
+    assert port_of(c, "grpc") == cfg.grpc_port and port_of(c, "health") == cfg.health_port
+    assert port_of(c, "metrics") == cfg.metrics_port
+    assert trainer["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(cfg.metrics_port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": cfg.health_port, "service": TRAINER_HEALTH}, probe
+
+    # The advertised address is the Service, and the Service reaches the gRPC port.
+    svc = get(docs, "Service", "tandem-trainer")
+    host, port = cfg.grpc_advertise.rsplit(":", 1)
+    assert host in (svc["metadata"]["name"], f"{svc['metadata']['name']}.{NAMESPACE}.svc",
+                    f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local")
+    (grpc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
+    assert grpc_port["targetPort"] == "grpc"
+    (metrics_port,) = [p for p in svc["spec"]["ports"] if p["name"] == "metrics"]
+    assert metrics_port["targetPort"] == "metrics"
+    assert trainer["spec"]["serviceName"] == svc["metadata"]["name"]
+
+    rcfg = loaded_config(docs, tmp_path, "tandem-rollout").rollout
+    r = container(get(docs, "Deployment", "tandem-rollout"))
+    assert port_of(r, "health") == rcfg.health_port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert r[probe]["grpc"] == {"port": rcfg.health_port, "service": ROLLOUT_HEALTH}, probe
+    # A drain (NOT_SERVING) must not be killed by the liveness probe before the grace period ends.
+    live = r["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= \
+        get(docs, "Deployment", "tandem-rollout")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+
+    # The network policy opens exactly the gRPC port to rollout pods, the metrics port to monitoring.
+    np = get(docs, "NetworkPolicy", "tandem-trainer")
+    ports = {p["port"] for rule in np["spec"]["ingress"] for p in rule["ports"]}
+    assert ports == {cfg.grpc_port, cfg.metrics_port}
+    redis = container(get(docs, "StatefulSet", "tandem-redis"))
+    np_redis = get(docs, "NetworkPolicy", "tandem-redis")
+    assert {p["port"] for rule in np_redis["spec"]["ingress"] for p in rule["ports"]} == {port_of(redis, "redis")}
+    for w in workloads(docs):
+        for e in container(w).get("env", []):
+            ref = e.get("valueFrom", {}).get("resourceFieldRef")
+            if ref:
+                assert ref["containerName"] == container(w)["name"], (w["metadata"]["name"], e)
+
+
+def _code_env_names() -> set[str]:
+    """The TANDEM_* variables the code reads: the commands' os.environ reads and tandem.config's table."""
+    names = set(run_config.ENV_KEYS) | set(run_config.REDIS_URL_PARTS)
+    pattern = re.compile(r"environ(?:\.get\(|\[)\s*\"(TANDEM_[A-Z0-9_]+)\"")
+    for path in [*(REPO / "tandem" / "commands").glob("*.py"), REPO / "tandem" / "config.py"]:
+        names |= set(pattern.findall(path.read_text()))
+    return names
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_env_names_are_the_ones_the_code_reads(rendered, overlay):
+    docs = rendered[overlay]
+    code = _code_env_names()
+    assert {"TANDEM_CONFIG", "TANDEM_RUN_DIR", "TANDEM_WORKER_ID", "TANDEM_REDIS_URL"} <= code  # the scan works
+    for w in workloads(docs):
+        for name in env_of(container(w)):
+            if name.startswith("TANDEM_"):
+                assert name in code, f"{w['metadata']['name']}: env {name} is read by no code"
+
+    trainer = container(get(docs, "StatefulSet", "tandem-trainer"))
+    rollout = container(get(docs, "Deployment", "tandem-rollout"))
+    required = {"TANDEM_CONFIG", "TANDEM_REDIS_URL", "TANDEM_REDIS_PASSWORD"}
+    assert required | {"TANDEM_RUN_DIR"} <= set(env_of(trainer))
+    assert required | {"TANDEM_WORKER_ID"} <= set(env_of(rollout))
+    assert env_of(rollout)["TANDEM_WORKER_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+    # TANDEM_CONFIG is the run.yaml of the mounted ConfigMap; TANDEM_RUN_DIR is on the claimed volume.
+    trainer_w = get(docs, "StatefulSet", "tandem-trainer")
+    for w, c in ((trainer_w, trainer), (get(docs, "Deployment", "tandem-rollout"), rollout)):
+        assert _file_behind(w, c, env_of(c)["TANDEM_CONFIG"]["value"]) == ("configMap", "tandem-config", "run.yaml")
+    claims = {t["metadata"]["name"] for t in trainer_w["spec"]["volumeClaimTemplates"]}
+    run_dir = env_of(trainer)["TANDEM_RUN_DIR"]["value"]
+    assert any(run_dir.startswith(m["mountPath"] + "/") and m["name"] in claims for m in trainer["volumeMounts"])
+
+    # KEDA reads the password from the scale target's environment.
+    so = get(docs, "ScaledObject", "tandem-rollout")
+    assert so["spec"]["triggers"][0]["metadata"]["passwordFromEnv"] in env_of(rollout)
+    # The Redis container uses the password variable it defines.
+    redis = container(get(docs, "StatefulSet", "tandem-redis"))
+    assert "REDIS_PASSWORD" in env_of(redis) and '"$REDIS_PASSWORD"' in " ".join(redis["args"])
+
+
+def _file_behind(w: dict, c: dict, path: str) -> tuple[str, str, str]:
+    """(volume kind, object name, key) of the file a container sees at `path`."""
+    volumes = {v["name"]: v for v in w["spec"]["template"]["spec"].get("volumes", [])}
+    for m in c["volumeMounts"]:
+        if path.startswith(m["mountPath"].rstrip("/") + "/"):
+            rel = path[len(m["mountPath"].rstrip("/")) + 1:]
+            v = volumes[m["name"]]
+            for kind, name_field in (("configMap", "name"), ("secret", "secretName")):
+                if kind in v:
+                    items = v[kind].get("items")
+                    keys = {i["path"]: i["key"] for i in items} if items else None
+                    key = keys.get(rel) if keys is not None else rel
+                    assert key is not None, f"{path}: no item {rel} in volume {m['name']}"
+                    return kind, v[kind][name_field], key
+    raise AssertionError(f"{path} is on no mounted ConfigMap or Secret")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_secret_and_configmap_keys_exist(rendered, overlay):
+    docs = rendered[overlay]
+    readme = (REPO / "deploy" / "README.md").read_text()
+
+    def keys(kind: str, name: str) -> set[str]:
+        if kind == "Secret" and name in EXTERNAL_TLS_SECRETS:
+            assert name in readme, f"external Secret {name} is not documented in deploy/README.md"
+            return TLS_KEYS
+        obj = get(docs, kind, name)
+        return set(obj.get("data", {})) | set(obj.get("stringData", {}))
+
+    for w in workloads(docs):
+        c, spec = container(w), w["spec"]["template"]["spec"]
+        for e in c.get("env", []):
+            ref = e.get("valueFrom", {})
+            for kind, field in (("ConfigMap", "configMapKeyRef"), ("Secret", "secretKeyRef")):
+                if field in ref:
+                    assert ref[field]["key"] in keys(kind, ref[field]["name"]), (w["metadata"]["name"], e)
+            if e.get("value", "").startswith("/") and e["name"] not in ("TANDEM_RUN_DIR",):
+                kind, name, key = _file_behind(w, c, e["value"])  # a file path: on a mounted object
+                assert key in keys("ConfigMap" if kind == "configMap" else "Secret", name), (e, kind, name)
+        for v in spec.get("volumes", []):
+            if "configMap" in v:
+                for item in v["configMap"].get("items", []):
+                    assert item["key"] in keys("ConfigMap", v["configMap"]["name"])
+            if "secret" in v:
+                keys("Secret", v["secret"]["secretName"])
+        mounted = {m["name"] for m in c.get("volumeMounts", [])}
+        declared = {v["name"] for v in spec.get("volumes", [])} | \
+            {t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates", [])}
+        assert mounted <= declared and mounted >= {v["name"] for v in spec.get("volumes", [])}, w["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_labels_match_selectors(rendered, overlay):
+    docs = rendered[overlay]
+    ws = workloads(docs)
+    for w in ws:
+        assert matches(w["spec"]["selector"], pod_labels(w)), w["metadata"]["name"]
+        others = [o for o in ws if o is not w]
+        assert not any(matches(w["spec"]["selector"], pod_labels(o)) for o in others), "selectors overlap"
+
+    def selected(selector: dict) -> list[str]:
+        return [w["metadata"]["name"] for w in ws if matches(selector, pod_labels(w))]
+
+    for svc in [d for d in docs if d["kind"] == "Service"]:
+        (target,) = selected({"matchLabels": svc["spec"]["selector"]})
+        assert target == svc["metadata"]["name"]
+        for p in svc["spec"]["ports"]:  # named target ports exist on the selected pods
+            port_of(container(get(docs, "StatefulSet", target)), p["targetPort"])
+    for pdb in [d for d in docs if d["kind"] == "PodDisruptionBudget"]:
+        assert selected(pdb["spec"]["selector"]) == [pdb["metadata"]["name"]]
+    for np in [d for d in docs if d["kind"] == "NetworkPolicy"]:
+        assert selected(np["spec"]["podSelector"]) == [np["metadata"]["name"]]
+    trainer_np = get(docs, "NetworkPolicy", "tandem-trainer")
+    (from_pods,) = [f["podSelector"] for f in trainer_np["spec"]["ingress"][0]["from"]]
+    assert selected(from_pods) == ["tandem-rollout"], "only rollout pods reach the trainer's gRPC"
+    redis_np = get(docs, "NetworkPolicy", "tandem-redis")
+    (tandem_pods,) = [f["podSelector"] for f in redis_np["spec"]["ingress"][0]["from"]]
+    assert sorted(selected(tandem_pods)) == ["tandem-redis", "tandem-rollout", "tandem-trainer"]
+    (keda,) = redis_np["spec"]["ingress"][1]["from"]
+    assert keda["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "keda"}
+    so = get(docs, "ScaledObject", "tandem-rollout")
+    ref = so["spec"]["scaleTargetRef"]
+    assert get(docs, ref["kind"], ref["name"])["apiVersion"] == ref["apiVersion"]
+    assert "replicas" not in get(docs, "Deployment", "tandem-rollout")["spec"], "KEDA owns the replica count"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_and_keda_point_at_the_same_stream(rendered, overlay, tmp_path):
+    docs = rendered[overlay]
+    cfg = loaded_config(docs, tmp_path, "tandem-rollout")
+    svc = get(docs, "Service", "tandem-redis")
+    (svc_port,) = svc["spec"]["ports"]
+    url = urlsplit(get(docs, "ConfigMap", "tandem-config")["data"]["redis-url"])
+    assert (url.scheme, url.hostname, url.port, url.password) == ("redis", "tandem-redis", svc_port["port"], None)
+    parsed = urlsplit(cfg.redis_url)  # what the pod connects with: the Secret's password merged in
+    assert parsed.password == TEST_PASSWORD and parsed.hostname == "tandem-redis"
+
+    md = get(docs, "ScaledObject", "tandem-rollout")["spec"]["triggers"][0]["metadata"]
+    assert md["address"] == f"tandem-redis.{NAMESPACE}.svc.cluster.local:{svc_port['port']}"
+    assert md["stream"] == Keys(run_id=cfg.run_id).prompts == f"tandem:{{{cfg.run_id}}}:prompts"
+    assert md["consumerGroup"] == PROMPTS_GROUP
+    assert md["databaseIndex"] == url.path.strip("/")
+    so = get(docs, "ScaledObject", "tandem-rollout")["spec"]
+    assert so["minReplicaCount"] == 0, "scale to zero when idle"
+
+
+def test_overlays_differ_as_documented(rendered, tmp_path):
+    cpu, gpu = rendered["cpu"], rendered["gpu"]
+    for docs, tag in ((cpu, "-cpu"), (gpu, "-cuda")):
+        images = {container(w)["image"] for w in workloads(docs)} - {"redis:7.0.15"}
+        assert len(images) == 1 and images.pop().endswith(tag)
+    gpu_rollout = container(get(gpu, "Deployment", "tandem-rollout"))
+    assert gpu_rollout["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "nvidia.com/gpu" not in str(get(cpu, "Deployment", "tandem-rollout"))
+    # gpu: mutual TLS, and the config the pods then load asks for it.
+    t = loaded_config(gpu, tmp_path, "tandem-trainer").trainer
+    assert t.server_tls() == {"tls_cert_chain_path": "/etc/tandem-tls/tls.crt",
+                              "tls_private_key_path": "/etc/tandem-tls/tls.key",
+                              "tls_client_ca_path": "/etc/tandem-tls/ca.crt"}
+    r = loaded_config(gpu, tmp_path, "tandem-rollout").rollout
+    assert r.client_tls()["tls_root_ca_path"] == "/etc/tandem-tls/ca.crt" and r.client_tls()["tls_cert_chain_path"]
+    assert loaded_config(cpu, tmp_path, "tandem-trainer").trainer.server_tls()["tls_cert_chain_path"] is None
+
+
+def test_dockerfile_targets_and_the_manifests_agree(rendered):
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M)
+    assert {"cpu", "cuda"} <= set(stages)
+    makefile_torch = re.search(r"^TORCH\s*\?=\s*torch==(\S+)", (REPO / "Makefile").read_text(), re.M).group(1)
+    assert set(re.findall(r"ARG TORCH_VERSION=(\S+)", text)) == {makefile_torch}
+    assert text.count('ENTRYPOINT ["tandem"]') == 2
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", text, re.M))
+    packages = {p.split("*")[0] for p in yaml.safe_load("[" + re.search(
+        r'include = \[(.*?)\]', (REPO / "pyproject.toml").read_text()).group(1) + "]")}
+    assert packages | {"configs"} <= copied
+    (uid,) = set(re.findall(r"^USER (\d+):\d+$", text, re.M))
+    for w in workloads(rendered["cpu"]):
+        if w["metadata"]["name"] != "tandem-redis":
+            assert w["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
+            assert container(w)["args"][0] in ("trainer", "rollout")
+
+
+def test_readme_names_the_overlays_and_what_to_watch():
+    text = (REPO / "deploy" / "README.md").read_text()
+    for needle in ("deploy/k8s/overlays/cpu", "deploy/k8s/overlays/gpu", "redis.env", "TANDEM_REDIS_PASSWORD",
+                   "metrics.jsonl", "deadletter", "XINFO GROUPS", "9090", *EXTERNAL_TLS_SECRETS):
+        assert needle in text, needle
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomize_lite_renders_what_kubectl_kustomize_renders(tree, rendered, overlay):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed: kustomize_lite is not compared with the real Kustomize here")
+    out = subprocess.run([kubectl, "kustomize", str(tree / "overlays" / overlay)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    real = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout) if d}
+    mine = {(d["kind"], d["metadata"]["name"]): d for d in rendered[overlay]}
+    assert sorted(mine) == sorted(real)
+    for key in real:
+        assert mine[key] == real[key], key
