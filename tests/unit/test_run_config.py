@@ -1,0 +1,59 @@
+"""Run configuration: YAML + key=value overrides, validation that names the offending keys."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.tasks import AdditionTask, CharTokenizer
+from tandem import config
+
+
+def test_demo_config_loads_and_overrides_apply():
+    cfg = config.load("demo.yaml", ["trainer.max_steps=3", "max_staleness=0", "model.overrides={n_layers: 2}"])
+    assert cfg.trainer.max_steps == 3 and cfg.max_staleness == 0 and cfg.model.overrides == {"n_layers": 2}
+    assert cfg.recipe == "nvfp4_moe" and cfg.num_rollout_workers == 2
+    again = config.load(None, [f"{k}={v}" for k, v in [("trainer.lr", 0.001)]])
+    assert again.trainer.lr == 0.001
+    assert "max_steps: 3" in config.dump(cfg)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.maxsteps=3", "unknown config key.*trainer.maxsteps"),
+    ("trainer.group_size=1", "group_size=1"),
+    ("trainer.minibatches=3", "minibatches=3 must divide"),
+    ("max_staleness=-1", "max_staleness=-1"),
+    ("rollout.temperature=0", "temperature=0"),
+    ("task.name=chess", "task.name='chess'"),
+    ("run_id=a b", "run_id="),
+    ("trainer.max_steps=ten", "trainer.max_steps: expected int"),
+    ("nokey", "is not key=value"),
+])
+def test_bad_configs_name_the_problem(override, message):
+    with pytest.raises(ValueError, match=message):
+        config.load(None, [override])
+
+
+def test_env_overrides(monkeypatch):
+    monkeypatch.setenv("TANDEM_REDIS_URL", "redis://:secret@redis:6379/0")
+    monkeypatch.setenv("TANDEM_RUN_ID", "exp7")
+    cfg = config.load(None, config.env_overrides())
+    assert cfg.redis_url == "redis://:secret@redis:6379/0" and cfg.run_id == "exp7"
+
+
+def test_tokenizer_and_verifier():
+    tok = CharTokenizer()
+    ids = tok.encode("12+7=", bos=True)
+    assert ids[0] == tok.bos_id and tok.decode(ids) == "12+7="
+    assert tok.decode(tok.encode("19", eos=True) + tok.encode("5")) == "19"  # stops at <eos>
+    with pytest.raises(ValueError, match=r"outside the vocabulary: \['x'\]"):
+        tok.encode("1x2")
+    task = AdditionTask(digits=2)
+    assert task.score(tok, tok.encode("19", eos=True), "19") == 1.0
+    assert task.score(tok, tok.encode("19"), "19") == 0.0  # no <eos>: not a finished answer
+    assert task.score(tok, tok.encode("18", eos=True), "19") == 0.0
+    import random
+    p, a = task.sample(random.Random(0))
+    x, y = p.rstrip("=").split("+")
+    assert int(x) + int(y) == int(a)
+    with pytest.raises(ValueError, match="digits=0"):
+        AdditionTask(digits=0)
