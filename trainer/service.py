@@ -119,7 +119,7 @@ class Trainer:
                 self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in records]
                 publish = self.state.step % self.cfg.publish_every == 0 or self.state.step == self.cfg.max_steps
                 self.state.version += publish
-                row.update(step=self.state.step, policy_version=self.state.version)
+                row.update(step=self.state.step, policy_version=self.state.version, time=time.time())
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
                 self.metrics.write(row)
                 self._audit(groups)
