@@ -469,37 +469,44 @@ class Counters:
     duplicates: int = 0  # samples already committed or already held, acked and dropped
 
 
-def _consumer(redis, keys: Keys, stream: str, group: str, consumer: str | None, config: StreamConfig):
-    if consumer is None:
-        return None
-    return GroupConsumer(redis, stream=stream, group=group, consumer=consumer, deadletter=keys.deadletter, config=config)
+class _TypedStream:
+    """What the two typed streams share: one stream, its consumer group, and an optional
+    consumer (producers need none)."""
 
-
-class PromptQueue:
-    """The prompts stream. Producers `add()` prompt groups; a rollout worker (consumer
-    name = its worker id) `read()`s them and calls `complete()` with the trajectories,
-    which XADDs them and XACKs the prompt in one transaction."""
-
-    def __init__(
-        self,
-        redis: aioredis.Redis,
-        keys: Keys,
-        *,
-        consumer: str | None = None,
-        config: StreamConfig = StreamConfig(),
-        limits: CodecLimits = DEFAULT_LIMITS,
-    ):
-        self.redis, self.keys, self.limits = redis, keys, limits
-        self.consumer = _consumer(redis, keys, keys.prompts, PROMPTS_GROUP, consumer, config)
+    def __init__(self, redis: aioredis.Redis, keys: Keys, stream: str, group: str, *, consumer: str | None,
+                 config: StreamConfig, limits: CodecLimits):
+        self.redis, self.keys, self.limits, self.config = redis, keys, limits, config
+        self.stream, self.group = stream, group
+        self.consumer = None if consumer is None else GroupConsumer(
+            redis, stream=stream, group=group, consumer=consumer, deadletter=keys.deadletter, config=config)
         self.counters = Counters()
 
     def _need_consumer(self) -> GroupConsumer:
         if self.consumer is None:
-            raise ValueError("this PromptQueue has no consumer name (pass consumer=...)")
+            raise ValueError(f"this {type(self).__name__} has no consumer name (pass consumer=...)")
         return self.consumer
 
     async def setup(self) -> None:
-        await ensure_group(self.redis, self.keys.prompts, PROMPTS_GROUP)
+        await ensure_group(self.redis, self.stream, self.group)
+
+    async def keep_alive(self, records: Iterable[PromptRecord | TrajectoryRecord]) -> list[str]:
+        return await self._need_consumer().keep_alive(r.stream_id for r in records)
+
+    async def janitor(self) -> JanitorReport:
+        return await self._need_consumer().janitor()
+
+    async def stats(self) -> dict[str, Any]:
+        return await stream_stats(self.redis, self.stream)
+
+
+class PromptQueue(_TypedStream):
+    """The prompts stream. Producers `add()` prompt groups; a rollout worker (consumer
+    name = its worker id) `read()`s them and calls `complete()` with the trajectories,
+    which XADDs them and XACKs the prompt in one transaction."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, consumer: str | None = None,
+                 config: StreamConfig = StreamConfig(), limits: CodecLimits = DEFAULT_LIMITS):
+        super().__init__(redis, keys, keys.prompts, PROMPTS_GROUP, consumer=consumer, config=config, limits=limits)
 
     async def add(self, groups: Sequence[PromptGroup]) -> list[str]:
         return await add_entries(self.redis, self.keys.prompts, [encode_prompt_group(g, self.limits) for g in groups])
@@ -530,19 +537,11 @@ class PromptQueue:
     async def ack(self, records: Iterable[PromptRecord]) -> int:
         return await self._need_consumer().ack(r.stream_id for r in records)
 
-    async def keep_alive(self, records: Iterable[PromptRecord]) -> list[str]:
-        return await self._need_consumer().keep_alive(r.stream_id for r in records)
-
     async def dead_letter(self, record: PromptRecord, reason: str) -> None:
         c = self._need_consumer()
         fields = {DATA_FIELD: encode_prompt_group(record.group, self.limits)}
         await c.dead_letter(Entry(record.stream_id, fields, record.deliveries), reason)
 
-    async def janitor(self) -> JanitorReport:
-        return await self._need_consumer().janitor()
-
-    async def stats(self) -> dict[str, Any]:
-        return await stream_stats(self.redis, self.keys.prompts)
 
 
 # SET NX EX every idempotency key and XACK the entries, atomically and in one round trip
@@ -559,7 +558,7 @@ return new
 _COMMIT_CHUNK = 1000  # well under Lua's unpack() limit
 
 
-class TrajectoryStream:
+class TrajectoryStream(_TypedStream):
     """The trajectories stream. Rollout workers `add()`; the trainer (consumer name =
     its id) `read()`s records with their stream ids, and after its optimizer step and
     checkpoint calls `commit()` (idempotency keys + XACK in one transaction).
@@ -571,28 +570,12 @@ class TrajectoryStream:
 
     SCOPE = "trainer"
 
-    def __init__(
-        self,
-        redis: aioredis.Redis,
-        keys: Keys,
-        *,
-        consumer: str | None = None,
-        config: StreamConfig = StreamConfig(),
-        limits: CodecLimits = DEFAULT_LIMITS,
-    ):
-        self.redis, self.keys, self.limits, self.config = redis, keys, limits, config
-        self.consumer = _consumer(redis, keys, keys.trajectories, TRAJECTORIES_GROUP, consumer, config)
-        self.counters = Counters()
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, consumer: str | None = None,
+                 config: StreamConfig = StreamConfig(), limits: CodecLimits = DEFAULT_LIMITS):
+        super().__init__(redis, keys, keys.trajectories, TRAJECTORIES_GROUP, consumer=consumer, config=config,
+                         limits=limits)
         self._held_samples: dict[str, str] = {}  # sample_id -> stream_id, read but not committed
         self._commit_script = redis.register_script(_COMMIT)
-
-    def _need_consumer(self) -> GroupConsumer:
-        if self.consumer is None:
-            raise ValueError("this TrajectoryStream has no consumer name (pass consumer=...)")
-        return self.consumer
-
-    async def setup(self) -> None:
-        await ensure_group(self.redis, self.keys.trajectories, TRAJECTORIES_GROUP)
 
     async def add(self, trajectories: Sequence[Trajectory]) -> list[str]:
         return await add_entries(
@@ -656,18 +639,9 @@ class TrajectoryStream:
     def _seen_key(self, record: TrajectoryRecord) -> str:
         return self.keys.idempotency(self.SCOPE, record.trajectory.sample_id)
 
-    async def keep_alive(self, records: Iterable[TrajectoryRecord]) -> list[str]:
-        return await self._need_consumer().keep_alive(r.stream_id for r in records)
-
     async def dead_letter(self, record: TrajectoryRecord, reason: str) -> None:
         """Reject a sample for good (e.g. a contract fingerprint mismatch), with the reason."""
         c = self._need_consumer()
         fields = {DATA_FIELD: encode_trajectory(record.trajectory, self.limits)}
         await c.dead_letter(Entry(record.stream_id, fields, record.deliveries), reason)
         self._held_samples.pop(record.trajectory.sample_id, None)
-
-    async def janitor(self) -> JanitorReport:
-        return await self._need_consumer().janitor()
-
-    async def stats(self) -> dict[str, Any]:
-        return await stream_stats(self.redis, self.keys.trajectories)

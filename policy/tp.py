@@ -307,11 +307,6 @@ def quantize_activation(x_local: torch.Tensor, *, fmt: str, scope: str | None = 
     result is the slice of the TP=1 quantization, bit for bit. `shard`: the local amax; refused
     when `partition_tp_size` (the trainer's TP degree from the contract, 0 = unpinned) differs
     from this group's size.
-
-    Simplification: the formats API has no "use this amax" argument, so `global` appends one
-    block per row holding the all-reduced amax, quantizes, and drops that block. This is exact:
-    the appended block raises the row amax to the global one and, blocks being independent,
-    changes nothing else.
     """
     if tp_scale_mode not in TP_SCALE_MODES:
         raise ValueError(f"{site}: tp_scale_mode {tp_scale_mode!r} is not one of {TP_SCALE_MODES}")
@@ -348,14 +343,7 @@ def quantize_activation(x_local: torch.Tensor, *, fmt: str, scope: str | None = 
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     if reduced[-1] > 0:
         raise ValueError(f"{site}: activation has non-finite values on some rank of the TP group")
-    amax = reduced[:-1]
-    pad = amax.view(-1, 1).expand(xf.shape[0], b) if scope == "row" else amax.expand(xf.shape[0], b)
-    q = mod.quantize(torch.cat([xf, pad], dim=1), scope=scope)
-    return mod.from_parts(
-        {"codes": q.codes[:, : k // 2].contiguous(), "block_scales": q.block_scales[:, : k // b].contiguous(),
-         "global_scale": q.global_scale},
-        (m, k), scope=scope,
-    )
+    return mod.quantize(xf, scope=scope, amax=reduced[:-1])
 
 
 def fake_quant_activation(x_local: torch.Tensor, **kwargs) -> torch.Tensor:

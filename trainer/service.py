@@ -29,7 +29,7 @@ from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer, PolicyRegistry
-from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect, stream_stats
+from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect
 from policy import manifest as mf
 from policy import qat
 from policy.model import ModelConfig, Transformer
@@ -213,9 +213,8 @@ class Trainer:
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
-        p = await stream_stats(self.redis, self.keys.prompts)
-        t = await stream_stats(self.redis, self.keys.trajectories)
-        queued = _group_backlog(p, "rollout") + _group_backlog(t, "trainer") // self.cfg.group_size
+        queued = _group_backlog(await self.prompts.stats(), self.prompts.group) \
+            + _group_backlog(await self.stream.stats(), self.stream.group) // self.cfg.group_size
         want = self.cfg.queued_groups(self.max_staleness) - queued
         if want > 0:
             first = await self.redis.incrby(self.keys.prefix + "prompt_seq", want) - want

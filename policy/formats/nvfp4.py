@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import E4M3_MAX, FLT_MAX, amax, blocks, check_input, check_shape, fp32, to_e4m3
+from ._common import E4M3_MAX, FLT_MAX, blocks, check_input, check_shape, fp32, to_e4m3
+from ._common import amax as abs_max
 
 BLOCK = 16
 SCOPES = ("tensor", "row")
@@ -58,17 +59,26 @@ def e2m1_round(v: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     return mag | (negative.to(torch.uint8) << 3)
 
 
-def quantize(x: torch.Tensor, scope: str = "tensor") -> NVFP4Tensor:
+def quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor | None = None) -> NVFP4Tensor:
+    """`amax`: the scope's max|x| to use instead of this tensor's, fp32 [1] (tensor) or [M] (row),
+    never smaller than the local one. Tensor parallelism passes the amax all-reduced over the
+    TP group, which makes each rank's bytes the slice of the unsharded quantization."""
     if scope not in SCOPES:
         raise ValueError(f"nvfp4.quantize: scope must be one of {SCOPES}, got {scope!r}")
     xf = check_input(x, BLOCK, "nvfp4.quantize")
     m, k = xf.shape
     xb = blocks(xf, BLOCK)
-    bamax = amax(xb, dim=-1)  # [M, nb]
+    bamax = abs_max(xb, dim=-1)  # [M, nb]
     if scope == "row":
         gamax = bamax.amax(dim=1)  # [M]
     else:  # an empty [0, K] tensor has amax 0, like an all-zero one
         gamax = bamax.amax().reshape(1) if m else bamax.new_zeros(1)
+    if amax is not None:
+        given = torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
+        if given.shape != gamax.shape or not bool(torch.isfinite(given).all()) or bool((given < gamax).any()):
+            raise ValueError(f"nvfp4.quantize: amax must be finite fp32 of shape {tuple(gamax.shape)} and at least "
+                             f"the {scope} amax of x; got shape {tuple(given.shape)}")
+        gamax = given
 
     # torch.div on two fp32 tensors is one correctly rounded IEEE division ("c / t" in Python
     # would be reciprocal(t) * c: two roundings).

@@ -365,3 +365,19 @@ def test_elementwise_error_bounds_per_block():
     assert (d <= 0.5 * s + x.abs().view(64, -1, 32).amax(-1, keepdim=True) * 2**-7).all()
     d = fp8_block.dequantize(fp8_block.quantize(x, block=(1, 128))) - x
     assert (d.abs().view(64, -1, 128) <= x.abs().view(64, -1, 128).amax(-1, keepdim=True) * 2**-4).all()
+
+
+def test_nvfp4_given_amax_equals_quantizing_the_whole_row():
+    """A TP rank passes the all-reduced amax: its bytes are the slice of the unsharded result."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g)
+    full = nvfp4.quantize(x, scope="row")
+    left = nvfp4.quantize(x[:, :32], scope="row", amax=x.abs().amax(dim=1))
+    assert torch.equal(left.codes, full.codes[:, :16]) and torch.equal(left.global_scale, full.global_scale)
+    assert torch.equal(left.block_scales.view(torch.uint8), full.block_scales[:, :2].view(torch.uint8))
+    same = nvfp4.quantize(x, scope="tensor", amax=x.abs().amax().reshape(1))
+    assert torch.equal(same.codes, nvfp4.quantize(x).codes)
+    with pytest.raises(ValueError, match="at least the row amax"):
+        nvfp4.quantize(x, scope="row", amax=x.abs().amax(dim=1) / 2)
+    with pytest.raises(ValueError, match="shape"):
+        nvfp4.quantize(x, scope="row", amax=torch.ones(1))
