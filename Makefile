@@ -22,7 +22,7 @@ redis:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
 
 demo: venv redis
-	$(BIN)/tandem formats
+	$(BIN)/tandem run configs/demo.yaml
 
 test: venv redis
 	$(BIN)/python -m pytest -q
