@@ -45,7 +45,15 @@ def _stop(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
             p.wait()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> int:
+    # Ctrl-C and SIGTERM both stop the run in order (explicitly: a shell may have started us
+    # with SIGINT ignored, as it does for background jobs).
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     cfg = run_config.load(config_path, overrides)
     run_dir = Path(run_dir or Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
