@@ -163,15 +163,16 @@ def _time_config(ws, fmt, k, cfg, ms):
 
 def tune(main_shape, other_shapes, ms=(1, 16), keep=4) -> None:
     """Search a small grid on the main shape (nvfp4), then try the best `keep` on the rest."""
-    # num_warps = BN / 16: one warp per 16 weight rows, so no warp dequantizes a row another
-    # warp also holds (a 4-warp BN=32 tile would split the 16 tokens between warps and
-    # dequantize every weight twice).
+    # No warp dequantizes a row another warp also holds (a 4-warp BN=32 tile would split the
+    # 16 tokens between warps and dequantize every weight twice): num_warps <= BN / 16.
     # The fifth entry splits K over that many programs (deterministic split-K, see the kernel).
     # Fewer stages use less shared memory per program (more programs per SM: Nsight Compute
-    # showed the 4-stage tile limited to 5 programs, 10 warps, per SM).
-    grid = [(32, 256, 2, 4, 2), (32, 256, 2, 2, 2), (32, 256, 2, 2, 4), (32, 256, 2, 2, 8), (32, 256, 2, 3, 2),
-            (32, 256, 2, 3, 4), (32, 512, 2, 2, 4), (64, 256, 4, 2, 4), (16, 256, 1, 2, 4), (16, 256, 1, 2, 8),
-            (32, 128, 2, 3, 8), (32, 128, 2, 2, 8)]
+    # showed the 4-stage tile limited to 5 programs, 10 warps, per SM). `bench/tune_qmatmul.py`
+    # swept 23 configs with one warp per 16 rows (2026-11-29; none beat (32, 256, 2, 2, 4));
+    # the BN=64 two-warp tiles below (two 16-row MMA tiles per warp) halve the x bytes that go
+    # through shared memory per weight.
+    grid = [(32, 256, 2, 2, 4), (32, 256, 2, 2, 8), (64, 128, 2, 2, 8), (64, 128, 2, 3, 8),
+            (64, 256, 2, 2, 8), (64, 128, 2, 2, 16)]
     scored = []
     n, k = main_shape
     ws = make_weights(n, k)

@@ -255,31 +255,46 @@ def _store_tile(acc, y, ymask, gs_ptr, FMT: tl.constexpr):
     tl.store(y, acc.to(y.dtype.element_ty), mask=ymask)
 
 
-# Config per weight shape (BN, BK, num_warps, num_stages, SPLIT), chosen on the H200 by
-# bench/bench_kernels.py --tune; a fixed table (never per M) keeps results batch-invariant and
-# identical from one process to the next. num_warps = BN / 16: one warp per 16 weight rows.
+# Config per weight shape (BN, BK, num_warps, num_stages, SPLIT[, maxnreg]), chosen on the
+# H200 by bench/bench_kernels.py --tune and bench/tune_qmatmul.py; a fixed table (never per M)
+# keeps results batch-invariant and identical from one process to the next. num_warps <= BN / 16:
+# each warp owns 16 or 32 weight rows (BN = 64 on two warps: two MMA row tiles per warp share
+# each x fragment, half the x bytes through shared memory per weight).
 # MoE launches already have one tile row per routed expert, so they default to no split.
-# Values: `BENCH_ARGS="--tune --tune-quant" bash bench/run_device.sh` on the H200, 2026-11-29.
+# Values: `BENCH_ARGS="--tune --tune-quant" bash bench/run_device.sh` on the H200, 2026-11-29;
+# 8192x8192 from `bench/tune_qmatmul.py` and `BENCH_ARGS=--tune`, same day.
 DEFAULT_CONFIG = (32, 256, 2, 2, 4)
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (8192, 8192): (32, 256, 2, 2, 4),
+CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
+    (8192, 8192): (64, 128, 2, 2, 8, 128),
     (4096, 4096): (32, 256, 2, 2, 8),
     (1536, 2048): (32, 256, 2, 2, 8),
     (2048, 768): (32, 256, 2, 2, 4),
 }
 MOE_DEFAULT_CONFIG = (32, 256, 2, 3, 1)
-MOE_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+MOE_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (1536, 2048): (32, 256, 2, 3, 1),
     (2048, 768): (32, 256, 2, 3, 1),
 }
 
 
 def pick_config(n: int, k: int, fmt: int, group: int, moe: bool = False):
+    """(BN, BK, num_warps, num_stages, SPLIT[, maxnreg]) for a weight shape (never per M)."""
     table, default = (MOE_CONFIGS, MOE_DEFAULT_CONFIG) if moe else (CONFIGS, DEFAULT_CONFIG)
-    bn, bk, warps, stages, split = table.get((n, k), default)
+    bn, bk, warps, stages, split, *rest = table.get((n, k), default)
     while bk > 64 and k % bk:
         bk //= 2
-    return bn, bk, warps, stages, max(1, min(split, k // bk))
+    return (bn, bk, warps, stages, max(1, min(split, k // bk)), *rest)
+
+
+def _launch_options(config) -> dict:
+    """num_warps and num_stages of a config, and a register cap per thread where it has a sixth
+    entry: Triton specializes M == 1, and that variant can take more registers than the one
+    for other M (int4 (64, 128, 2, 2, 8): 150 against 128), which drops a program per SM and
+    pushes a one-wave grid into two."""
+    opts = {"num_warps": config[2], "num_stages": config[3]}
+    if len(config) > 5 and config[5]:
+        opts["maxnreg"] = config[5]
+    return opts
 
 
 _WORKSPACE: dict = {}
@@ -310,7 +325,8 @@ def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config
     """y [M, N] = x [M, K] @ dequant(W).T; words int32 [N, K/8] (kernel layout, see `bitmath.repack`)."""
     m, k = x.shape
     n = words.shape[0]
-    bn, bk, warps, stages, split = config or pick_config(n, k, fmt, group)
+    config = config or pick_config(n, k, fmt, group)
+    bn, bk, warps, stages, split = config[:5]
     scales = _scale_view(scales)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     gs = global_scale if global_scale is not None else y  # unused for int4
@@ -320,7 +336,7 @@ def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config
         x, words, scales, gs, y, m, n, k, x.stride(0), y.stride(0), words.stride(0), scales.stride(0),
         y, y, y, 0, 0, ws, locks,
         FMT=fmt, G=group, MOE=False, TOPK=1, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split,
-        num_warps=warps, num_stages=stages,
+        **_launch_options(config),
     )
     return y
 
@@ -380,7 +396,8 @@ def moe_w4a16_matmul(x, codes, scales, global_scale, topk_ids, fmt: int, group: 
     e, n, _ = codes.shape
     topk = topk_ids.shape[1]
     pairs, block_expert, num_blocks, max_blocks = align or moe_align_fast(topk_ids, e)
-    bn, bk, warps, stages, split = config or pick_config(n, k, fmt, group, moe=True)
+    config = config or pick_config(n, k, fmt, group, moe=True)
+    bn, bk, warps, stages, split = config[:5]
     scales = _scale_view(scales)
     y = torch.empty(t * topk, n, dtype=x.dtype, device=x.device)
     gs = global_scale if global_scale is not None else y
@@ -390,6 +407,6 @@ def moe_w4a16_matmul(x, codes, scales, global_scale, topk_ids, fmt: int, group: 
         x, codes, scales, gs, y, t * topk, n, k, x.stride(0), y.stride(0), codes.stride(1), scales.stride(1),
         pairs, block_expert, num_blocks, codes.stride(0), scales.stride(0), ws, locks,
         FMT=fmt, G=group, MOE=True, TOPK=topk, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split,
-        num_warps=warps, num_stages=stages,
+        **_launch_options(config),
     )
     return y.view(t, topk, n)
