@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
-from policy import formats
+from policy import formats, kernels
 from policy.tp import TP_SCALE_MODES, TPPlan, ShardCut, check_tp, part_index, from_parts_kwargs
 from tandem.v1 import manifest_pb2 as pb
 
@@ -252,18 +252,17 @@ class QuantizedParam:
 
 
 def quantize_param(x: torch.Tensor, fmt: str, **kwargs) -> QuantizedParam:
-    """Quantize a 2-D weight with format `fmt` (kwargs as for quantize(), e.g. scope="tensor")."""
-    return QuantizedParam(fmt, dict(kwargs), formats.get(fmt).quantize(x, **from_parts_kwargs(fmt, kwargs)))
+    """Quantize a weight with format `fmt` (kwargs as for quantize(), e.g. scope="tensor"); a 1-D
+    parameter (a norm weight) is quantized and published as [1, D]. Through policy.kernels: the
+    GPU kernels on CUDA tensors, the reference elsewhere, the same bytes either way."""
+    x = x.detach()
+    x2 = x.reshape(1, -1) if x.dim() == 1 else x
+    return QuantizedParam(fmt, dict(kwargs), kernels.quantize(fmt, x2, **from_parts_kwargs(fmt, kwargs)))
 
 
 def quantize_params(weights: Mapping[str, torch.Tensor], plan) -> dict[str, QuantizedParam]:
-    """Quantize every weight as a policy.recipe Plan says (1-D parameters are published as [1, D])."""
-    out = {}
-    for name, w in weights.items():
-        entry = plan[name]
-        w = w.detach()
-        out[name] = quantize_param(w.reshape(1, -1) if w.dim() == 1 else w, entry.format, **entry.kwargs)
-    return out
+    """Quantize every weight as a policy.recipe Plan says: what a trainer publishes."""
+    return {name: quantize_param(w, plan[name].format, **plan[name].kwargs) for name, w in weights.items()}
 
 
 @dataclass(frozen=True)

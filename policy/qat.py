@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policy import formats, kernels
+from policy.manifest import quantize_param
 from policy.model import QuantHook, Transformer
 from policy.recipe import Plan, Recipe
 
@@ -64,9 +65,8 @@ def _as_plan(model: Transformer, recipe: Recipe | Plan) -> Plan:
 
 
 def _quantize_param(entry, w: Tensor):
-    """The quantized object of one parameter; 1-D parameters travel as a [1, N] matrix."""
-    w2 = w.detach().reshape(1, -1) if w.ndim == 1 else w.detach()
-    return kernels.quantize(entry.format, w2, **entry.kwargs)
+    """The quantized object of one parameter, exactly as the trainer publishes it (policy.manifest)."""
+    return quantize_param(w, entry.format, **entry.kwargs).value
 
 
 def _effective(entry, w: Tensor) -> Tensor:
