@@ -48,7 +48,6 @@ class State:
 
     step: int = 0
     version: int = 0
-    groups_used: int = 0
     dropped_stale: int = 0
     dropped_fingerprint: int = 0
     # (stream_id, sample_id) of every sample consumed since the previous checkpoint
@@ -317,7 +316,6 @@ class Trainer:
             "completion_tokens": n_tokens,
             "step_time_s": time.perf_counter() - t0,
         }
-        self.state.groups_used += len(groups)
         return row
 
     def _load_scratch(self, version: int) -> None:

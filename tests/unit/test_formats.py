@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from policy import formats
-from policy.formats import bf16, fp8_block, int4, mxfp8, nvfp4
+from policy.formats import fp8_block, int4, mxfp8, nvfp4
 
 FLT_MAX = torch.finfo(torch.float32).max
 
