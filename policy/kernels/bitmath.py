@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 # fp32 bit patterns used by the E2M1 rounding.
-ONE_BITS = 0x3F800000  # 1.0
 MAGIC_SHIFT = 22 << 23  # adds 22 to an fp32 exponent field
+CODE_BIAS = MAGIC_SHIFT + 254  # bits(a + M) + E * (2 - 2^23) - CODE_BIAS is the E2M1 code
 
 
 def e2m1_code(a: torch.Tensor, x_bits: torch.Tensor) -> torch.Tensor:
@@ -24,20 +24,44 @@ def e2m1_code(a: torch.Tensor, x_bits: torch.Tensor) -> torch.Tensor:
 
     Rounding to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} with ties to even is one fp32 add:
     the grid step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so adding M = 2^22, 2^23 or 2^24
-    (chosen from a's exponent E = max(a, 1.0)'s exponent) leaves exactly the step as the ulp,
-    and IEEE round-to-nearest-even does the rounding. The low bits of a + M then count steps,
-    and code = steps + 2 * (E - 127) (the codes of the grid points 0, 2 and 4 are 0, 4 and 6).
+    (chosen from E, the exponent of max(a, 1.0)) leaves exactly the step as the ulp, and IEEE
+    round-to-nearest-even does the rounding. The low bits of a + M then count steps, and
+    code = steps + 2 * (E - 127) (the codes of the grid points 0, 2 and 4 are 0, 4 and 6).
+    The kernel computes that as bits(a + M) + E * (2 - 2^23), which is code + CODE_BIAS, and
+    takes the constant off once per packed word of eight codes.
 
     The sign: a negative input (x < 0, so not -0.0) sets bit 3, even when it rounds to zero;
     tested on the integer bits so a flush-to-zero of a subnormal x cannot drop it.
     """
-    a_bits = a.view(torch.int32)
-    e = torch.maximum(a_bits, torch.tensor(ONE_BITS, dtype=torch.int32)) >> 23  # 127, 128 or 129
+    e = torch.maximum(a, torch.tensor(1.0)).view(torch.int32) >> 23  # 127, 128 or 129
     m_bits = (e << 23) + MAGIC_SHIFT
     r = a + m_bits.view(torch.float32)  # one correctly rounded fp32 add
-    code = r.view(torch.int32) - m_bits + 2 * (e - 127)
+    raw = r.view(torch.int32) + e * (2 - (1 << 23))
+    code = raw - CODE_BIAS
     negative = x_bits.view(torch.int32).to(torch.int64) & 0xFFFFFFFF > 0x80000000
     return code | (negative.to(torch.int32) << 3)
+
+
+INT4_SNAP = 1536.0  # 1.5 * 2^10: fp32 values near it have an ulp of 2^-13; a multiple of 256
+
+
+def int4_codes_16bit(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel's rint(x / s) for 16-bit x (as fp32) and bf16 scales s (as fp32): one
+    fused multiply-add w = RN(x * r + 1536) with r = RN(1/s), then rint(w) - 1536.
+
+    Why this equals the contract's rint(x / s): s * r = 1 + e with |e| < 2^-24, so the exact
+    x * r is within 7.5 * 2^-24 of x / s (|x / s| <= 7.02 here, as the clamp never binds), and
+    the add rounds it once to a multiple of 2^-13. A half-integer h = x / s exactly is itself
+    such a multiple and is kept, so rint's ties go to even as in the reference. Any other
+    x / s is at least 2^-12 away from every half-integer, because x - h * s is a nonzero
+    multiple of min(ulp(x), ulp(s) / 2) (x has at most 11 significant bits, s 8): rounding to
+    2^-13 cannot carry it across. 1536 is a multiple of 256, so in the int8 code bytes the
+    subtraction is free. fp32 inputs (24 bits) have no such margin: the kernel divides.
+    The unit test checks this over every bf16 and fp16 x against every bf16 scale significand.
+    (fp64 stands in for the fma here: for these operands x * r + 1536 is exact in fp64.)"""
+    r = torch.div(torch.ones_like(s), s)  # one correctly rounded fp32 division: RN(1 / s)
+    w = (x.double() * r.double() + INT4_SNAP).float()
+    return (torch.round(w) - INT4_SNAP).to(torch.int32)
 
 
 def bf16_word_to_values(words: torch.Tensor) -> torch.Tensor:

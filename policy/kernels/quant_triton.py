@@ -34,12 +34,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .bitmath import CODE_BIAS, INT4_SNAP
+
+SNAP = tl.constexpr(INT4_SNAP)
+
 # Constants as exact fp32 values (each is the fp32 the reference's fp32(...) rounds to).
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1/6)
 ONE_OVER_448 = tl.constexpr(0.0022321429569274187)  # fp32(1/448)
 ONE_OVER_7 = tl.constexpr(0.1428571492433548)  # fp32(1/7)
 INT4_SCALE_FLOOR = tl.constexpr(9.999999747378752e-06)  # fp32(1e-5)
+# CODE_BIAS in each of the eight nibbles of a code word, as a wrapped int32.
+WORD_BIAS = tl.constexpr((CODE_BIAS * 0x11111111 + 2**31) % 2**32 - 2**31)
 NONFINITE_BITS = 0x7F800000  # |bits| >= this: inf or NaN
 NONFINITE = tl.constexpr(NONFINITE_BITS)
 
@@ -113,15 +119,15 @@ def _e4m3_value(byte):
 
 
 @triton.jit
-def _e2m1_code(a, x_bits):
-    """E2M1 code of a = min(|x| * enc, 6); see policy.kernels.bitmath.e2m1_code."""
-    a_bits = a.to(tl.int32, bitcast=True)
-    e = tl.maximum(a_bits, 0x3F800000) >> 23
+def _e2m1_code_biased(a, x_bits):
+    """E2M1 code + CODE_BIAS of a = min(|x| * enc, 6), sign from x's bits; see
+    policy.kernels.bitmath.e2m1_code. The bias is a constant the caller removes once per packed
+    word, which saves one add per element."""
+    e = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) >> 23  # 127, 128 or 129
     m_bits = (e << 23) + (22 << 23)
-    r = a + m_bits.to(tl.float32, bitcast=True)
-    code = r.to(tl.int32, bitcast=True) - m_bits + 2 * (e - 127)
+    raw = (a + m_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) + e * (2 - (1 << 23))
     negative = x_bits.to(tl.uint32, bitcast=True) > 0x80000000
-    return tl.where(negative, code | 8, code)
+    return tl.where(negative, raw + 8, raw)
 
 
 # --------------------------------------------------------------------------- nvfp4
@@ -145,18 +151,56 @@ def _amax_bits_kernel(x_ptr, status_ptr, numel, IN_KIND: tl.constexpr, BLOCK: tl
 @triton.jit
 def _flag_nonfinite(status_ptr, max_bits):
     """Mark the status word only when something non-finite was read: a store that normally never
-    happens, instead of an atomic per program on one address."""
-    tl.store(status_ptr, NONFINITE, mask=max_bits >= NONFINITE)
+    happens (from each thread that saw one, so no reduction across the program is needed),
+    instead of an atomic per program on one address."""
+    tl.store(status_ptr + max_bits * 0, NONFINITE, mask=max_bits >= NONFINITE)
+
+
+@triton.jit
+def _load_pairs(x_ptr, pair, mask, IN_KIND: tl.constexpr):
+    """fp32 bit patterns (int32) of elements 2p and 2p + 1 for pair indices p; masked: +0.
+
+    bf16 and fp16 pairs are one int32 word (x_ptr is the int32 view), so a thread's 16-byte
+    vector load brings 8 elements and keeps them packed until they are used."""
+    if IN_KIND == 2:  # fp32 passed as int32
+        even = tl.load(x_ptr + 2 * pair, mask=mask, other=0)
+        odd = tl.load(x_ptr + 2 * pair + 1, mask=mask, other=0)
+    else:
+        w = tl.load(x_ptr + pair, mask=mask, other=0)
+        if IN_KIND == 0:  # bf16 -> fp32 is a 16-bit shift
+            even = w << 16
+            odd = w & -65536
+        else:  # fp16: every fp16 value is a normal fp32, the convert is exact
+            even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+            odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32).to(tl.int32, bitcast=True)
+    return even, odd
+
+
+@triton.jit
+def _mul_abs_rn(x_bits, b):
+    """|x| * b for x given as fp32 bits: IEEE, round to nearest even, subnormals kept (the abs
+    is an operand modifier of the multiply, no separate instruction)."""
+    return tl.inline_asm_elementwise("{ .reg .f32 t; abs.f32 t, $1; mul.rn.f32 $0, t, $2; }", "=f,f,f",
+                                     [_as_f32(x_bits), b], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _nvfp4_codes(x_bits, enc):
+    """E2M1 code + CODE_BIAS of x given as fp32 bits: e2m1(min(|x| * enc, 6)), sign of x < 0."""
+    return _e2m1_code_biased(tl.minimum(_mul_abs_rn(x_bits, enc), 6.0), x_bits)
 
 
 @triton.jit
 def _nvfp4_kernel(
-    x_ptr, codes_ptr, sf_ptr, gs_ptr, amax_ptr, status_ptr, M, K,
+    x_ptr, codes_ptr, sf_ptr, gs_ptr, amax_ptr, status_ptr, M, K, x_row_words, code_row_words,
     IN_KIND: tl.constexpr, ROW_SCOPE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
     SINGLE: tl.constexpr, E4M3_SW: tl.constexpr,
 ):
     """ROWS rows per program; CHUNK 16-element blocks per step along K (SINGLE: one step).
 
+    One thread owns whole 16-blocks: the block is read as two [.., 4] tensors of element
+    pairs (elements 0-7 and 8-15) with the same layout, so the block max, the E4M3 scale and
+    its reciprocal are computed once per block in one thread, with no shuffles.
     Row scope: one program owns whole rows (the row amax needs all of it first). Tensor scope:
     the amax is already known, so the grid also splits K (program_id(1) = chunk)."""
     pid = tl.program_id(0)
@@ -166,14 +210,16 @@ def _nvfp4_kernel(
     r64 = r.to(tl.int64)
     nblocks = K // 16
     b = tl.arange(0, CHUNK)
-    e = tl.arange(0, 16)
+    j = tl.arange(0, 4)
+    # Row strides in words are arguments (x: K/2 pairs, codes: K/8 words) so that the launcher's
+    # divisible-by-16 specialization shows the pair loads are 16-byte aligned and vectorizes them.
+    row_pairs = r64[:, None, None] * x_row_words + j[None, None, :]  # pair of element 2j, block 0
 
     if SINGLE:
         m3 = rmask[:, None, None] & (b < nblocks)[None, :, None]
-        offs = r64[:, None, None] * K + (b[None, :, None] * 16 + e[None, None, :])
-        bits0 = _load_bits(x_ptr, offs, m3, IN_KIND)
-        ab0 = bits0 & 0x7FFFFFFF
-        bmax0 = tl.max(ab0, axis=2)  # [ROWS, CHUNK]
+        lo_e0, lo_o0 = _load_pairs(x_ptr, row_pairs + b[None, :, None] * 8, m3, IN_KIND)
+        hi_e0, hi_o0 = _load_pairs(x_ptr, row_pairs + b[None, :, None] * 8 + 4, m3, IN_KIND)
+        bmax0 = _block_absmax(lo_e0, lo_o0, hi_e0, hi_o0)  # [ROWS, CHUNK]
 
     if ROW_SCOPE:
         if SINGLE:
@@ -183,10 +229,10 @@ def _nvfp4_kernel(
             for c in range(0, nblocks, CHUNK):
                 blk = c + b
                 m3 = rmask[:, None, None] & (blk < nblocks)[None, :, None]
-                offs = r64[:, None, None] * K + (blk[None, :, None] * 16 + e[None, None, :])
-                bits = _load_bits(x_ptr, offs, m3, IN_KIND)
-                amax_bits = tl.maximum(amax_bits, tl.max(tl.max(bits & 0x7FFFFFFF, axis=2), axis=1))
-        _flag_nonfinite(status_ptr, tl.max(amax_bits, axis=0))
+                a0, a1 = _load_pairs(x_ptr, row_pairs + blk[None, :, None] * 8, m3, IN_KIND)
+                a2, a3 = _load_pairs(x_ptr, row_pairs + blk[None, :, None] * 8 + 4, m3, IN_KIND)
+                amax_bits = tl.maximum(amax_bits, tl.max(_block_absmax(a0, a1, a2, a3), axis=1))
+        _flag_nonfinite(status_ptr, amax_bits)
     else:
         amax_bits = tl.load(amax_ptr + r * 0)  # the tensor amax, broadcast to every row
 
@@ -204,32 +250,37 @@ def _nvfp4_kernel(
         c_start = pid_c * CHUNK
         c_end = c_start + CHUNK
 
+    shift = (8 * j)[None, None, :]
     for c in range(c_start, c_end, CHUNK):
         blk = c + b
         bmask = rmask[:, None] & (blk < nblocks)[None, :]
         if SINGLE:
-            bits = bits0
-            ab = ab0
-            bmax = bmax0
+            lo_e, lo_o, hi_e, hi_o, bmax = lo_e0, lo_o0, hi_e0, hi_o0, bmax0
         else:
             m3 = bmask[:, :, None]
-            offs = r64[:, None, None] * K + (blk[None, :, None] * 16 + e[None, None, :])
-            bits = _load_bits(x_ptr, offs, m3, IN_KIND)
-            ab = bits & 0x7FFFFFFF
-            bmax = tl.max(ab, axis=2)
+            lo_e, lo_o = _load_pairs(x_ptr, row_pairs + blk[None, :, None] * 8, m3, IN_KIND)
+            hi_e, hi_o = _load_pairs(x_ptr, row_pairs + blk[None, :, None] * 8 + 4, m3, IN_KIND)
+            bmax = _block_absmax(lo_e, lo_o, hi_e, hi_o)
         t = tl.minimum(_mul_rn(_as_f32(bmax), tl.broadcast_to(kk[:, None], [ROWS, CHUNK])), 448.0)
         sf8 = _e4m3(t, E4M3_SW)
-        sf = _e4m3_value(sf8)
-        block_scale = _mul_rn(sf, tl.broadcast_to(s_dec[:, None], [ROWS, CHUNK]))
-        enc = tl.minimum(_div_rn(tl.full([ROWS, CHUNK], 1.0, tl.float32), block_scale), FLT_MAX)
-        a = tl.minimum(_mul_rn(_as_f32(ab), tl.broadcast_to(enc[:, :, None], [ROWS, CHUNK, 16])), 6.0)
-        code = _e2m1_code(a, bits)
-        lo, hi = tl.split(tl.reshape(code, (ROWS, CHUNK, 8, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        j = tl.arange(0, 8)
-        coffs = r64[:, None, None] * (K // 2) + (blk[None, :, None] * 8 + j[None, None, :])
-        tl.store(codes_ptr + coffs, packed, mask=bmask[:, :, None])
+        block_scale = _mul_rn(_e4m3_value(sf8), tl.broadcast_to(s_dec[:, None], [ROWS, CHUNK]))
+        enc = tl.minimum(_div_rn(tl.full([ROWS, CHUNK], 1.0, tl.float32), block_scale), FLT_MAX)[:, :, None]
+        # Byte j of a code word = elements 2j (low nibble) and 2j + 1 (high nibble); the biases
+        # of its eight codes come off in one subtraction (int32 arithmetic wraps).
+        w0 = tl.sum((_nvfp4_codes(lo_e, enc) + (_nvfp4_codes(lo_o, enc) << 4)) << shift, axis=2) - WORD_BIAS
+        w1 = tl.sum((_nvfp4_codes(hi_e, enc) + (_nvfp4_codes(hi_o, enc) << 4)) << shift, axis=2) - WORD_BIAS
+        words = tl.join(w0, w1)  # [ROWS, CHUNK, 2]: the block's 8 code bytes, one 8-byte store
+        h = tl.arange(0, 2)
+        woffs = r64[:, None, None] * code_row_words + (blk[None, :, None] * 2 + h[None, None, :])
+        tl.store(codes_ptr + woffs, words, mask=bmask[:, :, None])
         tl.store(sf_ptr + r64[:, None] * nblocks + blk[None, :], sf8, mask=bmask)
+
+
+@triton.jit
+def _block_absmax(a, b, c, d):
+    """max |bits| over the last axis of four [.., 4] tensors of fp32 bit patterns."""
+    m = tl.maximum(tl.maximum(a & 0x7FFFFFFF, b & 0x7FFFFFFF), tl.maximum(c & 0x7FFFFFFF, d & 0x7FFFFFFF))
+    return tl.max(m, axis=2)
 
 
 # --------------------------------------------------------------------------- mxfp8
@@ -249,7 +300,7 @@ def _mxfp8_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K,
     offs = r64[:, None, None] * K + (blk[None, :, None] * 32 + e32[None, None, :])
     bits = _load_bits(x_ptr, offs, bmask[:, :, None], IN_KIND)
     bmax = tl.max(bits & 0x7FFFFFFF, axis=2)
-    _flag_nonfinite(status_ptr, tl.max(tl.max(bmax, axis=1), axis=0))
+    _flag_nonfinite(status_ptr, bmax)
 
     d = _mul_rn(_as_f32(bmax), tl.full([ROWS, CHUNK], ONE_OVER_448, tl.float32))
     d_bits = d.to(tl.int32, bitcast=True)
@@ -269,27 +320,62 @@ def _mxfp8_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K,
 
 
 @triton.jit
-def _int4_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K,
+def _rcp_rn(a):
+    """IEEE fp32 1 / a, correctly rounded, subnormals kept."""
+    return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fma_rn(a, b, c):
+    """IEEE fp32 a * b + c with one rounding (to nearest even), subnormals kept."""
+    return tl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [a, b, c], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _int4_codes(x_bits, s, r, IN_KIND: tl.constexpr):
+    """rint(x / s) as int32, x given as fp32 bits, s the group's bf16 scale as fp32, r = rcp_rn(s);
+    16-bit inputs give it plus INT4_SNAP (a multiple of 256: the int8 code bytes are the same).
+
+    fp32 input: the contract's division, literally. 16-bit input: rint(fma(x, r, 1536)), one
+    fused multiply-add instead of a division per element; policy.kernels.bitmath.int4_codes_16bit
+    says why it is the same integer, and a unit test checks it exhaustively.
+    The contract's clamp to [-7, 7] never binds: |x| <= gmax and s >= gmax / 7 rounded down by
+    at most 2^-9 (bf16), so |x / s| <= 7.02 and rint is at most 7 in magnitude."""
+    if IN_KIND == 2:
+        q = _div_rn(_as_f32(x_bits), s)
+    else:
+        q = _fma_rn(_as_f32(x_bits), r, tl.full(r.shape, SNAP, tl.float32))
+    return _rint(q).to(tl.int32)
+
+
+@triton.jit
+def _int4_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K, x_row_words,
                  IN_KIND: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """CHUNK groups of ROWS rows per program; a group is read as G/2 element pairs (16-bit
+    inputs: one word each) and its codes are written as G/2 int16 words (two int8 codes)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * ROWS + tl.arange(0, ROWS)
     r64 = r.to(tl.int64)
     ngroups = K // G
     grp = pid_c * CHUNK + tl.arange(0, CHUNK)
-    eg = tl.arange(0, G)
+    p = tl.arange(0, G // 2)
     gmask = (r < M)[:, None] & (grp < ngroups)[None, :]
-    offs = r64[:, None, None] * K + (grp[None, :, None] * G + eg[None, None, :])
-    bits = _load_bits(x_ptr, offs, gmask[:, :, None], IN_KIND)
-    gmax = tl.max(bits & 0x7FFFFFFF, axis=2)
-    _flag_nonfinite(status_ptr, tl.max(tl.max(gmax, axis=1), axis=0))
+    pairs = r64[:, None, None] * x_row_words + (grp[None, :, None] * (G // 2) + p[None, None, :])
+    even, odd = _load_pairs(x_ptr, pairs, gmask[:, :, None], IN_KIND)
+    gmax = tl.max(tl.maximum(even & 0x7FFFFFFF, odd & 0x7FFFFFFF), axis=2)
+    _flag_nonfinite(status_ptr, gmax)
 
     s = tl.maximum(_mul_rn(_as_f32(gmax), tl.full([ROWS, CHUNK], ONE_OVER_7, tl.float32)), INT4_SCALE_FLOOR)
     s16 = s.to(tl.bfloat16)
     sf = s16.to(tl.float32)
-    q = _rint(_div_rn(_as_f32(bits), tl.broadcast_to(sf[:, :, None], [ROWS, CHUNK, G])))
-    q = tl.minimum(tl.maximum(q, -7.0), 7.0)
-    tl.store(codes_ptr + offs, q.to(tl.int8), mask=gmask[:, :, None])
+    sf3 = sf[:, :, None]
+    r3 = _rcp_rn(sf)[:, :, None]
+    q = (_int4_codes(even, sf3, r3, IN_KIND) & 0xFF) | (_int4_codes(odd, sf3, r3, IN_KIND) << 8)
+    # codes_ptr is the int16 view of the int8 codes: word p = elements 2p (low byte), 2p + 1.
+    tl.store(codes_ptr + r64[:, None, None] * x_row_words + (grp[None, :, None] * (G // 2) + p[None, None, :]),
+             q.to(tl.int16), mask=gmask[:, :, None])
     tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], s16, mask=gmask)
 
 
@@ -312,7 +398,7 @@ def _fp8_block_kernel(x_ptr, codes_ptr, sinv_ptr, status_ptr, M, K,
     offs = r64[:, :, None] * K + k[None, None, :]
     bits = _load_bits(x_ptr, offs, mask, IN_KIND)
     amax_bits = tl.max(tl.max(bits & 0x7FFFFFFF, axis=2), axis=1)  # [GR]
-    _flag_nonfinite(status_ptr, tl.max(amax_bits, axis=0))
+    _flag_nonfinite(status_ptr, amax_bits)
     s = tl.minimum(_div_rn(tl.full([GR], 448.0, tl.float32), _as_f32(amax_bits)), FLT_MAX)
     s = tl.where(amax_bits == 0, 1.0, s)
     v = _mul_rn(_as_f32(bits), tl.broadcast_to(s[:, None, None], [GR, BM, BK]))
@@ -353,6 +439,7 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
     status = _status(x.device)
     xv = _bits_view(x)
     kind = _IN_KIND[x.dtype]
+    xw = x.view(torch.int32) if kind != 2 else xv  # 16-bit inputs: element pairs as int32 words
     if scope == "tensor":
         block = 4096
         grid = min(triton.cdiv(x.numel(), block), 4 * _sm_count(x.device))
@@ -360,7 +447,7 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
     chunk, rows, single, warps = config or _nvfp4_config(m, nblocks, scope)
     grid = (triton.cdiv(m, rows), 1 if scope == "row" else triton.cdiv(nblocks, chunk))
     _nvfp4_kernel[grid](
-        xv, codes, sf.view(torch.uint8), gs, status, status, m, k,
+        xw, codes.view(torch.int32), sf.view(torch.uint8), gs, status, status, m, k, k // 2, k // 8,
         IN_KIND=kind, ROW_SCOPE=scope == "row", ROWS=rows, CHUNK=chunk, SINGLE=single and scope == "row",
         E4M3_SW=e4m3_sw, num_warps=warps,
     )
@@ -369,25 +456,25 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
 
 # (CHUNK blocks, ROWS, SINGLE, num_warps) for the row scope, by K/16 blocks; chosen on the H200
 # by bench/bench_kernels.py --tune-quant.
-NVFP4_ROW_CONFIG: dict[int, tuple[int, int, bool, int]] = {512: (512, 1, True, 4)}
+NVFP4_ROW_CONFIG: dict[int, tuple[int, int, bool, int]] = {}
 
 
 def _nvfp4_config(m: int, nblocks: int, scope: str):
+    """(CHUNK, ROWS, SINGLE, num_warps). One thread per 16-block, so a program should hold at
+    least as many blocks as it has threads."""
     if scope == "tensor":
-        chunk = min(_pow2_at_least(nblocks), 64)
-        return chunk, max(1, 64 // chunk), False, 4
+        chunk = min(_pow2_at_least(nblocks), 256)
+        return chunk, max(1, 256 // chunk), False, 4
     if nblocks in NVFP4_ROW_CONFIG:
         return NVFP4_ROW_CONFIG[nblocks]
     # Rows up to K = 8192: the whole row in registers (one HBM read), several rows per program
     # when they are short. Longer rows: two passes over K in chunks, the second read from L2.
-    # (Measured on the H200 at K = 8192: one pass with 4 warps beat 8 or 16 warps and every
-    # two-pass tiling; docs/benchmarks.md.)
-    if nblocks <= 64:
+    if nblocks <= 128:
         chunk = _pow2_at_least(nblocks)
-        return chunk, max(1, 64 // chunk), True, 4
+        return chunk, max(1, 128 // chunk), True, 4
     if nblocks <= 512:
         return _pow2_at_least(nblocks), 1, True, 4
-    return 128, 1, False, 4
+    return 256, 1, False, 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -423,8 +510,10 @@ def int4_quantize(x: torch.Tensor, group_size: int, config=None):
     chunk = min(_pow2_at_least(ngroups), per_prog)
     rows = max(1, per_prog // chunk)
     grid = (triton.cdiv(m, rows), triton.cdiv(ngroups, chunk))
-    _int4_kernel[grid](_bits_view(x), codes, scales, status, m, k,
-                       IN_KIND=_IN_KIND[x.dtype], G=group_size, ROWS=rows, CHUNK=chunk, num_warps=warps)
+    kind = _IN_KIND[x.dtype]
+    xw = x.view(torch.int32) if kind != 2 else _bits_view(x)
+    _int4_kernel[grid](xw, codes.view(torch.int16), scales, status, m, k, k // 2,
+                       IN_KIND=kind, G=group_size, ROWS=rows, CHUNK=chunk, num_warps=warps)
     return codes, scales, status
 
 

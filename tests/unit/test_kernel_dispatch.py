@@ -69,6 +69,21 @@ def test_e2m1_magic_add_rounding_matches_reference():
     assert bitmath.e2m1_code(torch.tensor([0.0]), torch.tensor([-0.0]).view(torch.int32)).item() == 0  # -0 -> code 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_multiply_by_reciprocal_equals_division(dtype):
+    """The int4 kernel's rint(x * RN(1/s)) == the contract's rint(x / s), for every 16-bit x
+    with |x / s| < 16 and every bf16 scale significand (powers of two scale both sides alike),
+    plus scales at the 1e-5 floor."""
+    sig = 1.0 + torch.arange(128, dtype=torch.float32) / 128  # every bf16 significand in [1, 2)
+    scales = torch.cat([sig, sig * 2.0**-17, int4.quantize(torch.zeros(1, 8), group_size=8).scales.float().flatten()])
+    allx = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    allx = allx[torch.isfinite(allx)]
+    for s in scales:
+        x = allx[allx.abs() < 16 * s]
+        ref = torch.round(torch.div(x, s.expand_as(x))).to(torch.int32)
+        assert torch.equal(bitmath.int4_codes_16bit(x, s.expand_as(x)), ref), float(s)
+
+
 def test_e4m3_software_rounding_matches_torch_cast():
     e4 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     e4 = torch.sort(e4[torch.isfinite(e4) & (e4.abs() <= 448)].unique()).values
