@@ -33,7 +33,7 @@ def variants():
     for kind in (0, 1, 2):
         xp = IN_PTR[kind]
         yield "amax", qt._amax_bits_kernel, {"x_ptr": xp, "status_ptr": "*i32", "numel": "i32"}, {"IN_KIND": kind, "BLOCK": 8192}, 8
-        for row, rows, chunk, single, warps in ((True, 1, 512, True, 4), (True, 1, 512, True, 8), (False, 1, 256, False, 4),
+        for row, rows, chunk, single, warps in ((True, 1, 512, True, 4), (True, 1, 512, True, 8), (False, 1, 256, True, 4),
                                                 (True, 1, 256, False, 8), (True, 8, 16, True, 4)):
             for sw in ((False, True) if kind == 0 and warps == 4 else (False,)):
                 yield (f"nvfp4 kind={kind} row={row} rows={rows} chunk={chunk} single={single} sw={sw} warps={warps}", qt._nvfp4_kernel,

@@ -23,10 +23,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-CONFIGS = [  # the first sweep (23 configs, one warp per 16 rows) is in docs/benchmarks.md
-    (32, 256, 2, 2, 4),  # the table's 8192x8192 entry before 2026-11-29's sweeps
-    (64, 128, 2, 2, 8), (64, 128, 2, 2, 8, 128), (64, 128, 2, 3, 8), (64, 128, 2, 3, 8, 128),
-    (64, 128, 2, 2, 4, 128), (64, 256, 2, 2, 4),
+CONFIGS = [  # earlier sweeps (23 + 7 configs) are in docs/benchmarks.md
+    (64, 128, 2, 2, 8, 128),  # the table's 8192x8192 entry on 2026-11-29
+    (64, 128, 2, 3, 8, 128), (64, 128, 2, 4, 8, 128), (64, 128, 2, 2, 16, 128),
+    (32, 256, 2, 2, 4), (64, 256, 2, 2, 4, 168), (128, 128, 4, 2, 8), (128, 128, 4, 3, 8),
 ]
 MS = (1, 4, 16)
 

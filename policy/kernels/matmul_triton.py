@@ -72,29 +72,28 @@ fma.rn.bf16x2 $3, u, $5, nz;
 }
 """)
 
+# int4: the nibble of each lane goes into the mantissa of bf16 128 (one LOP3: (w & 0xF000F) |
+# 0x43004300), minus 136 (exact), times the scale (one rounding): 15 instructions per word.
 _INT4_ASM = tl.constexpr("""
 {
-.reg .b32 u, one, n136, nz;
+.reg .b32 u, t, magic, one, n136, nz;
+mov.b32 magic, 0x43004300;
 mov.b32 one, 0x3F803F80;
 mov.b32 n136, 0xC308C308;
 mov.b32 nz, 0x80008000;
-and.b32 u, $4, 0x000F000F;
-or.b32 u, u, 0x43004300;
+lop3.b32 u, $4, 0x000F000F, magic, 0xEA;
 fma.rn.bf16x2 u, u, one, n136;
 fma.rn.bf16x2 $0, u, $5, nz;
-shr.b32 u, $4, 4;
-and.b32 u, u, 0x000F000F;
-or.b32 u, u, 0x43004300;
+shr.b32 t, $4, 4;
+lop3.b32 u, t, 0x000F000F, magic, 0xEA;
 fma.rn.bf16x2 u, u, one, n136;
 fma.rn.bf16x2 $1, u, $5, nz;
-shr.b32 u, $4, 8;
-and.b32 u, u, 0x000F000F;
-or.b32 u, u, 0x43004300;
+shr.b32 t, $4, 8;
+lop3.b32 u, t, 0x000F000F, magic, 0xEA;
 fma.rn.bf16x2 u, u, one, n136;
 fma.rn.bf16x2 $2, u, $5, nz;
-shr.b32 u, $4, 12;
-and.b32 u, u, 0x000F000F;
-or.b32 u, u, 0x43004300;
+shr.b32 t, $4, 12;
+lop3.b32 u, t, 0x000F000F, magic, 0xEA;
 fma.rn.bf16x2 u, u, one, n136;
 fma.rn.bf16x2 $3, u, $5, nz;
 }
@@ -281,9 +280,22 @@ def pick_config(n: int, k: int, fmt: int, group: int, moe: bool = False):
     """(BN, BK, num_warps, num_stages, SPLIT[, maxnreg]) for a weight shape (never per M)."""
     table, default = (MOE_CONFIGS, MOE_DEFAULT_CONFIG) if moe else (CONFIGS, DEFAULT_CONFIG)
     bn, bk, warps, stages, split, *rest = table.get((n, k), default)
-    while bk > 64 and k % bk:
+    while bk > _min_bk(fmt) and k % bk:
         bk //= 2
     return (bn, bk, warps, stages, max(1, min(split, k // bk)), *rest)
+
+
+def _min_bk(fmt: int) -> int:
+    """The narrowest K tile: 64, but 128 for nvfp4. With 64-wide K tiles on 2 warps the nvfp4
+    kernel gives wrong results under Triton 3.6 on the H200 (relative error ~1, plain and PTX
+    dequant alike, old and new weight layout; int4 and 4 warps are fine; cause not found), so
+    nvfp4 weights whose K is not a multiple of 128 take the reference path instead."""
+    return 128 if fmt == FMT_NVFP4 else 64
+
+
+def _check_config(config, fmt: int) -> None:
+    if config[1] < _min_bk(fmt):
+        raise ValueError(f"w4a16 config {config}: K tile {config[1]} is below {_min_bk(fmt)}, the narrowest this format allows")
 
 
 def _launch_options(config) -> dict:
@@ -317,8 +329,8 @@ def _scale_view(scales: torch.Tensor) -> torch.Tensor:
 
 
 def check_k(k: int, fmt: int, group: int) -> bool:
-    """Shapes the kernel covers: K a multiple of 64; int4 groups a multiple of 16."""
-    return k % 64 == 0 and (fmt == FMT_NVFP4 or group % 16 == 0)
+    """Shapes the kernel covers: K a multiple of 64 (nvfp4: 128); int4 groups a multiple of 16."""
+    return k % _min_bk(fmt) == 0 and (fmt == FMT_NVFP4 or group % 16 == 0)
 
 
 def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config=None, use_asm=True, out=None):
@@ -326,6 +338,7 @@ def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config
     m, k = x.shape
     n = words.shape[0]
     config = config or pick_config(n, k, fmt, group)
+    _check_config(config, fmt)
     bn, bk, warps, stages, split = config[:5]
     scales = _scale_view(scales)
     y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -397,6 +410,7 @@ def moe_w4a16_matmul(x, codes, scales, global_scale, topk_ids, fmt: int, group: 
     topk = topk_ids.shape[1]
     pairs, block_expert, num_blocks, max_blocks = align or moe_align_fast(topk_ids, e)
     config = config or pick_config(n, k, fmt, group, moe=True)
+    _check_config(config, fmt)
     bn, bk, warps, stages, split = config[:5]
     scales = _scale_view(scales)
     y = torch.empty(t * topk, n, dtype=x.dtype, device=x.device)

@@ -196,15 +196,22 @@ def _nvfp4_kernel(
     IN_KIND: tl.constexpr, ROW_SCOPE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
     SINGLE: tl.constexpr, E4M3_SW: tl.constexpr,
 ):
-    """ROWS rows per program; CHUNK 16-element blocks per step along K (SINGLE: one step).
+    """ROWS rows per program; CHUNK 16-element blocks per step along K. SINGLE: the program's
+    blocks are one chunk, loaded before anything else (so the loads overlap the scale math).
 
     One thread owns whole 16-blocks: the block is read as two [.., 4] tensors of element
     pairs (elements 0-7 and 8-15) with the same layout, so the block max, the E4M3 scale and
     its reciprocal are computed once per block in one thread, with no shuffles.
     Row scope: one program owns whole rows (the row amax needs all of it first). Tensor scope:
-    the amax is already known, so the grid also splits K (program_id(1) = chunk)."""
+    the amax is already known, so the grid also splits K (program_id(1) = chunk), and it walks
+    the tensor from the end: the amax pass read the end last, so the first programs find it
+    in L2."""
     pid = tl.program_id(0)
     pid_c = tl.program_id(1)
+    if not ROW_SCOPE:
+        pid = tl.num_programs(0) - 1 - pid
+        pid_c = tl.num_programs(1) - 1 - pid_c
+    c_first = 0 if ROW_SCOPE else pid_c * CHUNK
     r = pid * ROWS + tl.arange(0, ROWS)
     rmask = r < M
     r64 = r.to(tl.int64)
@@ -216,9 +223,10 @@ def _nvfp4_kernel(
     row_pairs = r64[:, None, None] * x_row_words + j[None, None, :]  # pair of element 2j, block 0
 
     if SINGLE:
-        m3 = rmask[:, None, None] & (b < nblocks)[None, :, None]
-        lo_e0, lo_o0 = _load_pairs(x_ptr, row_pairs + b[None, :, None] * 8, m3, IN_KIND)
-        hi_e0, hi_o0 = _load_pairs(x_ptr, row_pairs + b[None, :, None] * 8 + 4, m3, IN_KIND)
+        blk0 = c_first + b
+        m3 = rmask[:, None, None] & (blk0 < nblocks)[None, :, None]
+        lo_e0, lo_o0 = _load_pairs(x_ptr, row_pairs + blk0[None, :, None] * 8, m3, IN_KIND)
+        hi_e0, hi_o0 = _load_pairs(x_ptr, row_pairs + blk0[None, :, None] * 8 + 4, m3, IN_KIND)
         bmax0 = _block_absmax(lo_e0, lo_o0, hi_e0, hi_o0)  # [ROWS, CHUNK]
 
     if ROW_SCOPE:
@@ -247,7 +255,7 @@ def _nvfp4_kernel(
         c_end = nblocks
     else:
         tl.store(gs_ptr + r * 0, s_dec, mask=rmask & (r == 0) & (pid_c == 0))
-        c_start = pid_c * CHUNK
+        c_start = c_first
         c_end = c_start + CHUNK
 
     shift = (8 * j)[None, None, :]
@@ -448,7 +456,7 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
     grid = (triton.cdiv(m, rows), 1 if scope == "row" else triton.cdiv(nblocks, chunk))
     _nvfp4_kernel[grid](
         xw, codes.view(torch.int32), sf.view(torch.uint8), gs, status, status, m, k, k // 2, k // 8,
-        IN_KIND=kind, ROW_SCOPE=scope == "row", ROWS=rows, CHUNK=chunk, SINGLE=single and scope == "row",
+        IN_KIND=kind, ROW_SCOPE=scope == "row", ROWS=rows, CHUNK=chunk, SINGLE=single or scope == "tensor",
         E4M3_SW=e4m3_sw, num_warps=warps,
     )
     return codes, sf, gs, status
@@ -505,7 +513,7 @@ def int4_quantize(x: torch.Tensor, group_size: int, config=None):
     codes = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scales = torch.empty(m, ngroups, dtype=torch.bfloat16, device=x.device)
     status = _status(x.device)
-    elems, warps = config or (2048, 4)
+    elems, warps = config or (8192, 8)  # bench/bench_kernels.py --tune-quant, H200
     per_prog = max(1, elems // group_size)
     chunk = min(_pow2_at_least(ngroups), per_prog)
     rows = max(1, per_prog // chunk)

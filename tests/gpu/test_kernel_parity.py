@@ -190,6 +190,31 @@ def test_qmatmul_matches_reference_dequant_matmul(fmt):
             assert _rel(y, ref) < 8e-3, (fmt, n, k, m, _rel(y, ref))
 
 
+@pytest.mark.parametrize("k, cfg", [(192, None), (320, None), (2048, (64, 64, 2, 2, 4)), (2048, (64, 64, 2, 4, 8))])
+def test_int4_qmatmul_64_wide_k_tiles(k, cfg):
+    """K not a multiple of 128 (the default config's K tile halves to 64) and explicit 64-wide
+    K tiles, for int4 (nvfp4 refuses them: next test)."""
+    q, w = _weights("int4", 256, k, seed=k)
+    x = torch.randn(5, k, device=DEV, dtype=torch.bfloat16)
+    ref = x.float() @ formats.int4.dequantize(q).to(DEV).T
+    for use_asm in (True, False):
+        y = mt.w4a16_matmul(x, w.codes, w.scales, w.global_scale, mt.FMT_INT4, w.group_size, config=cfg, use_asm=use_asm)
+        assert _rel(y, ref) < 8e-3, (k, cfg, use_asm, _rel(y, ref))
+
+
+def test_nvfp4_k_not_multiple_of_128_takes_the_reference_path():
+    """64-wide K tiles give wrong nvfp4 results under Triton 3.6 (see matmul_triton._min_bk), so
+    the kernel refuses them and qmatmul uses the reference for such K."""
+    q, w = _weights("nvfp4", 256, 192, seed=3)
+    x = torch.randn(5, 192, device=DEV, dtype=torch.bfloat16)
+    assert K._kernel_fmt(w, x) is None
+    ref = x.float() @ formats.nvfp4.dequantize(q).to(DEV).T
+    assert _rel(K.qmatmul(x, w), ref) < 8e-3
+    q, w = _weights("nvfp4", 256, 2048, seed=4)
+    with pytest.raises(ValueError, match="K tile 64"):
+        mt.w4a16_matmul(x.new_zeros(1, 2048), w.codes, w.scales, w.global_scale, mt.FMT_NVFP4, 0, config=(64, 64, 2, 2, 4))
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
 def test_asm_and_plain_dequant_agree_bitwise(fmt):
     q, w = _weights(fmt, 512, 1024, seed=1)
