@@ -128,7 +128,8 @@ def tune_quant(x, nbytes_row: int, copy_gbs: float) -> None:
         if best is None or t < best[0]:
             best = (t, cfg)
     qt.NVFP4_ROW_CONFIG[k // 16] = best[1]
-    for cfg in [(256, 1, True, 4), (512, 1, True, 4), (256, 1, True, 8), (512, 1, True, 8), (1024, 1, True, 8), (128, 2, True, 4)]:
+    for cfg in [(256, 1, True, 4), (512, 1, True, 4), (256, 1, True, 8), (512, 1, True, 8), (1024, 1, True, 8),
+                (128, 2, True, 4)]:
         t = bench(lambda: qt.nvfp4_quantize(x, "tensor", config=cfg))
         line(f"tune nvfp4 tensor {cfg}: {t:.1f} us")
         RESULTS["tune"].append({"kernel": "nvfp4 tensor", "cfg": list(cfg), "us": t})

@@ -1,10 +1,12 @@
 """Compile every Triton kernel variant for sm_90 without a GPU and print registers / spills.
 
 Catches type and syntax errors before any device time is spent, and shows whether a variant
-spills. Needs Triton importable (e.g. `pip install --target /tmp/tritonlocal triton==3.6.0`
-and PYTHONPATH=/tmp/tritonlocal:.); needs no GPU and no CUDA driver.
+spills; `--sass` also prints registers and SASS instruction counts (how the quantizers' and
+dequant's instruction budgets in docs/benchmarks.md were counted). Needs Triton importable
+(e.g. `pip install --target /tmp/tritonlocal triton==3.6.0` and PYTHONPATH=/tmp/tritonlocal:.);
+needs no GPU and no CUDA driver.
 
-    PYTHONPATH=/tmp/tritonlocal:. python bench/compile_kernels.py [--ptx DIR]
+    PYTHONPATH=/tmp/tritonlocal:. python bench/compile_kernels.py [--only NAME] [--sass] [--ptx DIR]
 """
 
 from __future__ import annotations

@@ -295,7 +295,8 @@ def _min_bk(fmt: int) -> int:
 
 def _check_config(config, fmt: int) -> None:
     if config[1] < _min_bk(fmt):
-        raise ValueError(f"w4a16 config {config}: K tile {config[1]} is below {_min_bk(fmt)}, the narrowest this format allows")
+        raise ValueError(f"w4a16 config {config}: K tile {config[1]} is below {_min_bk(fmt)}, "
+                         "the narrowest this format allows")
 
 
 def _launch_options(config) -> dict:
