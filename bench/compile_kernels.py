@@ -67,10 +67,9 @@ def variants():
                             "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
                             "stride_wn": "i32", "stride_sn": "i32",
                             "pair_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32",
-                            "stride_we": "i32", "stride_se": "i32", "ws_ptr": "*fp32", "lock_ptr": "*i32",
-                            "w_desc": "constexpr"},
+                            "stride_we": "i32", "stride_se": "i32", "ws_ptr": "*fp32", "lock_ptr": "*i32"},
                            {"FMT": fmt, "G": 32, "MOE": moe, "TOPK": 8, "BN": bn, "BK": bk, "BM": 16, "USE_ASM": asm,
-                            "SPLIT": split, "w_desc": None},
+                            "SPLIT": split},
                            (warps, stages))
 
 

@@ -129,10 +129,9 @@ def _plain_pair(q, j: tl.constexpr, f, FMT: tl.constexpr):
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr,
     M, N, K, stride_xm, stride_ym, stride_wn, stride_sn,
-    pair_ptr, block_expert_ptr, num_blocks_ptr, stride_we, stride_se, ws_ptr, lock_ptr, w_desc,
+    pair_ptr, block_expert_ptr, num_blocks_ptr, stride_we, stride_se, ws_ptr, lock_ptr,
     FMT: tl.constexpr, G: tl.constexpr, MOE: tl.constexpr, TOPK: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr,
-    TMA: tl.constexpr = False,
 ):
     """w: int32 words [N, K/8] (kernel layout), stride_wn = K/8; s: nvfp4 e4m3 bytes [N, K/16]
     or int4 bf16 [N, K/G], stride_sn = its row length (separate args so the launcher's
@@ -178,10 +177,7 @@ def _w4a16_kernel(
     k_lo = pid_s * tiles_per_split * BK
     k_hi = tl.minimum(K, k_lo + tiles_per_split * BK)
     for k0 in range(k_lo, k_hi, BK):
-        if TMA:  # one bulk tensor copy per tile (rows past N read as zeros)
-            q = w_desc.load([pid_n * BN, k0 // 8])
-        else:
-            q = tl.load(w_base + k0 // 8, mask=nmask[:, None], other=0)
+        q = tl.load(w_base + k0 // 8, mask=nmask[:, None], other=0)
         if FMT == 0:
             sb = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // 16 + tl.arange(0, NB)[None, :]),
                          mask=nmask[:, None], other=0)
@@ -338,8 +334,7 @@ def check_k(k: int, fmt: int, group: int) -> bool:
     return k % _min_bk(fmt) == 0 and (fmt == FMT_NVFP4 or group % 16 == 0)
 
 
-def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config=None, use_asm=True, out=None,
-                 tma=False):
+def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config=None, use_asm=True, out=None):
     """y [M, N] = x [M, K] @ dequant(W).T; words int32 [N, K/8] (kernel layout, see `bitmath.repack`)."""
     m, k = x.shape
     n = words.shape[0]
@@ -351,14 +346,10 @@ def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config
     gs = global_scale if global_scale is not None else y  # unused for int4
     grid = (triton.cdiv(n, bn), triton.cdiv(m, BLOCK_M), split)
     ws, locks = _workspace(x.device, grid[0] * grid[1], split, bn)
-    w_desc = None
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        w_desc = TensorDescriptor.from_tensor(words, [bn, bk // 8])
     _w4a16_kernel[grid](
         x, words, scales, gs, y, m, n, k, x.stride(0), y.stride(0), words.stride(0), scales.stride(0),
-        y, y, y, 0, 0, ws, locks, w_desc,
-        FMT=fmt, G=group, MOE=False, TOPK=1, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split, TMA=tma,
+        y, y, y, 0, 0, ws, locks,
+        FMT=fmt, G=group, MOE=False, TOPK=1, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split,
         **_launch_options(config),
     )
     return y
@@ -429,7 +420,7 @@ def moe_w4a16_matmul(x, codes, scales, global_scale, topk_ids, fmt: int, group: 
     ws, locks = _workspace(x.device, grid[0] * grid[1], split, bn)
     _w4a16_kernel[grid](
         x, codes, scales, gs, y, t * topk, n, k, x.stride(0), y.stride(0), codes.stride(1), scales.stride(1),
-        pairs, block_expert, num_blocks, codes.stride(0), scales.stride(0), ws, locks, None,
+        pairs, block_expert, num_blocks, codes.stride(0), scales.stride(0), ws, locks,
         FMT=fmt, G=group, MOE=True, TOPK=topk, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split,
         **_launch_options(config),
     )
