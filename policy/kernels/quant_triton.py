@@ -383,9 +383,9 @@ def _int4_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K, x_row_words,
     sf3 = sf[:, :, None]
     r3 = _rcp_rn(sf)[:, :, None]
     q = (_int4_codes(even, sf3, r3, IN_KIND) & 0xFF) | (_int4_codes(odd, sf3, r3, IN_KIND) << 8)
-    # codes_ptr is the int16 view of the int8 codes: word p = elements 2p (low byte), 2p + 1.
-    tl.store(codes_ptr + r64[:, None, None] * x_row_words + (grp[None, :, None] * (G // 2) + p[None, None, :]),
-             q.to(tl.int16), mask=gmask[:, :, None])
+    # codes_ptr is the int16 view of the int8 codes (same row stride as the input's pairs):
+    # word p = elements 2p (low byte), 2p + 1.
+    tl.store(codes_ptr + pairs, q.to(tl.int16), mask=gmask[:, :, None])
     tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], s16, mask=gmask)
 
 
@@ -447,26 +447,19 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
     sf = torch.empty(m, nblocks, dtype=torch.float8_e4m3fn, device=x.device)
     gs = torch.empty(m if scope == "row" else 1, dtype=torch.float32, device=x.device)
     status = _status(x.device)
-    xv = _bits_view(x)
     kind = _IN_KIND[x.dtype]
-    xw = x.view(torch.int32) if kind != 2 else xv  # 16-bit inputs: element pairs as int32 words
     if scope == "tensor":
         block = 4096
         grid = min(triton.cdiv(x.numel(), block), 4 * _sm_count(x.device))
-        _amax_bits_kernel[(grid,)](xv, status, x.numel(), IN_KIND=kind, BLOCK=block, num_warps=8)
+        _amax_bits_kernel[(grid,)](_bits_view(x), status, x.numel(), IN_KIND=kind, BLOCK=block, num_warps=8)
     chunk, rows, single, warps = config or _nvfp4_config(m, nblocks, scope)
     grid = (triton.cdiv(m, rows), 1 if scope == "row" else triton.cdiv(nblocks, chunk))
-    _nvfp4_kernel[grid](
-        xw, codes.view(torch.int32), sf.view(torch.uint8), gs, status, status, m, k, k // 2, k // 8,
-        IN_KIND=kind, ROW_SCOPE=scope == "row", ROWS=rows, CHUNK=chunk, SINGLE=single or scope == "tensor",
+    _nvfp4_kernel[grid](  # x as int32 words: element pairs for 16-bit inputs, elements for fp32
+        x.view(torch.int32), codes.view(torch.int32), sf.view(torch.uint8), gs, status, status, m, k, k // 2, k // 8,
+        IN_KIND=kind, ROW_SCOPE=scope == "row", ROWS=rows, CHUNK=chunk, SINGLE=single,
         E4M3_SW=e4m3_sw, num_warps=warps,
     )
     return codes, sf, gs, status
-
-
-# (CHUNK blocks, ROWS, SINGLE, num_warps) for the row scope, by K/16 blocks; chosen on the H200
-# by bench/bench_kernels.py --tune-quant.
-NVFP4_ROW_CONFIG: dict[int, tuple[int, int, bool, int]] = {}
 
 
 def _nvfp4_config(m: int, nblocks: int, scope: str):
@@ -475,8 +468,6 @@ def _nvfp4_config(m: int, nblocks: int, scope: str):
     if scope == "tensor":  # always SINGLE: the grid splits K into chunks
         chunk = min(_pow2_at_least(nblocks), 256)
         return chunk, max(1, 256 // chunk), True, 4
-    if nblocks in NVFP4_ROW_CONFIG:
-        return NVFP4_ROW_CONFIG[nblocks]
     # Rows up to K = 8192: the whole row in registers (one HBM read), several rows per program
     # when they are short. Longer rows: two passes over K in chunks, the second read from L2.
     if nblocks <= 128:
@@ -520,10 +511,8 @@ def int4_quantize(x: torch.Tensor, group_size: int, config=None):
     chunk = min(_pow2_at_least(ngroups), per_prog)
     rows = max(1, per_prog // chunk)
     grid = (triton.cdiv(m, rows), triton.cdiv(ngroups, chunk))
-    kind = _IN_KIND[x.dtype]
-    xw = x.view(torch.int32) if kind != 2 else _bits_view(x)
-    _int4_kernel[grid](xw, codes.view(torch.int16), scales, status, m, k, k // 2,
-                       IN_KIND=kind, G=group_size, ROWS=rows, CHUNK=chunk, num_warps=warps)
+    _int4_kernel[grid](x.view(torch.int32), codes.view(torch.int16), scales, status, m, k, k // 2,
+                       IN_KIND=_IN_KIND[x.dtype], G=group_size, ROWS=rows, CHUNK=chunk, num_warps=warps)
     return codes, scales, status
 
 
