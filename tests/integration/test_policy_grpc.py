@@ -17,22 +17,12 @@ from policy import tp
 from policy.model import ModelConfig, parameter_shapes
 from tandem.v1 import policy_pb2
 
+from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
+
 pytestmark = pytest.mark.integration
 
 CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)
 CHUNK = 8192  # small chunks: most tensors span several
-
-
-def _format_for(name: str) -> tuple[str, dict]:
-    if ".experts." in name:
-        return "nvfp4", {"scope": "tensor"}
-    if "o_proj" in name:
-        return "mxfp8", {}
-    if "q_proj" in name:
-        return "int4", {"group_size": 32}
-    if "lm_head" in name:
-        return "fp8_block", {"block": (128, 128)}
-    return "bf16", {}
 
 
 def make_tensors(seed: int) -> dict[str, M.QuantizedParam]:
@@ -40,7 +30,7 @@ def make_tensors(seed: int) -> dict[str, M.QuantizedParam]:
     out = {}
     for name, shape in parameter_shapes(CFG).items():
         w = torch.randn(*shape, generator=g) if len(shape) == 2 else torch.randn(1, shape[0], generator=g)
-        fmt, kw = _format_for(name)
+        fmt, kw = format_for(name)
         out[name] = M.quantize_param(w, fmt, **kw)
     return out
 

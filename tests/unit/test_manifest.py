@@ -12,23 +12,10 @@ from policy import manifest as M
 from policy.model import ModelConfig, Transformer, parameter_shapes
 from policy.recipe import Recipe
 
+from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
+
 CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)  # small: the reference nvfp4 is slow on CPU
 RULES = {"keep_bf16": {"first": 0, "last_fraction": 0.0}, "rules": [{"match": ["x"], "format": "nvfp4"}]}
-
-
-def _format_for(name: str) -> tuple[str, dict]:
-    """A mix of every format over the tiny model (TP-friendly: no 128x128 blocks on 128-wide tensors)."""
-    if ".experts." in name:
-        return "nvfp4", {"scope": "tensor"}
-    if "o_proj" in name:
-        return "mxfp8", {}
-    if "q_proj" in name:
-        return "int4", {"group_size": 32}
-    if "lm_head" in name:
-        return "fp8_block", {"block": (128, 128)}
-    if "shared_expert.down" in name:
-        return "fp8_block", {"block": (1, 64)}
-    return "bf16", {}
 
 
 def make_tensors(seed: int = 0) -> dict[str, M.QuantizedParam]:
@@ -36,7 +23,7 @@ def make_tensors(seed: int = 0) -> dict[str, M.QuantizedParam]:
     out = {}
     for name, shape in parameter_shapes(CFG).items():
         w = torch.randn(*shape, generator=g) if len(shape) == 2 else 1 + 0.1 * torch.randn(1, shape[0], generator=g)
-        fmt, kw = _format_for(name)
+        fmt, kw = format_for(name)
         out[name] = M.quantize_param(w, fmt, **kw)
     return out
 
