@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test test-fast venv redis protos clean
+.PHONY: demo test test-fast lint venv redis protos clean
 
 $(BIN)/tandem: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,8 +24,12 @@ redis:
 demo: venv redis
 	$(BIN)/tandem run configs/demo.yaml
 
-test: venv redis
+test: venv redis lint
 	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit -q -m "not slow"

@@ -49,12 +49,17 @@ def synthetic_policy(total_bytes: int, seed: int, version: int = 1):
         for proj, (m, k) in EXPERT_SHAPES:
             codes = torch.from_numpy(rng.integers(0, 256, size=(m, k // 2), dtype=np.uint8))
             scales = torch.full((m, k // 16), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 1.0
-            q = formats.nvfp4.from_parts({"codes": codes, "block_scales": scales,
-                                          "global_scale": torch.ones(1)}, (m, k), scope="tensor")
+            q = formats.nvfp4.from_parts(
+                {"codes": codes, "block_scales": scales, "global_scale": torch.ones(1)}, (m, k), scope="tensor"
+            )
             tensors[f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"] = M.QuantizedParam(
-                "nvfp4", {"scope": "tensor"}, q)
-    contract = M.Contract(model_config={"preset": "qwen3-30b-a3b", "n_experts_benched": n_experts},
-                          recipe_name="nvfp4_moe", recipe_rules={"rules": "experts -> nvfp4"})
+                "nvfp4", {"scope": "tensor"}, q
+            )
+    contract = M.Contract(
+        model_config={"preset": "qwen3-30b-a3b", "n_experts_benched": n_experts},
+        recipe_name="nvfp4_moe",
+        recipe_rules={"rules": "experts -> nvfp4"},
+    )
     t0 = time.perf_counter()
     packed = M.build_manifest(version=version, parent_version=None, contract=contract, tensors=tensors)
     return packed, time.perf_counter() - t0
@@ -118,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                 dst[:] = src
             return time.perf_counter() - t0
 
-        config = PolicyClientConfig(address=f"127.0.0.1:{info['port']}",
-                                    expected_fingerprint=packed.manifest.contract_fingerprint,
-                                    fetch_timeout_s=args.timeout)
+        config = PolicyClientConfig(
+            address=f"127.0.0.1:{info['port']}",
+            expected_fingerprint=packed.manifest.contract_fingerprint,
+            fetch_timeout_s=args.timeout,
+        )
         fetch_times = []
         with PolicyClient(config) as client:
             manifest = client.get_manifest()
@@ -139,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                 del raw
             # One independent end-to-end check beyond the client's own verification.
             raw, _, _ = client.fetch_bytes(manifest, names=[manifest.tensors[-1].name])
-            assert hashlib.sha256(raw[manifest.tensors[-1].name]).digest() == \
-                hashlib.sha256(packed.blobs[manifest.tensors[-1].name]).digest()
+            assert (
+                hashlib.sha256(raw[manifest.tensors[-1].name]).digest()
+                == hashlib.sha256(packed.blobs[manifest.tensors[-1].name]).digest()
+            )
         fresh = [copy_fresh() for _ in range(args.repeats)]
         warmed = [copy_warm() for _ in range(args.repeats)]
     finally:
@@ -154,13 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     n_tensors = len(packed.manifest.tensors)
     print(f"policy: {n_tensors} nvfp4 tensors, {gb:.3f} GB packed, chunks of {packed.manifest.chunk_bytes} B")
     print(f"trainer build_manifest (copy + sha256 + xxh3): {info['build_s']:.3f} s  = {gb / info['build_s']:.2f} GB/s")
-    print(f"trainer publish (pre-serialize chunks):         {info['publish_s']:.3f} s  "
-          f"= {gb / info['publish_s']:.2f} GB/s")
-    print(f"rollout fetch over loopback gRPC (verified):    {fetch_s:.3f} s  = {gb / fetch_s:.2f} GB/s "
-          f"(median of {args.repeats}: {', '.join(f'{t:.3f}' for t in fetch_times[1:])})")
+    print(
+        f"trainer publish (pre-serialize chunks):         {info['publish_s']:.3f} s  "
+        f"= {gb / info['publish_s']:.2f} GB/s"
+    )
+    print(
+        f"rollout fetch over loopback gRPC (verified):    {fetch_s:.3f} s  = {gb / fetch_s:.2f} GB/s "
+        f"(median of {args.repeats}: {', '.join(f'{t:.3f}' for t in fetch_times[1:])})"
+    )
     print(f"  first fetch (cold buffers):                   {cold_s:.3f} s  = {gb / cold_s:.2f} GB/s")
-    print(f"TP shard fetch, rank 0 of {args.tp_size} ({shard_gb:.3f} GB): first {shard_times[0]:.3f} s "
-          f"(server cuts the shards), then {shard_times[1]:.3f} s = {shard_gb / shard_times[1]:.2f} GB/s")
+    print(
+        f"TP shard fetch, rank 0 of {args.tp_size} ({shard_gb:.3f} GB): first {shard_times[0]:.3f} s "
+        f"(server cuts the shards), then {shard_times[1]:.3f} s = {shard_gb / shard_times[1]:.2f} GB/s"
+    )
     print(f"baseline in-memory copy, fresh buffers:          {fresh_s:.3f} s  = {gb / fresh_s:.2f} GB/s")
     print(f"baseline in-memory copy, touched buffers:        {warm_s:.3f} s  = {gb / warm_s:.2f} GB/s")
     print(f"ratio fetch / fresh copy:   {fresh_s / fetch_s:.3f}")

@@ -91,16 +91,27 @@ def bench_quant(m: int, k: int) -> None:
         ("fp8_block 1x128", lambda: qt.fp8_block_quantize(x, (1, 128)), 2 * n + n + 4 * n // 128, 2 * n),
         ("fp8_block 128x128", lambda: qt.fp8_block_quantize(x, (128, 128)), 2 * n + n + 4 * n // 16384, 2 * n),
     ]
-    line(f"{'kernel':30s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s}   (bytes = input read once + outputs written once;"
-         " in brackets: counting every read)")
+    line(
+        f"{'kernel':30s} {'us':>8s} {'GB/s':>7s} {'% copy':>7s}   (bytes = input read once + outputs written once;"
+        " in brackets: counting every read)"
+    )
     for name, fn, nbytes, read_bytes in cases:
         t = bench(fn)
         gbs = nbytes / t / 1e3
         moved = nbytes - 2 * n + read_bytes
         extra = f"   [{moved / t / 1e3:.0f} GB/s, {100 * moved / t / 1e3 / copy_gbs:.1f}%]" if moved != nbytes else ""
         line(f"{name:30s} {t:8.1f} {gbs:7.0f} {100 * gbs / copy_gbs:6.1f}%{extra}")
-        RESULTS["quant"].append({"kernel": name, "shape": [m, k], "us": t, "gbs": gbs, "pct_copy": 100 * gbs / copy_gbs,
-                                 "bytes": nbytes, "bytes_moved_incl_rereads": moved})
+        RESULTS["quant"].append(
+            {
+                "kernel": name,
+                "shape": [m, k],
+                "us": t,
+                "gbs": gbs,
+                "pct_copy": 100 * gbs / copy_gbs,
+                "bytes": nbytes,
+                "bytes_moved_incl_rereads": moved,
+            }
+        )
     if TUNE_QUANT:
         tune_quant(x, nbytes_row=cases[0][2], copy_gbs=copy_gbs)
     # Per-token activation quantization at decode sizes: latency, not bandwidth.
@@ -124,13 +135,21 @@ def tune_quant(x, nbytes_row: int, copy_gbs: float) -> None:
         gbs = nbytes_row / t / 1e3
         line(f"tune nvfp4 row {cfg}: {t:.1f} us {gbs:.0f} GB/s {100 * gbs / copy_gbs:.1f}%")
         RESULTS["tune"].append({"kernel": "nvfp4 row", "cfg": list(cfg), "us": t, "gbs": gbs})
-    for cfg in [(256, 1, True, 4), (512, 1, True, 4), (256, 1, True, 8), (512, 1, True, 8), (1024, 1, True, 8),
-                (128, 2, True, 4)]:
+    for cfg in [
+        (256, 1, True, 4),
+        (512, 1, True, 4),
+        (256, 1, True, 8),
+        (512, 1, True, 8),
+        (1024, 1, True, 8),
+        (128, 2, True, 4),
+    ]:
         t = bench(lambda: qt.nvfp4_quantize(x, "tensor", config=cfg))
         line(f"tune nvfp4 tensor {cfg}: {t:.1f} us")
         RESULTS["tune"].append({"kernel": "nvfp4 tensor", "cfg": list(cfg), "us": t})
-    for name, fn, nbytes in [("mxfp8", qt.mxfp8_quantize, 2 * n + n + n // 32),
-                             ("int4", lambda x_, config: qt.int4_quantize(x_, 32, config=config), 2 * n + n + 2 * n // 32)]:
+    for name, fn, nbytes in [
+        ("mxfp8", qt.mxfp8_quantize, 2 * n + n + n // 32),
+        ("int4", lambda x_, config: qt.int4_quantize(x_, 32, config=config), 2 * n + n + 2 * n // 32),
+    ]:
         for cfg in [(2048, 4), (4096, 4), (8192, 4), (8192, 8), (16384, 8)]:
             t = bench(lambda: fn(x, config=cfg))
             gbs = nbytes / t / 1e3
@@ -175,8 +194,14 @@ def tune(main_shape, other_shapes, ms=(1, 16), keep=4) -> None:
     # swept 23 configs with one warp per 16 rows (2026-11-29; none beat (32, 256, 2, 2, 4));
     # the BN=64 two-warp tiles below (two 16-row MMA tiles per warp) halve the x bytes that go
     # through shared memory per weight.
-    grid = [(32, 256, 2, 2, 4), (32, 256, 2, 2, 8), (64, 128, 2, 2, 8), (64, 128, 2, 3, 8),
-            (64, 256, 2, 2, 8), (64, 128, 2, 2, 16)]
+    grid = [
+        (32, 256, 2, 2, 4),
+        (32, 256, 2, 2, 8),
+        (64, 128, 2, 2, 8),
+        (64, 128, 2, 3, 8),
+        (64, 256, 2, 2, 8),
+        (64, 128, 2, 2, 16),
+    ]
     scored = []
     n, k = main_shape
     ws = make_weights(n, k)
@@ -186,12 +211,12 @@ def tune(main_shape, other_shapes, ms=(1, 16), keep=4) -> None:
         except Exception as e:  # a config that does not compile or fit is skipped, and said so
             line(f"tune nvfp4 {n}x{k} {cfg}: failed {type(e).__name__}: {str(e)[:160]}")
             continue
-        line(f"tune nvfp4 {n}x{k} {cfg}: {['%.1f' % t for t in ts]} us")
+        line(f"tune nvfp4 {n}x{k} {cfg}: {[f'{t:.1f}' for t in ts]} us")
         RESULTS["tune"].append({"fmt": "nvfp4", "n": n, "k": k, "cfg": list(cfg), "us": ts})
         scored.append((sum(ts), cfg))
     scored.sort()
     best = [cfg for _, cfg in scored[:keep]]
-    for (n, k) in [main_shape] + list(other_shapes):
+    for n, k in [main_shape] + list(other_shapes):
         ws = make_weights(n, k)
         for fmt in ("nvfp4", "int4"):
             results = []
@@ -202,13 +227,15 @@ def tune(main_shape, other_shapes, ms=(1, 16), keep=4) -> None:
                 RESULTS["tune"].append({"fmt": fmt, "n": n, "k": k, "cfg": list(cfg), "us": ts})
                 results.append((sum(ts), cfg, ts))
             results.sort()
-            line(f"tune {fmt} {n}x{k}: " + "; ".join(f"{c} {['%.1f' % t for t in ts]}" for _, c, ts in results))
+            line(f"tune {fmt} {n}x{k}: " + "; ".join(f"{c} {[f'{t:.1f}' for t in ts]}" for _, c, ts in results))
         mt.CONFIGS[(n, k)] = results[0][1] if results else mt.DEFAULT_CONFIG
 
 
 def bench_dense(shapes, ms=(1, 4, 16, 64)) -> None:
-    line(f"{'shape':>11s} {'M':>3s} {'bf16 us':>8s} | {'nvfp4 us':>8s} {'x':>5s} | {'int4 us':>8s} {'x':>5s} | {'fp8blk us':>9s} {'x':>5s}")
-    for (n, k) in shapes:
+    line(
+        f"{'shape':>11s} {'M':>3s} {'bf16 us':>8s} | {'nvfp4 us':>8s} {'x':>5s} | {'int4 us':>8s} {'x':>5s} | {'fp8blk us':>9s} {'x':>5s}"
+    )
+    for n, k in shapes:
         ws = make_weights(n, k)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -217,11 +244,23 @@ def bench_dense(shapes, ms=(1, 4, 16, 64)) -> None:
             ti = bench(lambda: K.qmatmul(x, ws["int4"]))
             y8 = K._scaled_mm_fp8_block(x, ws["fp8_block"])
             t8 = bench(lambda: K._scaled_mm_fp8_block(x, ws["fp8_block"])) if y8 is not None else float("nan")
-            line(f"{n:5d}x{k:<5d} {m:3d} {t_bf:8.1f} | {t4:8.1f} {t_bf / t4:5.2f} | {ti:8.1f} {t_bf / ti:5.2f} | {t8:9.1f} {t_bf / t8:5.2f}")
-            RESULTS["matmul"].append({"n": n, "k": k, "m": m, "bf16_us": t_bf, "nvfp4_us": t4, "int4_us": ti,
-                                      "fp8_block_scaled_mm_us": t8, "config": list(mt.pick_config(n, k, 0, 32))})
+            line(
+                f"{n:5d}x{k:<5d} {m:3d} {t_bf:8.1f} | {t4:8.1f} {t_bf / t4:5.2f} | {ti:8.1f} {t_bf / ti:5.2f} | {t8:9.1f} {t_bf / t8:5.2f}"
+            )
+            RESULTS["matmul"].append(
+                {
+                    "n": n,
+                    "k": k,
+                    "m": m,
+                    "bf16_us": t_bf,
+                    "nvfp4_us": t4,
+                    "int4_us": ti,
+                    "fp8_block_scaled_mm_us": t8,
+                    "config": list(mt.pick_config(n, k, 0, 32)),
+                }
+            )
             if m == ms[0]:  # fresh inputs: the kernel must still match the reference dequant + matmul
-                ref = (x.float() @ K.dequantize(K.unpack(ws["nvfp4"])).T)
+                ref = x.float() @ K.dequantize(K.unpack(ws["nvfp4"])).T
                 err = float((K.qmatmul(x, ws["nvfp4"]).float() - ref).norm() / ref.norm())
                 line(f"  nvfp4 rel. error vs reference dequant+matmul: {err:.2e}")
 
@@ -233,11 +272,15 @@ def bench_moe(ms=(1, 4, 16, 64), experts=128, topk=8, d=2048, f=768) -> None:
     layers = {"gate_up 2048->2x768": (2 * f, d), "down 768->2048": (d, f)}
     grouped = getattr(torch, "_grouped_mm", None)
     line(f"MoE {experts} experts top-{topk}; baselines: torch bf16 loop over routed experts, torch._grouped_mm bf16")
-    line(f"{'layer':>20s} {'T':>3s} {'loop us':>8s} {'grp us':>8s} | {'nvfp4 us':>8s} {'x loop':>6s} {'x grp':>6s} | {'int4 us':>8s} {'x loop':>6s} {'x grp':>6s} | {'align us':>8s}")
+    line(
+        f"{'layer':>20s} {'T':>3s} {'loop us':>8s} {'grp us':>8s} | {'nvfp4 us':>8s} {'x loop':>6s} {'x grp':>6s} | {'int4 us':>8s} {'x loop':>6s} {'x grp':>6s} | {'align us':>8s}"
+    )
     for name, (n, k) in layers.items():
         w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        packed = {fmt: K.pack_experts([K.quantize(fmt, w[e], **kw) for e in range(experts)])
-                  for fmt, kw in (("nvfp4", {"scope": "tensor"}), ("int4", {"group_size": 32}))}
+        packed = {
+            fmt: K.pack_experts([K.quantize(fmt, w[e], **kw) for e in range(experts)])
+            for fmt, kw in (("nvfp4", {"scope": "tensor"}), ("int4", {"group_size": 32}))
+        }
         w_t = w.transpose(1, 2).contiguous()  # [E, K, N] for grouped_mm
         for t in ms:
             g = torch.Generator(device="cpu").manual_seed(t)
@@ -249,6 +292,7 @@ def bench_moe(ms=(1, 4, 16, 64), experts=128, topk=8, d=2048, f=768) -> None:
 
             def loop():
                 return [F.linear(xe, w[e]) for xe, e in zip(xs, active)]
+
             t_loop = bench(loop)
             # Baseline 2: torch grouped GEMM over tokens sorted by expert.
             t_grp = float("nan")
@@ -272,11 +316,20 @@ def bench_moe(ms=(1, 4, 16, 64), experts=128, topk=8, d=2048, f=768) -> None:
             if t == ms[0] and TUNE_MOE:
                 pw = packed["nvfp4"]
                 best = None
-                for cfg in [(32, 256, 2, 3, 1), (32, 512, 2, 3, 1), (32, 256, 2, 2, 1), (32, 256, 2, 2, 2), (64, 256, 4, 2, 1)]:
+                for cfg in [
+                    (32, 256, 2, 3, 1),
+                    (32, 512, 2, 3, 1),
+                    (32, 256, 2, 2, 1),
+                    (32, 256, 2, 2, 2),
+                    (64, 256, 4, 2, 1),
+                ]:
                     if k % cfg[1]:
                         continue
-                    tc = bench(lambda: mt.moe_w4a16_matmul(x, pw.codes, pw.scales, pw.global_scale, ids, mt.FMT_NVFP4,
-                                                           0, align=align, config=cfg))
+                    tc = bench(
+                        lambda: mt.moe_w4a16_matmul(
+                            x, pw.codes, pw.scales, pw.global_scale, ids, mt.FMT_NVFP4, 0, align=align, config=cfg
+                        )
+                    )
                     line(f"  tune moe {name} T={t} {cfg}: {tc:.1f} us")
                     if best is None or tc < best[0]:
                         best = (tc, cfg)
@@ -284,13 +337,28 @@ def bench_moe(ms=(1, 4, 16, 64), experts=128, topk=8, d=2048, f=768) -> None:
             res = {}
             for fmt, pw in packed.items():
                 fid = mt.FMT_NVFP4 if fmt == "nvfp4" else mt.FMT_INT4
-                res[fmt] = bench(lambda: mt.moe_w4a16_matmul(x, pw.codes, pw.scales, pw.global_scale, ids, fid,
-                                                             pw.group_size, align=align))
-            line(f"{name:>20s} {t:3d} {t_loop:8.1f} {t_grp:8.1f} | {res['nvfp4']:8.1f} {t_loop / res['nvfp4']:6.2f} "
-                 f"{t_grp / res['nvfp4']:6.2f} | {res['int4']:8.1f} {t_loop / res['int4']:6.2f} {t_grp / res['int4']:6.2f} | {t_align:8.1f} (torch ops {t_align_torch:.1f})")
-            RESULTS["moe"].append({"layer": name, "tokens": t, "active_experts": len(active), "loop_bf16_us": t_loop,
-                                   "grouped_bf16_us": t_grp, "nvfp4_us": res["nvfp4"], "int4_us": res["int4"],
-                                   "align_us": t_align, "align_torch_us": t_align_torch})
+                res[fmt] = bench(
+                    lambda: mt.moe_w4a16_matmul(
+                        x, pw.codes, pw.scales, pw.global_scale, ids, fid, pw.group_size, align=align
+                    )
+                )
+            line(
+                f"{name:>20s} {t:3d} {t_loop:8.1f} {t_grp:8.1f} | {res['nvfp4']:8.1f} {t_loop / res['nvfp4']:6.2f} "
+                f"{t_grp / res['nvfp4']:6.2f} | {res['int4']:8.1f} {t_loop / res['int4']:6.2f} {t_grp / res['int4']:6.2f} | {t_align:8.1f} (torch ops {t_align_torch:.1f})"
+            )
+            RESULTS["moe"].append(
+                {
+                    "layer": name,
+                    "tokens": t,
+                    "active_experts": len(active),
+                    "loop_bf16_us": t_loop,
+                    "grouped_bf16_us": t_grp,
+                    "nvfp4_us": res["nvfp4"],
+                    "int4_us": res["int4"],
+                    "align_us": t_align,
+                    "align_torch_us": t_align_torch,
+                }
+            )
         w = w_t = packed = None  # free before the next layer
         torch.cuda.empty_cache()
 
@@ -303,7 +371,9 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of sections to skip: quant,dense,moe")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
-    line(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    line(
+        f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}"
+    )
     RESULTS["device"] = props.name
     skip = set(args.skip.split(","))
     global TUNE_QUANT, TUNE_MOE

@@ -43,7 +43,7 @@ def dense_moe(moe, x):
     out = torch.zeros_like(x)
     for e, ex in enumerate(moe.experts):
         g, u = F.linear(x, ex.gate_up_proj.weight).split(ex.ffn_dim, dim=-1)
-        out += gates[:, e:e + 1] * F.linear(F.silu(g) * u, ex.down_proj.weight)
+        out += gates[:, e : e + 1] * F.linear(F.silu(g) * u, ex.down_proj.weight)
     return out
 
 
@@ -63,8 +63,10 @@ def main() -> None:
     model = Transformer(cfg, seed=0)
     toks = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     n_tok = toks.numel()
-    print(f"model {args.model} ({cfg.num_parameters():,} params), batch {args.batch} x {args.seq_len} tokens, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"model {args.model} ({cfg.num_parameters():,} params), batch {args.batch} x {args.seq_len} tokens, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
 
     def fwd():
         with torch.no_grad():
@@ -73,8 +75,11 @@ def main() -> None:
     def step():
         model.zero_grad(set_to_none=True)
         model.token_logprobs(toks, toks.roll(-1, 1)).mean().backward()
-    print(f"\n{'path':<20}{'fwd ms':>9}{'(plain)':>9}{'ratio':>7}{'fwd+bwd ms':>12}{'(plain)':>9}{'ratio':>7}"
-          f"{'refresh ms':>12}")
+
+    print(
+        f"\n{'path':<20}{'fwd ms':>9}{'(plain)':>9}{'ratio':>7}{'fwd+bwd ms':>12}{'(plain)':>9}{'ratio':>7}"
+        f"{'refresh ms':>12}"
+    )
     for name in BUILTINS:
         hook = apply_qat(model, Recipe.load(name))
         remove_qat(model)
@@ -88,8 +93,10 @@ def main() -> None:
             hook.effective_weights(model)
 
         refresh_s = statistics.median([paired(refresh, refresh, 1)[0] for _ in range(args.repeats)])
-        print(f"{'QAT ' + name:<20}{qf * 1e3:>9.1f}{bf * 1e3:>9.1f}{qf / bf:>7.2f}{qs * 1e3:>12.1f}"
-              f"{bs * 1e3:>9.1f}{qs / bs:>7.2f}{refresh_s * 1e3:>12.1f}")
+        print(
+            f"{'QAT ' + name:<20}{qf * 1e3:>9.1f}{bf * 1e3:>9.1f}{qf / bf:>7.2f}{qs * 1e3:>12.1f}"
+            f"{bs * 1e3:>9.1f}{qs / bs:>7.2f}{refresh_s * 1e3:>12.1f}"
+        )
     remove_qat(model)
     print("(refresh = fake-quantizing every weight again after an optimizer step; once per step)")
 
@@ -107,17 +114,21 @@ def main() -> None:
     new = args.batch * args.new_tokens
     print(f"\ngenerate {args.batch} ragged prompts x {args.new_tokens} new tokens (KV cache):")
     print(f"  plain            {g_plain:.3f} s  {new / g_plain:,.0f} tok/s")
-    print(f"  nvfp4_moe packed {g_roll:.3f} s  {new / g_roll:,.0f} tok/s  ratio {g_roll / g_plain:.2f} "
-          f"(per-token nvfp4 activation quant)")
+    print(
+        f"  nvfp4_moe packed {g_roll:.3f} s  {new / g_roll:,.0f} tok/s  ratio {g_roll / g_plain:.2f} "
+        f"(per-token nvfp4 activation quant)"
+    )
 
     moe = model.model.layers[0].mlp
     x = torch.randn(n_tok, cfg.dim, generator=torch.Generator().manual_seed(2))
     shared = (lambda: moe.shared_expert(x, _PLAIN)) if moe.shared_expert is not None else (lambda: 0)
     with torch.no_grad():
         t_dense, t_gather = paired(lambda: dense_moe(moe, x) + shared(), lambda: moe(x, _PLAIN), args.repeats)
-    print(f"\nMoE block, {n_tok} tokens, {cfg.n_experts} experts top-{cfg.top_k}: gathered dispatch "
-          f"{t_gather * 1e3:.1f} ms vs dense all-experts {t_dense * 1e3:.1f} ms "
-          f"(speed-up {t_dense / t_gather:.2f}x)")
+    print(
+        f"\nMoE block, {n_tok} tokens, {cfg.n_experts} experts top-{cfg.top_k}: gathered dispatch "
+        f"{t_gather * 1e3:.1f} ms vs dense all-experts {t_dense * 1e3:.1f} ms "
+        f"(speed-up {t_dense / t_gather:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

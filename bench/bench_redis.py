@@ -100,7 +100,9 @@ async def bench_raw(r, payloads: list[bytes], batch: int) -> float:
 
 async def bench_stream(r, trajs: list[Trajectory], batch: int) -> float:
     keys = Keys(run_id="bench-" + uuid.uuid4().hex[:8])
-    c = GroupConsumer(r, stream=keys.trajectories, group=TRAJECTORIES_GROUP, consumer="c", deadletter=keys.deadletter, config=QUIET)
+    c = GroupConsumer(
+        r, stream=keys.trajectories, group=TRAJECTORIES_GROUP, consumer="c", deadletter=keys.deadletter, config=QUIET
+    )
     await c.ensure_group()
     t0 = time.perf_counter()
     for i in range(0, len(trajs), batch):
@@ -179,7 +181,9 @@ def main() -> int:
     for k in ("codec", "raw", "stream", "full"):
         print(f"{k:8} {r[k]:10.0f} {r[k] * res['bytes_per_trajectory'] / 1e6:8.1f}")
     print(f"stream / raw  = {r['stream'] / r['raw']:.2f}  (codec + consumer bookkeeping overhead on the Redis path)")
-    print(f"full   / raw  = {r['full'] / r['raw']:.2f}  (plus idempotency MGET on read and SET NX EX + XACK script on commit)")
+    print(
+        f"full   / raw  = {r['full'] / r['raw']:.2f}  (plus idempotency MGET on read and SET NX EX + XACK script on commit)"
+    )
     print(f"full   / codec = {r['full'] / r['codec']:.2f}")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))

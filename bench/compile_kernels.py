@@ -34,43 +34,119 @@ IN_PTR = {0: "*i16", 1: "*fp16", 2: "*i32"}
 def variants():
     for kind in (0, 1, 2):
         xp = IN_PTR[kind]
-        yield "amax", qt._amax_bits_kernel, {"x_ptr": xp, "status_ptr": "*i32", "numel": "i32"}, {"IN_KIND": kind, "BLOCK": 8192}, 8
-        for row, rows, chunk, single, warps in ((True, 1, 512, True, 4), (True, 1, 512, True, 8), (False, 1, 256, True, 4),
-                                                (True, 1, 256, False, 8), (True, 8, 16, True, 4)):
-            for sw in ((False, True) if kind == 0 and warps == 4 else (False,)):
-                yield (f"nvfp4 kind={kind} row={row} rows={rows} chunk={chunk} single={single} sw={sw} warps={warps}", qt._nvfp4_kernel,
-                       {"x_ptr": "*i32", "codes_ptr": "*i32", "sf_ptr": "*u8", "gs_ptr": "*fp32", "amax_ptr": "*i32",
-                        "status_ptr": "*i32", "M": "i32", "K": "i32", "x_row_words": "i32", "code_row_words": "i32"},
-                       {"IN_KIND": kind, "ROW_SCOPE": row, "ROWS": rows, "CHUNK": chunk, "SINGLE": single, "E4M3_SW": sw}, warps)
-        yield ("mxfp8", qt._mxfp8_kernel,
-               {"x_ptr": xp, "codes_ptr": "*u8", "scales_ptr": "*u8", "status_ptr": "*i32", "M": "i32", "K": "i32"},
-               {"IN_KIND": kind, "ROWS": 1, "CHUNK": 64, "E4M3_SW": False}, 4)
+        yield (
+            "amax",
+            qt._amax_bits_kernel,
+            {"x_ptr": xp, "status_ptr": "*i32", "numel": "i32"},
+            {"IN_KIND": kind, "BLOCK": 8192},
+            8,
+        )
+        for row, rows, chunk, single, warps in (
+            (True, 1, 512, True, 4),
+            (True, 1, 512, True, 8),
+            (False, 1, 256, True, 4),
+            (True, 1, 256, False, 8),
+            (True, 8, 16, True, 4),
+        ):
+            for sw in (False, True) if kind == 0 and warps == 4 else (False,):
+                yield (
+                    f"nvfp4 kind={kind} row={row} rows={rows} chunk={chunk} single={single} sw={sw} warps={warps}",
+                    qt._nvfp4_kernel,
+                    {
+                        "x_ptr": "*i32",
+                        "codes_ptr": "*i32",
+                        "sf_ptr": "*u8",
+                        "gs_ptr": "*fp32",
+                        "amax_ptr": "*i32",
+                        "status_ptr": "*i32",
+                        "M": "i32",
+                        "K": "i32",
+                        "x_row_words": "i32",
+                        "code_row_words": "i32",
+                    },
+                    {"IN_KIND": kind, "ROW_SCOPE": row, "ROWS": rows, "CHUNK": chunk, "SINGLE": single, "E4M3_SW": sw},
+                    warps,
+                )
+        yield (
+            "mxfp8",
+            qt._mxfp8_kernel,
+            {"x_ptr": xp, "codes_ptr": "*u8", "scales_ptr": "*u8", "status_ptr": "*i32", "M": "i32", "K": "i32"},
+            {"IN_KIND": kind, "ROWS": 1, "CHUNK": 64, "E4M3_SW": False},
+            4,
+        )
         for g, chunk in ((32, 64), (128, 16)):
-            yield (f"int4 kind={kind} g={g}", qt._int4_kernel,
-                   {"x_ptr": "*i32", "codes_ptr": "*i16", "scales_ptr": "*bf16", "status_ptr": "*i32", "M": "i32", "K": "i32",
-                    "x_row_words": "i32"},
-                   {"IN_KIND": kind, "G": g, "ROWS": 1, "CHUNK": chunk}, 4)
+            yield (
+                f"int4 kind={kind} g={g}",
+                qt._int4_kernel,
+                {
+                    "x_ptr": "*i32",
+                    "codes_ptr": "*i16",
+                    "scales_ptr": "*bf16",
+                    "status_ptr": "*i32",
+                    "M": "i32",
+                    "K": "i32",
+                    "x_row_words": "i32",
+                },
+                {"IN_KIND": kind, "G": g, "ROWS": 1, "CHUNK": chunk},
+                4,
+            )
         for gr, bm, bk in ((1, 128, 128), (32, 1, 128)):
-            yield (f"fp8_block {gr}x{bm}x{bk}", qt._fp8_block_kernel,
-                   {"x_ptr": xp, "codes_ptr": "*u8", "sinv_ptr": "*fp32", "status_ptr": "*i32", "M": "i32", "K": "i32"},
-                   {"IN_KIND": kind, "GR": gr, "BM": bm, "BK": bk, "E4M3_SW": False}, 8 if gr * bm * bk >= 8192 else 4)
+            yield (
+                f"fp8_block {gr}x{bm}x{bk}",
+                qt._fp8_block_kernel,
+                {"x_ptr": xp, "codes_ptr": "*u8", "sinv_ptr": "*fp32", "status_ptr": "*i32", "M": "i32", "K": "i32"},
+                {"IN_KIND": kind, "GR": gr, "BM": bm, "BK": bk, "E4M3_SW": False},
+                8 if gr * bm * bk >= 8192 else 4,
+            )
     for pb, maxbp in ((16, 16), (512, 256)):
-        yield (f"moe_align pb={pb}", mt._moe_align_kernel,
-               {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "P": "i32"},
-               {"E": 128, "EP": 256, "PB": pb, "MAXB": maxbp - 7, "MAXBP": maxbp, "BM": 16}, 8)
+        yield (
+            f"moe_align pb={pb}",
+            mt._moe_align_kernel,
+            {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "P": "i32"},
+            {"E": 128, "EP": 256, "PB": pb, "MAXB": maxbp - 7, "MAXBP": maxbp, "BM": 16},
+            8,
+        )
     for fmt, sptr in ((mt.FMT_NVFP4, "*u8"), (mt.FMT_INT4, "*bf16")):
         for moe in (False, True):
             for asm in (True, False):
                 for bn, bk, warps, stages, split in ((32, 256, 2, 3, 4), (64, 256, 4, 3, 1), (64, 128, 2, 2, 8)):
-                    yield (f"w4a16 fmt={fmt} moe={moe} asm={asm} cfg={bn},{bk},{warps},{stages},{split}", mt._w4a16_kernel,
-                           {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": sptr, "gs_ptr": "*fp32", "y_ptr": "*bf16",
-                            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
-                            "stride_wn": "i32", "stride_sn": "i32",
-                            "pair_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32",
-                            "stride_we": "i32", "stride_se": "i32", "ws_ptr": "*fp32", "lock_ptr": "*i32"},
-                           {"FMT": fmt, "G": 32, "MOE": moe, "TOPK": 8, "BN": bn, "BK": bk, "BM": 16, "USE_ASM": asm,
-                            "SPLIT": split},
-                           (warps, stages))
+                    yield (
+                        f"w4a16 fmt={fmt} moe={moe} asm={asm} cfg={bn},{bk},{warps},{stages},{split}",
+                        mt._w4a16_kernel,
+                        {
+                            "x_ptr": "*bf16",
+                            "w_ptr": "*i32",
+                            "s_ptr": sptr,
+                            "gs_ptr": "*fp32",
+                            "y_ptr": "*bf16",
+                            "M": "i32",
+                            "N": "i32",
+                            "K": "i32",
+                            "stride_xm": "i32",
+                            "stride_ym": "i32",
+                            "stride_wn": "i32",
+                            "stride_sn": "i32",
+                            "pair_ptr": "*i32",
+                            "block_expert_ptr": "*i32",
+                            "num_blocks_ptr": "*i32",
+                            "stride_we": "i32",
+                            "stride_se": "i32",
+                            "ws_ptr": "*fp32",
+                            "lock_ptr": "*i32",
+                        },
+                        {
+                            "FMT": fmt,
+                            "G": 32,
+                            "MOE": moe,
+                            "TOPK": 8,
+                            "BN": bn,
+                            "BK": bk,
+                            "BM": 16,
+                            "USE_ASM": asm,
+                            "SPLIT": split,
+                        },
+                        (warps, stages),
+                    )
 
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -108,8 +184,23 @@ def main() -> int:
         try:
             # As the launcher specializes at run time: 16-byte aligned pointers, and ints that
             # are multiples of 16 (K, strides) marked divisible by 16.
-            div16 = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
-                     if t.startswith("*") or a in ("K", "x_row_words", "code_row_words", "stride_xm", "stride_ym", "stride_wn", "stride_sn", "stride_we", "stride_se")}
+            div16 = {
+                (fn.arg_names.index(a),): [["tt.divisibility", 16]]
+                for a, t in sig.items()
+                if t.startswith("*")
+                or a
+                in (
+                    "K",
+                    "x_row_words",
+                    "code_row_words",
+                    "stride_xm",
+                    "stride_ym",
+                    "stride_wn",
+                    "stride_sn",
+                    "stride_we",
+                    "stride_se",
+                )
+            }
             src = ASTSource(fn=fn, signature=full_sig, constexprs=consts, attrs=div16)
             k = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
             md = k.metadata

@@ -25,8 +25,13 @@ import torch.nn.functional as F
 
 CONFIGS = [  # earlier sweeps (23 + 7 configs) are in docs/benchmarks.md
     (64, 128, 2, 2, 8, 128),  # the table's 8192x8192 entry on 2026-11-29
-    (64, 128, 2, 3, 8, 128), (64, 128, 2, 4, 8, 128), (64, 128, 2, 2, 16, 128),
-    (32, 256, 2, 2, 4), (64, 256, 2, 2, 4, 168), (128, 128, 4, 2, 8), (128, 128, 4, 3, 8),
+    (64, 128, 2, 3, 8, 128),
+    (64, 128, 2, 4, 8, 128),
+    (64, 128, 2, 2, 16, 128),
+    (32, 256, 2, 2, 4),
+    (64, 256, 2, 2, 4, 168),
+    (128, 128, 4, 2, 8),
+    (128, 128, 4, 3, 8),
 ]
 MS = (1, 4, 16)
 
@@ -37,7 +42,7 @@ def _compile_one(job) -> str:
     from policy.kernels import matmul_triton as mt
 
     try:
-        words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+        words = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
         if fmt == mt.FMT_NVFP4:
             scales = torch.randint(0, 120, (n, k // 16), dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
             gs = torch.ones(1, device="cuda")
@@ -67,7 +72,9 @@ def main() -> int:
     jobs = [(f, c, 8192, 8192) for c in CONFIGS for f in (mt.FMT_NVFP4, mt.FMT_INT4)]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         errors = [e for e in pool.map(_compile_one, jobs, chunksize=1) if e]
-    print(f"compiled {len(jobs)} (config, format) pairs in {time.time() - t0:.0f} s; failures: {len(errors)}", flush=True)
+    print(
+        f"compiled {len(jobs)} (config, format) pairs in {time.time() - t0:.0f} s; failures: {len(errors)}", flush=True
+    )
     for e in errors:
         print("  compile failed:", e, flush=True)
     bad = {e.split(":")[0] for e in errors}
@@ -93,6 +100,7 @@ def main() -> int:
 
                 def run(x, w=w, fid=fid, cfg=cfg):
                     return mt.w4a16_matmul(x, w.codes, w.scales, w.global_scale, fid, w.group_size, config=cfg)
+
                 y16 = run(xs[16])
                 ref = xs[16].float() @ K.dequantize(K.unpack(w)).T
                 err = float((y16.float() - ref).norm() / ref.norm())
@@ -105,17 +113,30 @@ def main() -> int:
             if len(row["us"]) == 2 * len(MS):
                 row["score"] = sum(row["us"].values())
                 out["rows"].append(row)
-                sp = " ".join(f"{row['us'][f'{f}{m}']:5.1f}/{t_bf[m] / row['us'][f'{f}{m}']:4.2f}x"
-                              for f in ("nvfp4", "int4") for m in MS)
-                print(f"{str(cfg):26s} ok={row['ok']!s:5s} err {row['err_nvfp4']:.1e}/{row['err_int4']:.1e} | {sp}", flush=True)
+                sp = " ".join(
+                    f"{row['us'][f'{f}{m}']:5.1f}/{t_bf[m] / row['us'][f'{f}{m}']:4.2f}x"
+                    for f in ("nvfp4", "int4")
+                    for m in MS
+                )
+                print(
+                    f"{str(cfg):26s} ok={row['ok']!s:5s} err {row['err_nvfp4']:.1e}/{row['err_int4']:.1e} | {sp}",
+                    flush=True,
+                )
 
     for shape in ("8192x8192", "4096x4096"):
         ranked = sorted((r for r in out["rows"] if r["shape"] == shape and r["ok"]), key=lambda r: r["score"])
         t_bf = out["bf16"][shape]
         print(f"\nbest on {shape} (us / speedup vs bf16; nvfp4 M=1,4,16 then int4 M=1,4,16):", flush=True)
         for r in ranked[:6]:
-            print(f"  {str(tuple(r['cfg'])):26s} " + " ".join(
-                f"{r['us'][f'{f}{m}']:5.1f}/{t_bf[m] / r['us'][f'{f}{m}']:4.2f}x" for f in ("nvfp4", "int4") for m in MS), flush=True)
+            print(
+                f"  {str(tuple(r['cfg'])):26s} "
+                + " ".join(
+                    f"{r['us'][f'{f}{m}']:5.1f}/{t_bf[m] / r['us'][f'{f}{m}']:4.2f}x"
+                    for f in ("nvfp4", "int4")
+                    for m in MS
+                ),
+                flush=True,
+            )
     print(f"total {time.time() - t0:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -233,9 +233,20 @@ class Trajectory:
 
 
 _TRAJECTORY_FIELDS = (
-    "sample_id", "prompt_id", "group_id", "sample_index", "group_size", "prompt_tokens",
-    "completion_tokens", "behavior_logprobs", "reward", "policy_version",
-    "contract_fingerprint", "worker_id", "created_at", "info",
+    "sample_id",
+    "prompt_id",
+    "group_id",
+    "sample_index",
+    "group_size",
+    "prompt_tokens",
+    "completion_tokens",
+    "behavior_logprobs",
+    "reward",
+    "policy_version",
+    "contract_fingerprint",
+    "worker_id",
+    "created_at",
+    "info",
 )
 _PROMPT_FIELDS = ("prompt_id", "group_id", "prompt_tokens", "n_samples", "task", "created_at")
 _ARRAYS = {"prompt_tokens": "<i4", "completion_tokens": "<i4", "behavior_logprobs": "<f4"}

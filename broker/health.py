@@ -48,8 +48,10 @@ class HealthServer:
         if self._server is not None:
             raise RuntimeError("HealthServer already started")
         # Two threads answer Check calls; a Watch holds one, so watchers beyond that wait in line.
-        server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
-                             options=[("grpc.so_reuseport", 0)])
+        server = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"),
+            options=[("grpc.so_reuseport", 0)],
+        )
         self._servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
         port = server.add_insecure_port(f"{self.host}:{self.port}")

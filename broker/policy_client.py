@@ -49,12 +49,24 @@ from policy.manifest import (
 from policy.tp import check_tp
 from tandem.v1 import manifest_pb2, policy_pb2
 
-__all__ = ["ChecksumMismatch", "FetchStats", "FetchedPolicy", "FingerprintMismatch", "PolicyClient",
-           "PolicyClientConfig"]
+__all__ = [
+    "ChecksumMismatch",
+    "FetchStats",
+    "FetchedPolicy",
+    "FingerprintMismatch",
+    "PolicyClient",
+    "PolicyClientConfig",
+]
 
 SERVICE = "/tandem.v1.PolicyService/"
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
-              grpc.StatusCode.ABORTED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN}
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNKNOWN,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,14 +92,18 @@ class PolicyClientConfig:
         if not isinstance(self.address, str) or ":" not in self.address:
             bad.append(f"address={self.address!r} must be 'host:port'")
         if self.expected_fingerprint is not None and (
-                not isinstance(self.expected_fingerprint, str) or len(self.expected_fingerprint) != 64):
+            not isinstance(self.expected_fingerprint, str) or len(self.expected_fingerprint) != 64
+        ):
             bad.append(f"expected_fingerprint={self.expected_fingerprint!r} must be a 64-char sha256 hex or None")
         for name in ("call_timeout_s", "fetch_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 bad.append(f"{name}={v!r} must be a number > 0")
-        if isinstance(self.retry_backoff_s, bool) or not isinstance(self.retry_backoff_s, (int, float)) \
-                or not 0 <= self.retry_backoff_s <= 10:
+        if (
+            isinstance(self.retry_backoff_s, bool)
+            or not isinstance(self.retry_backoff_s, (int, float))
+            or not 0 <= self.retry_backoff_s <= 10
+        ):
             bad.append(f"retry_backoff_s={self.retry_backoff_s!r} must be a number in [0, 10]")
         for name in ("max_attempts", "max_refetch_per_chunk", "max_receive_message_bytes", "max_send_message_bytes"):
             v = getattr(self, name)
@@ -169,14 +185,20 @@ class PolicyClient:
         else:
             self._channel = grpc.insecure_channel(config.address, options=options)
         self._get_manifest = self._channel.unary_unary(
-            SERVICE + "GetManifest", request_serializer=policy_pb2.GetManifestRequest.SerializeToString,
-            response_deserializer=None)  # raw bytes: parsed and verified by manifest_from_bytes
+            SERVICE + "GetManifest",
+            request_serializer=policy_pb2.GetManifestRequest.SerializeToString,
+            response_deserializer=None,
+        )  # raw bytes: parsed and verified by manifest_from_bytes
         self._fetch = self._channel.unary_stream(
-            SERVICE + "FetchTensors", request_serializer=policy_pb2.FetchTensorsRequest.SerializeToString,
-            response_deserializer=policy_pb2.TensorChunk.FromString)
+            SERVICE + "FetchTensors",
+            request_serializer=policy_pb2.FetchTensorsRequest.SerializeToString,
+            response_deserializer=policy_pb2.TensorChunk.FromString,
+        )
         self._watch = self._channel.unary_stream(
-            SERVICE + "WatchVersions", request_serializer=policy_pb2.WatchVersionsRequest.SerializeToString,
-            response_deserializer=policy_pb2.VersionAnnouncement.FromString)
+            SERVICE + "WatchVersions",
+            request_serializer=policy_pb2.WatchVersionsRequest.SerializeToString,
+            response_deserializer=policy_pb2.VersionAnnouncement.FromString,
+        )
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def close(self) -> None:
@@ -192,8 +214,11 @@ class PolicyClient:
 
     def health(self, service: str = "tandem.v1.PolicyService", *, wait_for_ready: bool = False) -> str:
         """The grpc.health.v1 status of `service` ("SERVING", "NOT_SERVING", ...); "" = the whole server."""
-        resp = self._health.Check(health_pb2.HealthCheckRequest(service=service),
-                                  timeout=self.config.call_timeout_s, wait_for_ready=wait_for_ready)
+        resp = self._health.Check(
+            health_pb2.HealthCheckRequest(service=service),
+            timeout=self.config.call_timeout_s,
+            wait_for_ready=wait_for_ready,
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def get_manifest(self, version: int | None = None) -> manifest_pb2.Manifest:
@@ -211,8 +236,9 @@ class PolicyClient:
             check_fingerprint(m, self.config.expected_fingerprint)
         return m
 
-    def watch_versions(self, after_version: int = 0, *, timeout_s: float = 60.0
-                       ) -> Iterator[policy_pb2.VersionAnnouncement]:
+    def watch_versions(
+        self, after_version: int = 0, *, timeout_s: float = 60.0
+    ) -> Iterator[policy_pb2.VersionAnnouncement]:
         """Announcements of versions newer than `after_version`, until `timeout_s` passes (then it
         just ends: DEADLINE_EXCEEDED is the normal end of a watch)."""
         call = self._watch(policy_pb2.WatchVersionsRequest(after_version=after_version), timeout=timeout_s)
@@ -226,8 +252,9 @@ class PolicyClient:
 
     # -- fetching ---------------------------------------------------------------------------------
 
-    def fetch(self, version: int | None = None, *, names: Sequence[str] | None = None, tp_rank: int = 0,
-              tp_size: int = 1) -> FetchedPolicy:
+    def fetch(
+        self, version: int | None = None, *, names: Sequence[str] | None = None, tp_rank: int = 0, tp_size: int = 1
+    ) -> FetchedPolicy:
         """Manifest + tensors of `version` (latest if None), all verified, rebuilt via from_parts."""
         manifest = self.get_manifest(version)
         raw, layouts, stats = self.fetch_bytes(manifest, names=names, tp_rank=tp_rank, tp_size=tp_size)
@@ -235,9 +262,9 @@ class PolicyClient:
         tensors = {n: rebuild(entries[n], layouts[n], data) for n, data in raw.items()}
         return FetchedPolicy(manifest, tensors, layouts, stats, tp_rank, tp_size)
 
-    def fetch_bytes(self, manifest: manifest_pb2.Manifest, *, names: Sequence[str] | None = None,
-                    tp_rank: int = 0, tp_size: int = 1
-                    ) -> tuple[dict[str, np.ndarray], dict[str, TensorLayout], FetchStats]:
+    def fetch_bytes(
+        self, manifest: manifest_pb2.Manifest, *, names: Sequence[str] | None = None, tp_rank: int = 0, tp_size: int = 1
+    ) -> tuple[dict[str, np.ndarray], dict[str, TensorLayout], FetchStats]:
         """The verified bytes (uint8 numpy arrays) of each selected tensor (or TP shard) of a verified
         manifest."""
         check_tp(tp_rank, tp_size)
@@ -250,16 +277,18 @@ class PolicyClient:
         plan = tp_plan_of(manifest)
         first = first_chunk_indices(manifest)
         cb = manifest.chunk_bytes
-        state = {n: _Tensor(tensor_layout(entries[n], plan, tp_rank, tp_size), entries[n], first[n], cb)
-                 for n in selected}
+        state = {
+            n: _Tensor(tensor_layout(entries[n], plan, tp_rank, tp_size), entries[n], first[n], cb) for n in selected
+        }
         stats = FetchStats()
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
             self._stream(manifest, state, names, selected, tp_rank, tp_size, stats, hasher)
         missing = [n for n, t in state.items() if not t.done]
         if missing:
-            raise ChecksumMismatch(f"version {manifest.version}: stream ended before tensor(s) {missing[:5]} "
-                                   f"were complete")
+            raise ChecksumMismatch(
+                f"version {manifest.version}: stream ended before tensor(s) {missing[:5]} were complete"
+            )
         bad = [n for n, t in state.items() if t.digest.result() != t.expected_sha256]
         if bad:
             raise ChecksumMismatch(f"version {manifest.version}: tensor(s) {bad[:5]} failed the sha256 check")
@@ -273,8 +302,12 @@ class PolicyClient:
         restarts = 0
         while True:
             req = policy_pb2.FetchTensorsRequest(
-                version=manifest.version, tensor_names=[] if names is None else selected,
-                tp_rank=tp_rank, tp_size=tp_size, start_chunk=next_index)
+                version=manifest.version,
+                tensor_names=[] if names is None else selected,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                start_chunk=next_index,
+            )
             stats.streams += 1
             call = self._fetch(req, timeout=self.config.fetch_timeout_s, wait_for_ready=True)
             bad_index = None
@@ -299,8 +332,9 @@ class PolicyClient:
                 return
             refetches[bad_index] = refetches.get(bad_index, 0) + 1
             if refetches[bad_index] > self.config.max_refetch_per_chunk or restarts >= self.config.max_attempts:
-                raise ChecksumMismatch(f"version {manifest.version}: chunk {bad_index} failed its xxh3 check "
-                                       f"{refetches[bad_index]} times")
+                raise ChecksumMismatch(
+                    f"version {manifest.version}: chunk {bad_index} failed its xxh3 check {refetches[bad_index]} times"
+                )
             restarts += 1
             stats.refetched_chunks += 1
             next_index = bad_index
@@ -312,32 +346,44 @@ class PolicyClient:
         v = manifest.version
         t = state.get(chunk.tensor_name)
         if chunk.version != v or t is None:
-            raise ValueError(f"version {v}: unexpected chunk {chunk.chunk_index} (version {chunk.version}, "
-                             f"tensor {chunk.tensor_name!r})")
+            raise ValueError(
+                f"version {v}: unexpected chunk {chunk.chunk_index} (version {chunk.version}, "
+                f"tensor {chunk.tensor_name!r})"
+            )
         data = chunk.data
         if xxhash.xxh3_64_intdigest(data) != chunk.xxh3:
             return False
         cb = manifest.chunk_bytes
         j = chunk.chunk_index - t.first_index
         expect_len = min(cb, t.layout.nbytes - t.filled)
-        if (chunk.chunk_index < next_index or chunk.offset != t.filled or j != t.filled // cb or j >= t.n_chunks
-                or chunk.tensor_nbytes != t.layout.nbytes or len(data) != expect_len or t.done):
-            raise ValueError(f"version {v}: chunk {chunk.chunk_index} of tensor {t.layout.name} is out of order "
-                             f"or mis-sized (offset {chunk.offset}, {len(data)} bytes; expected offset {t.filled}, "
-                             f"{expect_len} bytes of {t.layout.nbytes})")
+        if (
+            chunk.chunk_index < next_index
+            or chunk.offset != t.filled
+            or j != t.filled // cb
+            or j >= t.n_chunks
+            or chunk.tensor_nbytes != t.layout.nbytes
+            or len(data) != expect_len
+            or t.done
+        ):
+            raise ValueError(
+                f"version {v}: chunk {chunk.chunk_index} of tensor {t.layout.name} is out of order "
+                f"or mis-sized (offset {chunk.offset}, {len(data)} bytes; expected offset {t.filled}, "
+                f"{expect_len} bytes of {t.layout.nbytes})"
+            )
         if not t.layout.sharded and chunk.xxh3 != t.entry.chunk_xxh3[j]:
             return False  # the server sent bytes other than the manifest's: fetch again
         end = t.filled + len(data)
-        t.view[t.filled:end] = data
-        hasher.submit(t.sha.update, t.view[t.filled:end])  # one worker: updates stay in order
+        t.view[t.filled : end] = data
+        hasher.submit(t.sha.update, t.view[t.filled : end])  # one worker: updates stay in order
         t.filled = end
         if j == t.n_chunks - 1:
             # A whole tensor is checked against the manifest (end to end); a shard against the
             # digest the server computed when it cut the shard.
             t.expected_sha256 = t.entry.sha256 if not t.layout.sharded else chunk.tensor_sha256
             if not t.layout.sharded and chunk.tensor_sha256 != t.entry.sha256:
-                raise ChecksumMismatch(f"version {v}: tensor {t.layout.name}: the server's sha256 differs from "
-                                       f"the manifest's")
+                raise ChecksumMismatch(
+                    f"version {v}: tensor {t.layout.name}: the server's sha256 differs from the manifest's"
+                )
             t.digest = hasher.submit(t.sha.digest)
             t.done = True
         return True

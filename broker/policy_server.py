@@ -85,8 +85,14 @@ class PolicyServerConfig:
 
     def __post_init__(self) -> None:
         bad = []
-        for name in ("keep_versions", "max_request_bytes", "max_receive_message_bytes", "max_send_message_bytes",
-                     "max_tensor_names", "shard_layouts_per_version"):
+        for name in (
+            "keep_versions",
+            "max_request_bytes",
+            "max_receive_message_bytes",
+            "max_send_message_bytes",
+            "max_tensor_names",
+            "shard_layouts_per_version",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad.append(f"{name}={v!r} must be an int >= 1")
@@ -94,10 +100,15 @@ class PolicyServerConfig:
             bad.append(f"port={self.port!r} must be an int in [0, 65535]")
         if not isinstance(self.host, str) or not self.host:
             bad.append(f"host={self.host!r} must be a non-empty string")
-        if isinstance(self.max_request_bytes, int) and isinstance(self.max_receive_message_bytes, int) \
-                and self.max_request_bytes > self.max_receive_message_bytes:
-            bad.append(f"max_request_bytes={self.max_request_bytes} must not exceed "
-                       f"max_receive_message_bytes={self.max_receive_message_bytes}")
+        if (
+            isinstance(self.max_request_bytes, int)
+            and isinstance(self.max_receive_message_bytes, int)
+            and self.max_request_bytes > self.max_receive_message_bytes
+        ):
+            bad.append(
+                f"max_request_bytes={self.max_request_bytes} must not exceed "
+                f"max_receive_message_bytes={self.max_receive_message_bytes}"
+            )
         if isinstance(self.max_send_message_bytes, int) and self.max_send_message_bytes < (2 << 20):
             bad.append(f"max_send_message_bytes={self.max_send_message_bytes} must be >= 2 MiB (1 MiB chunks)")
         if (self.tls_cert_chain_path is None) != (self.tls_private_key_path is None):
@@ -137,25 +148,31 @@ class _Layout:
     payloads: list[memoryview] = field(default_factory=list)  # each message's data field
     ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # tensor -> [start, stop) in the lists
 
-    def add_tensor(self, *, version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int,
-                   expected_xxh3=None) -> None:
+    def add_tensor(
+        self, *, version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int, expected_xxh3=None
+    ) -> None:
         mv = memoryview(data)
         start = len(self.messages)
         n = chunk_count(len(mv), chunk_bytes)
         for j in range(n):
-            piece = mv[j * chunk_bytes:(j + 1) * chunk_bytes]
+            piece = mv[j * chunk_bytes : (j + 1) * chunk_bytes]
             digest = xxhash.xxh3_64_intdigest(piece)
             if expected_xxh3 is not None and digest != expected_xxh3[j]:
                 raise ValueError(f"publish: tensor {name} chunk {j}: bytes do not match the manifest's xxh3")
             head = policy_pb2.TensorChunk(
-                version=version, chunk_index=first_index + j, tensor_name=name, tensor_nbytes=len(mv),
-                offset=j * chunk_bytes, xxh3=digest, tensor_sha256=sha256 if j == n - 1 else b"",
+                version=version,
+                chunk_index=first_index + j,
+                tensor_name=name,
+                tensor_nbytes=len(mv),
+                offset=j * chunk_bytes,
+                xxh3=digest,
+                tensor_sha256=sha256 if j == n - 1 else b"",
             ).SerializeToString(deterministic=True)
             prefix = head + _DATA_FIELD_TAG + _varint(len(piece))
             msg = b"".join((prefix, piece))
             self.indices.append(first_index + j)
             self.messages.append(msg)
-            self.payloads.append(memoryview(msg)[len(prefix):])
+            self.payloads.append(memoryview(msg)[len(prefix) :])
         self.ranges[name] = (start, len(self.messages))
 
     def reuse_tensor(self, other: _Layout, name: str) -> None:
@@ -196,12 +213,23 @@ class _Version:
             if len(blob) != t.nbytes:
                 raise ValueError(f"publish: tensor {t.name} has {len(blob)} bytes, manifest says {t.nbytes}")
             self.first_index[t.name] = i
-            self.full.add_tensor(version=m.version, name=t.name, first_index=i, data=blob, sha256=t.sha256,
-                                 chunk_bytes=m.chunk_bytes, expected_xxh3=t.chunk_xxh3)
+            self.full.add_tensor(
+                version=m.version,
+                name=t.name,
+                first_index=i,
+                data=blob,
+                sha256=t.sha256,
+                chunk_bytes=m.chunk_bytes,
+                expected_xxh3=t.chunk_xxh3,
+            )
             i += chunk_count(t.nbytes, m.chunk_bytes)
         announcement = policy_pb2.VersionAnnouncement(
-            version=m.version, created_unix_ns=m.created_unix_ns, contract_fingerprint=m.contract_fingerprint,
-            total_bytes=m.total_bytes, tensor_count=len(m.tensors))
+            version=m.version,
+            created_unix_ns=m.created_unix_ns,
+            contract_fingerprint=m.contract_fingerprint,
+            total_bytes=m.total_bytes,
+            tensor_count=len(m.tensors),
+        )
         if m.HasField("parent_version"):
             announcement.parent_version = m.parent_version
         self.announcement_bytes = announcement.SerializeToString(deterministic=True)
@@ -216,8 +244,14 @@ class _Version:
                 layout.reuse_tensor(self.full, name)
                 continue
             data = shard_tensor_bytes(entry, self.full.tensor_bytes(name), tl)
-            layout.add_tensor(version=self.version, name=name, first_index=self.first_index[name], data=data,
-                              sha256=hashlib.sha256(data).digest(), chunk_bytes=self.manifest.chunk_bytes)
+            layout.add_tensor(
+                version=self.version,
+                name=name,
+                first_index=self.first_index[name],
+                data=data,
+                sha256=hashlib.sha256(data).digest(),
+                chunk_bytes=self.manifest.chunk_bytes,
+            )
         return layout
 
 
@@ -314,16 +348,25 @@ class PolicyServer:
         cfg = self.config
         self._changed = asyncio.Condition()
         self._stopping = asyncio.Event()
-        server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
-            ("grpc.max_send_message_length", cfg.max_send_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ])
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            "GetManifest": grpc.unary_unary_rpc_method_handler(self._get_manifest),
-            "FetchTensors": grpc.unary_stream_rpc_method_handler(self._fetch_tensors),
-            "WatchVersions": grpc.unary_stream_rpc_method_handler(self._watch_versions),
-        }),))
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_send_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE_NAME,
+                    {
+                        "GetManifest": grpc.unary_unary_rpc_method_handler(self._get_manifest),
+                        "FetchTensors": grpc.unary_stream_rpc_method_handler(self._fetch_tensors),
+                        "WatchVersions": grpc.unary_stream_rpc_method_handler(self._watch_versions),
+                    },
+                ),
+            )
+        )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         status = health_pb2.HealthCheckResponse.SERVING if self._latest else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -343,8 +386,9 @@ class PolicyServer:
             raise OSError(f"could not bind {address}")
         await server.start()
         self._server, self._port = server, port
-        log.info("policy server listening on %s:%d (%s)", cfg.host, port,
-                 "TLS" if cfg.tls_cert_chain_path else "plaintext")
+        log.info(
+            "policy server listening on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_chain_path else "plaintext"
+        )
         ready.set()
         await self._stopping.wait()
         await self._health.enter_graceful_shutdown()
@@ -368,12 +412,15 @@ class PolicyServer:
             known = self._digests.get(m.version)
             if known is not None:
                 if known != digest:
-                    raise ValueError(f"publish: version {m.version} was already published with different "
-                                     f"content; published versions are immutable")
+                    raise ValueError(
+                        f"publish: version {m.version} was already published with different "
+                        f"content; published versions are immutable"
+                    )
                 return False
             if m.version <= self._latest:
-                raise ValueError(f"publish: version {m.version} is not newer than the latest published "
-                                 f"version {self._latest}")
+                raise ValueError(
+                    f"publish: version {m.version} is not newer than the latest published version {self._latest}"
+                )
         built = _Version(policy)
         if self._loop is None or self._thread is None:
             raise RuntimeError("publish: start() the server first")
@@ -398,8 +445,9 @@ class PolicyServer:
         if first:
             await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info("published policy version %d (%d tensors, %d bytes)", v.version, len(v.entries),
-                 v.manifest.total_bytes)
+        log.info(
+            "published policy version %d (%d tensors, %d bytes)", v.version, len(v.entries), v.manifest.total_bytes
+        )
         async with self._changed:
             self._changed.notify_all()
 
@@ -413,8 +461,9 @@ class PolicyServer:
 
     # -- test hooks ---------------------------------------------------------------------------
 
-    def testonly_corrupt_chunk(self, *, version: int, chunk_index: int, tp_rank: int = 0, tp_size: int = 1,
-                               times: int = 1) -> None:
+    def testonly_corrupt_chunk(
+        self, *, version: int, chunk_index: int, tp_rank: int = 0, tp_size: int = 1, times: int = 1
+    ) -> None:
         """TEST ONLY: flip the last payload byte of this chunk the next `times` times it is sent."""
         with self._lock:
             self._corrupt[(version, chunk_index, tp_rank, tp_size)] = times
@@ -439,8 +488,10 @@ class PolicyServer:
 
     def _parse(self, cls, request: bytes):
         if len(request) > self.config.max_request_bytes:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"request of {len(request)} bytes exceeds the limit of {self.config.max_request_bytes}")
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request of {len(request)} bytes exceeds the limit of {self.config.max_request_bytes}",
+            )
         msg = cls()
         try:
             msg.ParseFromString(request)
@@ -478,8 +529,11 @@ class PolicyServer:
         else:
             unknown = sorted({n for n in req.tensor_names if n not in layout.ranges})
             if unknown:
-                raise _Abort(grpc.StatusCode.NOT_FOUND, f"version {v.version} has no tensor(s) {unknown[:5]}"
-                             + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+                raise _Abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"version {v.version} has no tensor(s) {unknown[:5]}"
+                    + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""),
+                )
             ranges = sorted({layout.ranges[n] for n in req.tensor_names})
         out = []
         for a, b in ranges:
@@ -530,9 +584,11 @@ class PolicyServer:
             v = self._lookup(req.version)
             pinned = v.manifest.contract.tp_plan.partition_tp_size
             if pinned and tp_size != pinned:
-                raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                             f"version {v.version} uses tp_scale_mode 'shard', which pins tp_size={pinned}; "
-                             f"requested tp_size={tp_size}")
+                raise _Abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"version {v.version} uses tp_scale_mode 'shard', which pins tp_size={pinned}; "
+                    f"requested tp_size={tp_size}",
+                )
             layout = await self._layout_for(v, req.tp_rank, tp_size)
             positions = self._selection(req, v, layout)
         except _Abort as e:
@@ -573,7 +629,7 @@ class PolicyServer:
                 yield v.announcement_bytes
                 last = v.version
             async with self._changed:
-                await self._changed.wait_for(lambda: self._latest > last or self._stopping.is_set())
+                await self._changed.wait_for(lambda: self._latest > last or self._stopping.is_set())  # noqa: B023 (called here)
 
 
 def _new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:

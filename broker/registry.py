@@ -19,8 +19,9 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -57,7 +58,11 @@ class PolicyPointer:
 
     def __post_init__(self) -> None:
         errors = []
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or not 0 <= self.version < _MAX_EXACT_VERSION:
+        if (
+            isinstance(self.version, bool)
+            or not isinstance(self.version, int)
+            or not 0 <= self.version < _MAX_EXACT_VERSION
+        ):
             errors.append(f"version={self.version!r} (want an int in [0, 2**53))")
         for name in ("address", "contract_fingerprint"):
             v = getattr(self, name)
@@ -224,7 +229,7 @@ class Heartbeats:
                 await self.beat(worker_id, ttl_s=ttl_s, role=role, info=info())
                 try:
                     await asyncio.wait_for(stop.wait(), interval_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             await self.remove(worker_id)

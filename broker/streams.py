@@ -33,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Iterable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -473,12 +474,26 @@ class _TypedStream:
     """What the two typed streams share: one stream, its consumer group, and an optional
     consumer (producers need none)."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, stream: str, group: str, *, consumer: str | None,
-                 config: StreamConfig, limits: CodecLimits):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        stream: str,
+        group: str,
+        *,
+        consumer: str | None,
+        config: StreamConfig,
+        limits: CodecLimits,
+    ):
         self.redis, self.keys, self.limits, self.config = redis, keys, limits, config
         self.stream, self.group = stream, group
-        self.consumer = None if consumer is None else GroupConsumer(
-            redis, stream=stream, group=group, consumer=consumer, deadletter=keys.deadletter, config=config)
+        self.consumer = (
+            None
+            if consumer is None
+            else GroupConsumer(
+                redis, stream=stream, group=group, consumer=consumer, deadletter=keys.deadletter, config=config
+            )
+        )
         self.counters = Counters()
 
     def _need_consumer(self) -> GroupConsumer:
@@ -504,8 +519,15 @@ class PromptQueue(_TypedStream):
     name = its worker id) `read()`s them and calls `complete()` with the trajectories,
     which XADDs them and XACKs the prompt in one transaction."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, consumer: str | None = None,
-                 config: StreamConfig = StreamConfig(), limits: CodecLimits = DEFAULT_LIMITS):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        consumer: str | None = None,
+        config: StreamConfig = StreamConfig(),
+        limits: CodecLimits = DEFAULT_LIMITS,
+    ):
         super().__init__(redis, keys, keys.prompts, PROMPTS_GROUP, consumer=consumer, config=config, limits=limits)
 
     async def add(self, groups: Sequence[PromptGroup]) -> list[str]:
@@ -543,7 +565,6 @@ class PromptQueue(_TypedStream):
         await c.dead_letter(Entry(record.stream_id, fields, record.deliveries), reason)
 
 
-
 # SET NX EX every idempotency key and XACK the entries, atomically and in one round trip
 # (a MULTI of 2N commands costs the client N times more parsing). KEYS[1] = stream,
 # KEYS[2..] = idempotency keys; ARGV[1] = group, ARGV[2] = TTL, ARGV[3..] = stream ids.
@@ -570,10 +591,18 @@ class TrajectoryStream(_TypedStream):
 
     SCOPE = "trainer"
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, consumer: str | None = None,
-                 config: StreamConfig = StreamConfig(), limits: CodecLimits = DEFAULT_LIMITS):
-        super().__init__(redis, keys, keys.trajectories, TRAJECTORIES_GROUP, consumer=consumer, config=config,
-                         limits=limits)
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        *,
+        consumer: str | None = None,
+        config: StreamConfig = StreamConfig(),
+        limits: CodecLimits = DEFAULT_LIMITS,
+    ):
+        super().__init__(
+            redis, keys, keys.trajectories, TRAJECTORIES_GROUP, consumer=consumer, config=config, limits=limits
+        )
         self._held_samples: dict[str, str] = {}  # sample_id -> stream_id, read but not committed
         self._commit_script = redis.register_script(_COMMIT)
 

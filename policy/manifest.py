@@ -42,7 +42,7 @@ import torch
 import xxhash
 
 from policy import formats, kernels
-from policy.tp import TP_SCALE_MODES, TPPlan, ShardCut, check_tp, part_index, from_parts_kwargs
+from policy.tp import TP_SCALE_MODES, ShardCut, TPPlan, check_tp, from_parts_kwargs, part_index
 from tandem.v1 import manifest_pb2 as pb
 
 SCHEMA_VERSION = 1
@@ -195,26 +195,40 @@ class Contract:
             recipe_rules_json=rules_json,
             recipe_sha256=recipe_sha256(self.recipe_name, rules_json),
             quantizer_spec_version=self.quantizer_spec_version,
-            activation_sites=[pb.ActivationSite(name=s.name, format=s.format, scope=s.scope,
-                                                tp_scale_mode=s.tp_scale_mode) for s in self.activation_sites],
-            tp_plan=pb.TpPlan(rules=[pb.TpRule(pattern=p, style=s) for p, s in self.tp_plan.rules],
-                              partition_tp_size=self.partition_tp_size),
+            activation_sites=[
+                pb.ActivationSite(name=s.name, format=s.format, scope=s.scope, tp_scale_mode=s.tp_scale_mode)
+                for s in self.activation_sites
+            ],
+            tp_plan=pb.TpPlan(
+                rules=[pb.TpRule(pattern=p, style=s) for p, s in self.tp_plan.rules],
+                partition_tp_size=self.partition_tp_size,
+            ),
         )
 
     def fingerprint(self) -> str:
         return contract_fingerprint(self.to_proto())
 
 
-def contract_from_recipe(*, model_config, recipe, tp_scale_mode: str = "global", trainer_tp_size: int = 1,
-                         tp_plan: TPPlan | None = None) -> Contract:
+def contract_from_recipe(
+    *, model_config, recipe, tp_scale_mode: str = "global", trainer_tp_size: int = 1, tp_plan: TPPlan | None = None
+) -> Contract:
     """The contract of a model config under a policy.recipe.Recipe: its quantized activation sites
     get `tp_scale_mode`; the rules are `recipe.to_dict()` without the free-text description."""
     rules = dict(recipe.to_dict())
     rules.pop("description", None)
-    sites = [ActivationSite(name=e.name, format=e.format, scope=e.scope, tp_scale_mode=tp_scale_mode)
-             for e in recipe.plan(model_config).activations if e.format != "bf16"]
-    return Contract(model_config=model_config, recipe_name=recipe.name, recipe_rules=rules, activation_sites=sites,
-                    tp_plan=tp_plan or TPPlan(), trainer_tp_size=trainer_tp_size)
+    sites = [
+        ActivationSite(name=e.name, format=e.format, scope=e.scope, tp_scale_mode=tp_scale_mode)
+        for e in recipe.plan(model_config).activations
+        if e.format != "bf16"
+    ]
+    return Contract(
+        model_config=model_config,
+        recipe_name=recipe.name,
+        recipe_rules=rules,
+        activation_sites=sites,
+        tp_plan=tp_plan or TPPlan(),
+        trainer_tp_size=trainer_tp_size,
+    )
 
 
 def recipe_sha256(name: str, rules_json: str) -> str:
@@ -229,8 +243,10 @@ def contract_fingerprint(contract: pb.Contract) -> str:
         "recipe_sha256": recipe_sha256(contract.recipe_name, contract.recipe_rules_json),
         "quantizer_spec_version": contract.quantizer_spec_version,
         "activation_sites": [[s.name, s.format, s.scope, s.tp_scale_mode] for s in contract.activation_sites],
-        "tp_plan": {"rules": [[r.pattern, r.style] for r in contract.tp_plan.rules],
-                    "partition_tp_size": contract.tp_plan.partition_tp_size},
+        "tp_plan": {
+            "rules": [[r.pattern, r.style] for r in contract.tp_plan.rules],
+            "partition_tp_size": contract.tp_plan.partition_tp_size,
+        },
     }
     return _sha256_hex(canonical_json(doc))
 
@@ -286,7 +302,7 @@ def chunk_digests(data, chunk_bytes: int) -> list[int]:
     n = len(mv)
     if n == 0:
         return [xxhash.xxh3_64_intdigest(b"")]
-    return [xxhash.xxh3_64_intdigest(mv[i:i + chunk_bytes]) for i in range(0, n, chunk_bytes)]
+    return [xxhash.xxh3_64_intdigest(mv[i : i + chunk_bytes]) for i in range(0, n, chunk_bytes)]
 
 
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:
@@ -303,16 +319,25 @@ def first_chunk_indices(manifest: pb.Manifest) -> dict[str, int]:
     return out
 
 
-def build_manifest(*, version: int, parent_version: int | None, contract: Contract,
-                   tensors: Mapping[str, QuantizedParam], created_unix_ns: int | None = None,
-                   chunk_bytes: int = CHUNK_BYTES) -> PackedPolicy:
+def build_manifest(
+    *,
+    version: int,
+    parent_version: int | None,
+    contract: Contract,
+    tensors: Mapping[str, QuantizedParam],
+    created_unix_ns: int | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> PackedPolicy:
     """Pack quantized tensors and describe them: one copy of the bytes, sha256 and xxh3 computed here."""
     bad = []
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         bad.append(f"version={version!r} must be an int >= 1")
     bad_parent = parent_version is not None and (
-        isinstance(parent_version, bool) or not isinstance(parent_version, int) or parent_version < 0
-        or (isinstance(version, int) and parent_version >= version))
+        isinstance(parent_version, bool)
+        or not isinstance(parent_version, int)
+        or parent_version < 0
+        or (isinstance(version, int) and parent_version >= version)
+    )
     if bad_parent:
         bad.append(f"parent_version={parent_version!r} must be None or an int in [0, version={version!r})")
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= CHUNK_BYTES:
@@ -340,22 +365,32 @@ def build_manifest(*, version: int, parent_version: int | None, contract: Contra
             if t.dtype not in _DTYPE_NAMES:
                 raise ValueError(f"build_manifest: {name}: part {pname!r} has unsupported dtype {t.dtype}")
             mv = _part_bytes(t)
-            parts.append(pb.TensorPart(name=pname, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape),
-                                       offset=offset, nbytes=len(mv)))
+            parts.append(
+                pb.TensorPart(
+                    name=pname, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, nbytes=len(mv)
+                )
+            )
             views.append(mv)
             offset += len(mv)
         blob = b"".join(views)
         entry = pb.TensorEntry(
-            name=name, format=param.format, format_params_json=params_json, shape=list(shape), parts=parts,
-            nbytes=len(blob), tp_style=plan.style(name), chunk_xxh3=chunk_digests(blob, chunk_bytes),
+            name=name,
+            format=param.format,
+            format_params_json=params_json,
+            shape=list(shape),
+            parts=parts,
+            nbytes=len(blob),
+            tp_style=plan.style(name),
+            chunk_xxh3=chunk_digests(blob, chunk_bytes),
             sha256=hashlib.sha256(blob).digest(),
         )
         gs = param.value.parts().get("global_scale")
         if param.format == "nvfp4" and gs is not None and gs.numel() == 1:
             entry.global_scale = float(gs.reshape(-1)[0])
         if contract.partition_tp_size > 1:
-            errors = plan.shard_errors(name, fmt=param.format, kwargs=param.kwargs, shape=shape,
-                                       tp_size=contract.partition_tp_size)
+            errors = plan.shard_errors(
+                name, fmt=param.format, kwargs=param.kwargs, shape=shape, tp_size=contract.partition_tp_size
+            )
             if errors:
                 raise ValueError("build_manifest: " + "; ".join(errors))
         entries.append(entry)
@@ -364,9 +399,14 @@ def build_manifest(*, version: int, parent_version: int | None, contract: Contra
 
     contract_pb = contract.to_proto()
     manifest = pb.Manifest(
-        schema_version=SCHEMA_VERSION, version=version, created_unix_ns=created_unix_ns or time.time_ns(),
-        contract=contract_pb, contract_fingerprint=contract_fingerprint(contract_pb), chunk_bytes=chunk_bytes,
-        tensors=entries, total_bytes=total,
+        schema_version=SCHEMA_VERSION,
+        version=version,
+        created_unix_ns=created_unix_ns or time.time_ns(),
+        contract=contract_pb,
+        contract_fingerprint=contract_fingerprint(contract_pb),
+        chunk_bytes=chunk_bytes,
+        tensors=entries,
+        total_bytes=total,
     )
     if parent_version is not None:
         manifest.parent_version = parent_version
@@ -556,8 +596,14 @@ def format_params(entry: pb.TensorEntry) -> dict:
 
 def tensor_layout(entry: pb.TensorEntry, plan: TPPlan, tp_rank: int = 0, tp_size: int = 1) -> TensorLayout:
     """What rank `tp_rank` of `tp_size` receives for this entry (validated against the TP plan)."""
-    cut = plan.cut(entry.name, fmt=entry.format, kwargs=format_params(entry), shape=tuple(entry.shape),
-                   tp_rank=tp_rank, tp_size=tp_size)
+    cut = plan.cut(
+        entry.name,
+        fmt=entry.format,
+        kwargs=format_params(entry),
+        shape=tuple(entry.shape),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
     sharded = cut.shape != tuple(entry.shape)
     parts, offset = [], 0
     for p in entry.parts:
@@ -579,7 +625,7 @@ def shard_tensor_bytes(entry: pb.TensorEntry, data, layout: TensorLayout) -> byt
     if not layout.sharded:
         return bytes(data)
     out = []
-    for p, lp in zip(entry.parts, layout.parts):
+    for p in entry.parts:
         item = DTYPES[p.dtype].itemsize
         raw = np.frombuffer(data, dtype=np.uint8, count=p.nbytes, offset=p.offset)
         # View each element as `item` bytes along a trailing axis: slicing in elements, copying bytes.
@@ -603,9 +649,10 @@ def rebuild(entry: pb.TensorEntry, layout: TensorLayout, data):
         buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     parts = {}
     for p in layout.parts:
-        raw = buf[p.offset:p.offset + p.nbytes]
+        raw = buf[p.offset : p.offset + p.nbytes]
         if p.offset % DTYPES[p.dtype].itemsize:  # view(dtype) needs an aligned start
             raw = raw.clone()
         parts[p.name] = raw.view(DTYPES[p.dtype]).reshape(p.shape)
-    return formats.get(entry.format).from_parts(parts, layout.shape,
-                                                **from_parts_kwargs(entry.format, format_params(entry)))
+    return formats.get(entry.format).from_parts(
+        parts, layout.shape, **from_parts_kwargs(entry.format, format_params(entry))
+    )

@@ -82,20 +82,37 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         errors = []
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "n_experts", "top_k", "expert_ffn_dim", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "n_experts",
+            "top_k",
+            "expert_ffn_dim",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 errors.append(f"{name}={value!r} must be a positive int")
-        if (not isinstance(self.shared_expert_ffn_dim, int) or isinstance(self.shared_expert_ffn_dim, bool)
-                or self.shared_expert_ffn_dim < 0):
+        if (
+            not isinstance(self.shared_expert_ffn_dim, int)
+            or isinstance(self.shared_expert_ffn_dim, bool)
+            or self.shared_expert_ffn_dim < 0
+        ):
             errors.append(f"shared_expert_ffn_dim={self.shared_expert_ffn_dim!r} must be an int >= 0")
         if not isinstance(self.norm_topk_prob, bool):
             errors.append(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-                    or not math.isfinite(value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not value > 0
+                or not math.isfinite(value)
+            ):
                 errors.append(f"{name}={value!r} must be a finite number > 0")
         if not errors:
             if self.n_heads % self.n_kv_heads:
@@ -145,21 +162,62 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # CPU demo: ~3.9M parameters (3.1M in routed experts). Every K is a multiple of 128 so every
     # built-in recipe (fp8_block 128x128 included) applies.
-    "tiny": ModelConfig(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
-                        n_experts=8, top_k=2, expert_ffn_dim=256, shared_expert_ffn_dim=256,
-                        rope_theta=10_000.0, max_seq_len=1024),
+    "tiny": ModelConfig(
+        vocab_size=512,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        n_experts=8,
+        top_k=2,
+        expert_ffn_dim=256,
+        shared_expert_ffn_dim=256,
+        rope_theta=10_000.0,
+        max_seq_len=1024,
+    ),
     # ~0.74B parameters: GPU smoke tests and TP planning at a realistic shape.
-    "small": ModelConfig(vocab_size=32768, dim=1024, n_layers=12, n_heads=16, n_kv_heads=4, head_dim=64,
-                         n_experts=32, top_k=4, expert_ffn_dim=512, shared_expert_ffn_dim=1024,
-                         max_seq_len=8192),
+    "small": ModelConfig(
+        vocab_size=32768,
+        dim=1024,
+        n_layers=12,
+        n_heads=16,
+        n_kv_heads=4,
+        head_dim=64,
+        n_experts=32,
+        top_k=4,
+        expert_ffn_dim=512,
+        shared_expert_ffn_dim=1024,
+        max_seq_len=8192,
+    ),
     # Qwen/Qwen3-30B-A3B (config.json of the HF release).
-    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
-                                 head_dim=128, n_experts=128, top_k=8, expert_ffn_dim=768,
-                                 shared_expert_ffn_dim=0, max_seq_len=40960),
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        n_experts=128,
+        top_k=8,
+        expert_ffn_dim=768,
+        shared_expert_ffn_dim=0,
+        max_seq_len=40960,
+    ),
     # Qwen/Qwen3-235B-A22B.
-    "qwen3-235b-a22b": ModelConfig(vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
-                                   head_dim=128, n_experts=128, top_k=8, expert_ffn_dim=1536,
-                                   shared_expert_ffn_dim=0, max_seq_len=40960),
+    "qwen3-235b-a22b": ModelConfig(
+        vocab_size=151936,
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        n_experts=128,
+        top_k=8,
+        expert_ffn_dim=1536,
+        shared_expert_ffn_dim=0,
+        max_seq_len=40960,
+    ),
 }
 
 
@@ -191,9 +249,11 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def activation_sites(cfg: ModelConfig) -> dict[str, int]:
     """Activation site name ("<weight name minus .weight>.input") -> K, for every matmul input."""
-    return {name[: -len(".weight")] + ".input": shape[1]
-            for name, shape in parameter_shapes(cfg).items()
-            if len(shape) == 2 and name != "model.embed_tokens.weight"}
+    return {
+        name[: -len(".weight")] + ".input": shape[1]
+        for name, shape in parameter_shapes(cfg).items()
+        if len(shape) == 2 and name != "model.embed_tokens.weight"
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,8 +365,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, f"{prefix}.q_norm")
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, f"{prefix}.k_norm")
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, hook: QuantHook,
-                kv: tuple[Tensor, Tensor] | None, start: int) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        hook: QuantHook,
+        kv: tuple[Tensor, Tensor] | None,
+        start: int,
+    ) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x, hook).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x, hook).view(B, T, self.n_kv_heads, self.head_dim)
@@ -316,11 +384,10 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)
         if kv is not None:
             k_buf, v_buf = kv
-            k_buf[:, :, start:start + T] = k
-            v_buf[:, :, start:start + T] = v
-            k, v = k_buf[:, :, :start + T], v_buf[:, :, :start + T]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv_heads)
+            k_buf[:, :, start : start + T] = k
+            v_buf[:, :, start : start + T] = v
+            k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), hook)
 
 
@@ -346,10 +413,12 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k, self.norm_topk_prob = cfg.n_experts, cfg.top_k, cfg.norm_topk_prob
         self.gate = Linear(cfg.dim, cfg.n_experts, f"{prefix}.gate")
-        self.experts = nn.ModuleList(Expert(cfg.dim, cfg.expert_ffn_dim, f"{prefix}.experts.{e}")
-                                     for e in range(cfg.n_experts))
-        self.shared_expert = (Expert(cfg.dim, cfg.shared_expert_ffn_dim, f"{prefix}.shared_expert")
-                              if cfg.has_shared_expert else None)
+        self.experts = nn.ModuleList(
+            Expert(cfg.dim, cfg.expert_ffn_dim, f"{prefix}.experts.{e}") for e in range(cfg.n_experts)
+        )
+        self.shared_expert = (
+            Expert(cfg.dim, cfg.shared_expert_ffn_dim, f"{prefix}.shared_expert") if cfg.has_shared_expert else None
+        )
 
     def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
         shape = x.shape
@@ -412,8 +481,10 @@ class KVCache:
         if capacity > cfg.max_seq_len:
             raise ValueError(f"KV cache capacity {capacity} exceeds max_seq_len={cfg.max_seq_len}")
         shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.n_layers)]
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.n_layers)
+        ]
         self.key_valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0
@@ -480,24 +551,38 @@ class Transformer(nn.Module):
         params = dict(self.named_parameters())
         unknown = sorted(set(tensors) - set(params))
         missing = sorted(set(params) - set(tensors)) if strict else []
-        bad = [f"{n}: {tuple(t.shape)} != {tuple(params[n].shape)}"
-               for n, t in tensors.items() if n in params and tuple(t.shape) != tuple(params[n].shape)]
+        bad = [
+            f"{n}: {tuple(t.shape)} != {tuple(params[n].shape)}"
+            for n, t in tensors.items()
+            if n in params and tuple(t.shape) != tuple(params[n].shape)
+        ]
         if unknown or missing or bad:
-            raise ValueError(f"load_weights: unknown {unknown[:5]}{'...' if len(unknown) > 5 else ''}, "
-                             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                             f"bad shapes {bad[:5]}")
+            raise ValueError(
+                f"load_weights: unknown {unknown[:5]}{'...' if len(unknown) > 5 else ''}, "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"bad shapes {bad[:5]}"
+            )
         for n, t in tensors.items():
             params[n].copy_(t)
 
-    def forward(self, tokens: Tensor, *, attention_mask: Tensor | None = None,
-                cache: KVCache | None = None, last_only: bool = False) -> Tensor:
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> Tensor:
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
         hook = self.quant_hook or _PLAIN
         device = tokens.device
-        valid = (torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None
-                 else attention_mask.to(device=device, dtype=torch.bool))
+        valid = (
+            torch.ones(B, T, dtype=torch.bool, device=device)
+            if attention_mask is None
+            else attention_mask.to(device=device, dtype=torch.bool)
+        )
         if valid.shape != tokens.shape:
             raise ValueError(f"attention_mask shape {tuple(valid.shape)} != tokens shape {tuple(tokens.shape)}")
         rank = (valid.cumsum(dim=1) - 1).clamp(min=0)  # index among the row's real tokens
@@ -508,19 +593,22 @@ class Transformer(nn.Module):
             if start + T > cache.capacity:
                 raise ValueError(f"KV cache full: {start} + {T} tokens > capacity {cache.capacity}")
             positions = cache.next_pos[:, None] + rank
-            cache.key_valid[:, start:start + T] = valid
+            cache.key_valid[:, start : start + T] = valid
             cache.next_pos += valid.sum(dim=1)
-            key_valid = cache.key_valid[:, :start + T]
+            key_valid = cache.key_valid[:, : start + T]
         S = start + T
         q_index = torch.arange(start, S, device=device)
         k_index = torch.arange(S, device=device)
         # Causal over cache slots, only real keys; a query always sees its own slot so that rows of
         # padding have a well-defined (unused) output instead of a NaN softmax.
-        mask = ((k_index[None, :] <= q_index[:, None])[None] & key_valid[:, None, :]) \
-            | (k_index[None, :] == q_index[:, None])[None]
+        mask = ((k_index[None, :] <= q_index[:, None])[None] & key_valid[:, None, :]) | (
+            k_index[None, :] == q_index[:, None]
+        )[None]
         mask = mask[:, None]  # [B, 1, T, S]
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (
-            torch.arange(0, self.cfg.head_dim, 2, device=device, dtype=torch.float32) / self.cfg.head_dim))
+        inv_freq = 1.0 / (
+            self.cfg.rope_theta
+            ** (torch.arange(0, self.cfg.head_dim, 2, device=device, dtype=torch.float32) / self.cfg.head_dim)
+        )
         angles = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
 
@@ -534,8 +622,9 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x, hook), hook)
 
-    def token_logprobs(self, tokens: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
-                       temperature: float = 1.0) -> Tensor:
+    def token_logprobs(
+        self, tokens: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None, temperature: float = 1.0
+    ) -> Tensor:
         """log p(targets[b, t] | tokens[b, :t+1]) in fp32, [B, T], from logits / temperature.
 
         Positions masked out by `attention_mask` get garbage values; the caller masks them.
@@ -581,10 +670,18 @@ def _row_generators(batch: int, generator: torch.Generator | None, seeds: Sequen
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             temperature: float = 1.0, generator: torch.Generator | None = None,
-             seeds: Sequence[int] | None = None, eos_id: int | None = None,
-             stop_ids: Sequence[int] = (), pad_id: int = 0) -> Generation:
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
+    eos_id: int | None = None,
+    stop_ids: Sequence[int] = (),
+    pad_id: int = 0,
+) -> Generation:
     """Sample continuations of variable-length prompts (left-padded into one batch, KV cache).
 
     Returns the new tokens and, per token, the log-probability under the distribution it was sampled
@@ -620,8 +717,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     tokens = torch.full((B, L), pad_id, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.bool)
     for b, p in enumerate(prompts):
-        tokens[b, L - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[b, L - len(p):] = True
+        tokens[b, L - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[b, L - len(p) :] = True
     if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, vocab_size={cfg.vocab_size})")
     tokens, mask = tokens.to(device), mask.to(device)
@@ -655,6 +752,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
         if not alive.any() or step == max_new_tokens - 1:
             break
         # Finished rows keep stepping in lockstep, as padding nobody attends to.
-        logits = model(torch.where(alive, nxt, pad_id)[:, None], attention_mask=alive[:, None],
-                       cache=cache)[:, -1].float()
+        logits = model(torch.where(alive, nxt, pad_id)[:, None], attention_mask=alive[:, None], cache=cache)[
+            :, -1
+        ].float()
     return Generation(out_tokens.cpu(), out_logp.cpu(), lengths.cpu(), stopped.cpu())

@@ -108,8 +108,9 @@ class ActivationQuantizer:
             if all(s == specs[0] for s in specs):
                 fmt, kwargs = specs[0]
                 return kernels.fake_quant(fmt, x.reshape(-1, x.shape[-1]), **kwargs).view(x.shape)
-            return torch.cat([c if s is None else kernels.fake_quant(s[0], c, **s[1])
-                              for s, c in zip(specs, x.split(list(counts)))])
+            return torch.cat(
+                [c if s is None else kernels.fake_quant(s[0], c, **s[1]) for s, c in zip(specs, x.split(list(counts)))]
+            )
 
 
 class _QATLinear(torch.autograd.Function):
@@ -165,8 +166,13 @@ class QATHook(QuantHook):
     def effective(self, name: str, p: Tensor) -> Tensor:
         """fake_quant of parameter `name` (no autograd), recomputed only when `p`'s bits changed."""
         hit = self._cache.get(name)
-        if (hit is not None and hit[0].shape == p.shape and hit[0].dtype == p.dtype
-                and hit[0].device == p.device and torch.equal(_ints(hit[0]), _ints(p))):
+        if (
+            hit is not None
+            and hit[0].shape == p.shape
+            and hit[0].dtype == p.dtype
+            and hit[0].device == p.device
+            and torch.equal(_ints(hit[0]), _ints(p))
+        ):
             return hit[1]
         with torch.no_grad():
             self._cache[name] = (p.detach().clone(), value := _effective(self._params[name], p))
@@ -230,8 +236,12 @@ def dequantize_packed(q) -> Tensor:
 def load_packed(model: Transformer, packed: dict[str, object]) -> None:
     """Load dequantize(packed[name]) into every parameter (cast to its dtype). All names required."""
     params = dict(model.named_parameters())
-    model.load_weights({n: dequantize_packed(q).view(params[n].shape) if n in params else dequantize_packed(q)
-                        for n, q in packed.items()})
+    model.load_weights(
+        {
+            n: dequantize_packed(q).view(params[n].shape) if n in params else dequantize_packed(q)
+            for n, q in packed.items()
+        }
+    )
 
 
 def install_activation_quant(model: Transformer, recipe: Recipe | Plan) -> ActivationQuantizer:
@@ -251,13 +261,11 @@ def _pair_metrics(lp_a: Tensor, lp_b: Tensor, targets: Tensor, mask: Tensor) -> 
     tb = lp_b.gather(-1, targets[..., None]).squeeze(-1)
     diff = (ta - tb).abs()[mask]
     kl = (lp_a.exp() * (lp_a - lp_b)).sum(-1)[mask]
-    return {"mean_abs_dlogp": diff.mean().item(), "max_abs_dlogp": diff.max().item(),
-            "kl": kl.mean().item()}
+    return {"mean_abs_dlogp": diff.mean().item(), "max_abs_dlogp": diff.max().item(), "kl": kl.mean().item()}
 
 
 @torch.no_grad()
-def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor,
-                   attention_mask: Tensor | None = None) -> dict:
+def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor, attention_mask: Tensor | None = None) -> dict:
     """Compare three forwards of `model` on `tokens` [B, T] (targets = next tokens):
 
     bf16    the `bf16` recipe: weights rounded to bf16, activations unquantized (BF16 baseline);
@@ -273,6 +281,7 @@ def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor,
     mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     saved = model.quant_hook
     try:
+
         def logprobs(m: Transformer) -> Tensor:
             return m(tokens, attention_mask=mask).float().log_softmax(-1)[:, :-1]
 
@@ -293,11 +302,18 @@ def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor,
 
     targets = tokens[:, 1:]
     valid = mask[:, 1:] & mask[:, :-1]
-    pairs = {"bf16~qat": _pair_metrics(lp_bf16, lp_qat, targets, valid),
-             "bf16~packed": _pair_metrics(lp_bf16, lp_packed, targets, valid),
-             "qat~packed": _pair_metrics(lp_qat, lp_packed, targets, valid)}
-    return {"recipe": recipe.name, "pairs": pairs, "weights_bitwise_equal": same,
-            "tokens": int(valid.sum()), "logits_bitwise_equal": bool(torch.equal(lp_qat, lp_packed))}
+    pairs = {
+        "bf16~qat": _pair_metrics(lp_bf16, lp_qat, targets, valid),
+        "bf16~packed": _pair_metrics(lp_bf16, lp_packed, targets, valid),
+        "qat~packed": _pair_metrics(lp_qat, lp_packed, targets, valid),
+    }
+    return {
+        "recipe": recipe.name,
+        "pairs": pairs,
+        "weights_bitwise_equal": same,
+        "tokens": int(valid.sum()),
+        "logits_bitwise_equal": bool(torch.equal(lp_qat, lp_packed)),
+    }
 
 
 def _ints(t: Tensor) -> Tensor:

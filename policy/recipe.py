@@ -99,11 +99,18 @@ class Rule:
             errors.append(f"unknown format {self.format!r} (known: {', '.join(formats.FORMATS)})")
         if self.scope is not None and (self.format != "nvfp4" or self.scope not in formats.nvfp4.SCOPES):
             errors.append(f"scope={self.scope!r} is only valid for nvfp4, as one of {formats.nvfp4.SCOPES}")
-        if self.group_size is not None and (self.format != "int4" or isinstance(self.group_size, bool)
-                                            or not isinstance(self.group_size, int) or self.group_size <= 0):
+        if self.group_size is not None and (
+            self.format != "int4"
+            or isinstance(self.group_size, bool)
+            or not isinstance(self.group_size, int)
+            or self.group_size <= 0
+        ):
             errors.append(f"group_size={self.group_size!r} is only valid for int4, as a positive int")
-        if self.block is not None and (self.format != "fp8_block" or len(self.block) != 2 or not all(
-                isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in self.block)):
+        if self.block is not None and (
+            self.format != "fp8_block"
+            or len(self.block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in self.block)
+        ):
             errors.append(f"block={self.block!r} is only valid for fp8_block, as two positive ints")
         if self.layers is not None:
             if isinstance(self.layers, str):
@@ -124,23 +131,33 @@ class Rule:
         unknown = sorted(set(d) - _RULE_KEYS)
         missing = sorted({"match", "format"} - set(d))
         if unknown or missing:
-            raise ValueError(f"rules[{index}]: unknown key(s) {unknown}, missing key(s) {missing}; "
-                             f"allowed: {sorted(_RULE_KEYS)}")
+            raise ValueError(
+                f"rules[{index}]: unknown key(s) {unknown}, missing key(s) {missing}; allowed: {sorted(_RULE_KEYS)}"
+            )
         match = d["match"]
         layers = d.get("layers")
         block = d.get("block")
         try:
-            return cls(match=(match,) if isinstance(match, str) else tuple(match), format=d["format"],
-                       scope=d.get("scope"), group_size=d.get("group_size"),
-                       block=None if block is None else tuple(block),
-                       layers=layers if layers is None or isinstance(layers, str) else tuple(layers))
+            return cls(
+                match=(match,) if isinstance(match, str) else tuple(match),
+                format=d["format"],
+                scope=d.get("scope"),
+                group_size=d.get("group_size"),
+                block=None if block is None else tuple(block),
+                layers=layers if layers is None or isinstance(layers, str) else tuple(layers),
+            )
         except (ValueError, TypeError) as e:
             raise ValueError(f"rules[{index}]: {e}") from None
 
     def to_dict(self) -> dict:
-        return {"match": list(self.match), "format": self.format, "scope": self.scope,
-                "group_size": self.group_size, "block": None if self.block is None else list(self.block),
-                "layers": self.layers if self.layers is None or isinstance(self.layers, str) else list(self.layers)}
+        return {
+            "match": list(self.match),
+            "format": self.format,
+            "scope": self.scope,
+            "group_size": self.group_size,
+            "block": None if self.block is None else list(self.block),
+            "layers": self.layers if self.layers is None or isinstance(self.layers, str) else list(self.layers),
+        }
 
     def matches(self, name: str, layer: int | None, selected_layers: set[int] | None) -> bool:
         if selected_layers is not None and (layer is None or layer not in selected_layers):
@@ -155,8 +172,9 @@ class Rule:
         if self.format == "int4":
             return "group", {"group_size": self.group_size or formats.int4.DEFAULT_GROUP}
         if self.format == "fp8_block":
-            block = self.block or (formats.fp8_block.WEIGHT_BLOCK if kind == "param"
-                                   else formats.fp8_block.ACTIVATION_BLOCK)
+            block = self.block or (
+                formats.fp8_block.WEIGHT_BLOCK if kind == "param" else formats.fp8_block.ACTIVATION_BLOCK
+            )
             return "block", {"block": tuple(block)}
         return _FIXED_SCOPE[self.format], {}
 
@@ -183,9 +201,17 @@ class PlanEntry:
 
     def to_dict(self) -> dict:
         kw = {k: list(v) if isinstance(v, tuple) else v for k, v in self.kwargs.items()}
-        return {"name": self.name, "kind": self.kind, "shape": list(self.shape), "numel": self.numel,
-                "format": self.format, "scope": self.scope, "kwargs": kw, "layer": self.layer,
-                "rule": self.rule}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "numel": self.numel,
+            "format": self.format,
+            "scope": self.scope,
+            "kwargs": kw,
+            "layer": self.layer,
+            "rule": self.rule,
+        }
 
 
 @dataclass(frozen=True)
@@ -228,10 +254,15 @@ class Plan:
         return {e.name: e.scope for e in self.activations if e.format != "bf16"}
 
     def to_dict(self) -> dict:
-        return {"recipe": self.recipe.name, "recipe_fingerprint": self.recipe.fingerprint(),
-                "model_fingerprint": self.config.fingerprint(), "bf16_layers": list(self.bf16_layers),
-                "parameters": [e.to_dict() for e in self.params],
-                "activations": [e.to_dict() for e in self.activations], "warnings": list(self.warnings)}
+        return {
+            "recipe": self.recipe.name,
+            "recipe_fingerprint": self.recipe.fingerprint(),
+            "model_fingerprint": self.config.fingerprint(),
+            "bf16_layers": list(self.bf16_layers),
+            "parameters": [e.to_dict() for e in self.params],
+            "activations": [e.to_dict() for e in self.activations],
+            "warnings": list(self.warnings),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,8 +298,7 @@ class Recipe:
         s = str(name_or_path)
         path = RECIPE_DIR / f"{s}.yaml" if s in BUILTINS else Path(s)
         if not path.is_file():
-            raise ValueError(f"unknown recipe {s!r}: not a built-in ({', '.join(BUILTINS)}) "
-                             f"and no file {str(path)!r}")
+            raise ValueError(f"unknown recipe {s!r}: not a built-in ({', '.join(BUILTINS)}) and no file {str(path)!r}")
         try:
             data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
@@ -284,24 +314,32 @@ class Recipe:
             raise ValueError(f"a recipe must be a mapping, got {type(d).__name__}")
         unknown = sorted(set(d) - _RECIPE_KEYS)
         if unknown or "name" not in d:
-            raise ValueError(f"unknown key(s) {unknown}{', missing key name' if 'name' not in d else ''}; "
-                             f"allowed: {sorted(_RECIPE_KEYS)}")
+            raise ValueError(
+                f"unknown key(s) {unknown}{', missing key name' if 'name' not in d else ''}; "
+                f"allowed: {sorted(_RECIPE_KEYS)}"
+            )
         keep = d.get("keep_bf16") or {}
         if not isinstance(keep, dict) or set(keep) - _KEEP_KEYS:
             raise ValueError(f"keep_bf16 must be a mapping with keys {sorted(_KEEP_KEYS)}, got {keep!r}")
         rules = d.get("rules") or []
         if not isinstance(rules, list):
             raise ValueError(f"rules must be a list, got {type(rules).__name__}")
-        return cls(name=d["name"], description=str(d.get("description") or "").strip(),
-                   keep_bf16_last_fraction=keep.get("last_fraction", 0.0),
-                   keep_bf16_first=keep.get("first", 0),
-                   rules=tuple(Rule.from_dict(r, i) for i, r in enumerate(rules)))
+        return cls(
+            name=d["name"],
+            description=str(d.get("description") or "").strip(),
+            keep_bf16_last_fraction=keep.get("last_fraction", 0.0),
+            keep_bf16_first=keep.get("first", 0),
+            rules=tuple(Rule.from_dict(r, i) for i, r in enumerate(rules)),
+        )
 
     def to_dict(self) -> dict:
         """Every field, rules in full (defaults explicit): the manifest's copy of the recipe."""
-        return {"name": self.name, "description": self.description,
-                "keep_bf16": {"last_fraction": self.keep_bf16_last_fraction, "first": self.keep_bf16_first},
-                "rules": [r.to_dict() for r in self.rules]}
+        return {
+            "name": self.name,
+            "description": self.description,
+            "keep_bf16": {"last_fraction": self.keep_bf16_last_fraction, "first": self.keep_bf16_first},
+            "rules": [r.to_dict() for r in self.rules],
+        }
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -363,11 +401,14 @@ class Recipe:
         notes = []
         for i, rule in enumerate(self.rules):
             if hits[i] == 0:
-                notes.append(f"recipe {self.name!r} rule {i} (match {list(rule.match)}) matches no parameter "
-                             f"or activation site")
+                notes.append(
+                    f"recipe {self.name!r} rule {i} (match {list(rule.match)}) matches no parameter or activation site"
+                )
             elif wins[i] == 0:
-                notes.append(f"recipe {self.name!r} rule {i} (match {list(rule.match)}) never applies: "
-                             f"earlier rules or keep_bf16 take all {hits[i]} names it matches")
+                notes.append(
+                    f"recipe {self.name!r} rule {i} (match {list(rule.match)}) never applies: "
+                    f"earlier rules or keep_bf16 take all {hits[i]} names it matches"
+                )
         for note in notes:
             warnings.warn(note, stacklevel=2)
         return Plan(self, cfg, params, acts, tuple(sorted(kept)), tuple(notes))
@@ -384,8 +425,13 @@ class Recipe:
                 errors.append(f"{name}: fp8_block activation blocks must be one row, got {kwargs['block']}")
         elif len(shape) == 1 and rule.format != "bf16":
             errors.append(f"{name}: 1-D parameter {shape} can only be bf16, got {rule.format}")
-        block = {"nvfp4": formats.nvfp4.BLOCK, "mxfp8": formats.mxfp8.BLOCK, "bf16": 1,
-                 "int4": kwargs.get("group_size"), "fp8_block": kwargs.get("block", (1, 1))[1]}[rule.format]
+        block = {
+            "nvfp4": formats.nvfp4.BLOCK,
+            "mxfp8": formats.mxfp8.BLOCK,
+            "bf16": 1,
+            "int4": kwargs.get("group_size"),
+            "fp8_block": kwargs.get("block", (1, 1))[1],
+        }[rule.format]
         if K % block:
             errors.append(f"{name}: K={K} is not a multiple of the {rule.format} block size {block}")
         return errors
@@ -393,4 +439,3 @@ class Recipe:
 
 def builtin_recipes() -> dict[str, Recipe]:
     return {name: Recipe.load(name) for name in BUILTINS}
-

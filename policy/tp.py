@@ -153,8 +153,16 @@ class TPPlan:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def shard_errors(self, name: str, *, fmt: str, kwargs: Mapping | None, shape: Sequence[int],
-                     tp_size: int, head_dim: int | None = None) -> list[str]:
+    def shard_errors(
+        self,
+        name: str,
+        *,
+        fmt: str,
+        kwargs: Mapping | None,
+        shape: Sequence[int],
+        tp_size: int,
+        head_dim: int | None = None,
+    ) -> list[str]:
         """Every reason tensor `name` cannot be split `tp_size` ways (empty list: it can)."""
         style = self.style(name)
         if tp_size == 1 or style == REPLICATED:
@@ -168,8 +176,10 @@ class TPPlan:
             if k % tp_size:
                 return [f"{where}: K={k} does not divide by tp_size={tp_size}"]
             if (k // tp_size) % bk:
-                return [f"{where}: row-parallel shard over tp_size={tp_size} is {k // tp_size} columns of K, "
-                        f"not a whole number of {bk}-column quantization blocks"]
+                return [
+                    f"{where}: row-parallel shard over tp_size={tp_size} is {k // tp_size} columns of K, "
+                    f"not a whole number of {bk}-column quantization blocks"
+                ]
             return []
         errors = []
         halves = 2 if style == COLUMN_GATE_UP else 1
@@ -180,15 +190,23 @@ class TPPlan:
             return [f"{where}: {what} do not divide by tp_size={tp_size}"]
         rows = m // (halves * tp_size)
         if rows % bm:
-            errors.append(f"{where}: column-parallel shard over tp_size={tp_size} is {rows} rows"
-                          f"{' per half' if halves == 2 else ''}, not a whole number of {bm}-row quantization blocks")
+            errors.append(
+                f"{where}: column-parallel shard over tp_size={tp_size} is {rows} rows"
+                f"{' per half' if halves == 2 else ''}, not a whole number of {bm}-row quantization blocks"
+            )
         if head_dim and _ATTENTION_HEADS.fullmatch(name) and rows % head_dim:
-            errors.append(f"{where}: shard over tp_size={tp_size} is {rows} rows, not whole heads of "
-                          f"head_dim={head_dim}")
+            errors.append(
+                f"{where}: shard over tp_size={tp_size} is {rows} rows, not whole heads of head_dim={head_dim}"
+            )
         return errors
 
-    def check(self, tensors: Mapping[str, tuple[str, Mapping | None, Sequence[int]]], tp_size: int,
-              *, head_dim: int | None = None) -> None:
+    def check(
+        self,
+        tensors: Mapping[str, tuple[str, Mapping | None, Sequence[int]]],
+        tp_size: int,
+        *,
+        head_dim: int | None = None,
+    ) -> None:
         """Refuse a TP degree that would cut any tensor off a block boundary.
 
         `tensors`: name -> (format, quantize kwargs, logical shape). Names every offending tensor.
@@ -196,14 +214,14 @@ class TPPlan:
         check_tp(0, tp_size)
         errors = []
         for name, (fmt, kwargs, shape) in tensors.items():
-            errors += self.shard_errors(name, fmt=fmt, kwargs=kwargs, shape=shape, tp_size=tp_size,
-                                        head_dim=head_dim)
+            errors += self.shard_errors(name, fmt=fmt, kwargs=kwargs, shape=shape, tp_size=tp_size, head_dim=head_dim)
         if errors:
             shown = "; ".join(errors[:8]) + (f"; and {len(errors) - 8} more" if len(errors) > 8 else "")
             raise ValueError(f"TP plan refuses tp_size={tp_size}: {shown}")
 
-    def cut(self, name: str, *, fmt: str, kwargs: Mapping | None, shape: Sequence[int],
-            tp_rank: int, tp_size: int) -> ShardCut:
+    def cut(
+        self, name: str, *, fmt: str, kwargs: Mapping | None, shape: Sequence[int], tp_rank: int, tp_size: int
+    ) -> ShardCut:
         """The slice of tensor `name` held by rank `tp_rank` of `tp_size` (validated)."""
         check_tp(tp_rank, tp_size)
         errors = self.shard_errors(name, fmt=fmt, kwargs=kwargs, shape=shape, tp_size=tp_size)
@@ -226,8 +244,9 @@ class TPPlan:
         return ShardCut((gate, up), (0, k), (2 * h, k))
 
 
-def part_index(part_shape: Sequence[int], logical_shape: Sequence[int], cut: ShardCut,
-               *, name: str = "part") -> list[tuple[slice, ...]]:
+def part_index(
+    part_shape: Sequence[int], logical_shape: Sequence[int], cut: ShardCut, *, name: str = "part"
+) -> list[tuple[slice, ...]]:
     """Index tuples whose concatenation along dim 0 is the shard of one part.
 
     The proportional rule (module docstring): a part dim of size P over a logical dim of size L
@@ -240,8 +259,10 @@ def part_index(part_shape: Sequence[int], logical_shape: Sequence[int], cut: Sha
 
     def scale(a: int, size: int, logical: int) -> int:
         if logical == 0 or (a * size) % logical:
-            raise ValueError(f"{name}: shard boundary {a} of a logical dim of {logical} falls inside a block "
-                             f"of a part dim of {size} (part shape {part_shape}, logical shape {(m, k)})")
+            raise ValueError(
+                f"{name}: shard boundary {a} of a logical dim of {logical} falls inside a block "
+                f"of a part dim of {size} (part shape {part_shape}, logical shape {(m, k)})"
+            )
         return a * size // logical
 
     if whole or part_shape == (1,):
@@ -257,8 +278,9 @@ def part_index(part_shape: Sequence[int], logical_shape: Sequence[int], cut: Sha
     return [(slice(scale(a, p_rows, m), scale(b, p_rows, m)), cols) for a, b in cut.rows]
 
 
-def shard_parts(parts: Mapping[str, torch.Tensor], logical_shape: Sequence[int],
-                cut: ShardCut) -> dict[str, torch.Tensor]:
+def shard_parts(
+    parts: Mapping[str, torch.Tensor], logical_shape: Sequence[int], cut: ShardCut
+) -> dict[str, torch.Tensor]:
     """The shard of every part of a quantized tensor (contiguous copies, same dtypes)."""
     out = {}
     for pname, t in parts.items():
@@ -293,9 +315,17 @@ def group_size(group=None) -> int:
     return dist.get_world_size(group)
 
 
-def quantize_activation(x_local: torch.Tensor, *, fmt: str, scope: str | None = None,
-                        tp_scale_mode: str = "global", group=None, partition_tp_size: int = 0,
-                        kwargs: Mapping | None = None, site: str = "activation"):
+def quantize_activation(
+    x_local: torch.Tensor,
+    *,
+    fmt: str,
+    scope: str | None = None,
+    tp_scale_mode: str = "global",
+    group=None,
+    partition_tp_size: int = 0,
+    kwargs: Mapping | None = None,
+    site: str = "activation",
+):
     """Quantize one rank's activation shard per token under a TP group (torch.distributed).
 
     `x_local` is [tokens, K_local], this rank's slice of K (the whole row for a column-parallel
@@ -329,8 +359,9 @@ def quantize_activation(x_local: torch.Tensor, *, fmt: str, scope: str | None = 
 
     b = formats.nvfp4.BLOCK
     if x_local.dim() != 2 or x_local.shape[1] % b:
-        raise ValueError(f"{site}: expected a 2-D [tokens, K] activation with K divisible by {b}, "
-                         f"got shape {tuple(x_local.shape)}")
+        raise ValueError(
+            f"{site}: expected a 2-D [tokens, K] activation with K divisible by {b}, got shape {tuple(x_local.shape)}"
+        )
     xf = x_local.detach().to(torch.float32)
     m, k = xf.shape
     amax = xf.abs().amax(dim=1) if k else xf.new_zeros(m)

@@ -30,14 +30,19 @@ class RolloutConfig:
         if not 0 < self.heartbeat_s < self.heartbeat_ttl_s:
             errors.append(f"heartbeat_s={self.heartbeat_s}, heartbeat_ttl_s={self.heartbeat_ttl_s} (need 0 < s < ttl)")
         if self.reclaim_idle_s <= 0 or self.fetch_timeout_s <= 0 or self.read_block_ms <= 0:
-            errors.append(f"reclaim_idle_s={self.reclaim_idle_s}, fetch_timeout_s={self.fetch_timeout_s}, "
-                          f"read_block_ms={self.read_block_ms} (must be > 0)")
+            errors.append(
+                f"reclaim_idle_s={self.reclaim_idle_s}, fetch_timeout_s={self.fetch_timeout_s}, "
+                f"read_block_ms={self.read_block_ms} (must be > 0)"
+            )
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
-            errors.append(f"grpc_tls_cert={self.grpc_tls_cert!r}, grpc_tls_key={self.grpc_tls_key!r} "
-                          "(set both or neither)")
+            errors.append(
+                f"grpc_tls_cert={self.grpc_tls_cert!r}, grpc_tls_key={self.grpc_tls_key!r} (set both or neither)"
+            )
         if (self.grpc_tls_cert or self.grpc_tls_server_name) and not self.grpc_tls_ca:
-            errors.append(f"grpc_tls_cert={self.grpc_tls_cert!r}, grpc_tls_server_name={self.grpc_tls_server_name!r} "
-                          "need grpc_tls_ca (TLS is on only with a CA)")
+            errors.append(
+                f"grpc_tls_cert={self.grpc_tls_cert!r}, grpc_tls_server_name={self.grpc_tls_server_name!r} "
+                "need grpc_tls_ca (TLS is on only with a CA)"
+            )
         if not -1 <= self.health_port <= 65535:
             errors.append(f"health_port={self.health_port} (-1 = off, 0 = free, else a port)")
         if errors:
@@ -45,6 +50,9 @@ class RolloutConfig:
 
     def client_tls(self) -> dict:
         """The TLS keyword arguments of broker.policy_client.PolicyClientConfig (files checked there)."""
-        return {"tls_root_ca_path": self.grpc_tls_ca or None, "tls_cert_chain_path": self.grpc_tls_cert or None,
-                "tls_private_key_path": self.grpc_tls_key or None,
-                "tls_server_name": self.grpc_tls_server_name or None}
+        return {
+            "tls_root_ca_path": self.grpc_tls_ca or None,
+            "tls_cert_chain_path": self.grpc_tls_cert or None,
+            "tls_private_key_path": self.grpc_tls_key or None,
+            "tls_server_name": self.grpc_tls_server_name or None,
+        }

@@ -42,9 +42,20 @@ from .tasks import AdditionTask, CharTokenizer
 
 
 class RolloutWorker:
-    def __init__(self, cfg: RolloutConfig, *, run_id: str, redis_url: str, worker_id: str,
-                 model_config: ModelConfig, recipe: Recipe, max_staleness: int, task: AdditionTask,
-                 tokenizer: CharTokenizer, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        *,
+        run_id: str,
+        redis_url: str,
+        worker_id: str,
+        model_config: ModelConfig,
+        recipe: Recipe,
+        max_staleness: int,
+        task: AdditionTask,
+        tokenizer: CharTokenizer,
+        log: Callable[[str], None] = print,
+    ):
         self.cfg, self.worker_id, self.max_staleness, self.log = cfg, worker_id, max_staleness, log
         self.keys = Keys(run_id=run_id)
         self.redis_url = redis_url
@@ -75,13 +86,28 @@ class RolloutWorker:
             self.log(f"{self.worker_id}: health (grpc.health.v1) on {self.health.host}:{self.health.port}")
         self.redis = connect(self.redis_url)
         registry = PolicyRegistry(self.redis, self.keys)
-        queue = PromptQueue(self.redis, self.keys, consumer=self.worker_id, config=StreamConfig(
-            read_count=1, block_ms=self.cfg.read_block_ms, claim_idle_ms=int(self.cfg.reclaim_idle_s * 1000),
-            janitor_every_s=min(5.0, self.cfg.reclaim_idle_s / 2)))
+        queue = PromptQueue(
+            self.redis,
+            self.keys,
+            consumer=self.worker_id,
+            config=StreamConfig(
+                read_count=1,
+                block_ms=self.cfg.read_block_ms,
+                claim_idle_ms=int(self.cfg.reclaim_idle_s * 1000),
+                janitor_every_s=min(5.0, self.cfg.reclaim_idle_s / 2),
+            ),
+        )
         await queue.setup()
-        beats = asyncio.create_task(Heartbeats(self.redis, self.keys).run(
-            self.worker_id, role="rollout", stop=self.stop, interval_s=self.cfg.heartbeat_s,
-            ttl_s=self.cfg.heartbeat_ttl_s, info=lambda: {"version": self.version, "groups": self.groups_done}))
+        beats = asyncio.create_task(
+            Heartbeats(self.redis, self.keys).run(
+                self.worker_id,
+                role="rollout",
+                stop=self.stop,
+                interval_s=self.cfg.heartbeat_s,
+                ttl_s=self.cfg.heartbeat_ttl_s,
+                info=lambda: {"version": self.version, "groups": self.groups_done},
+            )
+        )
         try:
             while not self.stop.is_set():
                 latest = await registry.latest()
@@ -115,22 +141,31 @@ class RolloutWorker:
         if pointer.contract_fingerprint != self.fingerprint:
             if pointer.version != self._refused:
                 self._refused = pointer.version
-                self.log(f"{self.worker_id}: refusing v{pointer.version}: contract fingerprint "
-                         f"{pointer.contract_fingerprint[:12]} is not ours ({self.fingerprint[:12]})")
+                self.log(
+                    f"{self.worker_id}: refusing v{pointer.version}: contract fingerprint "
+                    f"{pointer.contract_fingerprint[:12]} is not ours ({self.fingerprint[:12]})"
+                )
             return False
         try:
             await self._load(pointer)
             return True
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
-            self.log(f"{self.worker_id}: fetching v{pointer.version} from {pointer.address} failed, will retry: "
-                     f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            self.log(
+                f"{self.worker_id}: fetching v{pointer.version} from {pointer.address} failed, will retry: "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            )
             return False
 
     async def _load(self, pointer: PolicyPointer) -> None:
         """Fetch and verify a version (in a thread: the gRPC client is blocking), then swap it in."""
+
         def fetch():
-            cfg = PolicyClientConfig(address=pointer.address, expected_fingerprint=self.fingerprint,
-                                     fetch_timeout_s=self.cfg.fetch_timeout_s, **self.cfg.client_tls())
+            cfg = PolicyClientConfig(
+                address=pointer.address,
+                expected_fingerprint=self.fingerprint,
+                fetch_timeout_s=self.cfg.fetch_timeout_s,
+                **self.cfg.client_tls(),
+            )
             with PolicyClient(cfg) as client:
                 return client.fetch(pointer.version)
 
@@ -140,25 +175,42 @@ class RolloutWorker:
         qat.install_activation_quant(self.model, self.recipe)
         self.version = fetched.version
         self.health.set_serving(not self.stop.is_set())
-        self.log(f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
-                 f"{time.perf_counter() - t0:.2f}s)")
+        self.log(
+            f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
+            f"{time.perf_counter() - t0:.2f}s)"
+        )
 
     def _rollout_group(self, group: PromptGroup) -> list[Trajectory]:
         n = group.n_samples
         sample_ids = [sample_id_for(group.group_id, i) for i in range(n)]
         prompt = group.prompt_tokens.tolist()
-        gen = generate(self.model, [prompt] * n, max_new_tokens=self.task.max_answer_tokens,
-                       temperature=self.cfg.temperature, eos_id=self.tok.eos_id, pad_id=self.tok.pad_id,
-                       seeds=[zlib.crc32(s.encode()) for s in sample_ids])
+        gen = generate(
+            self.model,
+            [prompt] * n,
+            max_new_tokens=self.task.max_answer_tokens,
+            temperature=self.cfg.temperature,
+            eos_id=self.tok.eos_id,
+            pad_id=self.tok.pad_id,
+            seeds=[zlib.crc32(s.encode()) for s in sample_ids],
+        )
         now = time.time()
         out = []
         for i, (completion, logps) in enumerate(zip(gen.completions(), gen.completion_logprobs())):
-            out.append(Trajectory(
-                sample_id=sample_ids[i], prompt_id=group.prompt_id, group_id=group.group_id, sample_index=i,
-                group_size=n, prompt_tokens=np.asarray(prompt, dtype=np.int32),
-                completion_tokens=np.asarray(completion, dtype=np.int32),
-                behavior_logprobs=np.asarray(logps, dtype=np.float32),
-                reward=self.task.score(self.tok, completion, group.task["answer"]),
-                policy_version=self.version, contract_fingerprint=self.fingerprint,
-                worker_id=self.worker_id, created_at=now))
+            out.append(
+                Trajectory(
+                    sample_id=sample_ids[i],
+                    prompt_id=group.prompt_id,
+                    group_id=group.group_id,
+                    sample_index=i,
+                    group_size=n,
+                    prompt_tokens=np.asarray(prompt, dtype=np.int32),
+                    completion_tokens=np.asarray(completion, dtype=np.int32),
+                    behavior_logprobs=np.asarray(logps, dtype=np.float32),
+                    reward=self.task.score(self.tok, completion, group.task["answer"]),
+                    policy_version=self.version,
+                    contract_fingerprint=self.fingerprint,
+                    worker_id=self.worker_id,
+                    created_at=now,
+                )
+            )
         return out

@@ -82,8 +82,9 @@ def _build(cls, data: dict, path: str):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
-        raise ValueError(f"unknown config key(s) {', '.join(where + k for k in unknown)}; "
-                         f"known: {', '.join(sorted(fields))}")
+        raise ValueError(
+            f"unknown config key(s) {', '.join(where + k for k in unknown)}; known: {', '.join(sorted(fields))}"
+        )
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -135,12 +136,14 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig
 
 def dump(cfg: RunConfig) -> str:
     """The resolved config as YAML (written into every run folder)."""
+
     def plain(o):
         if isinstance(o, tuple):
             return [plain(v) for v in o]
         if isinstance(o, dict):
             return {k: plain(v) for k, v in o.items()}
         return o
+
     return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)
 
 
@@ -177,8 +180,9 @@ def env_overrides(environ: dict | None = None) -> list[str]:
         if name == "TANDEM_REDIS_URL":
             if not value and any(env.get(n) for n in REDIS_URL_PARTS):
                 raise ValueError(f"{' / '.join(n for n in REDIS_URL_PARTS if env.get(n))} set without TANDEM_REDIS_URL")
-            value = value and redis_url_with(value, password=env.get("TANDEM_REDIS_PASSWORD", ""),
-                                             ca_file=env.get("TANDEM_REDIS_CA_FILE", ""))
+            value = value and redis_url_with(
+                value, password=env.get("TANDEM_REDIS_PASSWORD", ""), ca_file=env.get("TANDEM_REDIS_CA_FILE", "")
+            )
         if value:
             out.append(f"{key}={json.dumps(value)}")  # a JSON string is a YAML string: "2024" stays text
     return out
@@ -197,7 +201,8 @@ def redis_url_with(url: str, *, password: str = "", ca_file: str = "") -> str:
         netloc = f"{user}:{quote(password, safe='')}@{hostport}"
     if ca_file:
         if parts.scheme != "rediss":
-            raise ValueError(f"TANDEM_REDIS_CA_FILE={ca_file!r} needs a rediss:// TANDEM_REDIS_URL, "
-                             f"not {parts.scheme}://")
+            raise ValueError(
+                f"TANDEM_REDIS_CA_FILE={ca_file!r} needs a rediss:// TANDEM_REDIS_URL, not {parts.scheme}://"
+            )
         query = "&".join(q for q in (query, urlencode({"ssl_ca_certs": ca_file})) if q)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

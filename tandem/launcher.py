@@ -28,8 +28,14 @@ def _spawn(args: list[str], log: Path | None) -> subprocess.Popen:
     # One BLAS thread per process: trainer and workers share the cores, and oversubscribed
     # torch threads are several times slower than one each.
     env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=out, stderr=subprocess.STDOUT if out else None,
-                            stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
@@ -67,8 +73,10 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
     print(f"[tandem] run folder {run_dir}")
     common = ["--config", str(resolved)]
     trainer = _spawn(["trainer", *common, "--run-dir", str(run_dir)], None)
-    workers = [_spawn(["rollout", *common, "--worker-id", f"w{i}"], run_dir / "logs" / f"rollout-w{i}.log")
-               for i in range(cfg.num_rollout_workers)]
+    workers = [
+        _spawn(["rollout", *common, "--worker-id", f"w{i}"], run_dir / "logs" / f"rollout-w{i}.log")
+        for i in range(cfg.num_rollout_workers)
+    ]
     rc = 1
     try:
         while True:
@@ -91,6 +99,8 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
         if redis is not None:
             redis.stop()
     plots = write_plots(run_dir)
-    print(f"[tandem] trainer exited with {rc}; plots: {', '.join(p.name for p in plots) or 'none'}; "
-          f"metrics: {run_dir / 'metrics.jsonl'}")
+    print(
+        f"[tandem] trainer exited with {rc}; plots: {', '.join(p.name for p in plots) or 'none'}; "
+        f"metrics: {run_dir / 'metrics.jsonl'}"
+    )
     return rc

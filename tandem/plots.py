@@ -35,8 +35,8 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.plot(steps, rewards, marker=".", alpha=0.5, label="reward (mean over the step's samples)")
     w = 10
     if len(rewards) >= w:
-        avg = [sum(rewards[i - w + 1:i + 1]) / w for i in range(w - 1, len(rewards))]
-        ax.plot(steps[w - 1:], avg, linewidth=2, label=f"moving average ({w} steps)")
+        avg = [sum(rewards[i - w + 1 : i + 1]) / w for i in range(w - 1, len(rewards))]
+        ax.plot(steps[w - 1 :], avg, linewidth=2, label=f"moving average ({w} steps)")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
@@ -48,10 +48,12 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label, style in (("logp_abs_diff", "|logp_prox - logp_behav| (total)", "k--"),
-                              ("logp_abs_diff_quant", "quantization part (version v vs rollout)", ".-"),
-                              ("logp_abs_diff_stale", "staleness part (current vs version v)", ".-"),
-                              ("kl_k3", "KL k3 (behav || prox)", ".-")):
+    for key, label, style in (
+        ("logp_abs_diff", "|logp_prox - logp_behav| (total)", "k--"),
+        ("logp_abs_diff_quant", "quantization part (version v vs rollout)", ".-"),
+        ("logp_abs_diff_stale", "staleness part (current vs version v)", ".-"),
+        ("kl_k3", "KL k3 (behav || prox)", ".-"),
+    ):
         ax.plot(steps, [r.get(key, float("nan")) for r in rows], style, label=label)
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mean per completion token")

@@ -27,8 +27,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path) -> list[Path]:
     """Run protoc into out_dir; return the generated files (relative to out_dir)."""
-    from grpc_tools import protoc  # dev dependency, imported only when generating
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency, imported only when generating
 
     files = proto_files()
     if not files:

@@ -34,9 +34,14 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
     def make_prompt(index: int) -> PromptGroup:
         # Prompt i is a pure function of (seed, i): a restarted trainer feeds the same data.
         text, answer = task.sample(random.Random(cfg.seed * 1_000_003 + index))
-        return PromptGroup(prompt_id=f"p{index}", group_id=f"p{index}",
-                           prompt_tokens=np.asarray(tok.encode(text, bos=True), dtype=np.int32),
-                           n_samples=cfg.trainer.group_size, task={"answer": answer}, created_at=time.time())
+        return PromptGroup(
+            prompt_id=f"p{index}",
+            group_id=f"p{index}",
+            prompt_tokens=np.asarray(tok.encode(text, bos=True), dtype=np.int32),
+            n_samples=cfg.trainer.group_size,
+            task={"answer": answer},
+            created_at=time.time(),
+        )
 
     warm_rng = random.Random(cfg.seed + 17)
 
@@ -44,17 +49,37 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         text, answer = task.sample(warm_rng)
         return tok.encode(text, bos=True), tok.encode(answer, eos=True)
 
-    return Trainer(cfg.trainer, run_id=cfg.run_id, redis_url=cfg.redis_url, model_config=model_config,
-                   recipe=recipe, max_staleness=cfg.max_staleness, run_dir=run_dir, seed=cfg.seed,
-                   temperature=cfg.rollout.temperature, make_prompt=make_prompt, warm_start_example=example,
-                   pad_id=tok.pad_id, log=lambda s: print(f"[trainer] {s}", flush=True))
+    return Trainer(
+        cfg.trainer,
+        run_id=cfg.run_id,
+        redis_url=cfg.redis_url,
+        model_config=model_config,
+        recipe=recipe,
+        max_staleness=cfg.max_staleness,
+        run_dir=run_dir,
+        seed=cfg.seed,
+        temperature=cfg.rollout.temperature,
+        make_prompt=make_prompt,
+        warm_start_example=example,
+        pad_id=tok.pad_id,
+        log=lambda s: print(f"[trainer] {s}", flush=True),
+    )
 
 
 def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
     task, tok, model_config, recipe = task_and_model(cfg)
-    return RolloutWorker(cfg.rollout, run_id=cfg.run_id, redis_url=cfg.redis_url, worker_id=worker_id,
-                         model_config=model_config, recipe=recipe, max_staleness=cfg.max_staleness, task=task,
-                         tokenizer=tok, log=lambda s: print(f"[rollout] {s}", flush=True))
+    return RolloutWorker(
+        cfg.rollout,
+        run_id=cfg.run_id,
+        redis_url=cfg.redis_url,
+        worker_id=worker_id,
+        model_config=model_config,
+        recipe=recipe,
+        max_staleness=cfg.max_staleness,
+        task=task,
+        tokenizer=tok,
+        log=lambda s: print(f"[rollout] {s}", flush=True),
+    )
 
 
 def serve_trainer(cfg: RunConfig, run_dir) -> int:

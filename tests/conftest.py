@@ -16,11 +16,12 @@ import inspect
 import re
 import shutil
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from broker.local_redis import LocalRedis, LocalRedisConfig, free_port as _free_port
+from broker.local_redis import LocalRedis, LocalRedisConfig
+from broker.local_redis import free_port as _free_port
 from broker.streams import run_async
 
 ASYNC_TEST_TIMEOUT_S = 60.0

@@ -52,8 +52,10 @@ class TrainerConfig:
         if self.group_size < 2:
             errors.append(f"group_size={self.group_size} (GRPO needs >= 2 samples per prompt)")
         if self.groups_per_step * self.group_size % self.minibatches:
-            errors.append(f"minibatches={self.minibatches} must divide groups_per_step*group_size="
-                          f"{self.groups_per_step * self.group_size}")
+            errors.append(
+                f"minibatches={self.minibatches} must divide groups_per_step*group_size="
+                f"{self.groups_per_step * self.group_size}"
+            )
         if not (self.lr > 0 and self.warmstart_lr > 0):
             errors.append(f"lr={self.lr}, warmstart_lr={self.warmstart_lr} (must be > 0)")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
@@ -71,8 +73,9 @@ class TrainerConfig:
             elif self.grpc_port == 0:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} needs a fixed grpc_port (it is 0: a free port)")
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
-            errors.append(f"grpc_tls_cert={self.grpc_tls_cert!r}, grpc_tls_key={self.grpc_tls_key!r} "
-                          "(set both or neither)")
+            errors.append(
+                f"grpc_tls_cert={self.grpc_tls_cert!r}, grpc_tls_key={self.grpc_tls_key!r} (set both or neither)"
+            )
         if self.grpc_tls_client_ca and not self.grpc_tls_cert:
             errors.append(f"grpc_tls_client_ca={self.grpc_tls_client_ca!r} (mTLS needs grpc_tls_cert and grpc_tls_key)")
         if not -1 <= self.health_port <= 65535:
@@ -82,8 +85,11 @@ class TrainerConfig:
 
     def server_tls(self) -> dict:
         """The TLS keyword arguments of broker.policy_server.PolicyServerConfig (files checked there)."""
-        return {"tls_cert_chain_path": self.grpc_tls_cert or None, "tls_private_key_path": self.grpc_tls_key or None,
-                "tls_client_ca_path": self.grpc_tls_client_ca or None}
+        return {
+            "tls_cert_chain_path": self.grpc_tls_cert or None,
+            "tls_private_key_path": self.grpc_tls_key or None,
+            "tls_client_ca_path": self.grpc_tls_client_ca or None,
+        }
 
     def queued_groups(self, max_staleness: int) -> int:
         """Groups are consumed first in, first out, and the groups being trained on still count as

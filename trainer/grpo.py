@@ -29,9 +29,18 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     return a.reshape(-1)
 
 
-def policy_loss(logp_new: Tensor, logp_prox: Tensor, logp_behav: Tensor, advantages: Tensor,
-                mask: Tensor, *, clip_low: float, clip_high: float, tis_cap: float,
-                n_tokens: int | None = None) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    logp_new: Tensor,
+    logp_prox: Tensor,
+    logp_behav: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    tis_cap: float,
+    n_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
     """Token-level loss. All [B, T] except advantages [B]; mask is 1.0 on completion tokens.
 
     n_tokens: the denominator (the whole step's token count when the batch is split into
@@ -47,8 +56,9 @@ def policy_loss(logp_new: Tensor, logp_prox: Tensor, logp_behav: Tensor, advanta
         clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
         stats = {
             "clip_frac": float((clipped * mask).sum() / mask.sum().clamp(min=1)),
-            "tis_frac": float(((torch.exp(logp_prox - logp_behav) > tis_cap).float() * mask).sum()
-                              / mask.sum().clamp(min=1)),
+            "tis_frac": float(
+                ((torch.exp(logp_prox - logp_behav) > tis_cap).float() * mask).sum() / mask.sum().clamp(min=1)
+            ),
         }
     return loss, stats
 

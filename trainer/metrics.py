@@ -20,8 +20,9 @@ class MetricsSink:
 
             self._registry = prom.CollectorRegistry()
             self._prom = prom
-            self._server, _ = prom.start_http_server(port, addr="127.0.0.1" if port == 0 else "0.0.0.0",
-                                                      registry=self._registry)
+            self._server, _ = prom.start_http_server(
+                port, addr="127.0.0.1" if port == 0 else "0.0.0.0", registry=self._registry
+            )
             self.port = self._server.server_port
 
     def write(self, row: dict) -> None:

@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 
-def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
-         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def pack(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> tokens [B, T], targets [B, T], attention_mask [B, T] bool, loss_mask [B, T] float.
 
     Row b holds prompt+completion[:-1] as input and prompt[1:]+completion as targets, so
@@ -31,7 +32,7 @@ def pack(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
         tokens[b, :n] = torch.tensor(s[:-1])
         targets[b, :n] = torch.tensor(s[1:])
         attn[b, :n] = True
-        loss_mask[b, len(p) - 1:n] = 1.0
+        loss_mask[b, len(p) - 1 : n] = 1.0
     return tokens, targets, attn, loss_mask
 
 

@@ -55,11 +55,23 @@ class State:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, *, run_id: str, redis_url: str, model_config: ModelConfig,
-                 recipe: Recipe, max_staleness: int, run_dir: str | Path, seed: int, temperature: float,
-                 make_prompt: Callable[[int], PromptGroup],
-                 warm_start_example: Callable[[], tuple[list[int], list[int]]], pad_id: int,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        *,
+        run_id: str,
+        redis_url: str,
+        model_config: ModelConfig,
+        recipe: Recipe,
+        max_staleness: int,
+        run_dir: str | Path,
+        seed: int,
+        temperature: float,
+        make_prompt: Callable[[int], PromptGroup],
+        warm_start_example: Callable[[], tuple[list[int], list[int]]],
+        pad_id: int,
+        log: Callable[[str], None] = print,
+    ):
         self.cfg, self.max_staleness, self.log = cfg, max_staleness, log
         self.temperature = temperature  # the rollouts' sampling temperature: log-probs must match it
         self.keys = Keys(run_id=run_id)
@@ -73,14 +85,18 @@ class Trainer:
         self.plan = recipe.plan(model_config)
         self.contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
         self.fingerprint = self.contract.fingerprint()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
         self.state = State()
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> master weights at publish
         self.scratch = Transformer(model_config, seed=seed)  # evaluates older versions' log-probs
         self._scratch_version: int | None = None
-        self.server = PolicyServer(PolicyServerConfig(host=cfg.grpc_host, port=cfg.grpc_port,
-                                                      keep_versions=max_staleness + 2, **cfg.server_tls()))
+        self.server = PolicyServer(
+            PolicyServerConfig(
+                host=cfg.grpc_host, port=cfg.grpc_port, keep_versions=max_staleness + 2, **cfg.server_tls()
+            )
+        )
         self.health = HealthServer(port=cfg.health_port, service=TRAINER_HEALTH)  # Kubernetes probes
         self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
         self._stop = asyncio.Event()
@@ -96,15 +112,18 @@ class Trainer:
         self.redis = connect(self.redis_url)
         self.registry = PolicyRegistry(self.redis, self.keys)
         self.prompts = PromptQueue(self.redis, self.keys)
-        self.stream = TrajectoryStream(self.redis, self.keys, consumer="trainer",
-                                       config=StreamConfig(read_count=256, block_ms=500))
+        self.stream = TrajectoryStream(
+            self.redis, self.keys, consumer="trainer", config=StreamConfig(read_count=256, block_ms=500)
+        )
         await self.prompts.setup()
         await self.stream.setup()
         self.server.start()
         if self.health.start() is not None:
             self.log(f"health (grpc.health.v1) on {self.health.host}:{self.health.port}")
-        self.log(f"policy server on {self.server.address}; metrics in {self.metrics.path}"
-                 + (f" and on Prometheus port {self.metrics.port}" if self.metrics.port else ""))
+        self.log(
+            f"policy server on {self.server.address}; metrics in {self.metrics.path}"
+            + (f" and on Prometheus port {self.metrics.port}" if self.metrics.port else "")
+        )
         try:
             await self._restore_or_warm_start()
             await self._publish()
@@ -136,16 +155,20 @@ class Trainer:
             await self.redis.aclose()
 
     def _progress_line(self, r: dict) -> str:
-        return (f"step {r['step']:>4}/{self.cfg.max_steps} v{r['policy_version']} reward {r['reward_mean']:.3f} "
-                f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']} dropped {r['dropped_stale']}s/"
-                f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {r['logp_abs_diff_quant']:.4f}"
-                f" stale {r['logp_abs_diff_stale']:.4f}) kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s")
+        return (
+            f"step {r['step']:>4}/{self.cfg.max_steps} v{r['policy_version']} reward {r['reward_mean']:.3f} "
+            f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']} dropped {r['dropped_stale']}s/"
+            f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {r['logp_abs_diff_quant']:.4f}"
+            f" stale {r['logp_abs_diff_stale']:.4f}) kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s"
+        )
 
     async def _commit(self) -> None:
         """After a checkpoint: dead-letter the foreign samples, mark every consumed sample used."""
         for rec in self._foreign:
-            await self.stream.dead_letter(rec, f"contract fingerprint {rec.trajectory.contract_fingerprint[:12]}"
-                                               f" != trainer's {self.fingerprint[:12]}")
+            await self.stream.dead_letter(
+                rec,
+                f"contract fingerprint {rec.trajectory.contract_fingerprint[:12]} != trainer's {self.fingerprint[:12]}",
+            )
         self._foreign = []
         await self.stream.commit_ids(self.state.pending_commit)
         self.state.pending_commit = []
@@ -155,8 +178,10 @@ class Trainer:
         if self.ckpt_path.exists():
             ck = torch.load(self.ckpt_path, map_location="cpu", weights_only=True)
             if ck["fingerprint"] != self.fingerprint:
-                raise ValueError(f"checkpoint {self.ckpt_path} has contract fingerprint {ck['fingerprint'][:12]}, "
-                                 f"this run's is {self.fingerprint[:12]}: different model/recipe")
+                raise ValueError(
+                    f"checkpoint {self.ckpt_path} has contract fingerprint {ck['fingerprint'][:12]}, "
+                    f"this run's is {self.fingerprint[:12]}: different model/recipe"
+                )
             self.model.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optimizer"])
             self.state = State(**ck["state"])
@@ -170,8 +195,15 @@ class Trainer:
             self.log(f"resumed from {self.ckpt_path}: step {self.state.step}, version {self.state.version}")
             return
         if self.cfg.warmstart_steps:
-            warm_start(self.model, self.warm_start_example, steps=self.cfg.warmstart_steps,
-                       batch=self.cfg.warmstart_batch, lr=self.cfg.warmstart_lr, pad_id=self.pad_id, log=self.log)
+            warm_start(
+                self.model,
+                self.warm_start_example,
+                steps=self.cfg.warmstart_steps,
+                batch=self.cfg.warmstart_batch,
+                lr=self.cfg.warmstart_lr,
+                pad_id=self.pad_id,
+                log=self.log,
+            )
         self.state.version = 1
         self._snapshot()
         self._save_checkpoint()
@@ -179,8 +211,11 @@ class Trainer:
 
     def _audit(self, groups: list[list[Trajectory]]) -> None:
         """audit.jsonl: which groups each step used, from which version and worker (one line per step)."""
-        line = {"step": self.state.step, "version": self.state.version,
-                "groups": [[g[0].group_id, g[0].policy_version, g[0].worker_id] for g in groups]}
+        line = {
+            "step": self.state.step,
+            "version": self.state.version,
+            "groups": [[g[0].group_id, g[0].policy_version, g[0].worker_id] for g in groups],
+        }
         with open(self.run_dir / "audit.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -192,9 +227,16 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "state": self.state.__dict__, "snapshots": {str(k): v for k, v in self.snapshots.items()},
-                    "fingerprint": self.fingerprint}, tmp)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "state": self.state.__dict__,
+                "snapshots": {str(k): v for k, v in self.snapshots.items()},
+                "fingerprint": self.fingerprint,
+            },
+            tmp,
+        )
         os.replace(tmp, self.ckpt_path)  # atomic: a crash leaves the previous checkpoint whole
 
     # ------------------------------------------------------------------ publish / feed
@@ -203,17 +245,26 @@ class Trainer:
             qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
         v = self.state.version
         tensors = mf.quantize_params(dict(self.model.named_parameters()), self.plan)
-        packed = mf.build_manifest(version=v, parent_version=v - 1 if v > 1 else None,
-                                   contract=self.contract, tensors=tensors)
+        packed = mf.build_manifest(
+            version=v, parent_version=v - 1 if v > 1 else None, contract=self.contract, tensors=tensors
+        )
         self.server.publish(packed)
-        await self.registry.publish(PolicyPointer(version=v, address=self.cfg.grpc_advertise or self.server.address,
-                                                  contract_fingerprint=self.fingerprint, published_at=time.time()))
+        await self.registry.publish(
+            PolicyPointer(
+                version=v,
+                address=self.cfg.grpc_advertise or self.server.address,
+                contract_fingerprint=self.fingerprint,
+                published_at=time.time(),
+            )
+        )
         self.health.set_serving(not self._stop.is_set())
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
-        queued = _group_backlog(await self.prompts.stats(), self.prompts.group) \
+        queued = (
+            _group_backlog(await self.prompts.stats(), self.prompts.group)
             + _group_backlog(await self.stream.stats(), self.stream.group) // self.cfg.group_size
+        )
         want = self.cfg.queued_groups(self.max_staleness) - queued
         if want > 0:
             first = await self.redis.incrby(self.keys.prefix + "prompt_seq", want) - want
@@ -237,8 +288,9 @@ class Trainer:
             if self._stop.is_set():
                 return None, []
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no complete trajectory group for {self.cfg.collect_timeout_s}s: "
-                                   "are rollout workers running?")
+                raise TimeoutError(
+                    f"no complete trajectory group for {self.cfg.collect_timeout_s}s: are rollout workers running?"
+                )
             for rec in await self.stream.read():
                 t = rec.trajectory
                 if t.contract_fingerprint != self.fingerprint:
@@ -257,7 +309,7 @@ class Trainer:
                     done.append(sorted(self._held.pop(t.group_id), key=lambda r: r.trajectory.sample_index))
             await self._feed_prompts()
         used = done[: self.cfg.groups_per_step]
-        for extra in done[self.cfg.groups_per_step:]:  # keep surplus complete groups for the next step
+        for extra in done[self.cfg.groups_per_step :]:  # keep surplus complete groups for the next step
             self._held[extra[0].trajectory.group_id] = extra
         consumed += [r for g in used for r in g]
         return [[r.trajectory for r in g] for g in used], consumed
@@ -267,8 +319,9 @@ class Trainer:
         t0 = time.perf_counter()
         cfg = self.cfg
         samples = [t for g in groups for t in g]
-        tokens, targets, attn, mask = pack([t.prompt_tokens.tolist() for t in samples],
-                                           [t.completion_tokens.tolist() for t in samples], self.pad_id)
+        tokens, targets, attn, mask = pack(
+            [t.prompt_tokens.tolist() for t in samples], [t.completion_tokens.tolist() for t in samples], self.pad_id
+        )
         behav = scatter_rows([t.behavior_logprobs for t in samples], mask)
         rewards = torch.tensor([t.reward for t in samples], dtype=torch.float32)
         adv = grpo.group_advantages(rewards, cfg.group_size)
@@ -282,17 +335,27 @@ class Trainer:
                     continue  # the current weights are version v (published after the last update)
                 rows = (versions == v).nonzero().squeeze(-1)
                 self._load_scratch(v)
-                at_version[rows] = self.scratch.token_logprobs(tokens[rows], targets[rows], attention_mask=attn[rows],
-                                                               temperature=self.temperature)
+                at_version[rows] = self.scratch.token_logprobs(
+                    tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
+                )
 
         n_tokens = int(mask.sum())
         grad_norms, stats = [], Counter()
         for rows in torch.randperm(len(samples)).chunk(cfg.minibatches):
-            logp = self.model.token_logprobs(tokens[rows], targets[rows], attention_mask=attn[rows],
-                                             temperature=self.temperature)
-            loss, s = grpo.policy_loss(logp, prox[rows], behav[rows], adv[rows], mask[rows],
-                                       clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap,
-                                       n_tokens=n_tokens)
+            logp = self.model.token_logprobs(
+                tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
+            )
+            loss, s = grpo.policy_loss(
+                logp,
+                prox[rows],
+                behav[rows],
+                adv[rows],
+                mask[rows],
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                tis_cap=cfg.tis_cap,
+                n_tokens=n_tokens,
+            )
             self.optimizer.zero_grad(set_to_none=True)
             (loss * cfg.minibatches).backward()  # n_tokens is the whole step's: rescale per update
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))

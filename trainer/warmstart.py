@@ -19,8 +19,16 @@ from .sequences import pack
 Example = tuple[list[int], list[int]]
 
 
-def warm_start(model, sample: Callable[[], Example], *, steps: int, batch: int, lr: float, pad_id: int,
-               log: Callable[[str], None] = print) -> list[float]:
+def warm_start(
+    model,
+    sample: Callable[[], Example],
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    pad_id: int,
+    log: Callable[[str], None] = print,
+) -> list[float]:
     """Train `model` in place; returns the loss of every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []

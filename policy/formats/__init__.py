@@ -22,8 +22,13 @@ def get(name: str) -> ModuleType:
         raise ValueError(f"unknown quantization format {name!r}; known formats: {', '.join(FORMATS)}") from None
 
 
-_TYPES = {bf16.BF16Tensor: "bf16", fp8_block.FP8BlockTensor: "fp8_block", mxfp8.MXFP8Tensor: "mxfp8",
-          nvfp4.NVFP4Tensor: "nvfp4", int4.INT4Tensor: "int4"}
+_TYPES = {
+    bf16.BF16Tensor: "bf16",
+    fp8_block.FP8BlockTensor: "fp8_block",
+    mxfp8.MXFP8Tensor: "mxfp8",
+    nvfp4.NVFP4Tensor: "nvfp4",
+    int4.INT4Tensor: "int4",
+}
 
 
 def format_of(q) -> str:

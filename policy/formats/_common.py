@@ -65,7 +65,5 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"part {name!r}: expected a tensor, got {type(t).__name__}")
     if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-        raise ValueError(
-            f"part {name!r}: expected {dtype} {tuple(shape)}, got {t.dtype} {tuple(t.shape)}"
-        )
+        raise ValueError(f"part {name!r}: expected {dtype} {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
     return t

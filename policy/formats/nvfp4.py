@@ -76,8 +76,10 @@ def quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor | Non
     if amax is not None:
         given = torch.as_tensor(amax, dtype=torch.float32, device=xf.device)
         if given.shape != gamax.shape or not bool(torch.isfinite(given).all()) or bool((given < gamax).any()):
-            raise ValueError(f"nvfp4.quantize: amax must be finite fp32 of shape {tuple(gamax.shape)} and at least "
-                             f"the {scope} amax of x; got shape {tuple(given.shape)}")
+            raise ValueError(
+                f"nvfp4.quantize: amax must be finite fp32 of shape {tuple(gamax.shape)} and at least "
+                f"the {scope} amax of x; got shape {tuple(given.shape)}"
+            )
         gamax = given
 
     # torch.div on two fp32 tensors is one correctly rounded IEEE division ("c / t" in Python

@@ -41,7 +41,7 @@ NONFINITE_BITS = 0x7F800000
 # --------------------------------------------------------------------------- backend choice
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_ok(device_index: int) -> bool:
     try:
         import triton  # noqa: F401
@@ -51,16 +51,23 @@ def _triton_ok(device_index: int) -> bool:
 
 
 def backend(x: torch.Tensor) -> str:
-    """"triton" when the GPU kernels serve tensors on x's device, else "reference"."""
+    """ "triton" when the GPU kernels serve tensors on x's device, else "reference"."""
     if x.device.type != "cuda":
         return "reference"
-    return "triton" if _triton_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()) else "reference"
+    return (
+        "triton"
+        if _triton_ok(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        else "reference"
+    )
 
 
 def to_device(q, device):
     """The same quantized object with its tensors on `device`."""
-    moved = {f.name: getattr(q, f.name).to(device) for f in dataclasses.fields(q)
-             if isinstance(getattr(q, f.name), torch.Tensor)}
+    moved = {
+        f.name: getattr(q, f.name).to(device)
+        for f in dataclasses.fields(q)
+        if isinstance(getattr(q, f.name), torch.Tensor)
+    }
     return dataclasses.replace(q, **moved)
 
 
@@ -185,8 +192,9 @@ def pack(q) -> PackedLinear:
     if isinstance(q, _nvfp4.NVFP4Tensor):
         if q.scope != "tensor":
             raise ValueError("pack: an nvfp4 weight must be quantized with scope='tensor'")
-        return PackedLinear("nvfp4", (n, k), bitmath.repack(_nvfp4.unpack_codes(q.codes)), q.block_scales,
-                            q.global_scale.reshape(1))
+        return PackedLinear(
+            "nvfp4", (n, k), bitmath.repack(_nvfp4.unpack_codes(q.codes)), q.block_scales, q.global_scale.reshape(1)
+        )
     if isinstance(q, _int4.INT4Tensor):
         return PackedLinear("int4", (n, k), bitmath.repack(q.codes.to(torch.int16) + 8), q.scales, None, q.group_size)
     return PackedLinear(_format_name(q), (n, k), quantized=(q,))
@@ -198,27 +206,42 @@ def pack_experts(qs) -> PackedLinear:
     if not packed:
         raise ValueError("pack_experts: no experts given")
     first = packed[0]
-    bad = [i for i, p in enumerate(packed) if (p.fmt, p.shape, p.group_size) != (first.fmt, first.shape, first.group_size)]
+    bad = [
+        i for i, p in enumerate(packed) if (p.fmt, p.shape, p.group_size) != (first.fmt, first.shape, first.group_size)
+    ]
     if bad:
         raise ValueError(f"pack_experts: experts {bad} differ from expert 0 in format, shape or group size")
     if first.codes is None:
-        return PackedLinear(first.fmt, first.shape, num_experts=len(packed), quantized=tuple(q for p in packed for q in p.quantized))
+        return PackedLinear(
+            first.fmt, first.shape, num_experts=len(packed), quantized=tuple(q for p in packed for q in p.quantized)
+        )
     gs = torch.cat([p.global_scale for p in packed]) if first.global_scale is not None else None
-    return PackedLinear(first.fmt, first.shape, torch.stack([p.codes for p in packed]),
-                        torch.stack([p.scales for p in packed]), gs, first.group_size, len(packed))
+    return PackedLinear(
+        first.fmt,
+        first.shape,
+        torch.stack([p.codes for p in packed]),
+        torch.stack([p.scales for p in packed]),
+        gs,
+        first.group_size,
+        len(packed),
+    )
 
 
 def unpack(w: PackedLinear, expert: int | None = None):
     """The format object back from a PackedLinear (one expert of a stack with `expert`)."""
+
     def pick(t):
         return t if expert is None else t[expert]
+
     n, k = w.shape
     if w.num_experts and expert is None:
         raise ValueError("unpack: a stacked PackedLinear needs expert=<index>")
     if w.fmt == "nvfp4":
         gs = w.global_scale.reshape(-1)[0 if expert is None else expert].reshape(1)
         nib = bitmath.unrepack(pick(w.codes))
-        return _nvfp4.NVFP4Tensor((nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous(), pick(w.scales), gs, (n, k), "tensor")
+        return _nvfp4.NVFP4Tensor(
+            (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous(), pick(w.scales), gs, (n, k), "tensor"
+        )
     if w.fmt == "int4":
         codes = (bitmath.unrepack(pick(w.codes)).to(torch.int8) - 8).contiguous()
         return _int4.INT4Tensor(codes, pick(w.scales), w.group_size, (n, k))
@@ -298,7 +321,7 @@ def moe_qmatmul(x: torch.Tensor, w: PackedLinear, topk_ids: torch.Tensor) -> tor
     return y
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scaled_mm_state(device_index: int) -> dict:
     return {"ok": None}
 
@@ -324,8 +347,15 @@ def _scaled_mm_fp8_block(x: torch.Tensor, wq) -> torch.Tensor | None:
     try:
         F = torch.nn.functional
         if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
-            y = F.scaled_mm(xq.codes, wq.codes.t(), s_a, F.ScalingType.BlockWise1x128, s_b.t(),
-                            F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+            y = F.scaled_mm(
+                xq.codes,
+                wq.codes.t(),
+                s_a,
+                F.ScalingType.BlockWise1x128,
+                s_b.t(),
+                F.ScalingType.BlockWise128x128,
+                output_dtype=x.dtype,
+            )
         else:
             y = torch._scaled_mm(xq.codes, wq.codes.t(), s_a, s_b.t(), out_dtype=x.dtype)
         state["ok"] = True
@@ -336,6 +366,16 @@ def _scaled_mm_fp8_block(x: torch.Tensor, wq) -> torch.Tensor | None:
 
 
 __all__ = [
-    "PackedLinear", "backend", "dequantize", "fake_quant", "moe_qmatmul", "pack", "pack_experts",
-    "qmatmul", "quantize", "reference_qmatmul", "to_device", "unpack",
+    "PackedLinear",
+    "backend",
+    "dequantize",
+    "fake_quant",
+    "moe_qmatmul",
+    "pack",
+    "pack_experts",
+    "qmatmul",
+    "quantize",
+    "reference_qmatmul",
+    "to_device",
+    "unpack",
 ]

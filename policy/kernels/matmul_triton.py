@@ -127,11 +127,34 @@ def _plain_pair(q, j: tl.constexpr, f, FMT: tl.constexpr):
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr,
-    M, N, K, stride_xm, stride_ym, stride_wn, stride_sn,
-    pair_ptr, block_expert_ptr, num_blocks_ptr, stride_we, stride_se, ws_ptr, lock_ptr,
-    FMT: tl.constexpr, G: tl.constexpr, MOE: tl.constexpr, TOPK: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, USE_ASM: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    stride_wn,
+    stride_sn,
+    pair_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    stride_we,
+    stride_se,
+    ws_ptr,
+    lock_ptr,
+    FMT: tl.constexpr,
+    G: tl.constexpr,
+    MOE: tl.constexpr,
+    TOPK: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BM: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """w: int32 words [N, K/8] (kernel layout), stride_wn = K/8; s: nvfp4 e4m3 bytes [N, K/16]
     or int4 bf16 [N, K/G], stride_sn = its row length (separate args so the launcher's
@@ -179,8 +202,9 @@ def _w4a16_kernel(
     for k0 in range(k_lo, k_hi, BK):
         q = tl.load(w_base + k0 // 8, mask=nmask[:, None], other=0)
         if FMT == 0:
-            sb = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // 16 + tl.arange(0, NB)[None, :]),
-                         mask=nmask[:, None], other=0)
+            sb = tl.load(
+                s_ptr + n64[:, None] * stride_sn + (k0 // 16 + tl.arange(0, NB)[None, :]), mask=nmask[:, None], other=0
+            )
             sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, NB]
             if USE_ASM:
                 fb = (sf * 6.646139978924579e35).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -193,8 +217,11 @@ def _w4a16_kernel(
                 sg = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // G + ng[None, :]), mask=nmask[:, None], other=0.0)
                 sg = tl.reshape(tl.broadcast_to(sg[:, :, None], (BN, BK // G, G // 16)), (BN, NB))
             else:
-                sg = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 + tl.arange(0, NB)[None, :] * 16) // G,
-                             mask=nmask[:, None], other=0.0)
+                sg = tl.load(
+                    s_ptr + n64[:, None] * stride_sn + (k0 + tl.arange(0, NB)[None, :] * 16) // G,
+                    mask=nmask[:, None],
+                    other=0.0,
+                )
             if USE_ASM:
                 fb = sg.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 f = fb | (fb << 16)
@@ -205,12 +232,22 @@ def _w4a16_kernel(
         if USE_ASM:
             if FMT == 0:
                 p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                    _NVFP4_ASM, "=r,=r,=r,=r,r,r", [q, f], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                    is_pure=True, pack=1)
+                    _NVFP4_ASM,
+                    "=r,=r,=r,=r,r,r",
+                    [q, f],
+                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True,
+                    pack=1,
+                )
             else:
                 p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                    _INT4_ASM, "=r,=r,=r,=r,r,r", [q, f], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                    is_pure=True, pack=1)
+                    _INT4_ASM,
+                    "=r,=r,=r,=r,r,r",
+                    [q, f],
+                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                    is_pure=True,
+                    pack=1,
+                )
             u0 = _lanes(p0, BN, BK)
             u1 = _lanes(p1, BN, BK)
             u2 = _lanes(p2, BN, BK)
@@ -295,8 +332,9 @@ def _min_bk(fmt: int) -> int:
 
 def _check_config(config, fmt: int) -> None:
     if config[1] < _min_bk(fmt):
-        raise ValueError(f"w4a16 config {config}: K tile {config[1]} is below {_min_bk(fmt)}, "
-                         "the narrowest this format allows")
+        raise ValueError(
+            f"w4a16 config {config}: K tile {config[1]} is below {_min_bk(fmt)}, the narrowest this format allows"
+        )
 
 
 def _launch_options(config) -> dict:
@@ -347,18 +385,53 @@ def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config
     grid = (triton.cdiv(n, bn), triton.cdiv(m, BLOCK_M), split)
     ws, locks = _workspace(x.device, grid[0] * grid[1], split, bn)
     _w4a16_kernel[grid](
-        x, words, scales, gs, y, m, n, k, x.stride(0), y.stride(0), words.stride(0), scales.stride(0),
-        y, y, y, 0, 0, ws, locks,
-        FMT=fmt, G=group, MOE=False, TOPK=1, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split,
+        x,
+        words,
+        scales,
+        gs,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        words.stride(0),
+        scales.stride(0),
+        y,
+        y,
+        y,
+        0,
+        0,
+        ws,
+        locks,
+        FMT=fmt,
+        G=group,
+        MOE=False,
+        TOPK=1,
+        BN=bn,
+        BK=bk,
+        BM=BLOCK_M,
+        USE_ASM=use_asm,
+        SPLIT=split,
         **_launch_options(config),
     )
     return y
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_blocks_ptr, P,
-                      E: tl.constexpr, EP: tl.constexpr, PB: tl.constexpr, MAXB: tl.constexpr,
-                      MAXBP: tl.constexpr, BM: tl.constexpr):
+def _moe_align_kernel(
+    ids_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    P,
+    E: tl.constexpr,
+    EP: tl.constexpr,
+    PB: tl.constexpr,
+    MAXB: tl.constexpr,
+    MAXBP: tl.constexpr,
+    BM: tl.constexpr,
+):
     """`moe_align` in one program: histogram, prefix sums, a stable sort of (expert, pair) keys,
     and the scatter into 16-row blocks. EP > E, PB >= P, MAXBP >= MAXB are powers of two."""
     p = tl.arange(0, PB)
@@ -396,13 +469,26 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int):
     pairs = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
-    _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), pairs, block_expert, num_blocks, p,
-                            E=num_experts, EP=ep, PB=pb, MAXB=max_blocks, MAXBP=maxbp, BM=BLOCK_M, num_warps=8)
+    _moe_align_kernel[(1,)](
+        topk_ids.reshape(-1).contiguous(),
+        pairs,
+        block_expert,
+        num_blocks,
+        p,
+        E=num_experts,
+        EP=ep,
+        PB=pb,
+        MAXB=max_blocks,
+        MAXBP=maxbp,
+        BM=BLOCK_M,
+        num_warps=8,
+    )
     return pairs, block_expert, num_blocks, max_blocks
 
 
-def moe_w4a16_matmul(x, codes, scales, global_scale, topk_ids, fmt: int, group: int, *, config=None,
-                     use_asm=True, align=None):
+def moe_w4a16_matmul(
+    x, codes, scales, global_scale, topk_ids, fmt: int, group: int, *, config=None, use_asm=True, align=None
+):
     """y [T, topk, N]: token t times the weights of each of its routed experts.
 
     words int32 [E, N, K/8] (kernel layout), scales [E, N, K/16 or K/G], global_scale fp32 [E] (nvfp4)."""
@@ -419,9 +505,34 @@ def moe_w4a16_matmul(x, codes, scales, global_scale, topk_ids, fmt: int, group: 
     grid = (triton.cdiv(n, bn), max_blocks, split)
     ws, locks = _workspace(x.device, grid[0] * grid[1], split, bn)
     _w4a16_kernel[grid](
-        x, codes, scales, gs, y, t * topk, n, k, x.stride(0), y.stride(0), codes.stride(1), scales.stride(1),
-        pairs, block_expert, num_blocks, codes.stride(0), scales.stride(0), ws, locks,
-        FMT=fmt, G=group, MOE=True, TOPK=topk, BN=bn, BK=bk, BM=BLOCK_M, USE_ASM=use_asm, SPLIT=split,
+        x,
+        codes,
+        scales,
+        gs,
+        y,
+        t * topk,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        codes.stride(1),
+        scales.stride(1),
+        pairs,
+        block_expert,
+        num_blocks,
+        codes.stride(0),
+        scales.stride(0),
+        ws,
+        locks,
+        FMT=fmt,
+        G=group,
+        MOE=True,
+        TOPK=topk,
+        BN=bn,
+        BK=bk,
+        BM=BLOCK_M,
+        USE_ASM=use_asm,
+        SPLIT=split,
         **_launch_options(config),
     )
     return y.view(t, topk, n)

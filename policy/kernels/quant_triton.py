@@ -182,8 +182,14 @@ def _load_pairs(x_ptr, pair, mask, IN_KIND: tl.constexpr):
 def _mul_abs_rn(x_bits, b):
     """|x| * b for x given as fp32 bits: IEEE, round to nearest even, subnormals kept (the abs
     is an operand modifier of the multiply, no separate instruction)."""
-    return tl.inline_asm_elementwise("{ .reg .f32 t; abs.f32 t, $1; mul.rn.f32 $0, t, $2; }", "=f,f,f",
-                                     [_as_f32(x_bits), b], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 t; abs.f32 t, $1; mul.rn.f32 $0, t, $2; }",
+        "=f,f,f",
+        [_as_f32(x_bits), b],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @triton.jit
@@ -194,9 +200,22 @@ def _nvfp4_codes(x_bits, enc):
 
 @triton.jit
 def _nvfp4_kernel(
-    x_ptr, codes_ptr, sf_ptr, gs_ptr, amax_ptr, status_ptr, M, K, x_row_words, code_row_words,
-    IN_KIND: tl.constexpr, ROW_SCOPE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    SINGLE: tl.constexpr, E4M3_SW: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    sf_ptr,
+    gs_ptr,
+    amax_ptr,
+    status_ptr,
+    M,
+    K,
+    x_row_words,
+    code_row_words,
+    IN_KIND: tl.constexpr,
+    ROW_SCOPE: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SINGLE: tl.constexpr,
+    E4M3_SW: tl.constexpr,
 ):
     """ROWS rows per program; CHUNK 16-element blocks per step along K. SINGLE: the program's
     blocks are one chunk, loaded before anything else (so the loads overlap the scale math).
@@ -297,8 +316,18 @@ def _block_absmax(a, b, c, d):
 
 
 @triton.jit
-def _mxfp8_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K,
-                  IN_KIND: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, E4M3_SW: tl.constexpr):
+def _mxfp8_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    status_ptr,
+    M,
+    K,
+    IN_KIND: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    E4M3_SW: tl.constexpr,
+):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * ROWS + tl.arange(0, ROWS)
@@ -338,8 +367,9 @@ def _rcp_rn(a):
 @triton.jit
 def _fma_rn(a, b, c):
     """IEEE fp32 a * b + c with one rounding (to nearest even), subnormals kept."""
-    return tl.inline_asm_elementwise("fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [a, b, c], dtype=tl.float32,
-                                     is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", [a, b, c], dtype=tl.float32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
@@ -360,8 +390,19 @@ def _int4_codes(x_bits, s, r, IN_KIND: tl.constexpr):
 
 
 @triton.jit
-def _int4_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K, x_row_words,
-                 IN_KIND: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+def _int4_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    status_ptr,
+    M,
+    K,
+    x_row_words,
+    IN_KIND: tl.constexpr,
+    G: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """CHUNK groups of ROWS rows per program; a group is read as G/2 element pairs (16-bit
     inputs: one word each) and its codes are written as G/2 int16 words (two int8 codes)."""
     pid_r = tl.program_id(0)
@@ -393,9 +434,19 @@ def _int4_kernel(x_ptr, codes_ptr, scales_ptr, status_ptr, M, K, x_row_words,
 
 
 @triton.jit
-def _fp8_block_kernel(x_ptr, codes_ptr, sinv_ptr, status_ptr, M, K,
-                      IN_KIND: tl.constexpr, GR: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                      E4M3_SW: tl.constexpr):
+def _fp8_block_kernel(
+    x_ptr,
+    codes_ptr,
+    sinv_ptr,
+    status_ptr,
+    M,
+    K,
+    IN_KIND: tl.constexpr,
+    GR: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    E4M3_SW: tl.constexpr,
+):
     """GR blocks of (BM x BK), stacked along rows, per program: S = min(448 / amax, FLT_MAX),
     code = e4m3(clamp(x * S)), scale_inv = 1 / S. (1 x 128 tiles: GR rows per program.)"""
     pid_r = tl.program_id(0)
@@ -455,9 +506,23 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
     chunk, rows, single, warps = config or _nvfp4_config(m, nblocks, scope)
     grid = (triton.cdiv(m, rows), 1 if scope == "row" else triton.cdiv(nblocks, chunk))
     _nvfp4_kernel[grid](  # x as int32 words: element pairs for 16-bit inputs, elements for fp32
-        x.view(torch.int32), codes.view(torch.int32), sf.view(torch.uint8), gs, status, status, m, k, k // 2, k // 8,
-        IN_KIND=kind, ROW_SCOPE=scope == "row", ROWS=rows, CHUNK=chunk, SINGLE=single,
-        E4M3_SW=e4m3_sw, num_warps=warps,
+        x.view(torch.int32),
+        codes.view(torch.int32),
+        sf.view(torch.uint8),
+        gs,
+        status,
+        status,
+        m,
+        k,
+        k // 2,
+        k // 8,
+        IN_KIND=kind,
+        ROW_SCOPE=scope == "row",
+        ROWS=rows,
+        CHUNK=chunk,
+        SINGLE=single,
+        E4M3_SW=e4m3_sw,
+        num_warps=warps,
     )
     return codes, sf, gs, status
 
@@ -478,7 +543,7 @@ def _nvfp4_config(m: int, nblocks: int, scope: str):
     return 256, 1, False, 8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -494,8 +559,19 @@ def mxfp8_quantize(x: torch.Tensor, e4m3_sw: bool = False, config=None):
     chunk = min(_pow2_at_least(nblocks), per_prog // 32)
     rows = max(1, per_prog // 32 // chunk)
     grid = (triton.cdiv(m, rows), triton.cdiv(nblocks, chunk))
-    _mxfp8_kernel[grid](_bits_view(x), codes.view(torch.uint8), scales, status, m, k,
-                        IN_KIND=_IN_KIND[x.dtype], ROWS=rows, CHUNK=chunk, E4M3_SW=e4m3_sw, num_warps=warps)
+    _mxfp8_kernel[grid](
+        _bits_view(x),
+        codes.view(torch.uint8),
+        scales,
+        status,
+        m,
+        k,
+        IN_KIND=_IN_KIND[x.dtype],
+        ROWS=rows,
+        CHUNK=chunk,
+        E4M3_SW=e4m3_sw,
+        num_warps=warps,
+    )
     return codes, scales, status
 
 
@@ -511,8 +587,20 @@ def int4_quantize(x: torch.Tensor, group_size: int, config=None):
     chunk = min(_pow2_at_least(ngroups), per_prog)
     rows = max(1, per_prog // chunk)
     grid = (triton.cdiv(m, rows), triton.cdiv(ngroups, chunk))
-    _int4_kernel[grid](x.view(torch.int32), codes.view(torch.int16), scales, status, m, k, k // 2,
-                       IN_KIND=_IN_KIND[x.dtype], G=group_size, ROWS=rows, CHUNK=chunk, num_warps=warps)
+    _int4_kernel[grid](
+        x.view(torch.int32),
+        codes.view(torch.int16),
+        scales,
+        status,
+        m,
+        k,
+        k // 2,
+        IN_KIND=_IN_KIND[x.dtype],
+        G=group_size,
+        ROWS=rows,
+        CHUNK=chunk,
+        num_warps=warps,
+    )
     return codes, scales, status
 
 
@@ -525,9 +613,20 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int], e4m3_sw: bool = 
     nrb = triton.cdiv(m, bm)
     gr = max(1, min(_pow2_at_least(nrb), 4096 // (bm * bk)))  # about 4K elements per program
     warps = 8 if gr * bm * bk >= 8192 else 4
-    _fp8_block_kernel[(triton.cdiv(nrb, gr), k // bk)](_bits_view(x), codes.view(torch.uint8), sinv, status, m, k,
-                                                       IN_KIND=_IN_KIND[x.dtype], GR=gr, BM=bm, BK=bk,
-                                                       E4M3_SW=e4m3_sw, num_warps=warps)
+    _fp8_block_kernel[(triton.cdiv(nrb, gr), k // bk)](
+        _bits_view(x),
+        codes.view(torch.uint8),
+        sinv,
+        status,
+        m,
+        k,
+        IN_KIND=_IN_KIND[x.dtype],
+        GR=gr,
+        BM=bm,
+        BK=bk,
+        E4M3_SW=e4m3_sw,
+        num_warps=warps,
+    )
     return codes, sinv, status
 
 

@@ -70,9 +70,13 @@ def measure(x: torch.Tensor, fmt: str, kw: dict, repeats: int) -> dict:
 
 def main(args) -> int:
     x, what = _input(args)
-    print(f"input: {what}; {torch.get_num_threads()} CPU threads; throughput = input MB / quantize s (best of {args.repeats})")
+    print(
+        f"input: {what}; {torch.get_num_threads()} CPU threads; throughput = input MB / quantize s (best of {args.repeats})"
+    )
     print(f"{'format':<20}{'bits/value':>11}{'rel error':>11}{'max |err|':>11}{'MB/s':>9}")
     for label, fmt, kw in VARIANTS:
         r = measure(x, fmt, kw, args.repeats)
-        print(f"{label:<20}{r['bits_per_value']:>11.3f}{r['rel_error']:>11.4f}{r['max_abs_error']:>11.2e}{r['mb_per_s']:>9.0f}")
+        print(
+            f"{label:<20}{r['bits_per_value']:>11.3f}{r['rel_error']:>11.4f}{r['max_abs_error']:>11.2e}{r['mb_per_s']:>9.0f}"
+        )
     return 0

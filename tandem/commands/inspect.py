@@ -17,8 +17,9 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="manifest file, or host:port of a policy server")
     parser.add_argument("--version", type=int, default=None, help="version to ask the server for (default: latest)")
-    parser.add_argument("--tensors", type=int, default=20, metavar="N",
-                        help="list the first N tensors (0: none, -1: all; default 20)")
+    parser.add_argument(
+        "--tensors", type=int, default=20, metavar="N", help="list the first N tensors (0: none, -1: all; default 20)"
+    )
     parser.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline of the server call, seconds")
     parser.add_argument("--tls-ca", default=None, help="CA certificate: connect with TLS")
@@ -37,8 +38,13 @@ def load(args: argparse.Namespace):
         raise ValueError(f"{args.target!r} is neither a file nor a host:port address")
     from broker.policy_client import PolicyClient, PolicyClientConfig
 
-    config = PolicyClientConfig(address=args.target, call_timeout_s=args.timeout, tls_root_ca_path=args.tls_ca,
-                                tls_cert_chain_path=args.tls_cert, tls_private_key_path=args.tls_key)
+    config = PolicyClientConfig(
+        address=args.target,
+        call_timeout_s=args.timeout,
+        tls_root_ca_path=args.tls_ca,
+        tls_cert_chain_path=args.tls_cert,
+        tls_private_key_path=args.tls_key,
+    )
     with PolicyClient(config) as client:
         return client.get_manifest(args.version)
 
@@ -51,7 +57,7 @@ def render(m, n_tensors: int = 20) -> str:
     from policy.manifest import chunk_count, format_params
 
     c = m.contract
-    created = datetime.datetime.fromtimestamp(m.created_unix_ns / 1e9, tz=datetime.timezone.utc)
+    created = datetime.datetime.fromtimestamp(m.created_unix_ns / 1e9, tz=datetime.UTC)
     parent = m.parent_version if m.HasField("parent_version") else "none"
     model = json.loads(c.model_config_json)
     model_short = ", ".join(f"{k}={model[k]}" for k in ("vocab_size", "dim", "n_layers", "n_experts") if k in model)
@@ -79,15 +85,19 @@ def render(m, n_tensors: int = 20) -> str:
     shown = list(m.tensors) if n_tensors < 0 else list(m.tensors)[:n_tensors]
     if shown:
         lines.append("")
-        lines.append(f"  {'name':<52} {'format':<9} {'params':<22} {'shape':<12} {'tp':<15} "
-                     f"{'parts (bytes)':<44} {'global':<11} {'chunks':>6}  sha256")
+        lines.append(
+            f"  {'name':<52} {'format':<9} {'params':<22} {'shape':<12} {'tp':<15} "
+            f"{'parts (bytes)':<44} {'global':<11} {'chunks':>6}  sha256"
+        )
         for t in shown:
             parts = " ".join(f"{p.name}={p.nbytes}" for p in t.parts)
             params = json.dumps(format_params(t), separators=(",", ":"))
             gs = f"{t.global_scale:.4g}" if t.HasField("global_scale") else "-"
             shape = "x".join(str(s) for s in t.shape)
-            lines.append(f"  {t.name:<52} {t.format:<9} {params:<22} {shape:<12} {t.tp_style:<15} {parts:<44} "
-                         f"{gs:<11} {len(t.chunk_xxh3):>6}  {t.sha256.hex()[:16]}")
+            lines.append(
+                f"  {t.name:<52} {t.format:<9} {params:<22} {shape:<12} {t.tp_style:<15} {parts:<44} "
+                f"{gs:<11} {len(t.chunk_xxh3):>6}  {t.sha256.hex()[:16]}"
+            )
         if len(shown) < len(m.tensors):
             lines.append(f"  ... {len(m.tensors) - len(shown)} more (--tensors -1 lists all)")
     return "\n".join(lines)

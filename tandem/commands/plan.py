@@ -20,9 +20,12 @@ from policy.recipe import BUILTINS, Recipe
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help=f"built-in ({', '.join(BUILTINS)}) or a YAML file")
     p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--json", action="store_true",
-                   help="print JSON: {recipe, model, ..., parameters: [{name, format, scope, numel, ...}], "
-                        "activations: [...], summary, warnings}")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON: {recipe, model, ..., parameters: [{name, format, scope, numel, ...}], "
+        "activations: [...], summary, warnings}",
+    )
 
 
 def _ranges(values: list[int]) -> str:
@@ -62,25 +65,51 @@ def main(args) -> int:
         return 2
     total = sum(e.numel for e in plan.params)
     if args.json:
-        print(json.dumps({
-            "recipe": recipe.name, "recipe_fingerprint": recipe.fingerprint(), "model": args.model,
-            "model_fingerprint": cfg.fingerprint(), "bf16_layers": list(plan.bf16_layers),
-            "summary": {"numel_total": total, "numel_by_format": plan.numel_by_format(),
+        print(
+            json.dumps(
+                {
+                    "recipe": recipe.name,
+                    "recipe_fingerprint": recipe.fingerprint(),
+                    "model": args.model,
+                    "model_fingerprint": cfg.fingerprint(),
+                    "bf16_layers": list(plan.bf16_layers),
+                    "summary": {
+                        "numel_total": total,
+                        "numel_by_format": plan.numel_by_format(),
                         "tensors_by_format": plan.count_by_format("param"),
-                        "activation_sites_by_format": plan.count_by_format("activation")},
-            "parameters": [{"name": e.name, "format": e.format, "scope": e.scope, "numel": e.numel,
-                            "shape": list(e.shape), **e.to_dict()["kwargs"]} for e in plan.params],
-            "activations": [{"name": e.name, "format": e.format, "scope": e.scope,
-                             **e.to_dict()["kwargs"]} for e in plan.activations],
-            "warnings": list(plan.warnings),
-        }, indent=1))
+                        "activation_sites_by_format": plan.count_by_format("activation"),
+                    },
+                    "parameters": [
+                        {
+                            "name": e.name,
+                            "format": e.format,
+                            "scope": e.scope,
+                            "numel": e.numel,
+                            "shape": list(e.shape),
+                            **e.to_dict()["kwargs"],
+                        }
+                        for e in plan.params
+                    ],
+                    "activations": [
+                        {"name": e.name, "format": e.format, "scope": e.scope, **e.to_dict()["kwargs"]}
+                        for e in plan.activations
+                    ],
+                    "warnings": list(plan.warnings),
+                },
+                indent=1,
+            )
+        )
         return 0
 
-    print(f"recipe {recipe.name} ({recipe.fingerprint()[:12]}) on {args.model} "
-          f"({cfg.n_layers} layers, {total:,} parameters, model {cfg.fingerprint()[:12]})")
+    print(
+        f"recipe {recipe.name} ({recipe.fingerprint()[:12]}) on {args.model} "
+        f"({cfg.n_layers} layers, {total:,} parameters, model {cfg.fingerprint()[:12]})"
+    )
     kept = plan.bf16_layers
-    print(f"layers kept whole in bf16: {_ranges(list(kept)) if kept else 'none'} "
-          f"(last_fraction={recipe.keep_bf16_last_fraction}, first={recipe.keep_bf16_first})")
+    print(
+        f"layers kept whole in bf16: {_ranges(list(kept)) if kept else 'none'} "
+        f"(last_fraction={recipe.keep_bf16_last_fraction}, first={recipe.keep_bf16_first})"
+    )
     print(f"\n{'format':<12}{'tensors':>9}{'parameters':>18}{'share':>8}")
     counts: dict[str, int] = defaultdict(int)
     numels: dict[str, int] = defaultdict(int)

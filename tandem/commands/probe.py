@@ -26,8 +26,11 @@ from policy.recipe import BUILTINS, Recipe
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--recipe", action="append",
-                   help=f"built-in ({', '.join(BUILTINS)}) or YAML file; repeatable (default: every built-in)")
+    p.add_argument(
+        "--recipe",
+        action="append",
+        help=f"built-in ({', '.join(BUILTINS)}) or YAML file; repeatable (default: every built-in)",
+    )
     p.add_argument("--weights", metavar="FILE", help="canonical-name state dict (torch file)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
@@ -39,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _model(args) -> Transformer:
     cfg = ModelConfig.preset(args.model)
     if cfg.num_parameters() > 2e9:
-        raise ValueError(f"--model {args.model} has {cfg.num_parameters():,} parameters; "
-                         "the CPU probe is meant for models up to ~2B")
+        raise ValueError(
+            f"--model {args.model} has {cfg.num_parameters():,} parameters; the CPU probe is meant for models up to ~2B"
+        )
     model = Transformer(cfg, seed=args.seed)
     if args.weights:
         state = torch.load(args.weights, map_location="cpu", weights_only=True)
@@ -76,17 +80,26 @@ def main(args) -> int:
         res["seconds"] = round(time.perf_counter() - t0, 3)
         results.append(res)
     if args.json:
-        print(json.dumps({"model": args.model, "weights": args.weights, "tokens": results[0]["tokens"],
-                          "results": results}, indent=1))
+        print(
+            json.dumps(
+                {"model": args.model, "weights": args.weights, "tokens": results[0]["tokens"], "results": results},
+                indent=1,
+            )
+        )
         return 0
-    print(f"model {args.model} ({cfg.num_parameters():,} params, "
-          f"{'weights ' + args.weights if args.weights else f'random init seed {args.seed}'}), "
-          f"{results[0]['tokens']} scored tokens")
+    print(
+        f"model {args.model} ({cfg.num_parameters():,} params, "
+        f"{'weights ' + args.weights if args.weights else f'random init seed {args.seed}'}), "
+        f"{results[0]['tokens']} scored tokens"
+    )
     print(f"{'recipe':<12}{'pair':<14}{'mean|Δlogp|':>13}{'max|Δlogp|':>12}{'KL':>12}")
     for res in results:
         for pair, m in res["pairs"].items():
-            print(f"{res['recipe']:<12}{pair:<14}{m['mean_abs_dlogp']:>13.3e}{m['max_abs_dlogp']:>12.3e}"
-                  f"{m['kl']:>12.3e}")
-        print(f"{'':<12}QAT vs packed weights bitwise equal: {res['weights_bitwise_equal']}, "
-              f"log-probs bitwise equal: {res['logits_bitwise_equal']} ({res['seconds']} s)")
+            print(
+                f"{res['recipe']:<12}{pair:<14}{m['mean_abs_dlogp']:>13.3e}{m['max_abs_dlogp']:>12.3e}{m['kl']:>12.3e}"
+            )
+        print(
+            f"{'':<12}QAT vs packed weights bitwise equal: {res['weights_bitwise_equal']}, "
+            f"log-probs bitwise equal: {res['logits_bitwise_equal']} ({res['seconds']} s)"
+        )
     return 0

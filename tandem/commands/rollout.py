@@ -8,8 +8,11 @@ import socket
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default=os.environ.get("TANDEM_CONFIG"), help="run config YAML ($TANDEM_CONFIG)")
-    p.add_argument("--worker-id", default=os.environ.get("TANDEM_WORKER_ID") or socket.gethostname(),
-                   help="stable consumer name ($TANDEM_WORKER_ID, else the host name: a pod's name)")
+    p.add_argument(
+        "--worker-id",
+        default=os.environ.get("TANDEM_WORKER_ID") or socket.gethostname(),
+        help="stable consumer name ($TANDEM_WORKER_ID, else the host name: a pod's name)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 

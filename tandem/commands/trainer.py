@@ -7,8 +7,11 @@ import os
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default=os.environ.get("TANDEM_CONFIG"), help="run config YAML ($TANDEM_CONFIG)")
-    p.add_argument("--run-dir", default=os.environ.get("TANDEM_RUN_DIR", "runs/trainer"),
-                   help="checkpoints and metrics ($TANDEM_RUN_DIR)")
+    p.add_argument(
+        "--run-dir",
+        default=os.environ.get("TANDEM_RUN_DIR", "runs/trainer"),
+        help="checkpoints and metrics ($TANDEM_RUN_DIR)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 

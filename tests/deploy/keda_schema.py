@@ -26,7 +26,9 @@ SCALED_OBJECT = {
         "apiVersion": {"const": "keda.sh/v1alpha1"},
         "kind": {"const": "ScaledObject"},
         "metadata": {
-            "type": "object", "required": ["name"], "additionalProperties": False,
+            "type": "object",
+            "required": ["name"],
+            "additionalProperties": False,
             "properties": {"name": _NAME, "namespace": _NAME, "labels": _STR_MAP, "annotations": _STR_MAP},
         },
         "spec": {
@@ -35,41 +37,63 @@ SCALED_OBJECT = {
             "additionalProperties": False,
             "properties": {
                 "scaleTargetRef": {
-                    "type": "object", "required": ["name"], "additionalProperties": False,
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
                     "properties": {"apiVersion": _STR, "kind": _STR, "name": _NAME, "envSourceContainerName": _STR},
                 },
-                "pollingInterval": _INT32, "cooldownPeriod": _INT32, "initialCooldownPeriod": _INT32,
-                "idleReplicaCount": _INT32, "minReplicaCount": _INT32, "maxReplicaCount": _INT32,
+                "pollingInterval": _INT32,
+                "cooldownPeriod": _INT32,
+                "initialCooldownPeriod": _INT32,
+                "idleReplicaCount": _INT32,
+                "minReplicaCount": _INT32,
+                "maxReplicaCount": _INT32,
                 "fallback": {
-                    "type": "object", "required": ["failureThreshold", "replicas"], "additionalProperties": False,
-                    "properties": {"failureThreshold": _INT32, "replicas": _INT32,
-                                   "behavior": {"enum": ["static", "currentReplicas",
-                                                         "currentReplicasIfHigher", "currentReplicasIfLower"]}},
+                    "type": "object",
+                    "required": ["failureThreshold", "replicas"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "failureThreshold": _INT32,
+                        "replicas": _INT32,
+                        "behavior": {
+                            "enum": ["static", "currentReplicas", "currentReplicasIfHigher", "currentReplicasIfLower"]
+                        },
+                    },
                 },
                 "advanced": {
-                    "type": "object", "additionalProperties": False,
+                    "type": "object",
+                    "additionalProperties": False,
                     "properties": {
                         "restoreToOriginalReplicaCount": {"type": "boolean"},
                         "horizontalPodAutoscalerConfig": {
-                            "type": "object", "additionalProperties": False,
+                            "type": "object",
+                            "additionalProperties": False,
                             "properties": {"name": _STR, "behavior": {"type": "object"}},
                         },
                         "scalingModifiers": {"type": "object"},
                     },
                 },
                 "triggers": {
-                    "type": "array", "minItems": 1,
+                    "type": "array",
+                    "minItems": 1,
                     "items": {
-                        "type": "object", "required": ["type", "metadata"], "additionalProperties": False,
+                        "type": "object",
+                        "required": ["type", "metadata"],
+                        "additionalProperties": False,
                         "properties": {
-                            "type": _STR, "name": _STR, "metadata": _STR_MAP,
+                            "type": _STR,
+                            "name": _STR,
+                            "metadata": _STR_MAP,
                             "useCachedMetrics": {"type": "boolean"},
                             "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
                             "authenticationRef": {
-                                "type": "object", "required": ["name"], "additionalProperties": False,
-                                "properties": {"name": _STR,
-                                               "kind": {"enum": ["TriggerAuthentication",
-                                                                 "ClusterTriggerAuthentication"]}},
+                                "type": "object",
+                                "required": ["name"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "name": _STR,
+                                    "kind": {"enum": ["TriggerAuthentication", "ClusterTriggerAuthentication"]},
+                                },
                             },
                         },
                     },
@@ -80,17 +104,36 @@ SCALED_OBJECT = {
 }
 
 # The redis-streams scaler's metadata keys (KEDA 2.x docs), all strings.
-REDIS_STREAMS_KEYS = {"address", "addressFromEnv", "host", "hostFromEnv", "port", "portFromEnv", "username",
-                      "usernameFromEnv", "password", "passwordFromEnv", "stream", "consumerGroup",
-                      "pendingEntriesCount", "streamLength", "lagCount", "activationLagCount", "databaseIndex",
-                      "enableTLS", "unsafeSsl"}
+REDIS_STREAMS_KEYS = {
+    "address",
+    "addressFromEnv",
+    "host",
+    "hostFromEnv",
+    "port",
+    "portFromEnv",
+    "username",
+    "usernameFromEnv",
+    "password",
+    "passwordFromEnv",
+    "stream",
+    "consumerGroup",
+    "pendingEntriesCount",
+    "streamLength",
+    "lagCount",
+    "activationLagCount",
+    "databaseIndex",
+    "enableTLS",
+    "unsafeSsl",
+}
 _COUNT_KEYS = ("pendingEntriesCount", "streamLength", "lagCount", "activationLagCount", "databaseIndex")
 
 
 def errors(doc: dict) -> list[str]:
     """Every problem with a ScaledObject, as `path: message` strings (empty when valid)."""
-    out = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-           for e in jsonschema.Draft7Validator(SCALED_OBJECT).iter_errors(doc)]
+    out = [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+        for e in jsonschema.Draft7Validator(SCALED_OBJECT).iter_errors(doc)
+    ]
     if out:
         return out
     spec = doc["spec"]

@@ -23,10 +23,24 @@ from pathlib import Path
 import yaml
 
 SUPPORTED = {"apiVersion", "kind", "resources", "namespace", "images", "patches", "secretGenerator"}
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-              "volumeMounts": "mountPath", "ports": "containerPort", "imagePullSecrets": "name"}
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PersistentVolume",
-                  "StorageClass", "PriorityClass"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+    "imagePullSecrets": "name",
+}
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "CustomResourceDefinition",
+    "PersistentVolume",
+    "StorageClass",
+    "PriorityClass",
+}
 
 
 def render(directory: str | Path) -> list[dict]:
@@ -66,8 +80,10 @@ def _secret(directory: Path, gen: dict) -> dict:
     if set(gen) - {"name", "envs", "literals", "type", "options"}:
         raise ValueError(f"{directory}: unsupported secretGenerator fields in {gen}")
     if gen.get("options") != {"disableNameSuffixHash": True}:
-        raise ValueError(f"{directory}: secretGenerator {gen['name']} needs options.disableNameSuffixHash: true "
-                         "(name suffixes would need reference rewriting, which this renderer does not do)")
+        raise ValueError(
+            f"{directory}: secretGenerator {gen['name']} needs options.disableNameSuffixHash: true "
+            "(name suffixes would need reference rewriting, which this renderer does not do)"
+        )
     pairs = list(gen.get("literals", []))
     for env in gen.get("envs", []):
         pairs += [ln for ln in (directory / env).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
@@ -77,8 +93,13 @@ def _secret(directory: Path, gen: dict) -> dict:
         if not sep:
             raise ValueError(f"{directory}: secretGenerator {gen['name']}: {pair!r} is not KEY=VALUE")
         data[key.strip()] = base64.b64encode(value.encode()).decode()
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": gen["name"]},
-            "type": gen.get("type", "Opaque"), "data": data}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": gen["name"]},
+        "type": gen.get("type", "Opaque"),
+        "data": data,
+    }
 
 
 def _check_unique(docs: list[dict], directory: Path) -> None:

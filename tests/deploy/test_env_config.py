@@ -32,13 +32,17 @@ def test_every_env_key_lands_in_its_config_field():
     cfg = _load(env)
     assert cfg.run_id == "2024"  # quoted: YAML would have made it an int
     assert cfg.redis_url == "redis://r:6379/0"
-    assert cfg.trainer.server_tls() == {"tls_cert_chain_path": "/x/tandem_trainer_tls_cert",
-                                        "tls_private_key_path": "/x/tandem_trainer_tls_key",
-                                        "tls_client_ca_path": "/x/tandem_trainer_tls_client_ca"}
-    assert cfg.rollout.client_tls() == {"tls_root_ca_path": "/x/tandem_rollout_tls_ca",
-                                        "tls_cert_chain_path": "/x/tandem_rollout_tls_cert",
-                                        "tls_private_key_path": "/x/tandem_rollout_tls_key",
-                                        "tls_server_name": "trainer"}
+    assert cfg.trainer.server_tls() == {
+        "tls_cert_chain_path": "/x/tandem_trainer_tls_cert",
+        "tls_private_key_path": "/x/tandem_trainer_tls_key",
+        "tls_client_ca_path": "/x/tandem_trainer_tls_client_ca",
+    }
+    assert cfg.rollout.client_tls() == {
+        "tls_root_ca_path": "/x/tandem_rollout_tls_ca",
+        "tls_cert_chain_path": "/x/tandem_rollout_tls_cert",
+        "tls_private_key_path": "/x/tandem_rollout_tls_key",
+        "tls_server_name": "trainer",
+    }
     # Command-line overrides come after the environment and win.
     assert _load(env, ["run_id=cli"]).run_id == "cli"
     assert run_config.env_overrides({}) == []
@@ -48,15 +52,25 @@ def test_the_redis_password_is_merged_quoted_and_replaces_one_in_the_url():
     password = "p@ss w/#:%?"
     cfg = _load({"TANDEM_REDIS_URL": "redis://tandem:old@redis.svc:6379/2", "TANDEM_REDIS_PASSWORD": password})
     got = parse_url(cfg.redis_url)
-    assert (got["username"], got["password"], got["host"], got["port"], got["db"]) == \
-        ("tandem", password, "redis.svc", 6379, 2)
+    assert (got["username"], got["password"], got["host"], got["port"], got["db"]) == (
+        "tandem",
+        password,
+        "redis.svc",
+        6379,
+        2,
+    )
     got = parse_url(_load({"TANDEM_REDIS_URL": "redis://h:1/0", "TANDEM_REDIS_PASSWORD": "s"}).redis_url)
     assert got["password"] == "s" and "username" not in got
 
 
 def test_the_redis_ca_file_needs_rediss():
-    url = _load({"TANDEM_REDIS_URL": "rediss://h:6380/0", "TANDEM_REDIS_PASSWORD": "s",
-                 "TANDEM_REDIS_CA_FILE": "/etc/redis ca/ca.pem"}).redis_url
+    url = _load(
+        {
+            "TANDEM_REDIS_URL": "rediss://h:6380/0",
+            "TANDEM_REDIS_PASSWORD": "s",
+            "TANDEM_REDIS_CA_FILE": "/etc/redis ca/ca.pem",
+        }
+    ).redis_url
     got = parse_url(url)
     assert got["ssl_ca_certs"] == "/etc/redis ca/ca.pem" and got["password"] == "s"
     assert got["connection_class"].__name__ == "SSLConnection"
@@ -71,8 +85,9 @@ def test_the_redis_ca_file_needs_rediss():
 def test_trainer_config_checks_advertise_and_tls():
     TrainerConfig(grpc_host="0.0.0.0", grpc_port=50051, grpc_advertise="tandem-trainer:50051")
     with pytest.raises(ValueError) as e:
-        TrainerConfig(grpc_advertise="tandem-trainer", grpc_tls_cert="c.pem", grpc_tls_client_ca="ca.pem",
-                      health_port=70000)
+        TrainerConfig(
+            grpc_advertise="tandem-trainer", grpc_tls_cert="c.pem", grpc_tls_client_ca="ca.pem", health_port=70000
+        )
     msg = str(e.value)
     assert "grpc_advertise='tandem-trainer' (want host:port)" in msg
     assert "grpc_tls_key=''" in msg and "health_port=70000" in msg
@@ -117,9 +132,14 @@ def test_health_server_reports_one_bit_for_both_names():
 
 
 def _tiny_cfg(**rollout):
-    return run_config.load(None, ["model.overrides={n_layers: 2, dim: 32, n_experts: 2, expert_ffn_dim: 32, "
-                                  "shared_expert_ffn_dim: 32}", "redis_url=redis://127.0.0.1:1/0",
-                                  *[f"rollout.{k}={v}" for k, v in rollout.items()]])
+    return run_config.load(
+        None,
+        [
+            "model.overrides={n_layers: 2, dim: 32, n_experts: 2, expert_ffn_dim: 32, shared_expert_ffn_dim: 32}",
+            "redis_url=redis://127.0.0.1:1/0",
+            *[f"rollout.{k}={v}" for k, v in rollout.items()],
+        ],
+    )
 
 
 def test_a_draining_rollout_worker_reports_not_serving():

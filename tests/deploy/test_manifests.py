@@ -123,9 +123,23 @@ def loaded_config(docs, tmp_path: Path, workload: str):
 def test_every_rendered_manifest_is_valid(rendered, overlay):
     docs = rendered[overlay]
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == sorted(["ConfigMap", "Secret", "Service", "Service", "StatefulSet", "StatefulSet", "Deployment",
-                            "ScaledObject", "PodDisruptionBudget", "PodDisruptionBudget", "PodDisruptionBudget",
-                            "NetworkPolicy", "NetworkPolicy"])
+    assert kinds == sorted(
+        [
+            "ConfigMap",
+            "Secret",
+            "Service",
+            "Service",
+            "StatefulSet",
+            "StatefulSet",
+            "Deployment",
+            "ScaledObject",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "PodDisruptionBudget",
+            "NetworkPolicy",
+            "NetworkPolicy",
+        ]
+    )
     problems = []
     for d in docs:
         where = f"{d['kind']}/{d['metadata']['name']}"
@@ -185,8 +199,11 @@ def test_ports_and_probes_match_what_the_code_listens_on(rendered, overlay, tmp_
     # The advertised address is the Service, and the Service reaches the gRPC port.
     svc = get(docs, "Service", "tandem-trainer")
     host, port = cfg.grpc_advertise.rsplit(":", 1)
-    assert host in (svc["metadata"]["name"], f"{svc['metadata']['name']}.{NAMESPACE}.svc",
-                    f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local")
+    assert host in (
+        svc["metadata"]["name"],
+        f"{svc['metadata']['name']}.{NAMESPACE}.svc",
+        f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local",
+    )
     (grpc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(port)]
     assert grpc_port["targetPort"] == "grpc"
     (metrics_port,) = [p for p in svc["spec"]["ports"] if p["name"] == "metrics"]
@@ -200,8 +217,10 @@ def test_ports_and_probes_match_what_the_code_listens_on(rendered, overlay, tmp_
         assert r[probe]["grpc"] == {"port": rcfg.health_port, "service": ROLLOUT_HEALTH}, probe
     # A drain (NOT_SERVING) must not be killed by the liveness probe before the grace period ends.
     live = r["livenessProbe"]
-    assert live["periodSeconds"] * live["failureThreshold"] >= \
-        get(docs, "Deployment", "tandem-rollout")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert (
+        live["periodSeconds"] * live["failureThreshold"]
+        >= get(docs, "Deployment", "tandem-rollout")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    )
 
     # The network policy opens exactly the gRPC port to rollout pods, the metrics port to monitoring.
     np = get(docs, "NetworkPolicy", "tandem-trainer")
@@ -264,7 +283,7 @@ def _file_behind(w: dict, c: dict, path: str) -> tuple[str, str, str]:
     volumes = {v["name"]: v for v in w["spec"]["template"]["spec"].get("volumes", [])}
     for m in c["volumeMounts"]:
         if path.startswith(m["mountPath"].rstrip("/") + "/"):
-            rel = path[len(m["mountPath"].rstrip("/")) + 1:]
+            rel = path[len(m["mountPath"].rstrip("/")) + 1 :]
             v = volumes[m["name"]]
             for kind, name_field in (("configMap", "name"), ("secret", "secretName")):
                 if kind in v:
@@ -305,8 +324,9 @@ def test_secret_and_configmap_keys_exist(rendered, overlay):
             if "secret" in v:
                 keys("Secret", v["secret"]["secretName"])
         mounted = {m["name"] for m in c.get("volumeMounts", [])}
-        declared = {v["name"] for v in spec.get("volumes", [])} | \
-            {t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates", [])}
+        declared = {v["name"] for v in spec.get("volumes", [])} | {
+            t["metadata"]["name"] for t in w["spec"].get("volumeClaimTemplates", [])
+        }
         assert mounted <= declared and mounted >= {v["name"] for v in spec.get("volumes", [])}, w["metadata"]["name"]
 
 
@@ -375,9 +395,11 @@ def test_overlays_differ_as_documented(rendered, tmp_path):
     assert "nvidia.com/gpu" not in str(get(cpu, "Deployment", "tandem-rollout"))
     # gpu: mutual TLS, and the config the pods then load asks for it.
     t = loaded_config(gpu, tmp_path, "tandem-trainer").trainer
-    assert t.server_tls() == {"tls_cert_chain_path": "/etc/tandem-tls/tls.crt",
-                              "tls_private_key_path": "/etc/tandem-tls/tls.key",
-                              "tls_client_ca_path": "/etc/tandem-tls/ca.crt"}
+    assert t.server_tls() == {
+        "tls_cert_chain_path": "/etc/tandem-tls/tls.crt",
+        "tls_private_key_path": "/etc/tandem-tls/tls.key",
+        "tls_client_ca_path": "/etc/tandem-tls/ca.crt",
+    }
     r = loaded_config(gpu, tmp_path, "tandem-rollout").rollout
     assert r.client_tls()["tls_root_ca_path"] == "/etc/tandem-tls/ca.crt" and r.client_tls()["tls_cert_chain_path"]
     assert loaded_config(cpu, tmp_path, "tandem-trainer").trainer.server_tls()["tls_cert_chain_path"] is None
@@ -391,8 +413,12 @@ def test_dockerfile_targets_and_the_manifests_agree(rendered):
     assert set(re.findall(r"ARG TORCH_VERSION=(\S+)", text)) == {makefile_torch}
     assert text.count('ENTRYPOINT ["tandem"]') == 2
     copied = set(re.findall(r"^COPY (\w+) \./\1$", text, re.M))
-    packages = {p.split("*")[0] for p in yaml.safe_load("[" + re.search(
-        r'include = \[(.*?)\]', (REPO / "pyproject.toml").read_text()).group(1) + "]")}
+    packages = {
+        p.split("*")[0]
+        for p in yaml.safe_load(
+            "[" + re.search(r"include = \[(.*?)\]", (REPO / "pyproject.toml").read_text()).group(1) + "]"
+        )
+    }
     assert packages | {"configs"} <= copied
     (uid,) = set(re.findall(r"^USER (\d+):\d+$", text, re.M))
     for w in workloads(rendered["cpu"]):
@@ -403,8 +429,17 @@ def test_dockerfile_targets_and_the_manifests_agree(rendered):
 
 def test_readme_names_the_overlays_and_what_to_watch():
     text = (REPO / "deploy" / "README.md").read_text()
-    for needle in ("deploy/k8s/overlays/cpu", "deploy/k8s/overlays/gpu", "redis.env", "TANDEM_REDIS_PASSWORD",
-                   "metrics.jsonl", "deadletter", "XINFO GROUPS", "9090", *EXTERNAL_TLS_SECRETS):
+    for needle in (
+        "deploy/k8s/overlays/cpu",
+        "deploy/k8s/overlays/gpu",
+        "redis.env",
+        "TANDEM_REDIS_PASSWORD",
+        "metrics.jsonl",
+        "deadletter",
+        "XINFO GROUPS",
+        "9090",
+        *EXTERNAL_TLS_SECRETS,
+    ):
         assert needle in text, needle
 
 
@@ -413,8 +448,9 @@ def test_kustomize_lite_renders_what_kubectl_kustomize_renders(tree, rendered, o
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl not installed: kustomize_lite is not compared with the real Kustomize here")
-    out = subprocess.run([kubectl, "kustomize", str(tree / "overlays" / overlay)], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [kubectl, "kustomize", str(tree / "overlays" / overlay)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     real = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout) if d}
     mine = {(d["kind"], d["metadata"]["name"]): d for d in rendered[overlay]}

@@ -35,9 +35,31 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def _self_signed(tmp: Path) -> tuple[str, str]:
     """One self-signed certificate for localhost: the trainer's, the rollout's and the CA of both."""
     key, cert = tmp / "key.pem", tmp / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return str(key), str(cert)
 
 
@@ -76,8 +98,9 @@ def _wait(cond, what: str, timeout_s: float, procs=(), logs=()):
         if value:
             return value
         for p in procs:
-            assert p.poll() is None, f"a process exited while waiting for {what}:\n" + \
-                "\n".join(Path(log).read_text()[-2000:] for log in logs)
+            assert p.poll() is None, f"a process exited while waiting for {what}:\n" + "\n".join(
+                Path(log).read_text()[-2000:] for log in logs
+            )
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(0.1)
 
@@ -93,42 +116,83 @@ def test_pod_configuration_health_advertise_mtls_and_redis_password(tmp_path, re
     _acl_user(redis_url, user, password)
     grpc_port = free_port()
     cfg = {  # the run config of the ConfigMap: ports fixed, the address the Service would give
-        "run_id": run_id, "seed": 1, "max_staleness": 1, "recipe": "nvfp4_moe",
-        "model": {"preset": "tiny", "overrides": {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64,
-                                                  "shared_expert_ffn_dim": 64}},
+        "run_id": run_id,
+        "seed": 1,
+        "max_staleness": 1,
+        "recipe": "nvfp4_moe",
+        "model": {
+            "preset": "tiny",
+            "overrides": {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64},
+        },
         "task": {"digits": 1},
-        "trainer": {"max_steps": 1000, "groups_per_step": 1, "group_size": 2, "minibatches": 1,
-                    "warmstart_steps": 1, "warmstart_batch": 4, "metrics_port": -1, "health_port": 0,
-                    "grpc_host": "127.0.0.1", "grpc_port": grpc_port, "grpc_advertise": f"localhost:{grpc_port}"},
+        "trainer": {
+            "max_steps": 1000,
+            "groups_per_step": 1,
+            "group_size": 2,
+            "minibatches": 1,
+            "warmstart_steps": 1,
+            "warmstart_batch": 4,
+            "metrics_port": -1,
+            "health_port": 0,
+            "grpc_host": "127.0.0.1",
+            "grpc_port": grpc_port,
+            "grpc_advertise": f"localhost:{grpc_port}",
+        },
         "rollout": {"health_port": 0, "read_block_ms": 100, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0},
     }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
     url = redis_url.replace("redis://", f"redis://{user}@", 1)  # the user name only: the password comes apart
-    base = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TANDEM_CONFIG": str(config),
-            "TANDEM_REDIS_URL": url, "TANDEM_REDIS_PASSWORD": password}
-    trainer_env = {**base, "TANDEM_RUN_DIR": str(tmp_path / "run"), "TANDEM_TRAINER_TLS_CERT": cert,
-                   "TANDEM_TRAINER_TLS_KEY": key, "TANDEM_TRAINER_TLS_CLIENT_CA": cert}
-    rollout_env = {**base, "TANDEM_WORKER_ID": "pod-0", "TANDEM_ROLLOUT_TLS_CA": cert,
-                   "TANDEM_ROLLOUT_TLS_CERT": cert, "TANDEM_ROLLOUT_TLS_KEY": key}
+    base = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "TANDEM_CONFIG": str(config),
+        "TANDEM_REDIS_URL": url,
+        "TANDEM_REDIS_PASSWORD": password,
+    }
+    trainer_env = {
+        **base,
+        "TANDEM_RUN_DIR": str(tmp_path / "run"),
+        "TANDEM_TRAINER_TLS_CERT": cert,
+        "TANDEM_TRAINER_TLS_KEY": key,
+        "TANDEM_TRAINER_TLS_CLIENT_CA": cert,
+    }
+    rollout_env = {
+        **base,
+        "TANDEM_WORKER_ID": "pod-0",
+        "TANDEM_ROLLOUT_TLS_CA": cert,
+        "TANDEM_ROLLOUT_TLS_CERT": cert,
+        "TANDEM_ROLLOUT_TLS_KEY": key,
+    }
     logs = {name: tmp_path / f"{name}.log" for name in ("trainer", "rollout")}
 
     def spawn(cmd: str, env: dict) -> subprocess.Popen:  # no arguments: everything from the environment
-        return subprocess.Popen([sys.executable, "-m", "tandem.cli", cmd], stdout=open(logs[cmd], "wb"),
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", cmd],
+            stdout=open(logs[cmd], "wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
 
     rollout = spawn("rollout", rollout_env)
     trainer = None
     try:
-        r_port = _wait(lambda: _health_port(logs["rollout"]), "the rollout's health port", 30, [rollout],
-                       logs.values())
+        r_port = _wait(lambda: _health_port(logs["rollout"]), "the rollout's health port", 30, [rollout], logs.values())
         assert _health(r_port, ROLLOUT_HEALTH) == _health(r_port, "") == "NOT_SERVING"  # no policy yet
 
         trainer = spawn("trainer", trainer_env)
-        t_port = _wait(lambda: _health_port(logs["trainer"]), "the trainer's health port", 30, [trainer, rollout],
-                       logs.values())
-        _wait(lambda: _health(r_port, ROLLOUT_HEALTH) == "SERVING", "the rollout to load a policy", 60,
-              [trainer, rollout], logs.values())
+        t_port = _wait(
+            lambda: _health_port(logs["trainer"]), "the trainer's health port", 30, [trainer, rollout], logs.values()
+        )
+        _wait(
+            lambda: _health(r_port, ROLLOUT_HEALTH) == "SERVING",
+            "the rollout to load a policy",
+            60,
+            [trainer, rollout],
+            logs.values(),
+        )
         assert _health(r_port, "") == "SERVING"
         assert _health(t_port, TRAINER_HEALTH) == _health(t_port, "") == "SERVING"
         pointer = _pointer(redis_url_with(url, password=password), run_id)

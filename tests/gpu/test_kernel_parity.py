@@ -35,10 +35,14 @@ def assert_same_bytes(ref, got, what: str):
     assert rp.keys() == gp.keys(), what
     for name in rp:
         r, g = rp[name], gp[name]
-        assert r.dtype == g.dtype and r.shape == g.shape, f"{what} {name}: {r.dtype}{tuple(r.shape)} vs {g.dtype}{tuple(g.shape)}"
+        assert r.dtype == g.dtype and r.shape == g.shape, (
+            f"{what} {name}: {r.dtype}{tuple(r.shape)} vs {g.dtype}{tuple(g.shape)}"
+        )
         rb, gb = _bytes(r), _bytes(g)
         bad = (rb != gb).nonzero()
-        assert bad.numel() == 0, f"{what} {name}: {bad.shape[0]} differing entries, first at {bad[0].tolist()}: ref {rb[tuple(bad[0])]} kernel {gb[tuple(bad[0])]}"
+        assert bad.numel() == 0, (
+            f"{what} {name}: {bad.shape[0]} differing entries, first at {bad[0].tolist()}: ref {rb[tuple(bad[0])]} kernel {gb[tuple(bad[0])]}"
+        )
 
 
 def edge_inputs(k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -50,18 +54,30 @@ def edge_inputs(k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     rows = []
     rows.append(torch.zeros(k))  # all-zero row
     rows.append(torch.full((k,), -0.0))  # -0 row
-    r = torch.randn(k, generator=g); r[: k // 2] = 0.0; rows.append(r)  # zero blocks
+    r = torch.randn(k, generator=g)
+    r[: k // 2] = 0.0
+    rows.append(r)  # zero blocks
     rows.append(torch.randint(-24, 25, (k,), generator=g) * 0.25)  # many exact ties
-    rows.append(torch.randint(-24, 25, (k,), generator=g) * 0.25 * 2.0 ** torch.randint(-6, 7, (k // 16, 1), generator=g).repeat(1, 16).flatten())
+    rows.append(
+        torch.randint(-24, 25, (k,), generator=g)
+        * 0.25
+        * 2.0 ** torch.randint(-6, 7, (k // 16, 1), generator=g).repeat(1, 16).flatten()
+    )
     rows.append(torch.full((k,), fmax) * torch.sign(torch.randn(k, generator=g)))  # maximum values
     rows.append(torch.randn(k, generator=g) * fmax / 8)
     rows.append(torch.randn(k, generator=g) * tiny)  # around the smallest normal
     rows.append(torch.randn(k, generator=g) * tiny / 64)  # subnormal inputs
-    r = torch.randn(k, generator=g) * tiny / 64; r[0] = 1.0; rows.append(r)  # tiny blocks next to a big one
-    r = torch.randn(k, generator=g); r[::16] = 1e4; rows.append(r)  # one outlier per block
-    r = torch.randn(k, generator=g) * 1e-3; r[0] = fmax / 2; rows.append(r)  # blocks whose scale rounds to 0
+    r = torch.randn(k, generator=g) * tiny / 64
+    r[0] = 1.0
+    rows.append(r)  # tiny blocks next to a big one
+    r = torch.randn(k, generator=g)
+    r[::16] = 1e4
+    rows.append(r)  # one outlier per block
+    r = torch.randn(k, generator=g) * 1e-3
+    r[0] = fmax / 2
+    rows.append(r)  # blocks whose scale rounds to 0
     for e in (-120, -60, 0, 60, 120):  # huge row-to-row range (fp32 only reaches the extremes)
-        rows.append(torch.randn(k, generator=g) * 2.0 ** e)
+        rows.append(torch.randn(k, generator=g) * 2.0**e)
     x = torch.stack(rows).to(torch.float32)
     x = torch.nan_to_num(x, posinf=fmax, neginf=-fmax).clamp(-fmax, fmax)
     return x.to(dtype)
@@ -198,7 +214,9 @@ def test_int4_qmatmul_64_wide_k_tiles(k, cfg):
     x = torch.randn(5, k, device=DEV, dtype=torch.bfloat16)
     ref = x.float() @ formats.int4.dequantize(q).to(DEV).T
     for use_asm in (True, False):
-        y = mt.w4a16_matmul(x, w.codes, w.scales, w.global_scale, mt.FMT_INT4, w.group_size, config=cfg, use_asm=use_asm)
+        y = mt.w4a16_matmul(
+            x, w.codes, w.scales, w.global_scale, mt.FMT_INT4, w.group_size, config=cfg, use_asm=use_asm
+        )
         assert _rel(y, ref) < 8e-3, (k, cfg, use_asm, _rel(y, ref))
 
 
@@ -212,7 +230,9 @@ def test_nvfp4_k_not_multiple_of_128_takes_the_reference_path():
     assert _rel(K.qmatmul(x, w), ref) < 8e-3
     q, w = _weights("nvfp4", 256, 2048, seed=4)
     with pytest.raises(ValueError, match="K tile 64"):
-        mt.w4a16_matmul(x.new_zeros(1, 2048), w.codes, w.scales, w.global_scale, mt.FMT_NVFP4, 0, config=(64, 64, 2, 2, 4))
+        mt.w4a16_matmul(
+            x.new_zeros(1, 2048), w.codes, w.scales, w.global_scale, mt.FMT_NVFP4, 0, config=(64, 64, 2, 2, 4)
+        )
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
@@ -254,11 +274,18 @@ def test_moe_qmatmul_matches_dense_kernel_and_reference(fmt):
         for ti in range(t):
             for j in range(topk):
                 w = packed[int(ids[ti, j])]
-                dense = mt.w4a16_matmul(x[ti : ti + 1], w.codes, w.scales, w.global_scale, fid, w.group_size,
-                                        config=cfg)[0]
+                dense = mt.w4a16_matmul(
+                    x[ti : ti + 1], w.codes, w.scales, w.global_scale, fid, w.group_size, config=cfg
+                )[0]
                 assert torch.equal(y[ti, j], dense), (fmt, t, ti, j)
-        ref = torch.stack([torch.stack([K.reference_qmatmul(x[ti : ti + 1].float(), packed[int(ids[ti, j])])[0]
-                                        for j in range(topk)]) for ti in range(t)])
+        ref = torch.stack(
+            [
+                torch.stack(
+                    [K.reference_qmatmul(x[ti : ti + 1].float(), packed[int(ids[ti, j])])[0] for j in range(topk)]
+                )
+                for ti in range(t)
+            ]
+        )
         assert _rel(y, ref) < 8e-3
 
 
@@ -267,7 +294,7 @@ def test_split_k_is_deterministic_and_matches_unsplit(fmt):
     q, w = _weights(fmt, 1024, 2048, seed=5)
     fid = mt.FMT_NVFP4 if fmt == "nvfp4" else mt.FMT_INT4
     x = torch.randn(20, 2048, device=DEV, dtype=torch.bfloat16)
-    ref = (x.float() @ formats.get(fmt).dequantize(q).to(DEV).T)
+    ref = x.float() @ formats.get(fmt).dequantize(q).to(DEV).T
     outs = {}
     for split in (1, 2, 4, 8):
         cfg = (32, 256, 2, 3, split)
@@ -280,7 +307,6 @@ def test_split_k_is_deterministic_and_matches_unsplit(fmt):
     assert torch.equal(y1[0], outs[4][7])
 
 
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
 @pytest.mark.parametrize("cfg", [(64, 128, 2, 2, 8), (64, 128, 2, 2, 8, 128), (64, 128, 2, 3, 8), (64, 256, 2, 2, 8)])
 def test_two_mma_tiles_per_warp_configs(fmt, cfg):
@@ -290,10 +316,11 @@ def test_two_mma_tiles_per_warp_configs(fmt, cfg):
     q, w = _weights(fmt, 1024, 2048, seed=6)
     fid = mt.FMT_NVFP4 if fmt == "nvfp4" else mt.FMT_INT4
     x = torch.randn(16, 2048, device=DEV, dtype=torch.bfloat16)  # M = 16 and 1: the tuning's sizes
-    ref = (x.float() @ formats.get(fmt).dequantize(q).to(DEV).T)
+    ref = x.float() @ formats.get(fmt).dequantize(q).to(DEV).T
 
     def run(xx):
         return mt.w4a16_matmul(xx, w.codes, w.scales, w.global_scale, fid, w.group_size, config=cfg)
+
     y = run(x)
     assert _rel(y, ref) < 8e-3, (cfg, _rel(y, ref))
     assert all(torch.equal(y, run(x)) for _ in range(3))

@@ -31,13 +31,27 @@ MAX_STEPS = 8
 
 def _config(tmp: Path, run_id: str, redis_url: str) -> Path:
     cfg = {
-        "run_id": run_id, "redis_url": redis_url, "num_rollout_workers": 2, "max_staleness": 1, "seed": 3,
+        "run_id": run_id,
+        "redis_url": redis_url,
+        "num_rollout_workers": 2,
+        "max_staleness": 1,
+        "seed": 3,
         "recipe": "nvfp4_moe",
-        "model": {"preset": "tiny", "overrides": {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64,
-                                                  "shared_expert_ffn_dim": 64}},
+        "model": {
+            "preset": "tiny",
+            "overrides": {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64},
+        },
         "task": {"digits": 1},
-        "trainer": {"max_steps": MAX_STEPS, "groups_per_step": 2, "group_size": 4, "minibatches": 1,
-                    "warmstart_steps": 5, "warmstart_batch": 8, "metrics_port": -1, "collect_timeout_s": 60.0},
+        "trainer": {
+            "max_steps": MAX_STEPS,
+            "groups_per_step": 2,
+            "group_size": 4,
+            "minibatches": 1,
+            "warmstart_steps": 5,
+            "warmstart_batch": 8,
+            "metrics_port": -1,
+            "collect_timeout_s": 60.0,
+        },
         "rollout": {"reclaim_idle_s": 2.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0, "read_block_ms": 200},
     }
     path = tmp / "config.yaml"
@@ -47,8 +61,13 @@ def _config(tmp: Path, run_id: str, redis_url: str) -> Path:
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], stdout=open(log, "ab"),
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", *args],
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 def _lines(path: Path) -> list[dict]:
@@ -69,11 +88,25 @@ def _inject(redis_url: str, run_id: str, fingerprint: str, version: int, tag: st
         r = connect(redis_url)
         try:
             stream = TrajectoryStream(r, Keys(run_id=run_id))
-            await stream.add([Trajectory(
-                sample_id=f"{tag}/0", prompt_id=tag, group_id=tag, sample_index=0, group_size=4,
-                prompt_tokens=np.array([1, 4, 5], dtype=np.int32), completion_tokens=np.array([6, 2], dtype=np.int32),
-                behavior_logprobs=np.array([-0.5, -0.1], dtype=np.float32), reward=1.0, policy_version=version,
-                contract_fingerprint=fingerprint, worker_id="injector", created_at=time.time())])
+            await stream.add(
+                [
+                    Trajectory(
+                        sample_id=f"{tag}/0",
+                        prompt_id=tag,
+                        group_id=tag,
+                        sample_index=0,
+                        group_size=4,
+                        prompt_tokens=np.array([1, 4, 5], dtype=np.int32),
+                        completion_tokens=np.array([6, 2], dtype=np.int32),
+                        behavior_logprobs=np.array([-0.5, -0.1], dtype=np.float32),
+                        reward=1.0,
+                        policy_version=version,
+                        contract_fingerprint=fingerprint,
+                        worker_id="injector",
+                        created_at=time.time(),
+                    )
+                ]
+            )
         finally:
             await r.aclose()
 
@@ -115,8 +148,12 @@ def test_async_loop_with_faults(tmp_path, redis_url, run_id):
         fingerprint = seen[0].contract_fingerprint
         _inject(redis_url, run_id, fingerprint, version=1, tag="stale-injected")
         _inject(redis_url, run_id, "f" * 64, version=_lines(metrics)[-1]["policy_version"], tag="foreign-injected")
-        _wait(lambda: _lines(metrics)[-1]["dropped_fingerprint"] >= 1 and _lines(metrics)[-1]["dropped_stale"] >= 1,
-              "the injected samples to be dropped", 60, [trainer, workers["w0"]])
+        _wait(
+            lambda: _lines(metrics)[-1]["dropped_fingerprint"] >= 1 and _lines(metrics)[-1]["dropped_stale"] >= 1,
+            "the injected samples to be dropped",
+            60,
+            [trainer, workers["w0"]],
+        )
 
         # A crashed trainer: killed without warning, restarted on the same run folder.
         trainer.send_signal(signal.SIGKILL)

@@ -9,6 +9,7 @@ import threading
 import grpc
 import pytest
 import torch
+from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
 from broker.policy_client import ChecksumMismatch, FingerprintMismatch, PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
@@ -16,8 +17,6 @@ from policy import manifest as M
 from policy import tp
 from policy.model import ModelConfig, parameter_shapes
 from tandem.v1 import policy_pb2
-
-from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
 pytestmark = pytest.mark.integration
 
@@ -42,10 +41,18 @@ def with_one_change(tensors: dict[str, M.QuantizedParam], seed: int) -> dict[str
 
 
 def make_contract(mode: str = "global", trainer_tp_size: int = 1) -> M.Contract:
-    sites = [M.ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", tp_scale_mode=mode)
-             for n in parameter_shapes(CFG) if ".experts." in n]
-    return M.Contract(model_config=CFG, recipe_name="mixed", recipe_rules={"rules": ["test"]},
-                      activation_sites=sites, trainer_tp_size=trainer_tp_size)
+    sites = [
+        M.ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", tp_scale_mode=mode)
+        for n in parameter_shapes(CFG)
+        if ".experts." in n
+    ]
+    return M.Contract(
+        model_config=CFG,
+        recipe_name="mixed",
+        recipe_rules={"rules": ["test"]},
+        activation_sites=sites,
+        trainer_tp_size=trainer_tp_size,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +62,16 @@ def tensors():
 
 @pytest.fixture(scope="module")
 def policy(tensors):
-    return M.build_manifest(version=1, parent_version=None, contract=make_contract(), tensors=tensors,
-                            chunk_bytes=CHUNK)
+    return M.build_manifest(
+        version=1, parent_version=None, contract=make_contract(), tensors=tensors, chunk_bytes=CHUNK
+    )
 
 
 @pytest.fixture
 def server():
-    s = PolicyServer(PolicyServerConfig(keep_versions=2, max_request_bytes=64 << 10,
-                                        max_receive_message_bytes=256 << 10))
+    s = PolicyServer(
+        PolicyServerConfig(keep_versions=2, max_request_bytes=64 << 10, max_receive_message_bytes=256 << 10)
+    )
     s.start()
     yield s
     s.stop()
@@ -242,8 +251,11 @@ def test_stream_cut_by_the_network_resumes(server, policy, tensors):
     server.publish(policy)
     proxy = DroppingProxy(server.port, drop_after=policy.manifest.total_bytes // 3)
     try:
-        with PolicyClient(PolicyClientConfig(address=f"127.0.0.1:{proxy.port}", call_timeout_s=10,
-                                             fetch_timeout_s=30, retry_backoff_s=0.0)) as c:
+        with PolicyClient(
+            PolicyClientConfig(
+                address=f"127.0.0.1:{proxy.port}", call_timeout_s=10, fetch_timeout_s=30, retry_backoff_s=0.0
+            )
+        ) as c:
             fetched = c.fetch()
         assert proxy.dropped.is_set() and proxy.connections >= 2
         assert fetched.stats.resumed_streams >= 1
@@ -279,6 +291,7 @@ def test_malformed_and_oversized_requests_are_rejected_without_crashing(server, 
     server.publish(policy)
     channel = grpc.insecure_channel(server.address)
     try:
+
         def raw(method: str, payload: bytes, stream: bool = False) -> grpc.RpcError:
             path = f"/tandem.v1.PolicyService/{method}"
             call = (channel.unary_stream if stream else channel.unary_unary)(path)
@@ -308,8 +321,10 @@ def test_malformed_and_oversized_requests_are_rejected_without_crashing(server, 
         ]
         for req, code in bad:
             assert raw("FetchTensors", req.SerializeToString(), stream=True).code() == code, req
-        assert raw("GetManifest", policy_pb2.GetManifestRequest(version=3).SerializeToString()).code() \
+        assert (
+            raw("GetManifest", policy_pb2.GetManifestRequest(version=3).SerializeToString()).code()
             == grpc.StatusCode.NOT_FOUND
+        )
         assert server.stats()["rejected_requests"] == 3 + 1 + 6 + 1
     finally:
         channel.close()
@@ -321,9 +336,9 @@ def test_malformed_and_oversized_requests_are_rejected_without_crashing(server, 
 def test_versions_are_immutable_and_only_the_last_k_are_held(server, policy, tensors):
     assert server.publish(policy) is True
     assert server.publish(policy) is False  # same content again: a no-op
-    other = M.build_manifest(version=1, parent_version=None, contract=make_contract(),
-                             tensors=with_one_change(tensors, 1),
-                             chunk_bytes=CHUNK)
+    other = M.build_manifest(
+        version=1, parent_version=None, contract=make_contract(), tensors=with_one_change(tensors, 1), chunk_bytes=CHUNK
+    )
     with pytest.raises(ValueError, match="version 1 was already published with different content"):
         server.publish(other)
     v2 = M.build_manifest(version=2, parent_version=1, contract=make_contract(), tensors=tensors)
@@ -331,8 +346,7 @@ def test_versions_are_immutable_and_only_the_last_k_are_held(server, policy, ten
     server.publish(v3)
     with pytest.raises(ValueError, match="version 2 is not newer than the latest published version 3"):
         server.publish(v2)
-    v4 = M.build_manifest(version=4, parent_version=3, contract=make_contract(),
-                             tensors=with_one_change(tensors, 2))
+    v4 = M.build_manifest(version=4, parent_version=3, contract=make_contract(), tensors=with_one_change(tensors, 2))
     server.publish(v4)
     assert server.versions() == [3, 4]  # keep_versions=2
     with pytest.raises(ValueError, match="version 1 was already published"):
@@ -349,11 +363,13 @@ def test_watch_versions_announces_held_and_new_versions(server, tensors):
     server.publish(M.build_manifest(version=1, parent_version=None, contract=make_contract(), tensors=tensors))
     got = []
     with client(server) as c:
+
         def watch():
             for a in c.watch_versions(0, timeout_s=10):
                 got.append(a)
                 if a.version == 2:
                     return
+
         t = threading.Thread(target=watch)
         t.start()
         server.publish(M.build_manifest(version=2, parent_version=1, contract=make_contract(), tensors=tensors))
@@ -367,10 +383,31 @@ def test_watch_versions_announces_held_and_new_versions(server, tensors):
 
 def _self_signed(tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-days", "1", "-subj",
-                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return str(key), str(cert)
 
 

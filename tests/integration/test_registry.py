@@ -38,7 +38,9 @@ async def test_policy_latest_moves_only_forward(redis_url, run_id):
 def test_policy_pointer_validation_names_every_bad_value():
     with pytest.raises(ValueError) as e:
         PolicyPointer(version=-1, address="", contract_fingerprint="a b")
-    assert "version=-1" in str(e.value) and "address=''" in str(e.value) and "contract_fingerprint='a b'" in str(e.value)
+    assert (
+        "version=-1" in str(e.value) and "address=''" in str(e.value) and "contract_fingerprint='a b'" in str(e.value)
+    )
 
 
 async def test_announce_wakes_watchers_without_waiting_for_the_poll(redis_url, run_id):
@@ -68,7 +70,10 @@ async def test_a_missed_announcement_is_caught_by_polling(redis_url, run_id):
             waiter = asyncio.create_task(anext(versions))
             await asyncio.sleep(0.1)
             # written without PUBLISH, as if the message had been lost
-            await r.hset(keys.policy_latest, mapping={"version": 5, "address": "h:1", "contract_fingerprint": "fp", "published_at": 1.0})
+            await r.hset(
+                keys.policy_latest,
+                mapping={"version": 5, "address": "h:1", "contract_fingerprint": "fp", "published_at": 1.0},
+            )
             got = await asyncio.wait_for(waiter, 5)
             assert (got.version, got.address) == (5, "h:1")
 
@@ -108,7 +113,14 @@ async def test_heartbeat_loop_beats_until_stopped_then_disappears(redis_url, run
         stop = asyncio.Event()
         calls = []
         task = asyncio.create_task(
-            hb.run("w7", role="rollout", stop=stop, interval_s=0.05, ttl_s=0.2, info=lambda: {"n": len(calls.append(1) or calls)})
+            hb.run(
+                "w7",
+                role="rollout",
+                stop=stop,
+                interval_s=0.05,
+                ttl_s=0.2,
+                info=lambda: {"n": len(calls.append(1) or calls)},
+            )
         )
         await asyncio.sleep(0.4)  # longer than the TTL: only repeated beats keep it alive
         live = await hb.live()

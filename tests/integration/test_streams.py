@@ -48,11 +48,15 @@ def traj(group: str, index: int, n: int = 16, **kw) -> Trajectory:
 
 
 def prompt(i: int) -> PromptGroup:
-    return PromptGroup(prompt_id=f"p{i}", group_id=f"g{i}", prompt_tokens=[1, 2, 3, i], n_samples=4, task={"answer": str(i)})
+    return PromptGroup(
+        prompt_id=f"p{i}", group_id=f"g{i}", prompt_tokens=[1, 2, 3, i], n_samples=4, task={"answer": str(i)}
+    )
 
 
 def consumer(r, keys: Keys, name: str, config: StreamConfig = QUIET) -> GroupConsumer:
-    return GroupConsumer(r, stream=keys.prompts, group=PROMPTS_GROUP, consumer=name, deadletter=keys.deadletter, config=config)
+    return GroupConsumer(
+        r, stream=keys.prompts, group=PROMPTS_GROUP, consumer=name, deadletter=keys.deadletter, config=config
+    )
 
 
 async def pending_count(r, stream: str, group: str) -> int:

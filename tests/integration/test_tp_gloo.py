@@ -42,8 +42,13 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
         from policy.tp import quantize_activation
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=30),
+        )
         # Every rank creates every group, in the same order: TP groups of 1, 2 and 4 processes.
         singles = [dist.new_group([r]) for r in range(WORLD)]
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -53,26 +58,42 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
         for tps, group in ((1, singles[rank]), (2, pairs[rank // 2]), (4, dist.group.WORLD)):
             r = rank % tps
             w = K // tps
-            xl = x[:, r * w:(r + 1) * w]
-            q = quantize_activation(xl, fmt="nvfp4", scope="row", tp_scale_mode="global", group=group,
-                                    site="model.layers.0.mlp.experts.0.down_proj.input")
+            xl = x[:, r * w : (r + 1) * w]
+            q = quantize_activation(
+                xl,
+                fmt="nvfp4",
+                scope="row",
+                tp_scale_mode="global",
+                group=group,
+                site="model.layers.0.mlp.experts.0.down_proj.input",
+            )
             # The slice of the TP=1 quantization, byte for byte.
             result[("global_equal", tps)] = (
-                torch.equal(q.codes, ref.codes[:, r * w // 2:(r + 1) * w // 2])
-                and torch.equal(q.block_scales.view(torch.uint8),
-                                ref.block_scales[:, r * w // 16:(r + 1) * w // 16].view(torch.uint8))
-                and torch.equal(q.global_scale, ref.global_scale))
+                torch.equal(q.codes, ref.codes[:, r * w // 2 : (r + 1) * w // 2])
+                and torch.equal(
+                    q.block_scales.view(torch.uint8),
+                    ref.block_scales[:, r * w // 16 : (r + 1) * w // 16].view(torch.uint8),
+                )
+                and torch.equal(q.global_scale, ref.global_scale)
+            )
             result[("parts", tps)] = {k: v.clone() for k, v in q.parts().items()}
-            s = quantize_activation(xl, fmt="nvfp4", scope="row", tp_scale_mode="shard", group=group,
-                                    partition_tp_size=tps)
+            s = quantize_activation(
+                xl, fmt="nvfp4", scope="row", tp_scale_mode="shard", group=group, partition_tp_size=tps
+            )
             result[("shard_scales_equal_tp1", tps)] = torch.equal(s.global_scale, ref.global_scale)
             try:
-                quantize_activation(xl, fmt="nvfp4", scope="row", tp_scale_mode="shard", group=group,
-                                    partition_tp_size=2 if tps != 2 else 4)
+                quantize_activation(
+                    xl,
+                    fmt="nvfp4",
+                    scope="row",
+                    tp_scale_mode="shard",
+                    group=group,
+                    partition_tp_size=2 if tps != 2 else 4,
+                )
                 result[("mismatch_refused", tps)] = ""
             except ValueError as e:
                 result[("mismatch_refused", tps)] = str(e)
-        bad = x[:, rank * 64:(rank + 1) * 64].clone()
+        bad = x[:, rank * 64 : (rank + 1) * 64].clone()
         if rank == 3:
             bad[0, 0] = float("nan")
         try:

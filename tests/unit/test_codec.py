@@ -54,8 +54,19 @@ def make_prompt(**overrides) -> PromptGroup:
 
 
 def assert_same(a: Trajectory, b: Trajectory) -> None:
-    for name in ("sample_id", "prompt_id", "group_id", "sample_index", "group_size", "reward", "policy_version",
-                 "contract_fingerprint", "worker_id", "created_at", "info"):
+    for name in (
+        "sample_id",
+        "prompt_id",
+        "group_id",
+        "sample_index",
+        "group_size",
+        "reward",
+        "policy_version",
+        "contract_fingerprint",
+        "worker_id",
+        "created_at",
+        "info",
+    ):
         assert getattr(a, name) == getattr(b, name), name
     for name in ("prompt_tokens", "completion_tokens", "behavior_logprobs"):
         x, y = getattr(a, name), getattr(b, name)
@@ -115,7 +126,9 @@ def test_empty_completion_is_allowed():
 
 
 ids = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
-scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=50)
+scalars = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats(allow_nan=False) | st.text(max_size=50)
+)
 
 
 @st.composite
@@ -160,7 +173,12 @@ def test_hypothesis_prompt_round_trip(prompt_id, group_id, tokens, n, task):
     g = PromptGroup(prompt_id=prompt_id, group_id=group_id, prompt_tokens=tokens, n_samples=n, task=task)
     u = decode_prompt_group(encode_prompt_group(g))
     assert (u.prompt_id, u.group_id, u.prompt_tokens.tolist(), u.n_samples, u.task) == (
-        prompt_id, group_id, tokens, n, task)
+        prompt_id,
+        group_id,
+        tokens,
+        n,
+        task,
+    )
 
 
 # ------------------------------------------------------------------ construction errors

@@ -7,7 +7,6 @@ scale 2^q, so the codes are plain E2M1 roundings of x * 2^(p-q).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -42,8 +41,12 @@ def _e4m3_rne_independent(v: torch.Tensor) -> torch.Tensor:
 def test_torch_e4m3_cast_is_round_to_nearest_even_including_subnormals_and_ties():
     table = _e4m3_table().float()
     mids = (table[1:] + table[:-1]) / 2  # every tie (exact in fp32)
-    near = torch.cat([mids, torch.nextafter(mids, torch.zeros_like(mids)), torch.nextafter(mids, torch.full_like(mids, 1e9))])
-    vals = torch.cat([table, near, torch.rand(5000) * 448, torch.rand(2000) * 2**-6, torch.tensor([2**-10, 2**-11, 448.0])])
+    near = torch.cat(
+        [mids, torch.nextafter(mids, torch.zeros_like(mids)), torch.nextafter(mids, torch.full_like(mids, 1e9))]
+    )
+    vals = torch.cat(
+        [table, near, torch.rand(5000) * 448, torch.rand(2000) * 2**-6, torch.tensor([2**-10, 2**-11, 448.0])]
+    )
     vals = torch.cat([vals, -vals]).float()
     ours = vals.to(torch.float8_e4m3fn).view(torch.uint8)
     assert torch.equal(ours, _e4m3_rne_independent(vals))
@@ -304,7 +307,9 @@ def test_bad_parameters_and_unknown_format():
         with pytest.raises(ValueError, match="group_size"):
             int4.quantize(torch.randn(2, 48), group_size=g)
     with pytest.raises(ValueError, match="outside"):
-        int4.from_parts({"packed": torch.zeros(1, 4, dtype=torch.int32), "scales": torch.ones(1, 1, dtype=torch.bfloat16)}, (1, 32))
+        int4.from_parts(
+            {"packed": torch.zeros(1, 4, dtype=torch.int32), "scales": torch.ones(1, 1, dtype=torch.bfloat16)}, (1, 32)
+        )
     with pytest.raises(ValueError, match="block"):
         fp8_block.quantize(torch.randn(2, 128), block=(128,))
     with pytest.raises(ValueError, match="unknown quantization format 'fp4'"):
@@ -335,11 +340,18 @@ def test_inputs_of_every_float_dtype_agree_after_upcast(name, kw, block):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("name,kw,bound", [
-    ("nvfp4", {"scope": "tensor"}, 0.11), ("nvfp4", {"scope": "row"}, 0.11), ("mxfp8", {}, 0.035),
-    ("int4", {"group_size": 32}, 0.11), ("fp8_block", {"block": (128, 128)}, 0.035),
-    ("fp8_block", {"block": (1, 128)}, 0.035), ("bf16", {}, 0.003),
-])
+@pytest.mark.parametrize(
+    "name,kw,bound",
+    [
+        ("nvfp4", {"scope": "tensor"}, 0.11),
+        ("nvfp4", {"scope": "row"}, 0.11),
+        ("mxfp8", {}, 0.035),
+        ("int4", {"group_size": 32}, 0.11),
+        ("fp8_block", {"block": (128, 128)}, 0.035),
+        ("fp8_block", {"block": (1, 128)}, 0.035),
+        ("bf16", {}, 0.003),
+    ],
+)
 def test_relative_error_bounds(name, kw, bound):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 512, generator=g)

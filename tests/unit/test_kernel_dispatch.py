@@ -13,13 +13,20 @@ from policy.formats import fp8_block, int4, mxfp8, nvfp4
 from policy.kernels import bitmath
 from policy.kernels.routing import BLOCK_M, moe_align
 
-KWARGS = {"bf16": {}, "fp8_block": {"block": (1, 128)}, "mxfp8": {}, "nvfp4": {"scope": "row"}, "int4": {"group_size": 32}}
+KWARGS = {
+    "bf16": {},
+    "fp8_block": {"block": (1, 128)},
+    "mxfp8": {},
+    "nvfp4": {"scope": "row"},
+    "int4": {"group_size": 32},
+}
 
 
 def _same(a, b) -> bool:
     pa, pb = a.parts(), b.parts()
     return pa.keys() == pb.keys() and all(
-        pa[n].dtype == pb[n].dtype and torch.equal(pa[n].contiguous().view(torch.uint8), pb[n].contiguous().view(torch.uint8))
+        pa[n].dtype == pb[n].dtype
+        and torch.equal(pa[n].contiguous().view(torch.uint8), pb[n].contiguous().view(torch.uint8))
         for n in pa
     )
 
@@ -55,8 +62,14 @@ def test_dispatch_errors_name_the_problem():
 def _e2m1_inputs() -> torch.Tensor:
     grid = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0])
     g = torch.Generator().manual_seed(0)
-    parts = [grid, torch.nextafter(grid, torch.tensor(7.0)), torch.nextafter(grid, torch.tensor(-1.0)).clamp(min=0),
-             torch.rand(200_000, generator=g) * 6.5, torch.rand(1000, generator=g) * 1e-38, torch.tensor([1e-45, 3e-39])]
+    parts = [
+        grid,
+        torch.nextafter(grid, torch.tensor(7.0)),
+        torch.nextafter(grid, torch.tensor(-1.0)).clamp(min=0),
+        torch.rand(200_000, generator=g) * 6.5,
+        torch.rand(1000, generator=g) * 1e-38,
+        torch.tensor([1e-45, 3e-39]),
+    ]
     return torch.cat(parts).clamp(max=6.0)
 
 
@@ -89,9 +102,17 @@ def test_e4m3_software_rounding_matches_torch_cast():
     e4 = torch.sort(e4[torch.isfinite(e4) & (e4.abs() <= 448)].unique()).values
     mids = (e4[1:] + e4[:-1]) / 2
     g = torch.Generator().manual_seed(1)
-    v = torch.cat([e4, mids, torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9)),
-                   (torch.rand(100_000, generator=g) * 2 - 1) * 448, torch.randn(1000, generator=g) * 1e-38,
-                   torch.tensor([0.0, -0.0])]).clamp(-448, 448)
+    v = torch.cat(
+        [
+            e4,
+            mids,
+            torch.nextafter(mids, torch.tensor(1e9)),
+            torch.nextafter(mids, torch.tensor(-1e9)),
+            (torch.rand(100_000, generator=g) * 2 - 1) * 448,
+            torch.randn(1000, generator=g) * 1e-38,
+            torch.tensor([0.0, -0.0]),
+        ]
+    ).clamp(-448, 448)
     assert torch.equal(bitmath.e4m3_byte(v), v.to(torch.float8_e4m3fn).view(torch.uint8))
 
 

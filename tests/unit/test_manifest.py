@@ -6,13 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
 from policy import formats, tp
 from policy import manifest as M
 from policy.model import ModelConfig, Transformer, parameter_shapes
 from policy.recipe import Recipe
-
-from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
 CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)  # small: the reference nvfp4 is slow on CPU
 RULES = {"keep_bf16": {"first": 0, "last_fraction": 0.0}, "rules": [{"match": ["x"], "format": "nvfp4"}]}
@@ -29,8 +28,11 @@ def make_tensors(seed: int = 0) -> dict[str, M.QuantizedParam]:
 
 
 def make_contract(**overrides) -> M.Contract:
-    sites = [M.ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", scope="row")
-             for n in parameter_shapes(CFG) if ".experts." in n]
+    sites = [
+        M.ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", scope="row")
+        for n in parameter_shapes(CFG)
+        if ".experts." in n
+    ]
     kw = dict(model_config=CFG, recipe_name="mixed", recipe_rules=RULES, activation_sites=sites)
     kw.update(overrides)
     return M.Contract(**kw)
@@ -43,8 +45,9 @@ def tensors():
 
 @pytest.fixture(scope="module")
 def packed(tensors):
-    return M.build_manifest(version=5, parent_version=4, contract=make_contract(), tensors=tensors,
-                            created_unix_ns=123, chunk_bytes=4096)
+    return M.build_manifest(
+        version=5, parent_version=4, contract=make_contract(), tensors=tensors, created_unix_ns=123, chunk_bytes=4096
+    )
 
 
 def test_manifest_describes_every_tensor(packed, tensors):
@@ -60,8 +63,10 @@ def test_manifest_describes_every_tensor(packed, tensors):
     q = tensors[e.name].value
     assert e.format == "nvfp4" and list(e.shape) == [512, 128] and e.tp_style == tp.COLUMN_GATE_UP
     assert [(p.name, p.dtype, list(p.shape), p.nbytes) for p in e.parts] == [
-        ("codes", "uint8", [512, 64], 512 * 64), ("block_scales", "float8_e4m3fn", [512, 8], 512 * 8),
-        ("global_scale", "float32", [1], 4)]
+        ("codes", "uint8", [512, 64], 512 * 64),
+        ("block_scales", "float8_e4m3fn", [512, 8], 512 * 8),
+        ("global_scale", "float32", [1], 4),
+    ]
     assert e.HasField("global_scale") and e.global_scale == float(q.global_scale[0])
     assert len(e.chunk_xxh3) == -(-e.nbytes // 4096) > 1
     assert not by_name["model.layers.0.mlp.gate.weight"].HasField("global_scale")
@@ -95,10 +100,13 @@ def test_fingerprint_covers_the_contract_and_nothing_else(tensors):
         "recipe name": make_contract(recipe_name="other"),
         "recipe rules": make_contract(recipe_rules={**RULES, "keep_bf16": {"first": 1, "last_fraction": 0.0}}),
         "quantizer spec": make_contract(quantizer_spec_version="tandem-quant-2"),
-        "site scope": make_contract(activation_sites=[dataclasses.replace(site0, format="mxfp8", scope="block")]
-                                    + list(base.activation_sites[1:])),
-        "site mode": make_contract(activation_sites=[dataclasses.replace(site0, tp_scale_mode="shard")]
-                                   + list(base.activation_sites[1:])),
+        "site scope": make_contract(
+            activation_sites=[dataclasses.replace(site0, format="mxfp8", scope="block")]
+            + list(base.activation_sites[1:])
+        ),
+        "site mode": make_contract(
+            activation_sites=[dataclasses.replace(site0, tp_scale_mode="shard")] + list(base.activation_sites[1:])
+        ),
         "site set": make_contract(activation_sites=base.activation_sites[1:]),
         "tp plan": make_contract(tp_plan=tp.TPPlan(rules=((".*", tp.REPLICATED),))),
     }
@@ -109,11 +117,15 @@ def test_fingerprint_covers_the_contract_and_nothing_else(tensors):
     assert make_contract(trainer_tp_size=2).fingerprint() == fp
     shard_sites = [dataclasses.replace(s, tp_scale_mode="shard") for s in base.activation_sites]
     assert make_contract(activation_sites=shard_sites, trainer_tp_size=2).partition_tp_size == 2
-    assert (make_contract(activation_sites=shard_sites, trainer_tp_size=2).fingerprint()
-            != make_contract(activation_sites=shard_sites, trainer_tp_size=1).fingerprint())
+    assert (
+        make_contract(activation_sites=shard_sites, trainer_tp_size=2).fingerprint()
+        != make_contract(activation_sites=shard_sites, trainer_tp_size=1).fingerprint()
+    )
     # Non-nvfp4 sites have block-local scales only: `shard` does not pin the partition for them.
-    mx = [M.ActivationSite(name=s.name, format="mxfp8", scope="block", tp_scale_mode="shard")
-          for s in base.activation_sites]
+    mx = [
+        M.ActivationSite(name=s.name, format="mxfp8", scope="block", tp_scale_mode="shard")
+        for s in base.activation_sites
+    ]
     assert make_contract(activation_sites=mx, trainer_tp_size=2).partition_tp_size == 0
 
 
@@ -127,17 +139,20 @@ def test_fingerprint_mismatch_names_both(packed):
     assert "version 5" in str(e.value)
 
 
-@pytest.mark.parametrize(("tamper", "fragment"), [
-    (lambda m: setattr(m, "contract_fingerprint", "0" * 64), "contract_fingerprint"),
-    (lambda m: setattr(m.contract, "recipe_rules_json", '{"rules":[]}'), "recipe_sha256 does not match"),
-    (lambda m: setattr(m.tensors[0].parts[0], "nbytes", 3), "needs"),
-    (lambda m: setattr(m.tensors[1], "tp_style", tp.ROW), "but the TP plan says"),
-    (lambda m: m.tensors[2].chunk_xxh3.append(1), "chunk checksums"),
-    (lambda m: setattr(m.tensors[3].parts[0], "dtype", "object"), "dtype 'object'"),
-    (lambda m: setattr(m, "total_bytes", 1), "total_bytes=1"),
-    (lambda m: setattr(m, "chunk_bytes", (1 << 20) + 1), "chunk_bytes"),
-    (lambda m: m.tensors[0].CopyFrom(m.tensors[1]), "unique and sorted"),
-])
+@pytest.mark.parametrize(
+    ("tamper", "fragment"),
+    [
+        (lambda m: setattr(m, "contract_fingerprint", "0" * 64), "contract_fingerprint"),
+        (lambda m: setattr(m.contract, "recipe_rules_json", '{"rules":[]}'), "recipe_sha256 does not match"),
+        (lambda m: setattr(m.tensors[0].parts[0], "nbytes", 3), "needs"),
+        (lambda m: setattr(m.tensors[1], "tp_style", tp.ROW), "but the TP plan says"),
+        (lambda m: m.tensors[2].chunk_xxh3.append(1), "chunk checksums"),
+        (lambda m: setattr(m.tensors[3].parts[0], "dtype", "object"), "dtype 'object'"),
+        (lambda m: setattr(m, "total_bytes", 1), "total_bytes=1"),
+        (lambda m: setattr(m, "chunk_bytes", (1 << 20) + 1), "chunk_bytes"),
+        (lambda m: m.tensors[0].CopyFrom(m.tensors[1]), "unique and sorted"),
+    ],
+)
 def test_verify_manifest_catches_tampering(packed, tamper, fragment):
     m = type(packed.manifest)()
     m.CopyFrom(packed.manifest)
@@ -172,8 +187,11 @@ def test_tp_layouts_cut_bytes_like_the_tp_plan_and_rebuild_exactly(packed, tenso
             want = tp.shard_quantized(q.value, fmt=q.format, kwargs=q.kwargs, cut=layout.cut)
             assert got.shape == want.shape == layout.shape
             for part, t in want.parts().items():
-                assert torch.equal(got.parts()[part].view(torch.uint8), t.contiguous().view(torch.uint8)), \
-                    (e.name, part, rank)
+                assert torch.equal(got.parts()[part].view(torch.uint8), t.contiguous().view(torch.uint8)), (
+                    e.name,
+                    part,
+                    rank,
+                )
             assert layout.sharded == (tp_size > 1 and e.tp_style != tp.REPLICATED)
 
 
@@ -188,8 +206,12 @@ def test_first_chunk_indices_follow_manifest_order(packed):
 
 def test_shard_scale_mode_pins_the_partition(tensors):
     sites = [dataclasses.replace(s, tp_scale_mode="shard") for s in make_contract().activation_sites]
-    m = M.build_manifest(version=1, parent_version=None, tensors=tensors,
-                         contract=make_contract(activation_sites=sites, trainer_tp_size=2)).manifest
+    m = M.build_manifest(
+        version=1,
+        parent_version=None,
+        tensors=tensors,
+        contract=make_contract(activation_sites=sites, trainer_tp_size=2),
+    ).manifest
     assert m.contract.tp_plan.partition_tp_size == 2
     M.check_tp_compatible(m, 2)
     with pytest.raises(ValueError, match="pins the trainer's partition tp_size=2; this rollout has tp_size=4"):
@@ -210,8 +232,12 @@ def test_build_manifest_validates_inputs(tensors):
     # A pinned TP degree must be able to cut every tensor.
     sites = [dataclasses.replace(s, tp_scale_mode="shard") for s in c.activation_sites]
     with pytest.raises(ValueError, match="lm_head.weight .*64 rows, not a whole number of 128-row"):
-        M.build_manifest(version=1, parent_version=None, tensors=tensors,
-                         contract=make_contract(activation_sites=sites, trainer_tp_size=8))
+        M.build_manifest(
+            version=1,
+            parent_version=None,
+            tensors=tensors,
+            contract=make_contract(activation_sites=sites, trainer_tp_size=8),
+        )
     with pytest.raises(ValueError, match="tp_scale_mode='both'"):
         M.ActivationSite(name="a.input", format="nvfp4", tp_scale_mode="both")
     with pytest.raises(ValueError, match="cannot put a Tensor into canonical JSON"):

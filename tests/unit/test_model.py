@@ -35,8 +35,18 @@ def model() -> Transformer:
 
 def test_config_validation_names_every_bad_field():
     with pytest.raises(ValueError) as e:
-        ModelConfig(vocab_size=0, dim=64, n_layers=-1, n_heads=4, n_kv_heads=2, head_dim=16,
-                    n_experts=4, top_k=2, expert_ffn_dim=32, norm_eps=0.0)
+        ModelConfig(
+            vocab_size=0,
+            dim=64,
+            n_layers=-1,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            n_experts=4,
+            top_k=2,
+            expert_ffn_dim=32,
+            norm_eps=0.0,
+        )
     msg = str(e.value)
     assert "vocab_size=0" in msg and "n_layers=-1" in msg and "norm_eps=0.0" in msg
     with pytest.raises(ValueError, match="n_heads=6 must be a multiple of n_kv_heads=4"):
@@ -66,6 +76,7 @@ def test_config_fingerprint_is_canonical_and_sensitive():
 
 def dataclasses_frozen_error():
     import dataclasses
+
     return dataclasses.FrozenInstanceError
 
 
@@ -76,11 +87,19 @@ def test_presets_sizes_by_hand():
     assert TINY.num_parameters() == 4 * layer + 2 * 512 * 128 + 128 == 3_872_128
     assert 1_000_000 <= TINY.num_parameters() <= 5_000_000
     q = PRESETS["qwen3-30b-a3b"]
-    assert (q.n_layers, q.dim, q.n_heads, q.n_kv_heads, q.head_dim, q.n_experts, q.top_k,
-            q.expert_ffn_dim, q.shared_expert_ffn_dim, q.vocab_size) == \
-        (48, 2048, 32, 4, 128, 128, 8, 768, 0, 151936)
-    layer = (4096 * 2048 + 2 * 512 * 2048 + 2048 * 4096) + 2 * 128 + 2 * 2048 + 128 * 2048 \
-        + 128 * 3 * 768 * 2048
+    assert (
+        q.n_layers,
+        q.dim,
+        q.n_heads,
+        q.n_kv_heads,
+        q.head_dim,
+        q.n_experts,
+        q.top_k,
+        q.expert_ffn_dim,
+        q.shared_expert_ffn_dim,
+        q.vocab_size,
+    ) == (48, 2048, 32, 4, 128, 128, 8, 768, 0, 151936)
+    layer = (4096 * 2048 + 2 * 512 * 2048 + 2048 * 4096) + 2 * 128 + 2 * 2048 + 128 * 2048 + 128 * 3 * 768 * 2048
     assert q.num_parameters() == 48 * layer + 2 * 151936 * 2048 + 2048 == 30_532_122_624
 
 
@@ -89,9 +108,15 @@ def test_canonical_names_match_parameter_shapes():
     assert {n: tuple(p.shape) for n, p in m.named_parameters()} == parameter_shapes(TINY)
     assert list(dict(m.named_parameters())) == list(parameter_shapes(TINY))
     names = set(parameter_shapes(TINY))
-    for n in ("model.embed_tokens.weight", "model.layers.3.self_attn.q_norm.weight",
-              "model.layers.0.mlp.gate.weight", "model.layers.2.mlp.experts.7.gate_up_proj.weight",
-              "model.layers.2.mlp.shared_expert.down_proj.weight", "model.norm.weight", "lm_head.weight"):
+    for n in (
+        "model.embed_tokens.weight",
+        "model.layers.3.self_attn.q_norm.weight",
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.2.mlp.experts.7.gate_up_proj.weight",
+        "model.layers.2.mlp.shared_expert.down_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+    ):
         assert n in names
     sites = activation_sites(TINY)
     assert sites["model.layers.1.mlp.experts.5.down_proj.input"] == 256
@@ -136,6 +161,7 @@ def _naive_moe(moe, x):
 
 def test_moe_dispatch_matches_per_token_reference(model):
     from policy.model import _PLAIN
+
     moe = model.model.layers[0].mlp
     x = torch.randn(37, TINY.dim, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -165,7 +191,7 @@ def test_rows_do_not_depend_on_the_batch(model):
     with torch.no_grad():
         batch = model(toks)
         for b in (0, 5):
-            torch.testing.assert_close(batch[b:b + 1], model(toks[b:b + 1]), rtol=1e-5, atol=5e-5)
+            torch.testing.assert_close(batch[b : b + 1], model(toks[b : b + 1]), rtol=1e-5, atol=5e-5)
 
 
 def test_token_logprobs_matches_log_softmax(model):
@@ -187,18 +213,19 @@ def test_kv_cache_decoding_equals_full_forward(model):
     toks = torch.zeros(3, L, dtype=torch.long)
     mask = torch.zeros(3, L, dtype=torch.bool)
     for b, p in enumerate(prompts):
-        toks[b, L - len(p):] = p
-        mask[b, L - len(p):] = True
+        toks[b, L - len(p) :] = p
+        mask[b, L - len(p) :] = True
     cache = KVCache(TINY, 3, L + 6)
     with torch.no_grad():
         steps = [model(toks, attention_mask=mask, cache=cache, last_only=True)[:, 0]]
         for t in range(5):
-            steps.append(model(cont[:, t:t + 1], attention_mask=torch.ones(3, 1, dtype=torch.bool),
-                               cache=cache)[:, 0])
+            steps.append(
+                model(cont[:, t : t + 1], attention_mask=torch.ones(3, 1, dtype=torch.bool), cache=cache)[:, 0]
+            )
         for b, p in enumerate(prompts):
             full = model(torch.cat([p, cont[b, :5]])[None])[0]
             decoded = torch.stack([s[b] for s in steps])
-            torch.testing.assert_close(decoded, full[len(p) - 1:], rtol=1e-5, atol=5e-5)
+            torch.testing.assert_close(decoded, full[len(p) - 1 :], rtol=1e-5, atol=5e-5)
     assert cache.length == L + 5
     assert cache.next_pos.tolist() == [3 + 5, 8 + 5, 5 + 5]
     with pytest.raises(ValueError, match="KV cache full"):
@@ -239,10 +266,10 @@ def test_generation_logprobs_are_the_sampling_policy(model):
             seq = torch.tensor(p + gen.tokens[b].tolist())
             with torch.no_grad():
                 lp = model.token_logprobs(seq[None, :-1], seq[None, 1:], temperature=temp or 1.0)[0]
-            torch.testing.assert_close(gen.logprobs[b], lp[len(p) - 1:], rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(gen.logprobs[b], lp[len(p) - 1 :], rtol=2e-5, atol=2e-5)
             if temp == 0.0:
                 with torch.no_grad():
-                    greedy = model(seq[None, :-1])[0, len(p) - 1:].argmax(-1)
+                    greedy = model(seq[None, :-1])[0, len(p) - 1 :].argmax(-1)
                 assert greedy.tolist() == gen.tokens[b].tolist()
 
 

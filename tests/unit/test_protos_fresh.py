@@ -19,8 +19,11 @@ def test_generated_code_is_fresh(tmp_path: Path):
         elif committed.read_bytes() != (tmp_path / rel).read_bytes():
             stale.append(f"{rel} differs")
     # Generated files whose .proto is gone are stale too.
-    leftovers = sorted(p.relative_to(protos.REPO_ROOT) for p in committed_dir.glob("*_pb2*.py*")
-                       if p.relative_to(protos.REPO_ROOT) not in set(generated))
+    leftovers = sorted(
+        p.relative_to(protos.REPO_ROOT)
+        for p in committed_dir.glob("*_pb2*.py*")
+        if p.relative_to(protos.REPO_ROOT) not in set(generated)
+    )
     stale += [f"{p} has no .proto" for p in leftovers]
     assert not stale, "generated protobuf code is stale; run `python -m tandem.protos`: " + "; ".join(stale)
 

@@ -125,8 +125,7 @@ def test_qat_and_packed_weights_are_bitwise_identical(recipe):
     for n, q in packed.items():
         e = plan[n]
         kw = {"scope": q.scope} if e.format == "nvfp4" else e.kwargs
-        shipped[n] = formats.get(e.format).from_parts({k: v.clone() for k, v in q.parts().items()},
-                                                     q.shape, **kw)
+        shipped[n] = formats.get(e.format).from_parts({k: v.clone() for k, v in q.parts().items()}, q.shape, **kw)
     rollout = Transformer(TINY, seed=99)
     load_packed(rollout, shipped)
     install_activation_quant(rollout, r)
@@ -138,8 +137,10 @@ def test_qat_and_packed_weights_are_bitwise_identical(recipe):
     with torch.no_grad():
         assert torch.equal(bits(trainer(toks)), bits(rollout(toks)))
     if recipe != "bf16":  # the recipe really changed something
-        assert not torch.equal(eff["model.layers.0.mlp.experts.0.down_proj.weight"],
-                               trainer.model.layers[0].mlp.experts[0].down_proj.weight.detach())
+        assert not torch.equal(
+            eff["model.layers.0.mlp.experts.0.down_proj.weight"],
+            trainer.model.layers[0].mlp.experts[0].down_proj.weight.detach(),
+        )
 
 
 def test_gate_and_up_share_one_global_scale():
@@ -160,7 +161,7 @@ def test_activation_quant_is_per_token(nvfp4_plan):
     name = "model.layers.1.mlp.experts.0.gate_up_proj.input"
     full = aq(name, x)
     for i in range(9):
-        assert torch.equal(bits(aq(name, x[i:i + 1])), bits(full[i:i + 1]))
+        assert torch.equal(bits(aq(name, x[i : i + 1])), bits(full[i : i + 1]))
     assert torch.equal(full, formats.nvfp4.fake_quant(x, scope="row"))
     assert aq("model.layers.1.self_attn.q_proj.input", x) is x  # bf16 site: untouched
 
@@ -215,8 +216,9 @@ def test_probe_mismatch():
 
 
 def test_cli_probe_json(capsys):
-    assert cli.main(["probe", "--model", "tiny", "--recipe", "int4_qat", "--batch", "2", "--seq-len", "8",
-                     "--json"]) == 0
+    assert (
+        cli.main(["probe", "--model", "tiny", "--recipe", "int4_qat", "--batch", "2", "--seq-len", "8", "--json"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     (res,) = out["results"]
     assert res["recipe"] == "int4_qat" and res["weights_bitwise_equal"]

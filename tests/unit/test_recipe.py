@@ -47,20 +47,35 @@ def test_builtins_load_and_roundtrip():
 def test_nvfp4_moe_tiny_by_hand():
     plan = _plan("nvfp4_moe", TINY)
     assert plan.bf16_layers == (3,)  # ceil(0.15 * 4) = 1: the last layer
-    assert plan.numel_by_format() == {"nvfp4": 3 * TINY_EXPERTS_PER_LAYER,
-                                      "bf16": TINY_TOTAL - 3 * TINY_EXPERTS_PER_LAYER}
+    assert plan.numel_by_format() == {
+        "nvfp4": 3 * TINY_EXPERTS_PER_LAYER,
+        "bf16": TINY_TOTAL - 3 * TINY_EXPERTS_PER_LAYER,
+    }
     assert plan.count_by_format("param") == {"nvfp4/tensor": 3 * 8 * 2, "bf16": 1 + 4 * 9 + 4 * 16 - 48 + 4 * 2 + 2}
     assert plan.count_by_format("activation") == {"nvfp4/row": 3 * 8 * 2, "bf16": 4 * 23 + 1 - 48}
     e = plan["model.layers.0.mlp.experts.3.gate_up_proj.weight"]
-    assert (e.format, e.scope, e.kwargs, e.shape, e.numel) == ("nvfp4", "tensor", {"scope": "tensor"}, (512, 128), 65536)
+    assert (e.format, e.scope, e.kwargs, e.shape, e.numel) == (
+        "nvfp4",
+        "tensor",
+        {"scope": "tensor"},
+        (512, 128),
+        65536,
+    )
     a = plan["model.layers.2.mlp.experts.7.down_proj.input"]
     assert (a.format, a.scope, a.kwargs, a.shape) == ("nvfp4", "row", {"scope": "row"}, (-1, 256))
     for name in ("model.layers.3.mlp.experts.0.gate_up_proj.weight", "model.layers.3.mlp.experts.0.down_proj.input"):
         assert plan[name].format == "bf16" and plan[name].rule == "keep_bf16"
-    for name in ("model.layers.0.mlp.shared_expert.gate_up_proj.weight", "model.layers.0.mlp.gate.weight",
-                 "model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "lm_head.weight",
-                 "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.shared_expert.down_proj.input",
-                 "model.layers.0.self_attn.o_proj.input", "lm_head.input"):
+    for name in (
+        "model.layers.0.mlp.shared_expert.gate_up_proj.weight",
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.mlp.shared_expert.down_proj.input",
+        "model.layers.0.self_attn.o_proj.input",
+        "lm_head.input",
+    ):
         assert plan[name].format == "bf16" and plan[name].rule is None
 
 
@@ -83,17 +98,26 @@ def test_nvfp4_moe_qwen3_30b_by_hand():
 def test_mxfp8_and_fp8_block_quantize_every_linear_but_router_embeddings_head():
     # bf16: embeddings + head 2*512*128, per layer router 8*128 + norms 2*128 + q/k norms 2*32, final norm.
     bf16 = 2 * 512 * 128 + 4 * (8 * 128 + 2 * 128 + 2 * 32) + 128
-    for name, kw_w, kw_a in (("mxfp8", {}, {}),
-                             ("fp8_block", {"block": (128, 128)}, {"block": (1, 128)})):
+    for name, kw_w, kw_a in (("mxfp8", {}, {}), ("fp8_block", {"block": (128, 128)}, {"block": (1, 128)})):
         plan = _plan(name, TINY)
         assert plan.bf16_layers == ()
         assert plan.numel_by_format() == {name: TINY_TOTAL - bf16, "bf16": bf16}
-        for site in ("self_attn.q_proj", "self_attn.o_proj", "mlp.experts.5.down_proj",
-                     "mlp.shared_expert.gate_up_proj"):
+        for site in (
+            "self_attn.q_proj",
+            "self_attn.o_proj",
+            "mlp.experts.5.down_proj",
+            "mlp.shared_expert.gate_up_proj",
+        ):
             w, a = plan[f"model.layers.3.{site}.weight"], plan[f"model.layers.3.{site}.input"]
             assert (w.format, w.kwargs, a.format, a.kwargs) == (name, kw_w, name, kw_a)
-        for n in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate.input", "lm_head.weight",
-                  "lm_head.input", "model.embed_tokens.weight", "model.norm.weight"):
+        for n in (
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.gate.input",
+            "lm_head.weight",
+            "lm_head.input",
+            "model.embed_tokens.weight",
+            "model.norm.weight",
+        ):
             assert plan[n].format == "bf16"
     q = _plan("fp8_block", Q30)
     assert q.numel_by_format()["bf16"] == 2 * 151936 * 2048 + 48 * (128 * 2048 + 2 * 2048 + 2 * 128) + 2048
@@ -101,7 +125,10 @@ def test_mxfp8_and_fp8_block_quantize_every_linear_but_router_embeddings_head():
 
 def test_int4_qat_is_w4a16():
     plan = _plan("int4_qat", TINY)
-    assert plan.numel_by_format() == {"int4": 4 * TINY_EXPERTS_PER_LAYER, "bf16": TINY_TOTAL - 4 * TINY_EXPERTS_PER_LAYER}
+    assert plan.numel_by_format() == {
+        "int4": 4 * TINY_EXPERTS_PER_LAYER,
+        "bf16": TINY_TOTAL - 4 * TINY_EXPERTS_PER_LAYER,
+    }
     e = plan["model.layers.3.mlp.experts.0.down_proj.weight"]
     assert (e.format, e.scope, e.kwargs) == ("int4", "group", {"group_size": 32})
     assert {a.format for a in plan.activations} == {"bf16"}
@@ -133,11 +160,16 @@ def test_keep_bf16_fraction_is_exact_and_first_n():
 
 
 def test_layer_selector_and_first_match_wins():
-    r = Recipe.from_dict({"name": "t", "rules": [
-        {"match": "model.layers.*.mlp.experts.0.*.weight", "format": "mxfp8", "layers": "-1:"},
-        {"match": "model.layers.*.mlp.experts.*.*.weight", "format": "int4", "layers": [0, 2]},
-        {"match": "**.weight", "format": "bf16"},
-    ]})
+    r = Recipe.from_dict(
+        {
+            "name": "t",
+            "rules": [
+                {"match": "model.layers.*.mlp.experts.0.*.weight", "format": "mxfp8", "layers": "-1:"},
+                {"match": "model.layers.*.mlp.experts.*.*.weight", "format": "int4", "layers": [0, 2]},
+                {"match": "**.weight", "format": "bf16"},
+            ],
+        }
+    )
     plan = r.plan(TINY)
     assert plan["model.layers.3.mlp.experts.0.down_proj.weight"].format == "mxfp8"
     assert plan["model.layers.3.mlp.experts.1.down_proj.weight"].rule == 2
@@ -154,35 +186,49 @@ def test_single_star_stays_in_one_component():
     assert plan.warnings and "rule 0" in plan.warnings[0]
 
 
-@pytest.mark.parametrize("rule, message", [
-    ({"match": "**.weight", "format": "nvfp5"}, "unknown format 'nvfp5'"),
-    ({"match": "**.weight", "format": "int4", "scope": "row"}, "scope='row' is only valid for nvfp4"),
-    ({"match": "**.weight", "format": "nvfp4", "scope": "block"}, "scope='block'"),
-    ({"match": "**.weight", "format": "mxfp8", "group_size": 32}, "group_size=32 is only valid for int4"),
-    ({"match": "**.weight", "format": "fp8_block", "block": [128]}, "block="),
-    ({"match": "**.weight", "format": "int4", "layers": "a:b"}, "layers 'a:b'"),
-    ({"match": "**.weight", "format": "int4", "color": "red"}, "unknown key"),
-    ({"format": "int4"}, "missing key"),
-])
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ({"match": "**.weight", "format": "nvfp5"}, "unknown format 'nvfp5'"),
+        ({"match": "**.weight", "format": "int4", "scope": "row"}, "scope='row' is only valid for nvfp4"),
+        ({"match": "**.weight", "format": "nvfp4", "scope": "block"}, "scope='block'"),
+        ({"match": "**.weight", "format": "mxfp8", "group_size": 32}, "group_size=32 is only valid for int4"),
+        ({"match": "**.weight", "format": "fp8_block", "block": [128]}, "block="),
+        ({"match": "**.weight", "format": "int4", "layers": "a:b"}, "layers 'a:b'"),
+        ({"match": "**.weight", "format": "int4", "color": "red"}, "unknown key"),
+        ({"format": "int4"}, "missing key"),
+    ],
+)
 def test_bad_rules_are_rejected(rule, message):
     with pytest.raises(ValueError, match="rules\\[0\\]") as e:
         Recipe.from_dict({"name": "bad", "rules": [rule]})
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("rule, message", [
-    # tiny: expert gate_up K=128, down K=256. 96 divides neither.
-    ({"match": "model.layers.*.mlp.experts.*.*.weight", "format": "int4", "group_size": 96},
-     "K=128 is not a multiple of the int4 block size 96"),
-    ({"match": "model.layers.*.mlp.experts.*.*.weight", "format": "fp8_block", "block": [128, 100]},
-     "not a multiple of the fp8_block block size 100"),
-    ({"match": "model.layers.*.mlp.experts.*.*.input", "format": "nvfp4", "scope": "tensor"},
-     "nvfp4 activations need scope 'row'"),
-    ({"match": "model.layers.*.mlp.experts.*.*.input", "format": "int4"}, "weight-only"),
-    ({"match": "model.layers.*.mlp.experts.*.*.input", "format": "fp8_block", "block": [128, 128]},
-     "must be one row"),
-    ({"match": "model.norm.weight", "format": "mxfp8"}, "1-D parameter"),
-])
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        # tiny: expert gate_up K=128, down K=256. 96 divides neither.
+        (
+            {"match": "model.layers.*.mlp.experts.*.*.weight", "format": "int4", "group_size": 96},
+            "K=128 is not a multiple of the int4 block size 96",
+        ),
+        (
+            {"match": "model.layers.*.mlp.experts.*.*.weight", "format": "fp8_block", "block": [128, 100]},
+            "not a multiple of the fp8_block block size 100",
+        ),
+        (
+            {"match": "model.layers.*.mlp.experts.*.*.input", "format": "nvfp4", "scope": "tensor"},
+            "nvfp4 activations need scope 'row'",
+        ),
+        ({"match": "model.layers.*.mlp.experts.*.*.input", "format": "int4"}, "weight-only"),
+        (
+            {"match": "model.layers.*.mlp.experts.*.*.input", "format": "fp8_block", "block": [128, 128]},
+            "must be one row",
+        ),
+        ({"match": "model.norm.weight", "format": "mxfp8"}, "1-D parameter"),
+    ],
+)
 def test_recipes_that_do_not_fit_the_model_are_rejected(rule, message):
     r = Recipe.from_dict({"name": "bad", "rules": [rule]})
     with pytest.raises(ValueError, match="does not fit the model") as e:
@@ -205,9 +251,12 @@ def test_bad_recipe_fields_and_files(tmp_path):
 
 
 def test_shadowed_rule_warns():
-    r = Recipe.from_dict({"name": "t", "rules": [
-        {"match": "**.weight", "format": "bf16"},
-        {"match": "lm_head.weight", "format": "mxfp8"}]})
+    r = Recipe.from_dict(
+        {
+            "name": "t",
+            "rules": [{"match": "**.weight", "format": "bf16"}, {"match": "lm_head.weight", "format": "mxfp8"}],
+        }
+    )
     with pytest.warns(UserWarning, match="rule 1 .* never applies"):
         r.plan(TINY)
 

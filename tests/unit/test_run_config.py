@@ -17,17 +17,20 @@ def test_demo_config_loads_and_overrides_apply():
     assert "max_steps: 3" in config.dump(cfg)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("trainer.maxsteps=3", "unknown config key.*trainer.maxsteps"),
-    ("trainer.group_size=1", "group_size=1"),
-    ("trainer.minibatches=3", "minibatches=3 must divide"),
-    ("max_staleness=-1", "max_staleness=-1"),
-    ("rollout.temperature=0", "temperature=0"),
-    ("task.name=chess", "task.name='chess'"),
-    ("run_id=a b", "run_id="),
-    ("trainer.max_steps=ten", "trainer.max_steps: expected int"),
-    ("nokey", "is not key=value"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.maxsteps=3", "unknown config key.*trainer.maxsteps"),
+        ("trainer.group_size=1", "group_size=1"),
+        ("trainer.minibatches=3", "minibatches=3 must divide"),
+        ("max_staleness=-1", "max_staleness=-1"),
+        ("rollout.temperature=0", "temperature=0"),
+        ("task.name=chess", "task.name='chess'"),
+        ("run_id=a b", "run_id="),
+        ("trainer.max_steps=ten", "trainer.max_steps: expected int"),
+        ("nokey", "is not key=value"),
+    ],
+)
 def test_bad_configs_name_the_problem(override, message):
     with pytest.raises(ValueError, match=message):
         config.load(None, [override])
@@ -52,6 +55,7 @@ def test_tokenizer_and_verifier():
     assert task.score(tok, tok.encode("19"), "19") == 0.0  # no <eos>: not a finished answer
     assert task.score(tok, tok.encode("18", eos=True), "19") == 0.0
     import random
+
     p, a = task.sample(random.Random(0))
     x, y = p.rstrip("=").split("+")
     assert int(x) + int(y) == int(a)

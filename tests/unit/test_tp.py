@@ -37,8 +37,13 @@ def test_styles_of_every_canonical_parameter():
     assert styles["model.layers.2.mlp.experts.7.down_proj.weight"] == tp.ROW
     assert styles["model.layers.2.mlp.shared_expert.down_proj.weight"] == tp.ROW
     assert styles["lm_head.weight"] == tp.COLUMN
-    for replicated in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.mlp.gate.weight",
-                       "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight"):
+    for replicated in (
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+    ):
         assert styles[replicated] == tp.REPLICATED, replicated
 
 
@@ -51,18 +56,34 @@ def test_plan_rejects_bad_rules_and_unmatched_names():
         tp.TPPlan(rules=(("lm_head\\.weight", tp.COLUMN),)).style("x.weight")
 
 
-@pytest.mark.parametrize(("name", "fmt", "kwargs", "shape", "tp_size", "fragment"), [
-    (EXPERT_DOWN, "nvfp4", {"scope": "tensor"}, (64, 48), 2, "24 columns of K, not a whole number of 16-column"),
-    (EXPERT_DOWN, "mxfp8", {}, (64, 64), 4, "16 columns of K, not a whole number of 32-column"),
-    (EXPERT_DOWN, "int4", {"group_size": 32}, (64, 96), 2, "48 columns of K, not a whole number of 32-column"),
-    (O_PROJ, "fp8_block", {"block": (128, 128)}, (128, 128), 2, "64 columns of K, not a whole number of 128-column"),
-    (EXPERT_GATE_UP, "fp8_block", {"block": (128, 128)}, (256, 128), 2,
-     "64 rows per half, not a whole number of 128-row"),
-    (Q_PROJ, "fp8_block", {"block": (128, 128)}, (384, 128), 2, "192 rows, not a whole number of 128-row"),
-    (Q_PROJ, "bf16", {}, (30, 64), 4, "M=30 rows do not divide by tp_size=4"),
-    (EXPERT_GATE_UP, "nvfp4", {}, (6, 64), 2, "gate and up halves of 3 rows do not divide by tp_size=2"),
-    (EXPERT_DOWN, "nvfp4", {}, (64, 80), 3, "K=80 does not divide by tp_size=3"),
-])
+@pytest.mark.parametrize(
+    ("name", "fmt", "kwargs", "shape", "tp_size", "fragment"),
+    [
+        (EXPERT_DOWN, "nvfp4", {"scope": "tensor"}, (64, 48), 2, "24 columns of K, not a whole number of 16-column"),
+        (EXPERT_DOWN, "mxfp8", {}, (64, 64), 4, "16 columns of K, not a whole number of 32-column"),
+        (EXPERT_DOWN, "int4", {"group_size": 32}, (64, 96), 2, "48 columns of K, not a whole number of 32-column"),
+        (
+            O_PROJ,
+            "fp8_block",
+            {"block": (128, 128)},
+            (128, 128),
+            2,
+            "64 columns of K, not a whole number of 128-column",
+        ),
+        (
+            EXPERT_GATE_UP,
+            "fp8_block",
+            {"block": (128, 128)},
+            (256, 128),
+            2,
+            "64 rows per half, not a whole number of 128-row",
+        ),
+        (Q_PROJ, "fp8_block", {"block": (128, 128)}, (384, 128), 2, "192 rows, not a whole number of 128-row"),
+        (Q_PROJ, "bf16", {}, (30, 64), 4, "M=30 rows do not divide by tp_size=4"),
+        (EXPERT_GATE_UP, "nvfp4", {}, (6, 64), 2, "gate and up halves of 3 rows do not divide by tp_size=2"),
+        (EXPERT_DOWN, "nvfp4", {}, (64, 80), 3, "K=80 does not divide by tp_size=3"),
+    ],
+)
 def test_refuses_shards_off_block_boundaries(name, fmt, kwargs, shape, tp_size, fragment):
     with pytest.raises(ValueError) as e:
         PLAN.check({name: (fmt, kwargs, shape)}, tp_size)
@@ -74,8 +95,11 @@ def test_refuses_shards_off_block_boundaries(name, fmt, kwargs, shape, tp_size, 
 
 
 def test_refusal_names_every_offending_tensor_and_whole_heads():
-    tensors = {EXPERT_DOWN: ("nvfp4", {}, (64, 48)), O_PROJ: ("mxfp8", {}, (64, 96)),
-               "model.norm.weight": ("bf16", {}, (1, 64))}
+    tensors = {
+        EXPERT_DOWN: ("nvfp4", {}, (64, 48)),
+        O_PROJ: ("mxfp8", {}, (64, 96)),
+        "model.norm.weight": ("bf16", {}, (1, 64)),
+    }
     with pytest.raises(ValueError) as e:
         PLAN.check(tensors, 2)
     assert EXPERT_DOWN in str(e.value) and O_PROJ in str(e.value) and "model.norm.weight" not in str(e.value)
@@ -110,14 +134,15 @@ def test_slice_of_packed_equals_quantized_slice_for_block_local_formats(name, fm
     for rank in range(tp_size):
         cut = PLAN.cut(name, fmt=fmt, kwargs=kwargs, shape=shape, tp_rank=rank, tp_size=tp_size)
         rows = torch.cat([w[a:b] for a, b in cut.rows])
-        w_slice = rows[:, cut.cols[0]:cut.cols[1]]
+        w_slice = rows[:, cut.cols[0] : cut.cols[1]]
         shard = tp.shard_quantized(full, fmt=fmt, kwargs=kwargs, cut=cut)
         assert shard.shape == cut.shape == tuple(w_slice.shape)
         assert _bytes(shard) == _bytes(mod.quantize(w_slice, **kw)), (fmt, tp_size, rank)
 
 
-@pytest.mark.parametrize(("name", "shape"), [(EXPERT_GATE_UP, (64, 128)), (EXPERT_DOWN, (32, 256)),
-                                             ("lm_head.weight", (64, 64))])
+@pytest.mark.parametrize(
+    ("name", "shape"), [(EXPERT_GATE_UP, (64, 128)), (EXPERT_DOWN, (32, 256)), ("lm_head.weight", (64, 64))]
+)
 def test_nvfp4_slice_keeps_the_full_tensors_global_scale(name, shape):
     """nvfp4 tensor scope: the slice carries the full tensor's global scale; it equals quantizing the
     slice only when the slice's amax is the tensor's amax, and differs otherwise (why the canonical
@@ -130,14 +155,14 @@ def test_nvfp4_slice_keeps_the_full_tensors_global_scale(name, shape):
         shard = tp.shard_quantized(full, fmt="nvfp4", kwargs={"scope": "tensor"}, cut=cut)
         assert torch.equal(shard.global_scale, full.global_scale)
         rows = torch.cat([w[a:b] for a, b in cut.rows])
-        w_slice = rows[:, cut.cols[0]:cut.cols[1]]
+        w_slice = rows[:, cut.cols[0] : cut.cols[1]]
         alone = formats.nvfp4.quantize(w_slice, scope="tensor")
         same_amax = w_slice.abs().max() == w.abs().max()
         assert (_bytes(alone) == _bytes(shard)) == bool(same_amax)
         differs += not same_amax
         # Dequantized with the shared scale, the shard is exactly the slice of the full dequantization.
         full_dq = formats.nvfp4.dequantize(full)
-        ref = torch.cat([full_dq[a:b] for a, b in cut.rows])[:, cut.cols[0]:cut.cols[1]]
+        ref = torch.cat([full_dq[a:b] for a, b in cut.rows])[:, cut.cols[0] : cut.cols[1]]
         assert torch.equal(formats.nvfp4.dequantize(shard), ref)
     assert differs >= 2
 
@@ -151,9 +176,10 @@ def test_gate_up_shard_is_gate_slice_then_up_slice():
         h = f // tps
         assert cut.rows == ((rank * h, (rank + 1) * h), (f + rank * h, f + (rank + 1) * h))
         shard = tp.shard_quantized(q, fmt="mxfp8", kwargs={}, cut=cut)
-        assert torch.equal(shard.codes[:h].view(torch.uint8), q.codes[rank * h:(rank + 1) * h].view(torch.uint8))
-        assert torch.equal(shard.codes[h:].view(torch.uint8),
-                           q.codes[f + rank * h:f + (rank + 1) * h].view(torch.uint8))
+        assert torch.equal(shard.codes[:h].view(torch.uint8), q.codes[rank * h : (rank + 1) * h].view(torch.uint8))
+        assert torch.equal(
+            shard.codes[h:].view(torch.uint8), q.codes[f + rank * h : f + (rank + 1) * h].view(torch.uint8)
+        )
 
 
 def test_nvfp4_row_scope_parts_slice_per_row():
