@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("tandem.commands.run", "run trainer + rollout workers (+ a private Redis) on this machine"),
+    "study": ("tandem.commands.study", "run a grid of runs (recipe x staleness x seed, ablations), one report"),
     "trainer": ("tandem.commands.trainer", "start the trainer service"),
     "rollout": ("tandem.commands.rollout", "start one rollout worker"),
     "formats": ("tandem.commands.formats", "quantize a tensor with every format and print a table"),

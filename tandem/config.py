@@ -44,12 +44,34 @@ class TaskSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class KeepBf16Section:
+    """Overrides of the recipe's `keep_bf16` (whole layers kept in bf16), for `recipe` and `rollout_recipe`
+    alike; None keeps the recipe's own value. The overridden recipe keeps its name; its fingerprint changes."""
+
+    last_fraction: float | None = None  # the last ceil(last_fraction * n_layers) layers
+    first: int | None = None  # the first `first` layers
+
+    def __post_init__(self):
+        f, n = self.last_fraction, self.first
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+            raise ValueError(f"keep_bf16.last_fraction={f!r} (a number in [0, 1], or null)")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"keep_bf16.first={n!r} (an int >= 0, or null)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     run_id: str = "demo"
     redis_url: str = ""  # empty: `tandem run` starts a private redis-server
     num_rollout_workers: int = 2
     seed: int = 0
     recipe: str = "nvfp4_moe"
+    # Ablation knob that breaks the contract on purpose: the rollouts run this recipe while the trainer
+    # trains (QAT) under `recipe`; the trainer publishes its weights under this recipe and accepts its
+    # fingerprint instead of its own. "" (the default) = `recipe`: the contract holds. Every metrics row
+    # records it (`rollout_recipe`, `contract_breaking`).
+    rollout_recipe: str = ""
+    keep_bf16: KeepBf16Section = field(default_factory=KeepBf16Section)
     # Samples more than this many versions behind the trainer are dropped by the trainer, and a
     # rollout never starts a group with a policy already this far behind.
     max_staleness: int = 2
@@ -71,6 +93,11 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def contract_breaking(self) -> bool:
+        """True when the `rollout_recipe` ablation knob names a recipe other than `recipe`."""
+        return bool(self.rollout_recipe) and self.rollout_recipe != self.recipe
 
 
 def _build(cls, data: dict, path: str):

@@ -4,6 +4,7 @@ so the task (prompts, verifier, tokenizer) is wired into the task-agnostic train
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import signal
 import time
@@ -25,7 +26,23 @@ def task_and_model(cfg: RunConfig) -> tuple[AdditionTask, CharTokenizer, ModelCo
     tok = CharTokenizer()
     task = AdditionTask(digits=cfg.task.digits)
     overrides = {"max_seq_len": 64, **cfg.model.overrides, "vocab_size": tok.vocab_size}
-    return task, tok, ModelConfig.preset(cfg.model.preset, **overrides), Recipe.load(cfg.recipe)
+    return task, tok, ModelConfig.preset(cfg.model.preset, **overrides), load_recipe(cfg, cfg.recipe)
+
+
+def load_recipe(cfg: RunConfig, name: str) -> Recipe:
+    """Recipe `name` with the run's `keep_bf16` overrides applied."""
+    recipe = Recipe.load(name)
+    keep = {
+        k: v
+        for k, v in (("keep_bf16_last_fraction", cfg.keep_bf16.last_fraction), ("keep_bf16_first", cfg.keep_bf16.first))
+        if v is not None
+    }
+    return dataclasses.replace(recipe, **keep) if keep else recipe
+
+
+def rollout_recipe(cfg: RunConfig, recipe: Recipe) -> Recipe:
+    """The recipe the rollouts run: `recipe` unless the `rollout_recipe` ablation knob names another."""
+    return load_recipe(cfg, cfg.rollout_recipe) if cfg.contract_breaking else recipe
 
 
 def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
@@ -55,6 +72,7 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         redis_url=cfg.redis_url,
         model_config=model_config,
         recipe=recipe,
+        rollout_recipe=rollout_recipe(cfg, recipe),
         max_staleness=cfg.max_staleness,
         run_dir=run_dir,
         seed=cfg.seed,
@@ -74,7 +92,7 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
         redis_url=cfg.redis_url,
         worker_id=worker_id,
         model_config=model_config,
-        recipe=recipe,
+        recipe=rollout_recipe(cfg, recipe),
         max_staleness=cfg.max_staleness,
         task=task,
         tokenizer=tok,

@@ -63,6 +63,7 @@ class Trainer:
         redis_url: str,
         model_config: ModelConfig,
         recipe: Recipe,
+        rollout_recipe: Recipe | None = None,
         max_staleness: int,
         run_dir: str | Path,
         seed: int,
@@ -82,9 +83,15 @@ class Trainer:
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
         self.model = Transformer(model_config, seed=seed)
-        self.plan = recipe.plan(model_config)
         self.contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
         self.fingerprint = self.contract.fingerprint()
+        # The rollout_recipe ablation knob (None = `recipe`): publish under the rollouts' recipe and accept
+        # its fingerprint, breaking the contract on purpose. Without the knob both are the training ones.
+        self.rollout_recipe = rollout_recipe or recipe
+        self.publish_plan = self.rollout_recipe.plan(model_config)
+        self.publish_contract = mf.contract_from_recipe(model_config=model_config, recipe=self.rollout_recipe)
+        self.accepted_fingerprint = self.publish_contract.fingerprint()
+        self.contract_breaking = self.accepted_fingerprint != self.fingerprint
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -167,7 +174,8 @@ class Trainer:
         for rec in self._foreign:
             await self.stream.dead_letter(
                 rec,
-                f"contract fingerprint {rec.trajectory.contract_fingerprint[:12]} != trainer's {self.fingerprint[:12]}",
+                f"contract fingerprint {rec.trajectory.contract_fingerprint[:12]} != trainer's "
+                f"{self.accepted_fingerprint[:12]}",
             )
         self._foreign = []
         await self.stream.commit_ids(self.state.pending_commit)
@@ -244,16 +252,16 @@ class Trainer:
         if self.model.quant_hook is None:
             qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
         v = self.state.version
-        tensors = mf.quantize_params(dict(self.model.named_parameters()), self.plan)
+        tensors = mf.quantize_params(dict(self.model.named_parameters()), self.publish_plan)
         packed = mf.build_manifest(
-            version=v, parent_version=v - 1 if v > 1 else None, contract=self.contract, tensors=tensors
+            version=v, parent_version=v - 1 if v > 1 else None, contract=self.publish_contract, tensors=tensors
         )
         self.server.publish(packed)
         await self.registry.publish(
             PolicyPointer(
                 version=v,
                 address=self.cfg.grpc_advertise or self.server.address,
-                contract_fingerprint=self.fingerprint,
+                contract_fingerprint=self.accepted_fingerprint,
                 published_at=time.time(),
             )
         )
@@ -293,7 +301,7 @@ class Trainer:
                 )
             for rec in await self.stream.read():
                 t = rec.trajectory
-                if t.contract_fingerprint != self.fingerprint:
+                if t.contract_fingerprint != self.accepted_fingerprint:
                     # Counted now, dead-lettered after the next checkpoint (so a crash recounts it once).
                     self.state.dropped_fingerprint += 1
                     self._foreign.append(rec)
@@ -378,6 +386,8 @@ class Trainer:
             "samples": len(samples),
             "completion_tokens": n_tokens,
             "step_time_s": time.perf_counter() - t0,
+            "rollout_recipe": self.rollout_recipe.name,
+            "contract_breaking": self.contract_breaking,
         }
         return row
 

@@ -1,0 +1,392 @@
+"""`tandem study`: a grid of ordinary `tandem run`s plus named extra runs, resumable, one report.
+
+A study config (YAML; configs/study/*.yaml):
+
+    name: staleness-x-precision
+    description: free text, copied into the report
+    base: demo.yaml              # the base run config (next to this file, else under configs/)
+    set:                         # overrides applied to every run (dotted keys or nested mappings)
+      trainer.max_steps: 100
+    grid:                        # every combination of these config keys' values is one run
+      recipe: [bf16, int4_qat, nvfp4_moe]
+      max_staleness: [0, 1, 2, 4, 8]
+      seed: [0, 1, 2]
+    runs:                        # named extra runs: overrides on top of base + set
+      int4-train_bf16-rollout: {recipe: int4_qat, rollout_recipe: bf16}
+
+A grid run is named by its grid values (`recipe-bf16__max_staleness-0__seed-0`); a named run by its
+key. Runs whose resolved configs are equal run once: the later name is an alias of the first (its
+summary row reads the same folder). Each run is `tandem run` in DIR/<name>/ (logs in
+DIR/<name>/launcher.log); `--jobs N` runs N at a time, each pinned to its share of this process's
+CPU set (trainer, rollout workers and Redis inherit it). A run is finished when DIR/<name>/done.json
+exists; re-running the study skips finished runs and restarts interrupted ones in their folder, where
+the trainer resumes from its checkpoint. A run folder made for another config is refused.
+
+Command-line `key=value`: `grid.KEY=[...]` replaces (or adds) a grid axis, `runs=[a, b]` keeps only
+those named runs (`runs=[]`: none), any other key is one more entry of `set`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import config as run_config
+
+_STUDY_KEYS = {"name", "description", "base", "set", "grid", "runs"}
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudyRun:
+    """One run of a study: its name, the keys that define it (grid values or the named run's
+    overrides) and its full run config as a plain dict (base + set + keys)."""
+
+    name: str
+    keys: dict[str, Any]
+    config: dict
+    named: bool  # a named extra run (else a grid point)
+    alias_of: str | None = None  # an earlier run with the same resolved config: that folder is used
+
+
+@dataclass(frozen=True, kw_only=True)
+class Study:
+    name: str
+    description: str
+    base: Path
+    set: dict[str, Any]  # dotted key -> value
+    grid: dict[str, list]  # dotted key -> values, in the config's order
+    runs: dict[str, dict[str, Any]]  # named run -> dotted key -> value
+    source: dict = field(default_factory=dict)  # the study config as resolved (written into DIR/study.yaml)
+
+    def expand(self) -> list[StudyRun]:
+        """Grid points first (the last key varies fastest), then the named runs; every config validated."""
+        base = yaml.safe_load(self.base.read_text()) or {}
+        out: list[StudyRun] = []
+        seen: dict[str, str] = {}  # canonical resolved config -> first run's name
+        keys = list(self.grid)
+        points = [dict(zip(keys, values)) for values in itertools.product(*self.grid.values())] if keys else []
+        todo = [(grid_run_name(p), p, False) for p in points] + [(n, o, True) for n, o in self.runs.items()]
+        for name, overrides, named in todo:
+            cfg = _with(_with(base, self.set), overrides)
+            cfg["run_id"] = name.replace("__", ".")[:100]
+            try:
+                resolved = run_config._build(run_config.RunConfig, cfg, "")
+                _check_recipes(resolved)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"study {self.name}: run {name}: {e}") from None
+            canon = json.dumps({k: v for k, v in resolved.to_dict().items() if k != "run_id"}, sort_keys=True)
+            if name in {r.name for r in out}:
+                raise ValueError(f"study {self.name}: two runs are named {name}")
+            out.append(StudyRun(name=name, keys=dict(overrides), config=cfg, named=named, alias_of=seen.get(canon)))
+            seen.setdefault(canon, name)
+        if not out:
+            raise ValueError(f"study {self.name}: no runs (an empty grid and no named runs)")
+        return out
+
+
+def grid_run_name(point: dict[str, Any]) -> str:
+    """`{"recipe": "bf16", "trainer.backward": "hp"}` -> `recipe-bf16__backward-hp`."""
+    return "__".join(f"{k.rsplit('.', 1)[-1]}-{re.sub(r'[^A-Za-z0-9._-]', '-', str(v))}" for k, v in point.items())
+
+
+def _check_recipes(cfg: run_config.RunConfig) -> None:
+    from .services import load_recipe
+
+    for name in filter(None, (cfg.recipe, cfg.rollout_recipe)):
+        load_recipe(cfg, name)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings -> dotted keys; `model.overrides` stays one value (its keys are model fields)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key != "model.overrides" and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _with(data: dict, dotted: dict[str, Any]) -> dict:
+    """A deep copy of `data` with each dotted key set (nested sections created as needed)."""
+    out = json.loads(json.dumps(data))
+    for key, value in dotted.items():
+        run_config._set_dotted(out, key, json.loads(json.dumps(value)))
+    return out
+
+
+def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
+    """A study YAML + command-line overrides -> Study (every run's config checked by `expand`)."""
+    p = Path(path)
+    if not p.is_file() and (run_config.REPO_CONFIGS / p).is_file():
+        p = run_config.REPO_CONFIGS / p
+    if not p.is_file():
+        raise ValueError(f"study config {path}: no such file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"study config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"study config {p}: expected a mapping")
+    unknown = sorted(set(data) - _STUDY_KEYS)
+    if unknown:
+        raise ValueError(
+            f"study config {p}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_STUDY_KEYS))}"
+        )
+    name = data.get("name") or p.stem
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"study config {p}: name={name!r} (letters, digits, '-', '_' and '.')")
+    sets = _mapping(data.get("set"), "set", p)
+    grid = _mapping(data.get("grid"), "grid", p)
+    runs = _mapping(data.get("runs"), "runs", p)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not key=value")
+        value = yaml.safe_load(raw)
+        if key.startswith("grid."):
+            grid[key[len("grid.") :]] = value
+        elif key == "runs":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"override runs={raw}: want a list of named runs, e.g. runs=[a,b]")
+            missing = [v for v in value if v not in runs]
+            if missing:
+                raise ValueError(f"override runs: no named run(s) {', '.join(missing)}; known: {', '.join(runs)}")
+            runs = {k: runs[k] for k in value}
+        elif key in grid:
+            raise ValueError(f"override {key}: {key} is a grid key; write grid.{key}=[...]")
+        else:
+            sets[key] = value
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"study config {p}: grid.{key} must be a non-empty list, got {values!r}")
+    for rname, o in runs.items():
+        if not isinstance(rname, str) or not _NAME_RE.match(rname) or "__" in rname:
+            raise ValueError(f"study config {p}: run name {rname!r} (letters, digits, '-', '_', '.'; no '__')")
+        if not isinstance(o, dict):
+            raise ValueError(f"study config {p}: runs.{rname} must be a mapping of config keys")
+    base_ref = data.get("base", "demo.yaml")
+    base = next((b for b in (p.parent / base_ref, run_config.REPO_CONFIGS / base_ref) if b.is_file()), None)
+    if base is None:
+        raise ValueError(f"study config {p}: base {base_ref!r} found neither next to it nor under configs/")
+    study = Study(
+        name=name,
+        description=str(data.get("description") or "").strip(),
+        base=base,
+        set=_flatten(sets),
+        grid={k: list(v) for k, v in _flatten_keys(grid).items()},
+        runs={k: _flatten(v) for k, v in runs.items()},
+    )
+    source = {
+        "name": study.name,
+        "description": study.description,
+        "base": str(base_ref),
+        "set": study.set,
+        "grid": study.grid,
+        "runs": study.runs,
+    }
+    return Study(**{**study.__dict__, "source": source})
+
+
+def _mapping(value, what: str, p: Path) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"study config {p}: {what} must be a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+def _flatten_keys(grid: dict) -> dict:
+    """grid: {trainer: {backward: [...]}} and {trainer.backward: [...]} mean the same."""
+    out = {}
+    for k, v in grid.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in _flatten_keys(v).items()})
+        else:
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+def cpu_shares(jobs: int, cpus: list[int] | None = None) -> list[list[int]]:
+    """Split the CPU set into `jobs` contiguous shares; more jobs than CPUs share them round robin."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if jobs <= len(cpus):
+        return [cpus[i * len(cpus) // jobs : (i + 1) * len(cpus) // jobs] for i in range(jobs)]
+    return [[cpus[i % len(cpus)]] for i in range(jobs)]
+
+
+def run_state(run_dir: Path) -> str:
+    """'done', 'interrupted' (a folder without done.json) or 'new'."""
+    if (run_dir / "done.json").is_file():
+        return "done"
+    return "interrupted" if run_dir.exists() else "new"
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum(1 for ln in path.read_text().splitlines() if ln.strip()) if path.is_file() else 0
+
+
+def _fmt_s(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class _Job:
+    def __init__(self, run: StudyRun, run_dir: Path, cpus: list[int]):
+        self.run, self.run_dir, self.cpus = run, run_dir, cpus
+        self.max_steps = run_config._build(run_config.RunConfig, run.config, "").trainer.max_steps
+        self.steps_at_start = _steps_done(run_dir)
+        cfg_path = run_dir / "study-run.yaml"
+        self.started = time.time()
+        log = open(run_dir / "launcher.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "run", str(cfg_path), "--run-dir", str(run_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches the study only; it stops each run in order
+            preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        log.close()
+
+    def fraction(self) -> float:
+        return min(1.0, _steps_done(self.run_dir) / self.max_steps)
+
+    def finish(self, rc: int) -> None:
+        end = time.time()
+        with open(self.run_dir / "attempts.jsonl", "a") as f:
+            f.write(json.dumps({"start": self.started, "end": end, "rc": rc, "cpus": self.cpus}) + "\n")
+        if rc == 0 and _steps_done(self.run_dir) >= self.max_steps:
+            wall = sum(a["end"] - a["start"] for a in read_jsonl(self.run_dir / "attempts.jsonl"))
+            (self.run_dir / "done.json").write_text(json.dumps({"wall_time_s": wall, "finished": end}) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+def prepare_run_dir(run: StudyRun, run_dir: Path) -> None:
+    """Write DIR/<name>/study-run.yaml, or check that an existing folder was made for this config."""
+    cfg_path = run_dir / "study-run.yaml"
+    text = yaml.safe_dump(run.config, sort_keys=True)
+    if cfg_path.is_file():
+        if yaml.safe_load(cfg_path.read_text()) != yaml.safe_load(text):
+            raise ValueError(
+                f"run folder {run_dir} was made for another config (see its study-run.yaml): "
+                "use another --out, or remove that folder"
+            )
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(text)
+
+
+def run_study(
+    study: Study, out: Path, *, jobs: int = 1, log=print, poll_s: float = 1.0, progress_s: float = 30.0
+) -> int:
+    """Run every unfinished run of `study` in `out`, `jobs` at a time, then write the report.
+    Returns 0 when every run finished, 1 when some failed, 130 when interrupted."""
+    from .study_report import write_report
+
+    runs = study.expand()
+    out.mkdir(parents=True, exist_ok=True)
+    for r in runs:
+        if r.alias_of is None:
+            prepare_run_dir(r, out / r.name)
+    (out / "study.yaml").write_text(yaml.safe_dump(study.source, sort_keys=False))
+    real = [r for r in runs if r.alias_of is None]
+    todo = [r for r in real if run_state(out / r.name) != "done"]
+    n_done0 = len(real) - len(todo)
+    log(
+        f"[study] {study.name}: {len(runs)} runs ({len(runs) - len(real)} aliases), {n_done0} already finished, "
+        f"{len(todo)} to run, {jobs} at a time; folder {out}"
+    )
+    shares = cpu_shares(jobs)
+    free = list(range(jobs))
+    running: dict[int, _Job] = {}
+    failed: list[str] = []
+    t0 = last_progress = time.monotonic()
+    done_here = 0.0  # runs (fractions included) progressed since this invocation started
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while todo or running:
+            while todo and free:
+                slot = free.pop(0)
+                r = todo.pop(0)
+                state = run_state(out / r.name)
+                running[slot] = _Job(r, out / r.name, shares[slot])
+                log(
+                    f"[study] start {r.name} ({'resuming' if state == 'interrupted' else 'new'}) on cpus {shares[slot]}"
+                )
+            time.sleep(poll_s)
+            for slot, job in list(running.items()):
+                rc = job.proc.poll()
+                if rc is None:
+                    continue
+                job.finish(rc)
+                del running[slot]
+                free.append(slot)
+                ok = run_state(job.run_dir) == "done"
+                done_here += 1 - job.steps_at_start / job.max_steps
+                if not ok:
+                    failed.append(job.run.name)
+                log(
+                    f"[study] {'finished' if ok else f'FAILED (exit {rc})'} {job.run.name} in "
+                    f"{_fmt_s(time.time() - job.started)}" + ("" if ok else f"; see {job.run_dir / 'launcher.log'}")
+                )
+                last_progress = 0.0  # print progress now
+            now = time.monotonic()
+            if now - last_progress >= progress_s:
+                last_progress = now
+                partial = sum(j.fraction() - j.steps_at_start / j.max_steps for j in running.values())
+                finished = len(real) - len(todo) - len(running)
+                rate = (done_here + partial) / max(now - t0, 1e-9)
+                remaining = len(todo) + sum(1 - j.fraction() for j in running.values())
+                eta = _fmt_s(remaining / rate) if rate > 0 else "?"
+                state = ", ".join(f"{j.run.name} {_steps_done(j.run_dir)}/{j.max_steps}" for j in running.values())
+                log(
+                    f"[study] {finished}/{len(real)} runs done ({len(failed)} failed), running: {state or '-'}; "
+                    f"elapsed {_fmt_s(now - t0)}, ETA {eta}"
+                )
+    except KeyboardInterrupt:
+        log(f"[study] interrupted: stopping {len(running)} run(s); re-run the same command to resume")
+        for job in running.values():
+            if job.proc.poll() is None:
+                job.proc.send_signal(signal.SIGTERM)  # the launcher stops trainer, workers, Redis in order
+        for job in running.values():
+            try:
+                job.finish(job.proc.wait(timeout=60))
+            except subprocess.TimeoutExpired:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+                job.finish(job.proc.wait())
+        return 130
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    report = write_report(study, runs, out)
+    log(
+        f"[study] report {report}; summary {out / 'summary.csv'}" + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
+    return 1 if failed else 0

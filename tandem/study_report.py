@@ -1,0 +1,455 @@
+"""A study's report: DIR/summary.csv (one row per run), DIR/report.md and its PNGs.
+
+The numbers, per run, from its metrics.jsonl (n steps):
+    final_reward      = mean of reward_mean over the last k = ceil(0.1 n) steps
+    reward_change     = final_reward - (mean over the first k steps)
+    logp_abs_diff, logp_abs_diff_quant, logp_abs_diff_stale, kl_k3, staleness_mean = means over all steps
+    dropped_stale_frac = dropped_stale / (dropped_stale + samples used), counts of the whole run
+    grad_norm_spikes  = #{i : grad_norm_i > 5 * median(grad_norm_0 .. grad_norm_{i-1})}, i >= 3
+and, against the bf16 run with the same config otherwise (same staleness and seed, the precision keys
+`recipe`, `rollout_recipe`, `keep_bf16`, `trainer.backward` aside), per group of seeds:
+    d_s = final_reward(run, seed s) - final_reward(bf16, seed s)
+    mean(d) +- t_{0.975, m-1} * sd(d) / sqrt(m)        (m paired seeds; no interval for m = 1)
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from . import config as run_config
+from .study import Study, StudyRun, read_jsonl, run_state
+
+# Two-sided 95% quantiles of Student's t, t_{0.975, df} for df = 1..30 (above 30: 1.96 is within 4%).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+MISMATCH_KEYS = ("logp_abs_diff", "logp_abs_diff_quant", "logp_abs_diff_stale", "kl_k3")
+# Keys that set the precision of a run: the bf16 baseline of a run differs from it in these only.
+PRECISION_KEYS = ("recipe", "rollout_recipe", "keep_bf16", "trainer.backward")
+SUMMARY_TAIL = (
+    "final_reward",
+    "reward_change",
+    *MISMATCH_KEYS,
+    "staleness_mean",
+    "dropped_stale_frac",
+    "grad_norm_spikes",
+    "wall_time_s",
+    "steps",
+    "status",
+    "folder",
+)
+
+
+# ------------------------------------------------------------------------------ pure statistics
+
+
+def head_tail_means(values: list[float], frac: float = 0.1) -> tuple[float, float]:
+    """(mean of the first k values, mean of the last k), k = ceil(frac * n), at least 1."""
+    k = max(1, math.ceil(frac * len(values)))
+    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+
+
+def grad_norm_spikes(norms: list[float], factor: float = 5.0, min_history: int = 3) -> int:
+    """Steps whose grad norm exceeds `factor` times the median of all earlier steps' (from step
+    `min_history` on, so that a median exists)."""
+    return sum(1 for i in range(min_history, len(norms)) if norms[i] > factor * statistics.median(norms[:i]))
+
+
+def t_interval(diffs: list[float]) -> tuple[float, float | None]:
+    """(mean, half-width of the 95% t interval); half-width None for fewer than 2 values."""
+    m = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return m, None
+    t = T975[len(diffs) - 2] if len(diffs) - 1 <= len(T975) else 1.96
+    return m, t * statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def moving_average(values: list[float], w: int) -> list[float]:
+    """Trailing mean over up to `w` values (shorter at the start)."""
+    return [statistics.fmean(values[max(0, i - w + 1) : i + 1]) for i in range(len(values))]
+
+
+# ------------------------------------------------------------------------------ per-run summary
+
+
+def _get(cfg: dict, dotted: str):
+    for k in dotted.split("."):
+        if not isinstance(cfg, dict) or k not in cfg:
+            return None
+        cfg = cfg[k]
+    return cfg
+
+
+def summarize_run(run: StudyRun, run_dir: Path) -> dict:
+    """The summary row of one run (metrics missing: status only)."""
+    resolved = run_config._build(run_config.RunConfig, run.config, "")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    done = run_state(run_dir) == "done"
+    out = {
+        "name": run.name,
+        "recipe": resolved.recipe,
+        "rollout_recipe": resolved.rollout_recipe or resolved.recipe,
+        "contract_breaking": resolved.contract_breaking,
+        "max_staleness": resolved.max_staleness,
+        "seed": resolved.seed,
+        "status": "done" if done else ("partial" if rows else "missing"),
+        "steps": len(rows),
+        "folder": run_dir.name,
+    }
+    if rows:
+        start, final = head_tail_means([r["reward_mean"] for r in rows])
+        used = sum(r["samples"] for r in rows)
+        dropped = rows[-1]["dropped_stale"]
+        attempts = read_jsonl(run_dir / "attempts.jsonl")
+        out.update(
+            final_reward=final,
+            reward_change=final - start,
+            **{k: statistics.fmean(r[k] for r in rows) for k in (*MISMATCH_KEYS, "staleness_mean")},
+            dropped_stale_frac=dropped / max(1, dropped + used),
+            grad_norm_spikes=grad_norm_spikes([r["grad_norm"] for r in rows]),
+            wall_time_s=sum(a["end"] - a["start"] for a in attempts),
+        )
+        if any(r.get("contract_breaking") != resolved.contract_breaking for r in rows):
+            out["status"] += " (metrics rows disagree with the config's contract_breaking)"
+    return out
+
+
+def summary_columns(runs: list[StudyRun]) -> list[str]:
+    """name, recipe, rollout_recipe, contract_breaking, every other key of the study, the numbers."""
+    keys: list[str] = []
+    for r in runs:
+        keys += [k for k in r.keys if k not in keys and k not in ("recipe", "rollout_recipe")]
+    for k in ("max_staleness", "seed"):
+        if k not in keys:
+            keys.append(k)
+    return ["name", "recipe", "rollout_recipe", "contract_breaking", *keys, *SUMMARY_TAIL]
+
+
+def summary_rows(runs: list[StudyRun], out: Path) -> list[dict]:
+    rows = []
+    for r in runs:
+        row = summarize_run(r, out / (r.alias_of or r.name))
+        row["name"] = r.name
+        for k in r.keys:
+            row.setdefault(k, _get(r.config, k))
+        if r.alias_of:
+            row["status"] += f" (same run as {r.alias_of})"
+        rows.append(row)
+    return rows
+
+
+def _baseline_key(run: StudyRun) -> str:
+    """The run's resolved config with the precision keys and run_id blanked: equal for a run and its bf16 baseline."""
+    d = run_config._build(run_config.RunConfig, run.config, "").to_dict()
+    d.pop("run_id")
+    d.pop("recipe")
+    d.pop("rollout_recipe")
+    d.pop("keep_bf16")
+    d["trainer"].pop("backward")
+    return yaml.safe_dump(d, sort_keys=True)
+
+
+def group_label(run: StudyRun) -> str:
+    """Seeds of one setting share a label: the run's keys without `seed`."""
+    keys = {k: v for k, v in run.keys.items() if k != "seed"}
+    if run.named:
+        return run.name
+    return ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in keys.items()) or run.name
+
+
+def versus_bf16(runs: list[StudyRun], rows: list[dict]) -> list[dict]:
+    """Per setting (group of seeds) of a non-bf16 run: final reward minus the paired bf16 run's."""
+    by_name = {r["name"]: r for r in rows}
+    base: dict[tuple[str, int], dict] = {}
+    for run, row in zip(runs, rows):
+        if row["recipe"] == "bf16" and not row["contract_breaking"] and "final_reward" in row:
+            base.setdefault((_baseline_key(run), row["seed"]), row)
+    groups: dict[str, list[tuple[dict, dict]]] = {}
+    for run, row in zip(runs, rows):
+        if (row["recipe"] == "bf16" and not row["contract_breaking"]) or "final_reward" not in row:
+            continue
+        b = base.get((_baseline_key(run), row["seed"]))
+        if b is not None and b["name"] != row["name"]:
+            groups.setdefault(group_label(run), []).append((by_name[row["name"]], b))
+    out = []
+    for label, pairs in groups.items():
+        mean, half = t_interval([r["final_reward"] - b["final_reward"] for r, b in pairs])
+        out.append(
+            {
+                "setting": label,
+                "recipe": pairs[0][0]["recipe"],
+                "rollout_recipe": pairs[0][0]["rollout_recipe"],
+                "contract_breaking": pairs[0][0]["contract_breaking"],
+                "max_staleness": pairs[0][0]["max_staleness"],
+                "seeds": len(pairs),
+                "final_reward": statistics.fmean(r["final_reward"] for r, _ in pairs),
+                "bf16_final_reward": statistics.fmean(b["final_reward"] for _, b in pairs),
+                "diff": mean,
+                "ci95": half,
+                "baseline": ", ".join(sorted({b["name"] for _, b in pairs})),
+            }
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------ plots
+
+
+def _panels(runs, rows):
+    """recipe label -> group label -> [(run, row)] of runs with metrics."""
+    out: dict[str, dict[str, list]] = {}
+    for run, row in zip(runs, rows):
+        if "final_reward" not in row:
+            continue
+        panel = row["recipe"] + (f" -> rollout {row['rollout_recipe']}" if row["contract_breaking"] else "")
+        out.setdefault(panel, {}).setdefault(group_label(run), []).append((run, row))
+    return out
+
+
+def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _panels(runs, rows)
+    if not panels:
+        return []
+    paths = []
+
+    # Reward curves: one panel per recipe, one curve per setting, mean +- std over seeds.
+    n = len(panels)
+    cols = min(3, n)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5.5 * cols, 3.8 * ((n + cols - 1) // cols)))
+    axes = [axes] if n == 1 else list(getattr(axes, "flat", axes))
+    for ax, (panel, groups) in zip(axes, panels.items()):
+        for label, members in groups.items():
+            curves = []
+            for run, _ in members:
+                rewards = [r["reward_mean"] for r in read_jsonl(out / (run.alias_of or run.name) / "metrics.jsonl")]
+                curves.append(moving_average(rewards, max(1, len(rewards) // 10)))
+            steps = min(len(c) for c in curves)
+            mean = [statistics.fmean(c[i] for c in curves) for i in range(steps)]
+            std = [statistics.pstdev([c[i] for c in curves]) for i in range(steps)]
+            x = list(range(1, steps + 1))
+            (line,) = ax.plot(x, mean, label=f"{label} (n={len(curves)})")
+            if len(curves) > 1:
+                ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                                color=line.get_color(), alpha=0.2)  # fmt: skip
+        ax.set_title(panel)
+        ax.set_xlabel("trainer step")
+        ax.set_ylabel("reward (trailing mean, 10% of steps)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    fig.suptitle(f"{study.name}: reward, mean ± std over seeds")
+    paths.append(out / "reward_curves.png")
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    # Against staleness (grid settings that vary max_staleness): mismatch parts, KL, dropped fraction.
+    series: dict[str, dict[int, list[dict]]] = {}
+    for panel, groups in panels.items():
+        for _, members in groups.items():
+            for run, row in members:
+                if run.named:
+                    continue
+                other = {k: v for k, v in run.keys.items() if k not in ("seed", "max_staleness", "recipe")}
+                label = panel + ("".join(f", {k.rsplit('.', 1)[-1]}={v}" for k, v in other.items()))
+                series.setdefault(label, {}).setdefault(row["max_staleness"], []).append(row)
+    if series:
+        specs = (
+            ("mismatch_vs_staleness.png", ("logp_abs_diff_quant", "logp_abs_diff_stale", "logp_abs_diff"),
+             "mean |Δ log p| per token"),
+            ("kl_vs_staleness.png", ("kl_k3",), "KL k3 (behaviour || proximal), mean over steps"),
+            ("dropped_vs_staleness.png", ("dropped_stale_frac",), "fraction of samples dropped as stale"),
+        )  # fmt: skip
+        for fname, keys, ylabel in specs:
+            fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False)
+            for ax, key in zip(axes[0], keys):
+                for label, by_s in series.items():
+                    xs = sorted(by_s)
+                    ys = [statistics.fmean(r[key] for r in by_s[s]) for s in xs]
+                    es = [statistics.pstdev([r[key] for r in by_s[s]]) for s in xs]
+                    ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
+                ax.set_xlabel("max_staleness")
+                ax.set_ylabel(ylabel)
+                ax.set_title(key)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=6)
+            paths.append(out / fname)
+            fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+            plt.close(fig)
+
+    # Named runs (the ablations): the mismatch parts side by side.
+    named = [(run, row) for run, row in zip(runs, rows) if run.named and "final_reward" in row]
+    if named:
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(named)), 4))
+        width = 0.4
+        for j, (key, label) in enumerate(
+            (("logp_abs_diff_quant", "quantization part"), ("logp_abs_diff_stale", "staleness part"))
+        ):
+            ax.bar([i + (j - 0.5) * width for i in range(len(named))], [row[key] for _, row in named], width,
+                   label=label)  # fmt: skip
+        ax.set_xticks(range(len(named)))
+        ax.set_xticklabels(
+            [run.name + (" [contract broken]" if row["contract_breaking"] else "") for run, row in named],
+            rotation=30,
+            ha="right",
+            fontsize=7,
+        )
+        ax.set_ylabel("mean |Δ log p| per token")
+        ax.set_title(f"{study.name}: mismatch of the named runs")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+        paths.append(out / "mismatch_named_runs.png")
+        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name"):
+                cpu = ln.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return (
+        f"{cpu}; {len(os.sched_getaffinity(0))} CPUs usable of {os.cpu_count()}; {platform.system()} "
+        f"{platform.release()}; Python {platform.python_version()}; torch {torch.__version__}"
+    )
+
+
+def commit() -> str:
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def _table(columns: list[str], rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | None = None) -> Path:
+    """summary.csv, the PNGs and report.md in `out`; returns report.md's path."""
+    rows = summary_rows(runs, out)
+    columns = summary_columns(runs)
+    with open(out / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    pngs = _plots(study, runs, rows, out)
+    vs = versus_bf16(runs, rows)
+    base_cfg = run_config.dump(run_config._build(run_config.RunConfig, runs[0].config, ""))
+    breaking = [r["name"] for r in rows if r["contract_breaking"]]
+    cmd = command or "tandem " + " ".join(sys.argv[1:])
+    lines = [
+        f"# Study `{study.name}`",
+        "",
+        study.description,
+        "",
+        f"- Written {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `tandem study`.",
+        f"- Command: `{cmd}`",
+        f"- Commit: `{commit()}`",
+        f"- Machine: {machine()}",
+        f"- Runs: {len(rows)} ({sum(r['status'].startswith('done') for r in rows)} finished).",
+    ]
+    if breaking:
+        lines.append(
+            f"- **Contract-breaking ablations** (trainer and rollouts on different recipes, the `rollout_recipe` "
+            f"knob): {', '.join(breaking)}. Their mismatch is by design, not a contract failure."
+        )
+    lines += ["", "## Final reward against the bf16 run of the same staleness", ""]
+    if vs:
+        lines += [
+            "Final reward = mean over the last 10% of steps; difference paired by seed, with a 95% t interval "
+            "over seeds (none with one seed).",
+            "",
+            _table(
+                [
+                    "setting",
+                    "recipe",
+                    "rollout_recipe",
+                    "max_staleness",
+                    "seeds",
+                    "final_reward",
+                    "bf16_final_reward",
+                    "diff",
+                    "ci95",
+                    "baseline",
+                ],
+                [
+                    {
+                        **v,
+                        "ci95": "n/a (1 seed)" if v["ci95"] is None else f"±{v['ci95']:.3f}",
+                        "rollout_recipe": v["rollout_recipe"]
+                        + (" (contract broken)" if v["contract_breaking"] else ""),
+                    }
+                    for v in vs
+                ],
+            ),  # fmt: skip
+        ]
+    else:
+        lines.append("No run has a bf16 run with the same configuration otherwise.")
+    lines += ["", "## Figures", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in pngs]
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "Means over all steps; `dropped_stale_frac` = dropped as stale / (dropped + used); `grad_norm_spikes` = "
+        "steps with grad norm above 5× the median of the earlier steps. The same numbers are in `summary.csv`.",
+        "",
+        _table(columns[:-1], rows),
+        "",
+        "## Configs",
+        "",
+        "The study config as resolved (command-line overrides applied):",
+        "",
+        "```yaml",
+        yaml.safe_dump(study.source, sort_keys=False).rstrip(),
+        "```",
+        "",
+        f"Every run is the base config `{study.source['base']}` + `set` + its own keys (above); the first run, "
+        "resolved (each run folder's `config.yaml` holds its own):",
+        "",
+        "```yaml",
+        base_cfg.rstrip(),
+        "```",
+        "",
+    ]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report

@@ -1,0 +1,184 @@
+"""`tandem study` pieces without running anything: study configs, grid expansion, the statistics of
+the report (hand-checked), CPU shares, and the `rollout_recipe` ablation knob's wiring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from tandem import config as run_config
+from tandem import services
+from tandem.study import cpu_shares, grid_run_name, load_study
+from tandem.study_report import grad_norm_spikes, head_tail_means, moving_average, t_interval
+
+TINY = {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64}
+
+
+def _study(tmp_path, body: dict, name="s.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(body))
+    return p
+
+
+def test_grid_expands_in_order_with_names_then_named_runs(tmp_path):
+    p = _study(
+        tmp_path,
+        {
+            "base": "demo.yaml",
+            "set": {"trainer": {"max_steps": 7}},
+            "grid": {"recipe": ["bf16", "int4_qat"], "trainer.backward": ["hp", "dequant"]},
+            "runs": {"knob": {"recipe": "int4_qat", "rollout_recipe": "bf16"}},
+        },
+    )
+    runs = load_study(p).expand()
+    assert [r.name for r in runs] == [
+        "recipe-bf16__backward-hp",
+        "recipe-bf16__backward-dequant",
+        "recipe-int4_qat__backward-hp",
+        "recipe-int4_qat__backward-dequant",
+        "knob",
+    ]
+    assert runs[1].config["trainer"] == {**runs[1].config["trainer"], "backward": "dequant", "max_steps": 7}
+    assert runs[1].config["max_staleness"] == 2  # from configs/demo.yaml
+    assert runs[4].keys == {"recipe": "int4_qat", "rollout_recipe": "bf16"} and runs[4].named
+    # The knob run is no alias; nothing else is equal either.
+    assert [r.alias_of for r in runs] == [None] * 5
+
+
+def test_equal_resolved_configs_run_once(tmp_path):
+    p = _study(tmp_path, {"grid": {"max_staleness": [1, 2]}, "runs": {"same": {"max_staleness": 2}}})
+    runs = load_study(p).expand()
+    assert runs[-1].alias_of == "max_staleness-2"
+
+
+def test_overrides_of_the_study(tmp_path):
+    p = _study(
+        tmp_path,
+        {"grid": {"seed": [0, 1, 2], "recipe": ["bf16"]}, "runs": {"a": {"seed": 5}, "b": {"seed": 6}}},
+    )
+    s = load_study(p, ["grid.seed=[0]", "runs=[b]", "trainer.max_steps=3"])
+    assert s.grid == {"seed": [0], "recipe": ["bf16"]} and list(s.runs) == ["b"]
+    assert [r.config["trainer"]["max_steps"] for r in s.expand()] == [3, 3]
+    with pytest.raises(ValueError, match="seed is a grid key; write grid.seed"):
+        load_study(p, ["seed=3"])
+    with pytest.raises(ValueError, match="no named run"):
+        load_study(p, ["runs=[zzz]"])
+
+
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"gird": {}}, "unknown key"),
+        ({"grid": {"seed": []}}, "grid.seed must be a non-empty list"),
+        ({"grid": {"trainer.max_stepz": [1]}}, "trainer.max_stepz"),
+        ({"runs": {"x": {"recipe": "nope"}}}, "run x: .*nope"),
+        ({"runs": {"x": {"rollout_recipe": "nope"}}}, "run x: .*nope"),
+        ({"runs": {"x": {"keep_bf16.first": -1}}}, "keep_bf16.first=-1"),
+        ({"runs": {"a__b": {}}}, "run name"),
+        ({"base": "missing.yaml"}, "base 'missing.yaml'"),
+        ({}, "no runs"),
+    ],
+)
+def test_bad_study_configs_name_what_is_wrong(tmp_path, body, match):
+    with pytest.raises(ValueError, match=match):
+        load_study(_study(tmp_path, body)).expand()
+
+
+def test_shipped_studies_expand():
+    ab = load_study("study/ablations.yaml").expand()
+    names = {r.name: r for r in ab}
+    assert names["int4-matched"].alias_of == "recipe-int4_qat__max_staleness-2"
+    assert names["nvfp4-backward-hp"].alias_of == "recipe-nvfp4_moe__max_staleness-2"
+    assert names["int4qat-train_bf16-rollout"].alias_of is None
+    assert sum(r.alias_of is None for r in ab) == 15 + 6
+    assert len(load_study("study/staleness-x-precision.yaml").expand()) == 5 * 5 * 3
+
+
+def test_grid_run_name():
+    assert grid_run_name({"recipe": "int4_qat", "keep_bf16.last_fraction": 0.0, "x": "a/b"}) == (
+        "recipe-int4_qat__last_fraction-0.0__x-a-b"
+    )
+
+
+# ------------------------------------------------------------------ statistics, by hand
+
+
+def test_head_tail_means():
+    values = [float(i) for i in range(20)]  # k = ceil(0.1 * 20) = 2
+    assert head_tail_means(values) == (0.5, 18.5)
+    assert head_tail_means([1.0, 2.0, 4.0]) == (1.0, 4.0)  # k = ceil(0.3) = 1
+
+
+def test_grad_norm_spikes():
+    # medians of the earlier steps: [1,1,1] -> 1 (5.1 > 5: spike), [1,1,1,5.1] -> 1 (4.9: none),
+    # [1,1,1,5.1,4.9] -> 1 (6: spike); a huge first step has no history and does not count.
+    assert grad_norm_spikes([100.0, 1.0, 1.0, 1.0, 5.1, 4.9, 6.0]) == 1  # median after 100 and 1s is 1
+    assert grad_norm_spikes([1.0, 1.0, 1.0, 5.1, 4.9, 6.0]) == 2
+    assert grad_norm_spikes([1.0, 1.0, 1.0, 5.0]) == 0  # not above 5x
+
+
+def test_t_interval():
+    mean, half = t_interval([1.0, 2.0, 3.0])  # sd 1, t_{0.975,2} = 4.303
+    assert mean == 2.0 and math.isclose(half, 4.303 / math.sqrt(3))
+    assert t_interval([0.25]) == (0.25, None)
+    mean, half = t_interval([0.0, 1.0])  # sd = sqrt(0.5), t_{0.975,1} = 12.706
+    assert math.isclose(half, 12.706 * math.sqrt(0.5) / math.sqrt(2))
+
+
+def test_moving_average():
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_cpu_shares():
+    assert cpu_shares(1, [0, 1]) == [[0, 1]]
+    assert cpu_shares(2, [3, 1]) == [[1], [3]]
+    assert cpu_shares(3, [0, 1]) == [[0], [1], [0]]
+    assert cpu_shares(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3, 4]]
+
+
+# ------------------------------------------------------------------ the rollout_recipe knob
+
+
+def _cfg(tmp_path, **top):
+    return run_config.load(
+        None,
+        [f"{k}={v}" for k, v in top.items()]
+        + [f"model.overrides={TINY}", "trainer.metrics_port=-1", "num_rollout_workers=1"],
+    )
+
+
+def test_the_contract_holds_unless_the_knob_is_named(tmp_path):
+    """Trainer and rollouts agree on one fingerprint; a worker on another recipe is refused (its
+    fingerprint is not the one the trainer accepts) unless `rollout_recipe` names that recipe."""
+    plain = _cfg(tmp_path, recipe="int4_qat")
+    assert not plain.contract_breaking
+    trainer = services.make_trainer(plain, tmp_path / "a")
+    assert trainer.accepted_fingerprint == trainer.fingerprint and not trainer.contract_breaking
+    assert services.make_worker(plain, "w0").fingerprint == trainer.accepted_fingerprint
+    # The rollouts on bf16 without the knob: a foreign fingerprint, refused by the trainer.
+    other = services.make_worker(_cfg(tmp_path, recipe="bf16"), "w0")
+    assert other.fingerprint != trainer.accepted_fingerprint
+    # Named: the trainer publishes bf16 and accepts it, trains int4 QAT, and says so.
+    knob = _cfg(tmp_path, recipe="int4_qat", rollout_recipe="bf16")
+    assert knob.contract_breaking
+    broken = services.make_trainer(knob, tmp_path / "b")
+    assert broken.fingerprint == trainer.fingerprint  # trains (and checkpoints) as int4 QAT
+    assert broken.accepted_fingerprint == other.fingerprint == services.make_worker(knob, "w0").fingerprint
+    assert broken.contract_breaking and broken.rollout_recipe.name == "bf16"
+    # Naming the run's own recipe is no ablation.
+    same = _cfg(tmp_path, recipe="int4_qat", rollout_recipe="int4_qat")
+    assert not same.contract_breaking
+    assert services.make_trainer(same, tmp_path / "c").accepted_fingerprint == trainer.fingerprint
+
+
+def test_keep_bf16_overrides_the_recipe(tmp_path):
+    cfg = _cfg(tmp_path, recipe="nvfp4_moe")
+    base = services.load_recipe(cfg, "nvfp4_moe")
+    assert base.keep_bf16_last_fraction == 0.15
+    first = services.load_recipe(run_config.load(None, ["keep_bf16.last_fraction=0", "keep_bf16.first=1"]), "nvfp4_moe")
+    assert (first.keep_bf16_last_fraction, first.keep_bf16_first) == (0.0, 1)
+    assert first.name == base.name and first.fingerprint() != base.fingerprint()
+    with pytest.raises(ValueError, match="keep_bf16.last_fraction=2"):
+        run_config.load(None, ["keep_bf16.last_fraction=2"])
