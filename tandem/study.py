@@ -233,10 +233,10 @@ def cpu_shares(jobs: int, cpus: list[int] | None = None) -> list[list[int]]:
 
 
 def run_state(run_dir: Path) -> str:
-    """'done', 'interrupted' (a folder without done.json) or 'new'."""
+    """'done' (done.json), 'interrupted' (`tandem run` started there: its config.yaml) or 'new'."""
     if (run_dir / "done.json").is_file():
         return "done"
-    return "interrupted" if run_dir.exists() else "new"
+    return "interrupted" if (run_dir / "config.yaml").is_file() else "new"
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -272,9 +272,12 @@ class _Job:
         return min(1.0, _steps_done(self.run_dir) / self.max_steps)
 
     def finish(self, rc: int) -> None:
+        from .study_report import commit
+
         end = time.time()
+        attempt = {"start": self.started, "end": end, "rc": rc, "cpus": self.cpus, "commit": commit()}
         with open(self.run_dir / "attempts.jsonl", "a") as f:
-            f.write(json.dumps({"start": self.started, "end": end, "rc": rc, "cpus": self.cpus}) + "\n")
+            f.write(json.dumps(attempt) + "\n")
         if rc == 0 and _steps_done(self.run_dir) >= self.max_steps:
             wall = sum(a["end"] - a["start"] for a in read_jsonl(self.run_dir / "attempts.jsonl"))
             (self.run_dir / "done.json").write_text(json.dumps({"wall_time_s": wall, "finished": end}) + "\n")

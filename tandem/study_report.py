@@ -285,6 +285,8 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
                     ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
                 ax.set_xlabel("max_staleness")
                 ax.set_ylabel(ylabel)
+                if key.startswith("logp_abs_diff"):  # the quantization part can be 1e-7 beside 1e-1
+                    ax.set_yscale("symlog", linthresh=1e-7)
                 ax.set_title(key)
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=6)
@@ -350,6 +352,15 @@ def commit() -> str:
     return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
+def run_commits(runs: list[StudyRun], out: Path) -> list[str]:
+    """The commits the runs' attempts ran at (attempts.jsonl), in order of first use."""
+    seen: dict[str, None] = {}
+    for r in runs:
+        for a in read_jsonl(out / (r.alias_of or r.name) / "attempts.jsonl"):
+            seen.setdefault(a.get("commit", "unknown"), None)
+    return list(seen) or ["none recorded"]
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -382,7 +393,8 @@ def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | N
         "",
         f"- Written {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `tandem study`.",
         f"- Command: `{cmd}`",
-        f"- Commit: `{commit()}`",
+        f"- Commit writing this report: `{commit()}`; the runs ran at: "
+        + ", ".join(f"`{c}`" for c in run_commits(runs, out)),
         f"- Machine: {machine()}",
         f"- Runs: {len(rows)} ({sum(r['status'].startswith('done') for r in rows)} finished).",
     ]
