@@ -132,7 +132,12 @@ def test_study_runs_resumes_and_reports(tmp_path):
 
     report = (out / "report.md").read_text()
     assert "Contract-breaking ablations" in report and "int4-train_bf16-rollout" in report
-    assert "Commit:" in report and "Machine:" in report and "```yaml" in report
+    assert (
+        "Commit writing this report" in report
+        and "the runs ran at: `" in report
+        and "Machine:" in report
+        and "```yaml" in report
+    )
     for png in ("reward_curves.png", "mismatch_vs_staleness.png", "kl_vs_staleness.png", "dropped_vs_staleness.png"):
         assert (out / png).stat().st_size > 1000 and f"]({png})" in report
     assert "| int4_qat |" in report.split("## Figures")[0]  # the table against bf16 has the int4 rows
