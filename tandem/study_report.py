@@ -33,6 +33,8 @@ from .study import Study, StudyRun, read_jsonl, run_state
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
 MISMATCH_KEYS = ("logp_abs_diff", "logp_abs_diff_quant", "logp_abs_diff_stale", "kl_k3")
+# The config keys of the staleness bound and the seed (summary columns `max_staleness` and `seed`).
+STALENESS_KEY, SEED_KEY = "max_staleness", "seed"
 # Keys that set the precision of a run: the bf16 baseline of a run differs from it in these only.
 PRECISION_KEYS = ("recipe", "rollout_recipe", "keep_bf16", "trainer.backward")
 SUMMARY_TAIL = (
@@ -99,8 +101,8 @@ def summarize_run(run: StudyRun, run_dir: Path) -> dict:
         "recipe": resolved.recipe,
         "rollout_recipe": resolved.rollout_recipe or resolved.recipe,
         "contract_breaking": resolved.contract_breaking,
-        "max_staleness": resolved.max_staleness,
-        "seed": resolved.seed,
+        "max_staleness": _get(resolved.to_dict(), STALENESS_KEY),
+        "seed": _get(resolved.to_dict(), SEED_KEY),
         "status": "done" if done else ("partial" if rows else "missing"),
         "steps": len(rows),
         "folder": run_dir.name,
@@ -127,11 +129,8 @@ def summary_columns(runs: list[StudyRun]) -> list[str]:
     """name, recipe, rollout_recipe, contract_breaking, every other key of the study, the numbers."""
     keys: list[str] = []
     for r in runs:
-        keys += [k for k in r.keys if k not in keys and k not in ("recipe", "rollout_recipe")]
-    for k in ("max_staleness", "seed"):
-        if k not in keys:
-            keys.append(k)
-    return ["name", "recipe", "rollout_recipe", "contract_breaking", *keys, *SUMMARY_TAIL]
+        keys += [k for k in r.keys if k not in keys and k not in ("recipe", "rollout_recipe", STALENESS_KEY, SEED_KEY)]
+    return ["name", "recipe", "rollout_recipe", "contract_breaking", "max_staleness", "seed", *keys, *SUMMARY_TAIL]
 
 
 def summary_rows(runs: list[StudyRun], out: Path) -> list[dict]:
@@ -140,7 +139,8 @@ def summary_rows(runs: list[StudyRun], out: Path) -> list[dict]:
         row = summarize_run(r, out / (r.alias_of or r.name))
         row["name"] = r.name
         for k in r.keys:
-            row.setdefault(k, _get(r.config, k))
+            if k not in (STALENESS_KEY, SEED_KEY):
+                row.setdefault(k, _get(r.config, k))
         if r.alias_of:
             row["status"] += f" (same run as {r.alias_of})"
         rows.append(row)
@@ -160,7 +160,7 @@ def _baseline_key(run: StudyRun) -> str:
 
 def group_label(run: StudyRun) -> str:
     """Seeds of one setting share a label: the run's keys without `seed`."""
-    keys = {k: v for k, v in run.keys.items() if k != "seed"}
+    keys = {k: v for k, v in run.keys.items() if k != SEED_KEY}
     if run.named:
         return run.name
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in keys.items()) or run.name
@@ -265,7 +265,7 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
             for run, row in members:
                 if run.named:
                     continue
-                other = {k: v for k, v in run.keys.items() if k not in ("seed", "max_staleness", "recipe")}
+                other = {k: v for k, v in run.keys.items() if k not in (SEED_KEY, STALENESS_KEY, "recipe")}
                 label = panel + ("".join(f", {k.rsplit('.', 1)[-1]}={v}" for k, v in other.items()))
                 series.setdefault(label, {}).setdefault(row["max_staleness"], []).append(row)
     if series:

@@ -131,6 +131,11 @@ class Trainer:
             f"policy server on {self.server.address}; metrics in {self.metrics.path}"
             + (f" and on Prometheus port {self.metrics.port}" if self.metrics.port else "")
         )
+        if self.contract_breaking:
+            self.log(
+                f"contract-breaking ablation (rollout_recipe): training under {self.recipe.name}, publishing and "
+                f"accepting {self.rollout_recipe.name} (fingerprint {self.accepted_fingerprint[:12]})"
+            )
         try:
             await self._restore_or_warm_start()
             await self._publish()

@@ -19,6 +19,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    import sys
     from pathlib import Path
 
     from tandem.study import load_study, run_study
@@ -30,9 +31,11 @@ def main(args) -> int:
         study = load_study(args.config, args.overrides)
         out = Path(args.out or Path("runs") / f"study-{study.name}")
         if args.report_only:
+            if not out.is_dir():
+                raise ValueError(f"--report-only: no study folder {out}")
             print(f"[study] report {write_report(study, study.expand(), out)}")
             return 0
         return run_study(study, out, jobs=args.jobs)
     except ValueError as e:
-        print(f"tandem study: {e}")
+        print(f"tandem study: {e}", file=sys.stderr)
         return 2

@@ -182,3 +182,73 @@ def test_keep_bf16_overrides_the_recipe(tmp_path):
     assert first.name == base.name and first.fingerprint() != base.fingerprint()
     with pytest.raises(ValueError, match="keep_bf16.last_fraction=2"):
         run_config.load(None, ["keep_bf16.last_fraction=2"])
+
+
+# ------------------------------------------------------------------ the report from run folders
+
+
+def _fake_run(run_dir, rewards, *, quant=0.0, stale=0.0, dropped=0, breaking=False):
+    """A finished run folder as `tandem study` leaves it (metrics rows with the fields the report reads)."""
+    import json
+
+    run_dir.mkdir(parents=True)
+    rows = [
+        {
+            "step": i + 1,
+            "reward_mean": r,
+            "logp_abs_diff": quant + stale,
+            "logp_abs_diff_quant": quant,
+            "logp_abs_diff_stale": stale,
+            "kl_k3": 0.001,
+            "staleness_mean": 1.0,
+            "dropped_stale": dropped,
+            "samples": 10,
+            "grad_norm": 1.0,
+            "contract_breaking": breaking,
+        }
+        for i, r in enumerate(rewards)
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "attempts.jsonl").write_text(json.dumps({"start": 0.0, "end": 12.5, "rc": 0, "commit": "abc"}) + "\n")
+    (run_dir / "done.json").write_text("{}\n")
+
+
+def test_report_pairs_seeds_against_bf16(tmp_path):
+    import csv
+
+    from tandem.study_report import write_report
+
+    p = _study(
+        tmp_path,
+        {
+            "grid": {"recipe": ["bf16", "int4_qat"], "seed": [0, 1, 2]},
+            "runs": {"knob": {"recipe": "int4_qat", "rollout_recipe": "bf16"}},
+        },
+    )
+    study = load_study(p, ["trainer.max_steps=10"])
+    runs = study.expand()
+    out = tmp_path / "out"
+    # final rewards (last step of 10): bf16 0.5, 0.6, 0.7; int4 0.4, 0.6, 0.5 -> diffs -0.1, 0, -0.2
+    finals = {"recipe-bf16__seed-0": 0.5, "recipe-bf16__seed-1": 0.6, "recipe-bf16__seed-2": 0.7}
+    finals |= {"recipe-int4_qat__seed-0": 0.4, "recipe-int4_qat__seed-1": 0.6, "recipe-int4_qat__seed-2": 0.5}
+    for name, final in finals.items():
+        _fake_run(out / name, [0.1] * 9 + [final], stale=0.05, dropped=10 if "bf16" in name else 0)
+    _fake_run(out / "knob", [0.1] * 9 + [0.3], quant=0.02, breaking=True)
+    write_report(study, runs, out, command="tandem study s.yaml")
+    with open(out / "summary.csv") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    assert float(rows["recipe-int4_qat__seed-1"]["final_reward"]) == 0.6
+    assert math.isclose(float(rows["recipe-int4_qat__seed-1"]["reward_change"]), 0.5)
+    assert math.isclose(float(rows["recipe-bf16__seed-0"]["dropped_stale_frac"]), 10 / 110)
+    assert rows["knob"]["contract_breaking"] == "True" and rows["knob"]["rollout_recipe"] == "bf16"
+    assert float(rows["knob"]["wall_time_s"]) == 12.5
+    report = (out / "report.md").read_text()
+    # int4 vs bf16 over 3 paired seeds: mean -0.1, sd 0.1, half-width 4.303 * 0.1 / sqrt(3) = 0.248
+    line = next(ln for ln in report.splitlines() if ln.startswith("| recipe=int4_qat |"))
+    assert "| 3 | 0.5 | 0.6 | -0.1 | ±0.248 |" in line
+    line = next(ln for ln in report.splitlines() if ln.startswith("| knob |"))
+    assert "bf16 (contract broken)" in line and "n/a (1 seed)" in line and "recipe-bf16__seed-0" in line
+    assert "Contract-breaking ablations** (trainer and rollouts on different recipes" in report
+    assert "the runs ran at: `abc`" in report
+    for png in ("reward_curves.png", "mismatch_named_runs.png"):
+        assert (out / png).stat().st_size > 1000
