@@ -11,8 +11,9 @@ Loop (one group at a time):
 SIGTERM sets a flag: the group in progress is finished and committed, then the worker exits
 (a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
 
-Simplified: generation is the CPU KV-cache engine of policy.model with weights dequantized once
-per version (weight-only formats are exact after dequantization; GPU engines keep them packed).
+Simplified: generation is the CPU KV-cache engine of rollout/engine.py (the prompt prefilled
+once per group, its cache shared by the n samples) with weights dequantized once per version
+(weight-only formats are exact after dequantization; GPU engines keep them packed).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
-from policy.model import ModelConfig, Transformer, generate
+from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
 from .config import RolloutConfig
+from .engine import generate
 from .tasks import AdditionTask, CharTokenizer
 
 
@@ -186,7 +188,8 @@ class RolloutWorker:
         prompt = group.prompt_tokens.tolist()
         gen = generate(
             self.model,
-            [prompt] * n,
+            [prompt],
+            n_samples=n,
             max_new_tokens=self.task.max_answer_tokens,
             temperature=self.cfg.temperature,
             eos_id=self.tok.eos_id,
