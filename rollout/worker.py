@@ -40,7 +40,7 @@ from policy.recipe import Recipe
 
 from .config import RolloutConfig
 from .engine import generate
-from .tasks import AdditionTask, CharTokenizer
+from .tasks import Task
 
 
 class RolloutWorker:
@@ -54,14 +54,13 @@ class RolloutWorker:
         model_config: ModelConfig,
         recipe: Recipe,
         max_staleness: int,
-        task: AdditionTask,
-        tokenizer: CharTokenizer,
+        task: Task,
         log: Callable[[str], None] = print,
     ):
         self.cfg, self.worker_id, self.max_staleness, self.log = cfg, worker_id, max_staleness, log
         self.keys = Keys(run_id=run_id)
         self.redis_url = redis_url
-        self.task, self.tok = task, tokenizer
+        self.task = task
         self.recipe = recipe
         self.model = Transformer(model_config, seed=None)
         self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
@@ -190,10 +189,10 @@ class RolloutWorker:
             self.model,
             [prompt],
             n_samples=n,
-            max_new_tokens=self.task.max_answer_tokens,
+            max_new_tokens=self.task.max_new_tokens,
             temperature=self.cfg.temperature,
-            eos_id=self.tok.eos_id,
-            pad_id=self.tok.pad_id,
+            eos_id=self.task.tokenizer.eos_id,
+            pad_id=self.task.tokenizer.pad_id,
             seeds=[zlib.crc32(s.encode()) for s in sample_ids],
         )
         now = time.time()
@@ -209,7 +208,7 @@ class RolloutWorker:
                     prompt_tokens=np.asarray(prompt, dtype=np.int32),
                     completion_tokens=np.asarray(completion, dtype=np.int32),
                     behavior_logprobs=np.asarray(logps, dtype=np.float32),
-                    reward=self.task.score(self.tok, completion, group.task["answer"]),
+                    reward=self.task.score(completion, group.task),
                     policy_version=self.version,
                     contract_fingerprint=self.fingerprint,
                     worker_id=self.worker_id,

@@ -1,7 +1,7 @@
 """One YAML file per run plus `key=value` overrides -> one frozen, validated RunConfig.
 
 Each component owns its section's dataclass (`trainer.config.TrainerConfig`,
-`rollout.config.RolloutConfig`); this module only composes them, applies overrides
+`rollout.config.RolloutConfig`, `rollout.tasks.TaskConfig`); this module only composes them, applies overrides
 (`trainer.max_steps=20`, `model.dim=64`; values parse as YAML scalars) and rejects unknown
 keys by their full dotted path, so a typo never silently falls back to a default.
 """
@@ -20,6 +20,7 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 import yaml
 
 from rollout.config import RolloutConfig
+from rollout.tasks import TaskConfig
 from trainer.config import TrainerConfig
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -34,16 +35,6 @@ class ModelSection:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TaskSection:
-    name: str = "addition"
-    digits: int = 1
-
-    def __post_init__(self):
-        if self.name != "addition":
-            raise ValueError(f"task.name={self.name!r}: the built-in task is 'addition'")
-
-
-@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     run_id: str = "demo"
     redis_url: str = ""  # empty: `tandem run` starts a private redis-server
@@ -54,7 +45,7 @@ class RunConfig:
     # rollout never starts a group with a policy already this far behind.
     max_staleness: int = 2
     model: ModelSection = field(default_factory=ModelSection)
-    task: TaskSection = field(default_factory=TaskSection)
+    task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.tasks import AdditionTask, CharTokenizer
+from rollout.tasks import AdditionTask, CharTokenizer, Task, TaskConfig, make_task
 from tandem import config
 
 
@@ -51,9 +51,9 @@ def test_tokenizer_and_verifier():
     with pytest.raises(ValueError, match=r"outside the vocabulary: \['x'\]"):
         tok.encode("1x2")
     task = AdditionTask(digits=2)
-    assert task.score(tok, tok.encode("19", eos=True), "19") == 1.0
-    assert task.score(tok, tok.encode("19"), "19") == 0.0  # no <eos>: not a finished answer
-    assert task.score(tok, tok.encode("18", eos=True), "19") == 0.0
+    assert task.score(tok.encode("19", eos=True), {"answer": "19"}) == 1.0
+    assert task.score(tok.encode("19"), {"answer": "19"}) == 0.0  # no <eos>: not a finished answer
+    assert task.score(tok.encode("18", eos=True), {"answer": "19"}) == 0.0
     import random
 
     p, a = task.sample(random.Random(0))
@@ -61,3 +61,28 @@ def test_tokenizer_and_verifier():
     assert int(x) + int(y) == int(a)
     with pytest.raises(ValueError, match="digits=0"):
         AdditionTask(digits=0)
+
+
+def not_a_task(cfg, *, seed):
+    return object()
+
+
+def test_tasks_are_plugins_selected_by_name():
+    """A built-in by name and a user's module:attr factory give the same task; prompts are a pure
+    function of (seed, index) and carry what the verifier needs."""
+    built_in = make_task(TaskConfig(name="addition", digits=2), seed=3)
+    plugin = make_task(TaskConfig(name="rollout.tasks:make_addition", digits=2), seed=3)
+    assert isinstance(built_in, Task) and built_in.max_new_tokens == 4
+    p, q = built_in.prompt(7), plugin.prompt(7)
+    assert p == q and p != built_in.prompt(8)
+    assert make_task(TaskConfig(digits=2), seed=4).prompt(7) != p  # the seed matters
+    text = built_in.tokenizer.decode(p.tokens)
+    a, b = text.rstrip("=").split("+")
+    assert str(int(a) + int(b)) == p.fields["answer"]
+    assert built_in.score(p.reference, p.fields) == 1.0
+    with pytest.raises(ValueError, match="task.name='no_such_module:f': cannot load"):
+        make_task(TaskConfig(name="no_such_module:f"), seed=0)
+    with pytest.raises(ValueError, match="factory.*failed"):
+        make_task(TaskConfig(name="rollout.tasks:TaskConfig"), seed=0)
+    with pytest.raises(ValueError, match="returned object, not a Task"):
+        make_task(TaskConfig(name="test_run_config:not_a_task"), seed=0)
