@@ -44,6 +44,7 @@ import grpc
 import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from broker.tls import ServerTLS
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
@@ -66,7 +67,7 @@ _DATA_FIELD_TAG = bytes([(15 << 3) | 2])  # TensorChunk.data: field 15, length-d
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyServerConfig:
-    """`port=0` picks a free port. TLS: set cert + key; add a client CA to require client certs (mTLS)."""
+    """`port=0` picks a free port. TLS: `tls=ServerTLS(cert=, key=)`; add `client_ca` to require client certs (mTLS)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -76,9 +77,7 @@ class PolicyServerConfig:
     max_send_message_bytes: int = MAX_MANIFEST_BYTES + (1 << 20)
     max_tensor_names: int = 1 << 16
     shard_layouts_per_version: int = 16
-    tls_cert_chain_path: str | None = None
-    tls_private_key_path: str | None = None
-    tls_client_ca_path: str | None = None
+    tls: ServerTLS = field(default_factory=ServerTLS)
     use_uvloop: bool = True
     start_timeout_s: float = 30.0
     stop_grace_s: float = 2.0
@@ -111,14 +110,7 @@ class PolicyServerConfig:
             )
         if isinstance(self.max_send_message_bytes, int) and self.max_send_message_bytes < (2 << 20):
             bad.append(f"max_send_message_bytes={self.max_send_message_bytes} must be >= 2 MiB (1 MiB chunks)")
-        if (self.tls_cert_chain_path is None) != (self.tls_private_key_path is None):
-            bad.append("tls_cert_chain_path and tls_private_key_path must be set together")
-        if self.tls_client_ca_path is not None and self.tls_cert_chain_path is None:
-            bad.append("tls_client_ca_path (mTLS) needs tls_cert_chain_path and tls_private_key_path")
-        for name in ("tls_cert_chain_path", "tls_private_key_path", "tls_client_ca_path"):
-            v = getattr(self, name)
-            if v is not None and not Path(v).is_file():
-                bad.append(f"{name}={v!r} is not a file")
+        bad += self.tls.missing_files()
         for name in ("start_timeout_s", "stop_grace_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -373,11 +365,11 @@ class PolicyServer:
         await self._health.set("", status)
         await self._health.set(SERVICE_NAME, status)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert_chain_path:
+        if cfg.tls.enabled:
             creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_private_key_path).read_bytes(), Path(cfg.tls_cert_chain_path).read_bytes())],
-                root_certificates=Path(cfg.tls_client_ca_path).read_bytes() if cfg.tls_client_ca_path else None,
-                require_client_auth=cfg.tls_client_ca_path is not None,
+                [(Path(cfg.tls.key).read_bytes(), Path(cfg.tls.cert).read_bytes())],
+                root_certificates=Path(cfg.tls.client_ca).read_bytes() if cfg.tls.client_ca else None,
+                require_client_auth=bool(cfg.tls.client_ca),
             )
             port = server.add_secure_port(address, creds)
         else:
@@ -386,9 +378,7 @@ class PolicyServer:
             raise OSError(f"could not bind {address}")
         await server.start()
         self._server, self._port = server, port
-        log.info(
-            "policy server listening on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_chain_path else "plaintext"
-        )
+        log.info("policy server listening on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls.enabled else "plaintext")
         ready.set()
         await self._stopping.wait()
         await self._health.enter_graceful_shutdown()

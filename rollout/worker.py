@@ -35,6 +35,7 @@ from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
+from policy.loop import AsyncConfig
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
@@ -53,11 +54,12 @@ class RolloutWorker:
         worker_id: str,
         model_config: ModelConfig,
         recipe: Recipe,
-        max_staleness: int,
+        loop: AsyncConfig,
         task: Task,
         log: Callable[[str], None] = print,
     ):
-        self.cfg, self.worker_id, self.max_staleness, self.log = cfg, worker_id, max_staleness, log
+        self.cfg, self.worker_id, self.loop, self.log = cfg, worker_id, loop, log
+        self.max_staleness = loop.max_staleness
         self.keys = Keys(run_id=run_id)
         self.redis_url = redis_url
         self.task = task
@@ -69,9 +71,9 @@ class RolloutWorker:
         self.groups_done = 0
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
-        self.health = HealthServer(port=cfg.health_port, service=ROLLOUT_HEALTH)
-        if cfg.client_tls()["tls_root_ca_path"]:  # missing TLS files: fail at start, not at every fetch
-            PolicyClientConfig(address="tls-files-check:1", **cfg.client_tls())
+        self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH)
+        if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
+            PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -165,7 +167,7 @@ class RolloutWorker:
                 address=pointer.address,
                 expected_fingerprint=self.fingerprint,
                 fetch_timeout_s=self.cfg.fetch_timeout_s,
-                **self.cfg.client_tls(),
+                tls=self.cfg.tls,
             )
             with PolicyClient(cfg) as client:
                 return client.fetch(pointer.version)
@@ -190,7 +192,7 @@ class RolloutWorker:
             [prompt],
             n_samples=n,
             max_new_tokens=self.task.max_new_tokens,
-            temperature=self.cfg.temperature,
+            temperature=self.loop.temperature,
             eos_id=self.task.tokenizer.eos_id,
             pad_id=self.task.tokenizer.pad_id,
             seeds=[zlib.crc32(s.encode()) for s in sample_ids],

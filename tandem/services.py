@@ -24,7 +24,7 @@ from .config import RunConfig
 
 
 def task_and_model(cfg: RunConfig) -> tuple[Task, ModelConfig, Recipe]:
-    task = make_task(cfg.task, seed=cfg.seed)
+    task = make_task(cfg.task, seed=cfg.loop.seed)
     overrides = {"max_seq_len": 64, **cfg.model.overrides, "vocab_size": task.tokenizer.vocab_size}
     return task, ModelConfig.preset(cfg.model.preset, **overrides), Recipe.load(cfg.recipe)
 
@@ -44,7 +44,7 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
             created_at=time.time(),
         )
 
-    warm_rng = random.Random(cfg.seed + 17)
+    warm_rng = random.Random(cfg.loop.seed + 17)
 
     def example():
         p = task.example(warm_rng)
@@ -56,10 +56,8 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         redis_url=cfg.redis_url,
         model_config=model_config,
         recipe=recipe,
-        max_staleness=cfg.max_staleness,
+        loop=cfg.loop,
         run_dir=run_dir,
-        seed=cfg.seed,
-        temperature=cfg.rollout.temperature,
         make_prompt=make_prompt,
         warm_start_example=example,
         pad_id=task.tokenizer.pad_id,
@@ -76,7 +74,7 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
         worker_id=worker_id,
         model_config=model_config,
         recipe=recipe,
-        max_staleness=cfg.max_staleness,
+        loop=cfg.loop,
         task=task,
         log=lambda s: print(f"[rollout] {s}", flush=True),
     )

@@ -32,6 +32,7 @@ from broker.registry import PolicyPointer, PolicyRegistry
 from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect
 from policy import manifest as mf
 from policy import qat
+from policy.loop import AsyncConfig
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
@@ -81,17 +82,17 @@ class Trainer:
         redis_url: str,
         model_config: ModelConfig,
         recipe: Recipe,
-        max_staleness: int,
+        loop: AsyncConfig,
         run_dir: str | Path,
-        seed: int,
-        temperature: float,
         make_prompt: Callable[[int], PromptGroup],
         warm_start_example: Callable[[], tuple[list[int], list[int]]],
         pad_id: int,
         log: Callable[[str], None] = print,
     ):
-        self.cfg, self.max_staleness, self.log = cfg, max_staleness, log
-        self.temperature = temperature  # the rollouts' sampling temperature: log-probs must match it
+        self.cfg, self.loop, self.log = cfg, loop, log
+        self.max_staleness = loop.max_staleness
+        self.temperature = loop.temperature  # the rollouts' sampling temperature: log-probs must match it
+        seed = loop.seed
         self.keys = Keys(run_id=run_id)
         self.redis_url = redis_url
         self.run_dir = Path(run_dir)
@@ -112,10 +113,10 @@ class Trainer:
         self._scratch_version: int | None = None
         self.server = PolicyServer(
             PolicyServerConfig(
-                host=cfg.grpc_host, port=cfg.grpc_port, keep_versions=max_staleness + 2, **cfg.server_tls()
+                host=cfg.grpc_host, port=cfg.grpc_port, keep_versions=self.max_staleness + 2, tls=cfg.tls
             )
         )
-        self.health = HealthServer(port=cfg.health_port, service=TRAINER_HEALTH)  # Kubernetes probes
+        self.health = HealthServer(port=cfg.health.port, service=TRAINER_HEALTH)  # Kubernetes probes
         self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
         self._stop = asyncio.Event()
         self._backlog = admission.Backlog()  # incomplete groups and surplus complete ones, between steps

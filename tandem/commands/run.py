@@ -6,10 +6,24 @@ from __future__ import annotations
 def add_arguments(p) -> None:
     p.add_argument("config", nargs="?", default="demo.yaml", help="YAML run config (default: configs/demo.yaml)")
     p.add_argument("--run-dir", help="run folder (default: runs/<run_id>-<time>)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.max_steps=10 max_staleness=0")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. trainer.max_steps=10 loop.max_staleness=0")
+    p.add_argument(
+        "--explain", metavar="KEY", help="print what a config key (or a section: all its keys) means, and exit"
+    )
 
 
 def main(args) -> int:
+    if args.explain is not None:
+        import sys
+
+        from tandem.config import explain
+
+        try:
+            print(explain(args.explain))
+        except ValueError as e:
+            print(f"tandem run --explain: {e}", file=sys.stderr)
+            return 2
+        return 0
     from tandem.launcher import run
 
     return run(args.config, args.run_dir, args.overrides)

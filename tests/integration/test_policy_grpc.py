@@ -13,6 +13,7 @@ from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts
 
 from broker.policy_client import ChecksumMismatch, FingerprintMismatch, PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
+from broker.tls import ClientTLS, ServerTLS
 from policy import manifest as M
 from policy import tp
 from policy.model import ModelConfig, parameter_shapes
@@ -413,12 +414,12 @@ def _self_signed(tmp_path):
 
 def test_tls_and_mtls_round_trip(tmp_path, policy, tensors):
     key, cert = _self_signed(tmp_path)
-    cfg = PolicyServerConfig(tls_cert_chain_path=cert, tls_private_key_path=key, tls_client_ca_path=cert)
+    cfg = PolicyServerConfig(tls=ServerTLS(cert=cert, key=key, client_ca=cert))
     with PolicyServer(cfg) as s:
         s.publish(policy)
-        with client(s, tls_root_ca_path=cert, tls_cert_chain_path=cert, tls_private_key_path=key) as c:
+        with client(s, tls=ClientTLS(ca=cert, cert=cert, key=key)) as c:
             assert_bitwise_equal(c.fetch().tensors, tensors)
-        with client(s, tls_root_ca_path=cert, call_timeout_s=1) as c:  # no client certificate: refused
+        with client(s, tls=ClientTLS(ca=cert), call_timeout_s=1) as c:  # no client certificate: refused
             with pytest.raises(grpc.RpcError) as e:
                 c.get_manifest()
             assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
