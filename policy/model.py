@@ -29,8 +29,6 @@ enough on CPU; GPU serving uses fused kernels elsewhere).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from policy.hashing import sha256_json
 
 __all__ = [
     "PRESETS",
@@ -147,9 +147,8 @@ class ModelConfig:
         return cls(**d)
 
     def fingerprint(self) -> str:
-        """sha256 hex of the canonical JSON (sorted keys, no spaces) of every field."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        """sha256 hex of the canonical JSON of every field (policy.hashing, as the manifest's)."""
+        return sha256_json(self.to_dict())
 
     @property
     def has_shared_expert(self) -> bool:

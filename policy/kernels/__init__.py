@@ -27,7 +27,6 @@ from policy.formats import int4 as _int4
 from policy.formats import mxfp8 as _mxfp8
 from policy.formats import nvfp4 as _nvfp4
 
-_BLOCKS = {"nvfp4": _nvfp4.BLOCK, "mxfp8": _mxfp8.BLOCK}
 NONFINITE_BITS = 0x7F800000
 
 
