@@ -26,7 +26,8 @@ requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL
 above the transport limit (`max_receive_message_bytes`) are refused by gRPC itself with
 RESOURCE_EXHAUSTED. Health (grpc.health.v1) reports NOT_SERVING until the first publish.
 
-Test hooks are named `testonly_*`; they do nothing unless a test calls them.
+Faults (corrupted chunks, dropped streams) are injected by the tests, from outside: a subclass that
+wraps the FetchTensors handler (tests/integration/test_policy_grpc.py) and a TCP proxy.
 """
 
 from __future__ import annotations
@@ -279,8 +280,6 @@ class PolicyServer:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-shard")
         self._port = 0
         self._counters = {"fetch_streams": 0, "chunks_sent": 0, "bytes_sent": 0, "rejected_requests": 0}
-        self._corrupt: dict[tuple[int, int, int, int], int] = {}
-        self._drop_after: list[int] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -449,31 +448,6 @@ class PolicyServer:
         with self._lock:
             return dict(self._counters)
 
-    # -- test hooks ---------------------------------------------------------------------------
-
-    def testonly_corrupt_chunk(
-        self, *, version: int, chunk_index: int, tp_rank: int = 0, tp_size: int = 1, times: int = 1
-    ) -> None:
-        """TEST ONLY: flip the last payload byte of this chunk the next `times` times it is sent."""
-        with self._lock:
-            self._corrupt[(version, chunk_index, tp_rank, tp_size)] = times
-
-    def testonly_drop_stream_after(self, n_chunks: int) -> None:
-        """TEST ONLY: end the next FetchTensors stream with UNAVAILABLE after `n_chunks` chunks."""
-        with self._lock:
-            self._drop_after.append(n_chunks)
-
-    def _take_corruption(self, key) -> bool:
-        with self._lock:
-            left = self._corrupt.get(key, 0)
-            if not left:
-                return False
-            if left == 1:
-                del self._corrupt[key]
-            else:
-                self._corrupt[key] = left - 1
-            return True
-
     # -- handlers -----------------------------------------------------------------------------
 
     def _parse(self, cls, request: bytes):
@@ -586,20 +560,13 @@ class PolicyServer:
             return
         with self._lock:
             self._counters["fetch_streams"] += 1
-            drop_after = self._drop_after.pop(0) if self._drop_after else None
         sent = nbytes = 0
         try:
             for pos in positions:
                 msg = layout.messages[pos]
-                if self._corrupt and self._take_corruption((v.version, layout.indices[pos], req.tp_rank, tp_size)):
-                    corrupted = bytearray(msg)
-                    corrupted[-1] ^= 0xFF
-                    msg = bytes(corrupted)
-                yield msg
-                sent += 1
+                sent += 1  # counted when handed to gRPC
                 nbytes += len(msg)
-                if drop_after is not None and sent >= drop_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "testonly: stream dropped")
+                yield msg
         finally:
             with self._lock:
                 self._counters["chunks_sent"] += sent
