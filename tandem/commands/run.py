@@ -13,17 +13,18 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    if args.explain is not None:
-        import sys
+    import sys
 
-        from tandem.config import explain
+    from tandem import config
 
-        try:
-            print(explain(args.explain))
-        except ValueError as e:
-            print(f"tandem run --explain: {e}", file=sys.stderr)
-            return 2
-        return 0
+    try:
+        if args.explain is not None:
+            print(config.explain(args.explain))
+            return 0
+        config.load(args.config, args.overrides)  # a bad config: one line, exit 2 (the launcher loads it again)
+    except (ValueError, OSError) as e:
+        print(f"tandem run: {e}", file=sys.stderr)
+        return 2
     from tandem.launcher import run
 
     return run(args.config, args.run_dir, args.overrides)

@@ -62,6 +62,10 @@ def test_explain_shows_attribute_docstrings_and_unknown_keys_say_what_they_meant
     assert main(["run", "--explain", "loop.temp"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did you mean loop.temperature" in err
+    # A config key that moved: one line naming where it went, exit 2, nothing started.
+    assert main(["run", "demo.yaml", "max_staleness=0", "--run-dir", "/nonexistent/never-created"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean loop.max_staleness" in err
 
 
 def test_env_overrides(monkeypatch):
