@@ -9,12 +9,12 @@ A study config (YAML; configs/study/*.yaml):
       trainer.max_steps: 100
     grid:                        # every combination of these config keys' values is one run
       recipe: [bf16, int4_qat, nvfp4_moe]
-      max_staleness: [0, 1, 2, 4, 8]
-      seed: [0, 1, 2]
+      loop.max_staleness: [0, 1, 2, 4, 8]
+      loop.seed: [0, 1, 2]
     runs:                        # named extra runs: overrides on top of base + set
       int4-train_bf16-rollout: {recipe: int4_qat, rollout_recipe: bf16}
 
-A grid run is named by its grid values (`recipe-bf16__max_staleness-0__seed-0`); a named run by its
+A grid run is named by its grid values, the last part of each key (`recipe-bf16__max_staleness-0__seed-0`); a named run by its
 key. Runs whose resolved configs are equal run once: the later name is an alias of the first (its
 summary row reads the same folder). Each run is `tandem run` in DIR/<name>/ (logs in
 DIR/<name>/launcher.log); `--jobs N` runs N at a time, each pinned to its share of this process's

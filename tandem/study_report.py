@@ -34,7 +34,7 @@ T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
 MISMATCH_KEYS = ("logp_abs_diff", "logp_abs_diff_quant", "logp_abs_diff_stale", "kl_k3")
 # The config keys of the staleness bound and the seed (summary columns `max_staleness` and `seed`).
-STALENESS_KEY, SEED_KEY = "max_staleness", "seed"
+STALENESS_KEY, SEED_KEY = "loop.max_staleness", "loop.seed"
 # Keys that set the precision of a run: the bf16 baseline of a run differs from it in these only.
 PRECISION_KEYS = ("recipe", "rollout_recipe", "keep_bf16", "trainer.backward")
 SUMMARY_TAIL = (

@@ -51,8 +51,8 @@ def _study(tmp: Path) -> Path:
         "name": "tiny",
         "description": "a 2x2 grid of tiny runs",
         "base": "base.yaml",
-        "grid": {"recipe": ["bf16", "int4_qat"], "max_staleness": [0, 1]},
-        "runs": {"int4-train_bf16-rollout": {"recipe": "int4_qat", "rollout_recipe": "bf16", "max_staleness": 1}},
+        "grid": {"recipe": ["bf16", "int4_qat"], "loop.max_staleness": [0, 1]},
+        "runs": {"int4-train_bf16-rollout": {"recipe": "int4_qat", "rollout_recipe": "bf16", "loop.max_staleness": 1}},
     }
     (tmp / "study.yaml").write_text(yaml.safe_dump(study, sort_keys=False))
     return tmp / "study.yaml"

@@ -18,7 +18,7 @@ TINY = {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_
 
 def _study(tmp_path, body: dict, name="s.yaml"):
     p = tmp_path / name
-    p.write_text(yaml.safe_dump(body))
+    p.write_text(yaml.safe_dump(body, sort_keys=False))
     return p
 
 
@@ -41,14 +41,14 @@ def test_grid_expands_in_order_with_names_then_named_runs(tmp_path):
         "knob",
     ]
     assert runs[1].config["trainer"] == {**runs[1].config["trainer"], "backward": "dequant", "max_steps": 7}
-    assert runs[1].config["max_staleness"] == 2  # from configs/demo.yaml
+    assert runs[1].config["loop"]["max_staleness"] == 2  # from configs/demo.yaml
     assert runs[4].keys == {"recipe": "int4_qat", "rollout_recipe": "bf16"} and runs[4].named
     # The knob run is no alias; nothing else is equal either.
     assert [r.alias_of for r in runs] == [None] * 5
 
 
 def test_equal_resolved_configs_run_once(tmp_path):
-    p = _study(tmp_path, {"grid": {"max_staleness": [1, 2]}, "runs": {"same": {"max_staleness": 2}}})
+    p = _study(tmp_path, {"grid": {"loop.max_staleness": [1, 2]}, "runs": {"same": {"loop": {"max_staleness": 2}}}})
     runs = load_study(p).expand()
     assert runs[-1].alias_of == "max_staleness-2"
 
@@ -56,13 +56,13 @@ def test_equal_resolved_configs_run_once(tmp_path):
 def test_overrides_of_the_study(tmp_path):
     p = _study(
         tmp_path,
-        {"grid": {"seed": [0, 1, 2], "recipe": ["bf16"]}, "runs": {"a": {"seed": 5}, "b": {"seed": 6}}},
+        {"grid": {"loop.seed": [0, 1, 2], "recipe": ["bf16"]}, "runs": {"a": {"loop.seed": 5}, "b": {"loop.seed": 6}}},
     )
-    s = load_study(p, ["grid.seed=[0]", "runs=[b]", "trainer.max_steps=3"])
-    assert s.grid == {"seed": [0], "recipe": ["bf16"]} and list(s.runs) == ["b"]
+    s = load_study(p, ["grid.loop.seed=[0]", "runs=[b]", "trainer.max_steps=3"])
+    assert s.grid == {"loop.seed": [0], "recipe": ["bf16"]} and list(s.runs) == ["b"]
     assert [r.config["trainer"]["max_steps"] for r in s.expand()] == [3, 3]
-    with pytest.raises(ValueError, match="seed is a grid key; write grid.seed"):
-        load_study(p, ["seed=3"])
+    with pytest.raises(ValueError, match="loop.seed is a grid key; write grid.loop.seed"):
+        load_study(p, ["loop.seed=3"])
     with pytest.raises(ValueError, match="no named run"):
         load_study(p, ["runs=[zzz]"])
 
@@ -71,7 +71,7 @@ def test_overrides_of_the_study(tmp_path):
     "body, match",
     [
         ({"gird": {}}, "unknown key"),
-        ({"grid": {"seed": []}}, "grid.seed must be a non-empty list"),
+        ({"grid": {"loop.seed": []}}, "grid.loop.seed must be a non-empty list"),
         ({"grid": {"trainer.max_stepz": [1]}}, "trainer.max_stepz"),
         ({"runs": {"x": {"recipe": "nope"}}}, "run x: .*nope"),
         ({"runs": {"x": {"rollout_recipe": "nope"}}}, "run x: .*nope"),
@@ -221,7 +221,7 @@ def test_report_pairs_seeds_against_bf16(tmp_path):
     p = _study(
         tmp_path,
         {
-            "grid": {"recipe": ["bf16", "int4_qat"], "seed": [0, 1, 2]},
+            "grid": {"recipe": ["bf16", "int4_qat"], "loop.seed": [0, 1, 2]},
             "runs": {"knob": {"recipe": "int4_qat", "rollout_recipe": "bf16"}},
         },
     )
