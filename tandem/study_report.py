@@ -215,6 +215,17 @@ def _panels(runs, rows):
     return out
 
 
+def _log_axis(ax, values: list[float]) -> None:
+    """A log axis (symlog when some value is 0: the staleness part at max_staleness 0)."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return
+    if len(positive) == len(values):
+        ax.set_yscale("log")
+    else:
+        ax.set_yscale("symlog", linthresh=min(positive) / 2)
+
+
 def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> list[Path]:
     import matplotlib
 
@@ -229,7 +240,9 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
     # Reward curves: one panel per recipe, one curve per setting, mean +- std over seeds.
     n = len(panels)
     cols = min(3, n)
-    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5.5 * cols, 3.8 * ((n + cols - 1) // cols)))
+    fig, axes = plt.subplots(
+        (n + cols - 1) // cols, cols, figsize=(5.5 * cols, 3.8 * ((n + cols - 1) // cols)), layout="constrained"
+    )
     axes = [axes] if n == 1 else list(getattr(axes, "flat", axes))
     for ax, (panel, groups) in zip(axes, panels.items()):
         for label, members in groups.items():
@@ -276,7 +289,7 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
             ("dropped_vs_staleness.png", ("dropped_stale_frac",), "fraction of samples dropped as stale"),
         )  # fmt: skip
         for fname, keys, ylabel in specs:
-            fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False)
+            fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False, layout="constrained")
             for ax, key in zip(axes[0], keys):
                 for label, by_s in series.items():
                     xs = sorted(by_s)
@@ -286,7 +299,7 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
                 ax.set_xlabel("max_staleness")
                 ax.set_ylabel(ylabel)
                 if key.startswith("logp_abs_diff"):  # the quantization part can be 1e-7 beside 1e-1
-                    ax.set_yscale("symlog", linthresh=1e-7)
+                    _log_axis(ax, [r[key] for by_s in series.values() for rs in by_s.values() for r in rs])
                 ax.set_title(key)
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=6)
@@ -312,6 +325,7 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
             fontsize=7,
         )
         ax.set_ylabel("mean |Δ log p| per token")
+        _log_axis(ax, [row[k] for _, row in named for k in ("logp_abs_diff_quant", "logp_abs_diff_stale")])
         ax.set_title(f"{study.name}: mismatch of the named runs")
         ax.grid(alpha=0.3, axis="y")
         ax.legend()
