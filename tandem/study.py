@@ -96,6 +96,11 @@ class Study:
         return out
 
 
+def command_line() -> str:
+    """This process's command line as a user typed it (`tandem study ...`)."""
+    return "tandem " + " ".join(sys.argv[1:])
+
+
 def grid_run_name(point: dict[str, Any]) -> str:
     """`{"recipe": "bf16", "trainer.backward": "hp"}` -> `recipe-bf16__backward-hp`."""
     return "__".join(f"{k.rsplit('.', 1)[-1]}-{re.sub(r'[^A-Za-z0-9._-]', '-', str(v))}" for k, v in point.items())
@@ -315,6 +320,8 @@ def run_study(
         if r.alias_of is None:
             prepare_run_dir(r, out / r.name)
     (out / "study.yaml").write_text(yaml.safe_dump(study.source, sort_keys=False))
+    with open(out / "commands.jsonl", "a") as f:  # every invocation that ran runs here, for the report
+        f.write(json.dumps({"time": time.time(), "command": command_line()}) + "\n")
     real = [r for r in runs if r.alias_of is None]
     todo = [r for r in real if run_state(out / r.name) != "done"]
     n_done0 = len(real) - len(todo)

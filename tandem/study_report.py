@@ -20,14 +20,13 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
 from . import config as run_config
-from .study import Study, StudyRun, read_jsonl, run_state
+from .study import Study, StudyRun, command_line, read_jsonl, run_state
 
 # Two-sided 95% quantiles of Student's t, t_{0.975, df} for df = 1..30 (above 30: 1.96 is within 4%).
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -399,14 +398,15 @@ def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | N
     vs = versus_bf16(runs, rows)
     base_cfg = run_config.dump(run_config._build(run_config.RunConfig, runs[0].config, ""))
     breaking = [r["name"] for r in rows if r["contract_breaking"]]
-    cmd = command or "tandem " + " ".join(sys.argv[1:])
+    cmd = command or command_line()
+    ran = list(dict.fromkeys(c["command"] for c in read_jsonl(out / "commands.jsonl"))) or ["none recorded"]
     lines = [
         f"# Study `{study.name}`",
         "",
         study.description,
         "",
         f"- Written {time.strftime('%Y-%m-%d %H:%M:%S %Z')} by `tandem study`.",
-        f"- Command: `{cmd}`",
+        f"- Command writing this report: `{cmd}`; the runs were run by: " + ", ".join(f"`{c}`" for c in ran),
         f"- Commit writing this report: `{commit()}`; the runs ran at: "
         + ", ".join(f"`{c}`" for c in run_commits(runs, out)),
         f"- Machine: {machine()}",
