@@ -368,7 +368,9 @@ class ShardWriter:
         nbytes = t.numel() * t.element_size()
         if self.shard and self.shard_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self.shard[name] = t.contiguous()
+        t = t.contiguous()
+        # A view (gate or up rows of a fused tensor) is copied: safetensors refuses tensors sharing memory.
+        self.shard[name] = t.clone() if t._base is not None else t
         self.shard_bytes += nbytes
         self.total_bytes += nbytes
 
