@@ -42,6 +42,7 @@ __all__ = [
     "hf_names",
     "iter_hf",
     "load_hf",
+    "load_hf_into",
     "read_config",
     "read_shapes",
     "save_hf",
@@ -348,6 +349,23 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Hugging Face qwen3 / qwen3_moe folder: (ModelConfig, canonical name -> tensor)."""
     cfg = read_config(path)
     return cfg, dict(iter_hf(path, cfg))
+
+
+@torch.no_grad()
+def load_hf_into(model, path: str | Path) -> None:
+    """Copy a Hugging Face folder's weights into `model` (a policy.model.Transformer of the same config)
+    one tensor at a time (cast to the parameter dtype): peak memory is the model plus one tensor."""
+    cfg = read_config(path)
+    if cfg != model.cfg:
+        raise ValueError(f"{path}: its config.json does not describe this model ({_differences(cfg, model.cfg)})")
+    params = dict(model.named_parameters())
+    for name, t in iter_hf(path, cfg):
+        params[name].copy_(t)
+
+
+def _differences(a: ModelConfig, b: ModelConfig) -> str:
+    da, db = a.to_dict(), b.to_dict()
+    return ", ".join(f"{k}: {da[k]!r} vs {db[k]!r}" for k in da if da[k] != db[k])
 
 
 class ShardWriter:

@@ -27,10 +27,13 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection:
-    """The model preset plus field overrides (e.g. {"n_layers": 2}); vocab comes from the task."""
+    """The model: a preset plus field overrides (e.g. {"n_layers": 2}; vocab comes from the task), or a
+    Hugging Face checkpoint folder whose config.json gives the architecture and whose weights start
+    training (then only `max_seq_len` may be overridden, and a preset, if given, must agree with it)."""
 
-    preset: str = "tiny"
+    preset: str = ""  # empty: "tiny" (without a checkpoint)
     overrides: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str = ""  # a Hugging Face folder (config.json + safetensors), qwen3 or qwen3_moe
 
 
 @dataclass(frozen=True, kw_only=True)
