@@ -88,3 +88,10 @@ def test_import_hf_plans_without_loading(tmp_path):
     cfgfile.write_text(json.dumps({**json.loads(cfgfile.read_text()), "use_sliding_window": True}))
     r = tandem("import-hf", str(tmp_path / "m"), "--recipe", "int4_qat")
     assert r.returncode == 2 and "use_sliding_window" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_plan_says_a_dense_model_is_all_bf16_under_nvfp4_moe():
+    r = tandem("plan", "nvfp4_moe", "--model", "tiny-dense")
+    assert r.returncode == 0 and "leaves every parameter of this model in bf16 (a dense model" in r.stdout
+    r = tandem("plan", "int4_qat", "--model", "tiny-dense")
+    assert "int4/group" in r.stdout and "leaves every parameter" not in r.stdout

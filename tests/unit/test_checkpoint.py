@@ -228,3 +228,22 @@ def test_qat_and_packed_weights_agree_on_a_tied_dense_model(recipe):
     out = probe_mismatch(model, Recipe.load(recipe), _tokens(4) % cfg.vocab_size)
     assert out["weights_bitwise_equal"]
     assert out["pairs"]["bf16~qat"]["mean_abs_dlogp"] > 0  # the dense MLPs really are quantized
+
+
+def test_model_checkpoint_in_the_run_config(tmp_path):
+    from tandem.config import ModelSection
+    from tandem.services import model_config_for
+
+    _hf_model("dense", DENSE_SHAPES[0]).save_pretrained(tmp_path)
+    cfg = model_config_for(ModelSection(checkpoint=str(tmp_path)), vocab_size=50)
+    assert cfg == read_config(tmp_path) and cfg.vocab_size == 67  # the checkpoint's vocab, not the tokenizer's
+    assert model_config_for(ModelSection(checkpoint=str(tmp_path), overrides={"max_seq_len": 64}), 50).max_seq_len == 64
+    with pytest.raises(ValueError, match=r"model.overrides \['dim'\]"):
+        model_config_for(ModelSection(checkpoint=str(tmp_path), overrides={"dim": 64}), 50)
+    with pytest.raises(ValueError, match="disagrees with model.checkpoint: vocab_size"):
+        model_config_for(ModelSection(checkpoint=str(tmp_path), preset="tiny-dense"), 50)
+    assert model_config_for(ModelSection(preset="tiny"), 15) == ModelConfig.preset(
+        "tiny", vocab_size=15, max_seq_len=64
+    )
+    with pytest.raises(ValueError, match="more than the checkpoint's vocab_size 67"):
+        model_config_for(ModelSection(checkpoint=str(tmp_path)), vocab_size=100)
