@@ -223,6 +223,8 @@ def export_policy(
             if is_linear:
                 ignore.append(module)
     writer.finish()
+    if cfg.tie_word_embeddings:
+        ignore.append("lm_head")  # the head is the (unquantized) embedding: engines must not expect scales
     qconfig, hf_quant = _quant_config(export_format, options, ignore)
     if hf_quant is not None:
         (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")

@@ -80,18 +80,20 @@ def test_train_from_a_hf_checkpoint_on_a_jsonl_task_and_export(tmp_path):
     version = metrics[-1]["policy_version"]
 
     for fmt in ("compressed-tensors", "hf"):
-        r = tandem("export", str(run_dir), "--format", fmt, "--out", str(tmp_path / fmt))
+        r = tandem("export", str(run_dir), "--format", fmt, "--out", str(tmp_path / f"out-{fmt}"))
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"exported version {version}" in r.stdout
     tokens = torch.randint(0, 366, (2, 7), generator=torch.Generator().manual_seed(0))
     logits = {}
     for fmt in ("compressed-tensors", "hf"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / fmt, dtype=torch.bfloat16).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"out-{fmt}", dtype=torch.bfloat16).eval()
         with torch.no_grad():
             logits[fmt] = model(tokens).logits
     assert torch.equal(logits["compressed-tensors"], logits["hf"])
     # training moved the weights away from the checkpoint it started from
     start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
-    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "compressed-tensors", dtype=torch.bfloat16)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out-compressed-tensors", dtype=torch.bfloat16
+    )
     w0 = start.state_dict()["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(w0, trained.state_dict()["model.layers.0.self_attn.q_proj.weight"])

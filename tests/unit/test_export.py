@@ -230,3 +230,15 @@ def test_transformers_runs_the_compressed_tensors_export_like_the_bf16_one(tmp_p
     tokens = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(int4(tokens).logits, bf16(tokens).logits)
+
+
+def test_a_tied_head_is_never_quantized(tmp_path):
+    tied = ModelConfig(**{**CFG.to_dict(), "tie_word_embeddings": True})
+    _, packed, out, _ = _export(tmp_path, "int4_qat", "compressed-tensors", cfg=tied)
+    assert "lm_head" in json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    export_policy(tmp_path / "hf", tied, packed, "hf", recipe="int4_qat", fingerprint=FP, version=7)
+    int4 = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).eval()
+    tokens = torch.randint(0, CFG.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(int4(tokens).logits, bf16(tokens).logits)
