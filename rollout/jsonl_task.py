@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from .hf_tokenizer import HFTokenizer
+from .tasks import Prompt
 
-__all__ = ["VERIFIERS", "JsonlTask", "last_number", "make_jsonl"]
+__all__ = ["VERIFIERS", "JsonlTask", "last_number", "read_rows"]
 
 VERIFIERS = ("exact", "numeric")
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
@@ -108,9 +109,25 @@ class JsonlTask:
         if errors:
             raise ValueError("; ".join(errors))
 
-    def _prompt(self, row: int):
-        from rollout.tasks import Prompt  # the protocol's record (rollout/tasks.py)
+    @classmethod
+    def from_config(cls, cfg, *, seed: int) -> JsonlTask:
+        """From the run's task section (rollout.tasks.TaskConfig: path, prompt_field, answer_field,
+        tokenizer, verifier, tolerance, max_new_tokens, chat_template)."""
+        if not cfg.path:
+            raise ValueError("task.name=jsonl needs task.path (a JSONL file)")
+        if not cfg.tokenizer:
+            raise ValueError("task.name=jsonl needs task.tokenizer (a folder with tokenizer.json)")
+        return cls(
+            rows=tuple(read_rows(Path(cfg.path), cfg.prompt_field, cfg.answer_field)),
+            tokenizer=HFTokenizer.load(cfg.tokenizer),
+            verifier=cfg.verifier,
+            tolerance=float(cfg.tolerance),
+            max_new_tokens=cfg.max_new_tokens,
+            chat_template=cfg.chat_template,
+            seed=seed,
+        )
 
+    def _prompt(self, row: int) -> Prompt:
         text, answer = self.rows[row]
         tok = self.tokenizer
         if self.chat_template:
@@ -126,10 +143,10 @@ class JsonlTask:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order[i]
 
-    def prompt(self, index: int):
+    def prompt(self, index: int) -> Prompt:
         return self._prompt(self.row_of(index))
 
-    def example(self, rng: random.Random):
+    def example(self, rng: random.Random) -> Prompt:
         return self._prompt(rng.randrange(len(self.rows)))
 
     def reward(self, completion: str, answer: str) -> float:
@@ -143,21 +160,3 @@ class JsonlTask:
         if self.tokenizer.eos_id not in ids:
             return 0.0
         return self.reward(self.tokenizer.decode(ids), str(fields["answer"]))
-
-
-def make_jsonl(cfg, *, seed: int) -> JsonlTask:
-    """The `jsonl` task from the run's task section (fields path, prompt_field, answer_field,
-    tokenizer, verifier, tolerance, max_new_tokens, chat_template)."""
-    if not cfg.path:
-        raise ValueError("task.name=jsonl needs task.path (a JSONL file)")
-    if not cfg.tokenizer:
-        raise ValueError("task.name=jsonl needs task.tokenizer (a folder with tokenizer.json)")
-    return JsonlTask(
-        rows=tuple(read_rows(Path(cfg.path), cfg.prompt_field, cfg.answer_field)),
-        tokenizer=HFTokenizer.load(cfg.tokenizer),
-        verifier=cfg.verifier,
-        tolerance=float(cfg.tolerance),
-        max_new_tokens=cfg.max_new_tokens,
-        chat_template=cfg.chat_template,
-        seed=seed,
-    )

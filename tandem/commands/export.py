@@ -39,7 +39,7 @@ def from_run_dir(run_dir: Path, version: int | None):
     cfg_file, ckpt = run_dir / "config.yaml", run_dir / "checkpoints" / "trainer.pt"
     if not cfg_file.is_file() or not ckpt.is_file():
         raise ValueError(f"{run_dir} is not a run folder (needs config.yaml and checkpoints/trainer.pt)")
-    _, _, model_config, recipe = task_and_model(run_config.load(cfg_file))
+    _, model_config, recipe = task_and_model(run_config.load(cfg_file))
     fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
     ck = torch.load(ckpt, map_location="cpu", weights_only=True)  # tensors and plain types only
     if ck["fingerprint"] != fingerprint:
@@ -55,15 +55,11 @@ def from_run_dir(run_dir: Path, version: int | None):
 
 def from_server(args):
     from broker.policy_client import PolicyClient, PolicyClientConfig
+    from broker.tls import ClientTLS
     from policy.model import ModelConfig
 
-    config = PolicyClientConfig(
-        address=args.source,
-        fetch_timeout_s=args.timeout,
-        tls_root_ca_path=args.tls_ca,
-        tls_cert_chain_path=args.tls_cert,
-        tls_private_key_path=args.tls_key,
-    )
+    tls = ClientTLS(ca=args.tls_ca or "", cert=args.tls_cert or "", key=args.tls_key or "")
+    config = PolicyClientConfig(address=args.source, fetch_timeout_s=args.timeout, tls=tls)
     with PolicyClient(config) as client:
         policy = client.fetch(args.version)
     m = policy.manifest

@@ -41,7 +41,7 @@ def _run_config(tmp: Path, task: dict) -> Path:
     cfg = {
         "run_id": "hf",
         "num_rollout_workers": 1,
-        "max_staleness": 1,
+        "loop": {"max_staleness": 1},
         "recipe": "int4_qat",
         "model": {"checkpoint": str(tmp / "hf")},
         "task": task,
