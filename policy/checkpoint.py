@@ -172,11 +172,12 @@ def config_from_hf(d: dict, where: str | Path = "config.json") -> ModelConfig:
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
         )
         fields.update(moe)
-        probe = ModelConfig(**{**fields, "ffn_dim": 1})
-        dense = any(not probe.is_moe_layer(i) for i in range(probe.n_layers))
-        # intermediate_size is only used by dense layers; keep it out of the fingerprint otherwise.
-        fields["ffn_dim"] = d.get("intermediate_size", 0) if dense else 0
     try:
+        if model_type == "qwen3_moe":
+            probe = ModelConfig(**{**fields, "ffn_dim": 1})
+            dense = any(not probe.is_moe_layer(i) for i in range(probe.n_layers))
+            # intermediate_size is only used by dense layers; keep it out of the fingerprint otherwise.
+            fields["ffn_dim"] = d.get("intermediate_size", 0) if dense else 0
         return ModelConfig(**fields)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from None
@@ -211,7 +212,8 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16) -> dict:
         "use_sliding_window": False,
         "sliding_window": None,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "torch_dtype": dtype_name,
+        "dtype": dtype_name,  # transformers 5
+        "torch_dtype": dtype_name,  # transformers 4
         "use_cache": True,
     }
     if cfg.n_experts:
@@ -329,12 +331,13 @@ def read_shapes(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...
     return cfg, shapes
 
 
-def iter_hf(path: str | Path, cfg: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(canonical name, tensor) for every parameter, read one at a time, in `parameter_shapes` order.
 
-    Tensors keep their stored dtype. Shapes are checked against the config before anything is read."""
+    Tensors keep their stored dtype. Names and shapes are checked against config.json before any
+    weight is read."""
     path = Path(path)
-    cfg, shapes = read_shapes(path) if cfg is None else (cfg, read_shapes(path)[1])
+    cfg, _ = read_shapes(path)
     files = _weight_files(path)
     handles = _Files()
     try:
@@ -347,8 +350,7 @@ def iter_hf(path: str | Path, cfg: ModelConfig | None = None) -> Iterator[tuple[
 
 def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Hugging Face qwen3 / qwen3_moe folder: (ModelConfig, canonical name -> tensor)."""
-    cfg = read_config(path)
-    return cfg, dict(iter_hf(path, cfg))
+    return read_config(path), dict(iter_hf(path))
 
 
 @torch.no_grad()
@@ -359,7 +361,7 @@ def load_hf_into(model, path: str | Path) -> None:
     if cfg != model.cfg:
         raise ValueError(f"{path}: its config.json does not describe this model ({_differences(cfg, model.cfg)})")
     params = dict(model.named_parameters())
-    for name, t in iter_hf(path, cfg):
+    for name, t in iter_hf(path):
         params[name].copy_(t)
 
 

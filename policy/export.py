@@ -55,10 +55,11 @@ __all__ = ["EXPORT_FORMATS", "export_policy"]
 EXPORT_FORMATS = ("hf", "compressed-tensors", "fp8-block", "nvfp4")
 _TARGET = {"compressed-tensors": "int4", "fp8-block": "fp8_block", "nvfp4": "nvfp4"}
 _GATE_UP = re.compile(r"^(.*)\.gate_up_proj\.weight$")
+_EXPERT_PROJ = ("gate_proj", "up_proj", "down_proj")
 MODELOPT_VERSION = "0.29.0"  # the ModelOpt export layout this writer follows
 
 
-def _dequantized(cfg: ModelConfig, tensors: Mapping, shapes: dict):
+def _dequantized(tensors: Mapping, shapes: dict):
     for name in shapes:
         yield name, formats.dequantize(tensors[name]).view(shapes[name])
 
@@ -163,7 +164,7 @@ def export_policy(
     max_shard_bytes: int = 4 << 30,
 ) -> dict:
     """Write version `version` of a policy to `out` in `export_format`; returns a summary dict
-    {format, version, quantized: n modules, bf16: n tensors, bytes}."""
+    {format, version, quantized: tensors written quantized, bf16: linear modules written in bf16}."""
     if export_format not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {export_format!r}; known: {', '.join(EXPORT_FORMATS)}")
     shapes = parameter_shapes(cfg)
@@ -178,7 +179,7 @@ def export_policy(
         save_hf(
             out,
             cfg,
-            _dequantized(cfg, tensors, shapes),
+            _dequantized(tensors, shapes),
             max_shard_bytes=max_shard_bytes,
             metadata=meta,
             extra_config=extra,
@@ -225,6 +226,11 @@ def export_policy(
     writer.finish()
     if cfg.tie_word_embeddings:
         ignore.append("lm_head")  # the head is the (unquantized) embedding: engines must not expect scales
+    # Engines that fuse a layer's experts into one MoE module look the layer up by that module's name.
+    for i in range(cfg.n_layers):
+        experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for e in range(cfg.n_experts) for p in _EXPERT_PROJ]
+        if cfg.is_moe_layer(i) and set(experts) <= set(ignore):
+            ignore.append(f"model.layers.{i}.mlp.experts")
     qconfig, hf_quant = _quant_config(export_format, options, ignore)
     if hf_quant is not None:
         (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")

@@ -242,3 +242,10 @@ def test_a_tied_head_is_never_quantized(tmp_path):
     tokens = torch.randint(0, CFG.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(int4(tokens).logits, bf16(tokens).logits)
+
+
+def test_kept_bf16_expert_layers_are_excluded_by_their_moe_module_name(tmp_path):
+    _, _, out, _ = _export(tmp_path, "nvfp4_moe", "nvfp4")  # keeps the last layer (2) in bf16
+    excluded = json.loads((out / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert "model.layers.2.mlp.experts" in excluded and "model.layers.2.mlp.experts.3.down_proj" in excluded
+    assert "model.layers.0.mlp.experts" not in excluded
