@@ -18,7 +18,7 @@ from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # subprocesses of the tandem command
 
 CFG = ModelConfig(
     vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, n_experts=2, top_k=1,
