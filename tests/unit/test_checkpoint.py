@@ -188,6 +188,7 @@ def _write_config(tmp_path, hf_model, **changes):
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
         ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
         ({"some_new_feature": 1}, "some_new_feature"),
