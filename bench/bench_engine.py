@@ -62,8 +62,9 @@ def events_ms(fn, repeats: int = 1) -> float:
     return e0.elapsed_time(e1) / repeats
 
 
-def kernel_ms(fn) -> float:
-    """Summed device time of the CUDA kernels (and memcpy/memset) fn launches, by the profiler."""
+def kernel_ms(fn, by_name: dict | None = None) -> float:
+    """Summed device time of the CUDA kernels (and memcpy/memset) fn launches, by the profiler;
+    with `by_name`, also {kernel name: [count, microseconds]}."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -73,7 +74,12 @@ def kernel_ms(fn) -> float:
     total_us = 0.0
     for evt in prof.events():  # device-side events (kernels, memcpy, memset): their own intervals
         if str(getattr(evt, "device_type", "")).endswith("CUDA"):
-            total_us += evt.time_range.elapsed_us()
+            us = evt.time_range.elapsed_us()
+            total_us += us
+            if by_name is not None:
+                c = by_name.setdefault(evt.name[:90], [0, 0.0])
+                c[0] += 1
+                c[1] += us
     return total_us / 1e3
 
 
@@ -117,7 +123,7 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
     t_quant = time.perf_counter() - t0
     batches = [int(b) for b in args.batches.split(",")]
     cap = args.prompt_len + args.steps + 24
-    ecfg = EngineConfig(max_batch=max(batches), max_seq_len=cap, graph_buckets=tuple(batches))
+    ecfg = EngineConfig(max_batch=max(batches), max_seq_len=cap, graph_buckets=tuple(batches), fuse=not args.no_fuse)
     t0 = time.perf_counter()
     eng = PackedEngine(cfg, plan, packed, device=dev, engine=ecfg)
     del packed
@@ -139,8 +145,16 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
             row = {"batch": B, "temperature": T, "ms_step": ms, "tok_s": B * 1e3 / ms}
             if T == 1.0:
                 wall = events_ms(lambda n=n: eng.decode(n, 8, check_every=8)) / 8
-                busy = kernel_ms(lambda n=n: eng.decode(n, 8, check_every=8)) / 8
+                names: dict = {}
+                busy = kernel_ms(lambda n=n: eng.decode(n, 8, check_every=8), names) / 8
                 row["gpu_busy"] = busy / wall
+                row["kernels_per_step"] = sum(c for c, _ in names.values()) / 8
+                if B == args.profile_batch:
+                    top = sorted(names.items(), key=lambda kv: -kv[1][1])[: args.profile_top]
+                    row["top_kernels"] = [(k, c / 8, us / 8) for k, (c, us) in top]
+                    print(f"    {row['kernels_per_step']:.0f} kernels/step; top by time (count/step, us/step):")
+                    for k, c, us in row["top_kernels"]:
+                        print(f"      {us:8.1f} us {c:5.0f}x  {k}")
                 ctx = args.prompt_len + args.steps / 2
                 row["roofline_ms"] = step_bytes(eng, B, ctx) / bw * 1e3
                 row["pct_roofline"] = row["roofline_ms"] / ms
@@ -213,6 +227,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--mismatch-batch", type=int, default=16)
     ap.add_argument("--mismatch-tokens", type=int, default=32)
+    ap.add_argument("--profile-batch", type=int, default=64, help="print the top kernels at this batch")
+    ap.add_argument("--profile-top", type=int, default=14)
+    ap.add_argument("--no-fuse", action="store_true", help="decode glue unfused (EngineConfig.fuse=False)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")

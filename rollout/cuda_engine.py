@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,7 +92,10 @@ class EngineConfig:
     new tokens). graph_buckets: batch sizes with a captured decode graph (CUDA only; buckets above
     max_batch are dropped, max_batch itself is always one). use_graphs: False runs the step eagerly.
     top_k (0 = off) and top_p (1 = off): truncation before sampling. check_every: decode steps
-    between the host's looks at "are all rows finished" (one sync each)."""
+    between the host's looks at "are all rows finished" (one sync each). fuse: on CUDA, compile the
+    elementwise glue of the decode step (norms, RoPE, attention softmax, routing, SwiGLU, the expert
+    sum, nvfp4 dequantization) with torch.compile so each piece is one or two kernels; falls back
+    to plain torch (with a warning) where compilation fails."""
 
     max_batch: int = 64
     max_seq_len: int = 1024
@@ -100,6 +104,7 @@ class EngineConfig:
     top_k: int = 0
     top_p: float = 1.0
     check_every: int = 16
+    fuse: bool = True
 
     def __post_init__(self):
         errors = []
@@ -118,28 +123,114 @@ class EngineConfig:
 
 
 # --------------------------------------------------------------------------------------------------
+# The decode step's glue: pure functions (the same arithmetic as policy.model), fused on CUDA
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    xf = x.float()  # fp32 statistics per row, as policy.model.RMSNorm
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * w.float()).to(x.dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps):
+    return _rope(_rms(q, q_norm, eps), cos, sin), _rope(_rms(k, k_norm, eps), cos, sin)
+
+
+def _attn_decode(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """q [n, Hkv, G, hd], k / v [n, Hkv, S, hd], bias [n, 1, 1, S] (0 or -inf) -> [n, Hkv, G, hd]."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+    return torch.matmul(s.softmax(dim=-1).to(q.dtype), v)
+
+
+def _add_rms(x: Tensor, y: Tensor, w: Tensor, eps: float):
+    x = x + y
+    return x, _rms(x, w, eps)
+
+
+def _route(logits: Tensor, k: int, norm: bool):
+    probs = logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _swiglu(gu: Tensor, ffn: int) -> Tensor:
+    gate, up = gu.split(ffn, dim=-1)
+    return F.silu(gate) * up
+
+
+def _combine(h: Tensor, weights: Tensor) -> Tensor:
+    n, k = weights.shape
+    return (h.view(n, k, -1) * weights.unsqueeze(-1).to(h.dtype)).sum(dim=1)
+
+
+def _nvfp4_dequant(codes: Tensor, block_scales: Tensor, global_scale: Tensor, table: Tensor, row: bool, dtype):
+    """policy.formats.nvfp4.dequantize(...).to(dtype), with its value table on the device."""
+    m = codes.shape[0]
+    nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).view(m, -1)
+    values = table[nib.long()].view(m, -1, _nvfp4.BLOCK)
+    gs = global_scale.view(-1, 1) if row else global_scale
+    scale = block_scales.to(torch.float32) * gs
+    return (values * scale.unsqueeze(-1)).view(m, -1).to(dtype)
+
+
+_OPS = ("rms", "qk_norm_rope", "attn_decode", "add_rms", "route", "swiglu", "combine", "nvfp4_dequant")
+
+
+class _Fused:
+    """torch.compile(fn) (static shapes, one graph), falling back to fn for good on the first error."""
+
+    def __init__(self, fn):
+        self.fn, self.compiled, self.failed = fn, torch.compile(fn, dynamic=False, fullgraph=True), False
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: run the plain function
+                self.failed = True
+                warnings.warn(
+                    f"cuda_engine: torch.compile of {self.fn.__name__} failed, running it unfused: {e}", stacklevel=2
+                )
+        return self.fn(*args)
+
+
+class _Ops:
+    """The glue functions, fused (torch.compile) or plain."""
+
+    def __init__(self, fuse: bool):
+        for name in _OPS:
+            fn = globals()["_" + name]
+            setattr(self, name, _Fused(fn) if fuse else fn)
+
+
+# --------------------------------------------------------------------------------------------------
 # Weights
 
 
 class _ActQuant:
-    """Per-token activation fake quantization at one site (the QAT function), status kept on device."""
+    """Per-token activation fake quantization at one site: bitwise QAT's x̂ (policy.kernels.quantize,
+    then the nvfp4 / other format's dequantize). No host-side finite check: a NaN or Inf in the
+    residual stream reaches the logits, whose finite flag `generate` reads once per call."""
 
     def __init__(self, fmt: str, kwargs: dict, engine: PackedEngine):
         self.fmt, self.kwargs, self.engine = fmt, dict(kwargs), engine
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, ops) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.device.type == "cuda" and PK.backend(x2) == "triton":
-            q = PK.quantize(self.fmt, x2, check_finite=False, **self.kwargs)
-            self.engine._note_finite(x2)
-        else:
-            q = PK.quantize(self.fmt, x2, **self.kwargs)
-        if self.fmt == "nvfp4":  # policy.formats.nvfp4.dequantize with its value table on the device
-            m, k = q.shape
-            values = self.engine.e2m1[_nvfp4.unpack_codes(q.codes).long()].view(m, k // _nvfp4.BLOCK, _nvfp4.BLOCK)
-            gs = q.global_scale.view(-1, 1) if q.scope == "row" else q.global_scale
-            scale = q.block_scales.to(torch.float32) * gs
-            return (values * scale.unsqueeze(-1)).view(m, k).to(x.dtype).view(x.shape)
+        fast = x2.device.type == "cuda" and PK.backend(x2) == "triton"
+        q = PK.quantize(self.fmt, x2, check_finite=not fast, **self.kwargs)
+        if self.fmt == "nvfp4":
+            out = ops.nvfp4_dequant(
+                q.codes, q.block_scales, q.global_scale, self.engine.e2m1, q.scope == "row", x.dtype
+            )
+            return out.view(x.shape)
         return PK.dequantize(q).to(x.dtype).view(x.shape)
 
 
@@ -158,9 +249,9 @@ class _Linear:
         if self.packed is None:
             self.weight = PK.dequantize(PK.to_device(q, device)).to(dtype)
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, ops) -> Tensor:
         if self.act is not None:
-            x = self.act(x)
+            x = self.act(x, ops)
         if self.weight is not None:
             return F.linear(x, self.weight)
         p = self.packed
@@ -195,37 +286,32 @@ class _Experts:
         self.n_experts = len(gate_up)
         self.ffn = (self.gu.shape if self.kernel is not None else self.w_gu.shape[1:])[0] // 2
 
-    def __call__(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, ops) -> Tensor:
         """x [N, D], ids / weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) in x.dtype."""
-        N, k = ids.shape
         if self.kernel is not None:
-            h = self._kernel(x, ids)
+            h = self._kernel(x, ids, ops)
         elif x.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
-            h = self._grouped(x, ids)
+            h = self._grouped(x, ids, ops)
         else:
-            h = self._loop(x, ids)
-        return (h.view(N, k, -1) * weights.unsqueeze(-1).to(h.dtype)).sum(dim=1)
+            h = self._loop(x, ids, ops)
+        return ops.combine(h, weights)
 
-    def _swiglu(self, gu: Tensor) -> Tensor:
-        gate, up = gu.split(self.ffn, dim=-1)
-        return F.silu(gate) * up
-
-    def _kernel(self, x: Tensor, ids: Tensor) -> Tensor:
+    def _kernel(self, x: Tensor, ids: Tensor, ops) -> Tensor:
         mt = _matmul_triton()
         N, k = ids.shape
         align = mt.moe_align_fast(ids, self.n_experts)
-        xq = x if self.act_gu is None else self.act_gu(x)
+        xq = x if self.act_gu is None else self.act_gu(x, ops)
         gu, dn = self.gu, self.dn
         h = mt.moe_w4a16_matmul(xq, gu.codes, gu.scales, gu.global_scale, ids, self.kernel, gu.group_size, align=align)
-        a = self._swiglu(h.view(N * k, -1))
+        a = ops.swiglu(h.view(N * k, -1), self.ffn)
         if self.act_dn is not None:
-            a = self.act_dn(a)
+            a = self.act_dn(a, ops)
         y = mt.moe_w4a16_matmul(
             a, dn.codes, dn.scales, dn.global_scale, ids.reshape(-1, 1), self.kernel, dn.group_size, align=align
         )
         return y.view(N * k, -1)
 
-    def _grouped(self, x: Tensor, ids: Tensor) -> Tensor:
+    def _grouped(self, x: Tensor, ids: Tensor, ops) -> Tensor:
         N, k = ids.shape
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
@@ -234,25 +320,25 @@ class _Experts:
         offs = counts.cumsum(0, dtype=torch.int32)
         xs = x.index_select(0, order // k)
         if self.act_gu is not None:
-            xs = self.act_gu(xs)
-        a = self._swiglu(torch._grouped_mm(xs, self.w_gu.transpose(1, 2), offs=offs))
+            xs = self.act_gu(xs, ops)
+        a = ops.swiglu(torch._grouped_mm(xs, self.w_gu.transpose(1, 2), offs=offs), self.ffn)
         if self.act_dn is not None:
-            a = self.act_dn(a)
+            a = self.act_dn(a, ops)
         ys = torch._grouped_mm(a, self.w_dn.transpose(1, 2), offs=offs)
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
-    def _loop(self, x: Tensor, ids: Tensor) -> Tensor:
+    def _loop(self, x: Tensor, ids: Tensor, ops) -> Tensor:
         N, k = ids.shape
         flat = ids.reshape(-1)
         xs = x.index_select(0, torch.arange(N * k, device=x.device) // k)
         if self.act_gu is not None:
-            xs = self.act_gu(xs)
+            xs = self.act_gu(xs, ops)
         out = torch.empty(N * k, self.w_dn.shape[1], dtype=x.dtype, device=x.device)
         for e in torch.unique(flat).tolist():
             rows = (flat == e).nonzero().squeeze(-1)
-            a = self._swiglu(F.linear(xs[rows], self.w_gu[e]))
+            a = ops.swiglu(F.linear(xs[rows], self.w_gu[e]), self.ffn)
             if self.act_dn is not None:
-                a = self.act_dn(a)
+                a = self.act_dn(a, ops)
             out[rows] = F.linear(a, self.w_dn[e])
         return out
 
@@ -288,6 +374,8 @@ class PackedEngine:
             raise ValueError(f"EngineConfig.max_seq_len={self.ecfg.max_seq_len} > model max_seq_len={cfg.max_seq_len}")
         self._finite_bad = torch.zeros(1, dtype=torch.bool, device=self.device)
         self.e2m1 = _nvfp4.E2M1_VALUES.to(self.device)
+        self.ops = _Ops(self.ecfg.fuse and self.device.type == "cuda")  # decode step (fixed shapes)
+        self.plain = _Ops(False)  # prefill (shapes vary per call)
         self._load(tensors)
         self._alloc_state()
         self._graphs: dict = {}
@@ -369,48 +457,31 @@ class PackedEngine:
         self.slots = torch.arange(B, device=dev)
         self.key_index = torch.arange(S, device=dev)
 
-    def _note_finite(self, x: Tensor) -> None:
-        self._finite_bad |= ~torch.isfinite(x).all().view(1)
-
     # ---------------------------------------------------------------- forward pieces
 
-    def _rms(self, x: Tensor, w: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)
-        return (xf * w.float()).to(x.dtype)
-
-    @staticmethod
-    def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-    def _qkv(self, L, h: Tensor):
+    def _qkv(self, L, h: Tensor, ops):
         if L.qkv is not None:
             cfg = self.cfg
             q, k, v = F.linear(h, L.qkv).split(
                 [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim], dim=-1
             )
             return q, k, v
-        return L.q(h), L.k(h), L.v(h)
+        return L.q(h, ops), L.k(h, ops), L.v(h, ops)
 
-    def _moe(self, L, x: Tensor) -> Tensor:
+    def _moe(self, L, x: Tensor, ops) -> Tensor:
         cfg = self.cfg
-        probs = L.gate(x).float().softmax(dim=-1)
-        weights, ids = probs.topk(cfg.top_k, dim=-1)
-        if cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = L.experts(x, ids, weights)
+        weights, ids = ops.route(L.gate(x, ops), cfg.top_k, cfg.norm_topk_prob)
+        out = L.experts(x, ids, weights, ops)
         if L.shared is not None:
-            gate, up = L.shared[0](x).split(cfg.shared_expert_ffn_dim, dim=-1)
-            out = out + L.shared[1](F.silu(gate) * up)
+            out = out + L.shared[1](ops.swiglu(L.shared[0](x, ops), cfg.shared_expert_ffn_dim), ops)
         return out
 
-    def _logits(self, x: Tensor) -> Tensor:
-        return self.lm_head(self._rms(x, self.norm)).float()
+    def _next_norm(self, i: int) -> Tensor:
+        return self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm
 
     def _decode_forward(self, n: int) -> Tensor:
         """Logits [n, V] fp32 for rows 0..n-1: token cur_tok[b] at position pos[b] (also its KV slot)."""
-        cfg = self.cfg
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.norm_eps
         H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         pos, rows = self.pos[:n], self.slots[:n]
         angles = pos.float()[:, None] * self.inv_freq
@@ -419,45 +490,42 @@ class PackedEngine:
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device).masked_fill_(~mask, float("-inf"))
         bias = bias[:, None, None, :]
         x = F.embedding(self.cur_tok[:n], self.embed)
+        h = ops.rms(x, self.layers[0].ln1, eps)
         scale = 1.0 / math.sqrt(hd)
         for i, L in enumerate(self.layers):
-            h = self._rms(x, L.ln1)
-            q, k, v = self._qkv(L, h)
-            q = self._rope(self._rms(q.view(n, H, hd), L.q_norm), cos, sin)
-            k = self._rope(self._rms(k.view(n, Hk, hd), L.k_norm), cos, sin)
+            q, k, v = self._qkv(L, h, ops)
+            q, k = ops.qk_norm_rope(q.view(n, H, hd), k.view(n, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc[rows, :, pos] = k
             vc[rows, :, pos] = v.view(n, Hk, hd)
-            s = torch.matmul(q.view(n, Hk, H // Hk, hd), kc[:n].transpose(-1, -2)).float() * scale + bias
-            p = s.softmax(dim=-1).to(self.dtype)
-            o = torch.matmul(p, vc[:n]).reshape(n, H * hd)
-            x = x + L.o(o)
-            x = x + self._moe(L, self._rms(x, L.ln2))
-        return self._logits(x)
+            o = ops.attn_decode(q.view(n, Hk, H // Hk, hd), kc[:n], vc[:n], bias, scale).reshape(n, H * hd)
+            x, h = ops.add_rms(x, L.o(o, ops), L.ln2, eps)
+            x, h = ops.add_rms(x, self._moe(L, h, ops), self._next_norm(i), eps)
+        return self.lm_head(h, ops).float()
 
     def _prefill_forward(self, tokens: Tensor, lens: Tensor) -> Tensor:
         """Right-padded prompts [n, T] -> logits [n, V] at each row's last real token; writes KV 0..T-1."""
-        cfg = self.cfg
+        cfg, ops, eps = self.cfg, self.plain, self.cfg.norm_eps
         n, T = tokens.shape
         H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         positions = torch.arange(T, device=self.device)
         angles = positions.float()[None, :, None] * self.inv_freq  # [1, T, hd/2]
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
         x = F.embedding(tokens, self.embed)
+        h = ops.rms(x, self.layers[0].ln1, eps)
         for i, L in enumerate(self.layers):
-            h = self._rms(x, L.ln1)
-            q, k, v = self._qkv(L, h)
-            q = self._rope(self._rms(q.view(n, T, H, hd), L.q_norm), cos, sin).transpose(1, 2)
-            k = self._rope(self._rms(k.view(n, T, Hk, hd), L.k_norm), cos, sin).transpose(1, 2)
-            v = v.view(n, T, Hk, hd).transpose(1, 2)
+            q, k, v = self._qkv(L, h, ops)
+            q, k = ops.qk_norm_rope(q.view(n, T, H, hd), k.view(n, T, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(n, T, Hk, hd).transpose(1, 2)
             self.k_cache[i][:n, :, :T] = k
             self.v_cache[i][:n, :, :T] = v
             # Right padding: a real token's causal window holds only real tokens.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hk)
-            x = x + L.o(o.transpose(1, 2).reshape(n, T, H * hd))
-            x = x + self._moe(L, self._rms(x, L.ln2).reshape(n * T, -1)).view(n, T, -1)
-        last = x[torch.arange(n, device=self.device), lens - 1]
-        return self._logits(last)
+            x, h = ops.add_rms(x, L.o(o.transpose(1, 2).reshape(n, T, H * hd), ops), L.ln2, eps)
+            m = self._moe(L, h.reshape(n * T, -1), ops).view(n, T, -1)
+            x, h = ops.add_rms(x, m, self._next_norm(i), eps)
+        last = h[torch.arange(n, device=self.device), lens - 1]
+        return self.lm_head(last, ops).float()
 
     # ---------------------------------------------------------------- sampling + bookkeeping
 
