@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,9 +25,20 @@ class RolloutConfig:
     # grpc.health.v1 for Kubernetes probes: SERVING once a verified policy is loaded, NOT_SERVING
     # before and while draining. -1 = off, 0 = a free port on 127.0.0.1, else that port on 0.0.0.0.
     health_port: int = -1
+    # Where generation runs: "cpu" (policy.model's engine on dequantized weights, the default) or
+    # "cuda" / "cuda:N" (rollout.cuda_engine: packed 4-bit weights, CUDA graphs, on-device sampling).
+    device: str = "cpu"
+    # cuda only: rows per generate call (KV slots; a group's samples run in chunks of this many) and
+    # the KV length of a slot (prompt + new tokens; a longer request is refused).
+    max_batch: int = 64
+    kv_capacity: int = 1024
 
     def __post_init__(self):
         errors = []
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
+        if self.max_batch < 1 or self.kv_capacity < 2:
+            errors.append(f"max_batch={self.max_batch}, kv_capacity={self.kv_capacity} (need >= 1 and >= 2)")
         if not self.temperature > 0:
             errors.append(f"temperature={self.temperature} (must be > 0: behavior log-probs need sampling)")
         if not 0 < self.heartbeat_s < self.heartbeat_ttl_s:

@@ -6,7 +6,7 @@ only on its logits, its seed and how many tokens it has generated: never on the 
 its position in that batch, or the other rows. Sampling is Gumbel-max:
 
     z_v   = logit_v / T
-    g_v   = -log(-log(u_v)),   u_v = (hash(seed, step, v) >> 8 + 0.5) * 2^-24   in (0, 1)
+    g_v   = -log(-log(u_v)),   u_v = ((hash(seed, step, v) >> 9) + 0.5) * 2^-23   in (0, 1), exact in fp32
     token = argmax_v (z_v + g_v)            (lowest v on ties)   ~ Categorical(softmax(z))
     logp  = z_token - logsumexp(z)          (fp32: the behavior log-prob)
 
@@ -55,11 +55,11 @@ def row_key(seeds: Tensor, step: Tensor | int) -> Tensor:
 
 
 def hash_uniform(key: Tensor, vocab: int) -> Tensor:
-    """u [B, V] fp32 in (0, 1) from row keys [B]: u = ((mix32(mix32(v ^ key) + key) >> 8) + 0.5) / 2^24."""
+    """u [B, V] fp32 in (0, 1) from row keys [B]: u = ((mix32(mix32(v ^ key) + key) >> 9) + 0.5) / 2^23 (23 bits + 0.5: exact in fp32, never 0 or 1)."""
     v = torch.arange(vocab, device=key.device, dtype=torch.int64)
     k = key.to(torch.int64)[:, None]
     r = mix32((mix32(v[None, :] ^ k) + k) & MASK32)
-    return ((r >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((r >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def sample_reference(

@@ -64,7 +64,7 @@ def _partial_kernel(
         s = s * tl.exp(m - m_safe) + tl.where(vm, tl.exp(z - m_safe), 0.0)
         m = m_new
         r = _mix32(_mix32(v.to(tl.uint32) ^ key) + key)
-        u = ((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         g = -libdevice.log(-libdevice.log(u))
         score = tl.where(greedy, z, z + g)
         score = tl.where(vm, score, float("-inf"))
