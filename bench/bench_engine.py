@@ -123,7 +123,13 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
     t_quant = time.perf_counter() - t0
     batches = [int(b) for b in args.batches.split(",")]
     cap = args.prompt_len + args.steps + 24
-    ecfg = EngineConfig(max_batch=max(batches), max_seq_len=cap, graph_buckets=tuple(batches), fuse=not args.no_fuse)
+    ecfg = EngineConfig(
+        max_batch=max(batches),
+        max_seq_len=cap,
+        graph_buckets=tuple(batches),
+        fuse=not args.no_fuse,
+        attention=args.attention,
+    )
     t0 = time.perf_counter()
     eng = PackedEngine(cfg, plan, packed, device=dev, engine=ecfg)
     del packed
@@ -230,6 +236,7 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=64, help="print the top kernels at this batch")
     ap.add_argument("--profile-top", type=int, default=14)
     ap.add_argument("--no-fuse", action="store_true", help="decode glue unfused (EngineConfig.fuse=False)")
+    ap.add_argument("--attention", default="auto", help="EngineConfig.attention: auto | triton | torch")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")

@@ -95,7 +95,9 @@ class EngineConfig:
     between the host's looks at "are all rows finished" (one sync each). fuse: on CUDA, compile the
     elementwise glue of the decode step (norms, RoPE, attention softmax, routing, SwiGLU, the expert
     sum, nvfp4 dequantization) with torch.compile so each piece is one or two kernels; falls back
-    to plain torch (with a warning) where compilation fails."""
+    to plain torch (with a warning) where compilation fails. attention: decode attention "triton"
+    (rollout.kernels.attention_triton: KV write + attention over the live keys in one kernel per
+    layer), "torch" (two batched matmuls over the whole slot, masked), or "auto" (triton on CUDA)."""
 
     max_batch: int = 64
     max_seq_len: int = 1024
@@ -105,6 +107,7 @@ class EngineConfig:
     top_p: float = 1.0
     check_every: int = 16
     fuse: bool = True
+    attention: str = "auto"
 
     def __post_init__(self):
         errors = []
@@ -113,6 +116,8 @@ class EngineConfig:
                 f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, check_every={self.check_every} "
                 "(need >= 1, >= 2, >= 1)"
             )
+        if self.attention not in ("auto", "triton", "torch"):
+            errors.append(f"attention={self.attention!r} (want 'auto', 'triton' or 'torch')")
         if self.top_k < 0 or not 0 < self.top_p <= 1:
             errors.append(f"top_k={self.top_k}, top_p={self.top_p} (need top_k >= 0, 0 < top_p <= 1)")
         if errors:
@@ -372,10 +377,14 @@ class PackedEngine:
         self.ecfg = engine or EngineConfig()
         if self.ecfg.max_seq_len > cfg.max_seq_len:
             raise ValueError(f"EngineConfig.max_seq_len={self.ecfg.max_seq_len} > model max_seq_len={cfg.max_seq_len}")
-        self._finite_bad = torch.zeros(1, dtype=torch.bool, device=self.device)
+        self._finite_bad = torch.zeros(1, dtype=torch.int32, device=self.device)  # 1: NaN/Inf logits seen
         self.e2m1 = _nvfp4.E2M1_VALUES.to(self.device)
         self.ops = _Ops(self.ecfg.fuse and self.device.type == "cuda")  # decode step (fixed shapes)
         self.plain = _Ops(False)  # prefill (shapes vary per call)
+        hd = cfg.head_dim
+        self.triton_attention = (
+            self.device.type == "cuda" and self.ecfg.attention != "torch" and hd & (hd - 1) == 0 and hd >= 16
+        )
         self._load(tensors)
         self._alloc_state()
         self._graphs: dict = {}
@@ -480,15 +489,16 @@ class PackedEngine:
         return self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm
 
     def _decode_forward(self, n: int) -> Tensor:
-        """Logits [n, V] fp32 for rows 0..n-1: token cur_tok[b] at position pos[b] (also its KV slot)."""
+        """Logits [n, V] (model dtype) for rows 0..n-1: token cur_tok[b] at position pos[b] (also its KV slot)."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.norm_eps
         H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         pos, rows = self.pos[:n], self.slots[:n]
         angles = pos.float()[:, None] * self.inv_freq
         cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # [n, 1, hd/2]
-        mask = self.key_index[None, :] <= pos[:, None]  # [n, S]
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device).masked_fill_(~mask, float("-inf"))
-        bias = bias[:, None, None, :]
+        if not self.triton_attention:
+            mask = self.key_index[None, :] <= pos[:, None]  # [n, S]
+            bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device).masked_fill_(~mask, float("-inf"))
+            bias = bias[:, None, None, :]
         x = F.embedding(self.cur_tok[:n], self.embed)
         h = ops.rms(x, self.layers[0].ln1, eps)
         scale = 1.0 / math.sqrt(hd)
@@ -496,12 +506,17 @@ class PackedEngine:
             q, k, v = self._qkv(L, h, ops)
             q, k = ops.qk_norm_rope(q.view(n, H, hd), k.view(n, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[rows, :, pos] = k
-            vc[rows, :, pos] = v.view(n, Hk, hd)
-            o = ops.attn_decode(q.view(n, Hk, H // Hk, hd), kc[:n], vc[:n], bias, scale).reshape(n, H * hd)
+            if self.triton_attention:
+                from rollout.kernels import attention_triton
+
+                o = attention_triton.decode_attention(q, k, v.view(n, Hk, hd), kc, vc, pos, scale).view(n, H * hd)
+            else:
+                kc[rows, :, pos] = k
+                vc[rows, :, pos] = v.view(n, Hk, hd)
+                o = ops.attn_decode(q.view(n, Hk, H // Hk, hd), kc[:n], vc[:n], bias, scale).reshape(n, H * hd)
             x, h = ops.add_rms(x, L.o(o, ops), L.ln2, eps)
             x, h = ops.add_rms(x, self._moe(L, h, ops), self._next_norm(i), eps)
-        return self.lm_head(h, ops).float()
+        return self.lm_head(h, ops)  # the sampler reads them as fp32
 
     def _prefill_forward(self, tokens: Tensor, lens: Tensor) -> Tensor:
         """Right-padded prompts [n, T] -> logits [n, V] at each row's last real token; writes KV 0..T-1."""
@@ -525,20 +540,17 @@ class PackedEngine:
             m = self._moe(L, h.reshape(n * T, -1), ops).view(n, T, -1)
             x, h = ops.add_rms(x, m, self._next_norm(i), eps)
         last = h[torch.arange(n, device=self.device), lens - 1]
-        return self.lm_head(last, ops).float()
+        return self.lm_head(last, ops)
 
     # ---------------------------------------------------------------- sampling + bookkeeping
 
     def _sample_update(self, logits: Tensor, n: int) -> None:
         """Sample token `step` of rows 0..n-1, record it, stop rows that hit a stop id; no host sync."""
         e = self.ecfg
-        self._finite_bad |= ~torch.isfinite(logits).all().view(1)
-        if e.top_k > 0 or e.top_p < 1.0:
-            tok, lp = sampling.sample_reference(
-                logits, self.seeds[:n], self.step, self._temp_value, top_k=e.top_k, top_p=e.top_p
-            )
-        else:
-            tok, lp = sampling.sample(logits, self.seeds[:n], self.step, self.temperature)
+        temp = self._temp_value if (e.top_k > 0 or e.top_p < 1.0) else self.temperature
+        tok, lp = sampling.sample(
+            logits, self.seeds[:n], self.step, temp, top_k=e.top_k, top_p=e.top_p, nonfinite=self._finite_bad
+        )
         alive = self.alive[:n]
         idx = self.step.expand(n)[:, None]
         self.out_tok[:n].scatter_(1, idx, torch.where(alive, tok, self.pad)[:, None])

@@ -110,14 +110,18 @@ def sample(
     *,
     top_k: int = 0,
     top_p: float = 1.0,
+    nonfinite: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Dispatch: the fused Triton kernel on CUDA for untruncated sampling, `sample_reference` else.
 
     `temperature` may be a 1-element tensor (the Triton path reads it on the device, so one CUDA
-    graph serves every temperature; <= 0 means greedy)."""
+    graph serves every temperature; <= 0 means greedy; the other paths read it once, a host sync).
+    `nonfinite` (int32 [1]), when given, is set to 1 if any logit is NaN or infinite."""
     if logits.device.type == "cuda" and top_k <= 0 and top_p >= 1.0:
         from rollout.kernels import sampling_triton
 
-        return sampling_triton.sample(logits, seeds, step, temperature)
+        return sampling_triton.sample(logits, seeds, step, temperature, nonfinite)
+    if nonfinite is not None:
+        nonfinite.copy_(torch.maximum(nonfinite, (~torch.isfinite(logits).all()).to(torch.int32).view(1)))
     t = float(temperature.item()) if isinstance(temperature, Tensor) else float(temperature)
     return sample_reference(logits, seeds, step, t, top_k=top_k, top_p=top_p)

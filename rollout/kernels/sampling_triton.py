@@ -39,9 +39,10 @@ def _row_key(seed_ptr, step_ptr, row):
 
 @triton.jit
 def _partial_kernel(
-    logits_ptr, stride, seed_ptr, step_ptr, temp_ptr, part_ptr, V, P, BLOCK: tl.constexpr, ITERS: tl.constexpr
+    logits_ptr, stride, seed_ptr, step_ptr, temp_ptr, part_ptr, bad_ptr, V, P, BLOCK: tl.constexpr, ITERS: tl.constexpr
 ):
-    """Program (row, p) scans vocabulary chunk p: (max z, sum exp(z - max), best score, its index)."""
+    """Program (row, p) scans vocabulary chunk p: (max z, sum exp(z - max), best score, its index);
+    sets *bad = 1 when a logit it read is NaN or infinite."""
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(temp_ptr)
@@ -53,11 +54,13 @@ def _partial_kernel(
     s = tl.zeros([BLOCK], tl.float32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
+    nonfinite = tl.zeros([BLOCK], tl.int32)
     offs = tl.arange(0, BLOCK)
     for it in tl.static_range(ITERS):
         v = (part * ITERS + it) * BLOCK + offs
         vm = v < V
         x = tl.load(base + v, mask=vm, other=float("-inf")).to(tl.float32)
+        nonfinite = tl.maximum(nonfinite, (vm & ((x != x) | (tl.abs(x) == float("inf")))).to(tl.int32))
         z = x / tt
         m_new = tl.maximum(m, z)  # per-lane online logsumexp, lanes combined below
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -76,6 +79,7 @@ def _partial_kernel(
     total = tl.sum(s * tl.exp(m - mx_safe), 0)
     top = tl.max(best, 0)
     idx = tl.min(tl.where(best == top, best_i, 2147483647), 0)  # lowest index among ties
+    tl.store(bad_ptr, 1, mask=tl.max(nonfinite, 0) > 0)
     out = part_ptr + (row * P + part) * 4
     tl.store(out, mx)
     tl.store(out + 1, total)
@@ -110,9 +114,10 @@ def _split(V: int) -> tuple[int, int]:
     return iters, triton.cdiv(V, iters * BLOCK_V)
 
 
-def sample(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor, temperature) -> tuple:
-    """(tokens [B] int64, logp [B] fp32) from logits [B, V] (any float dtype, last dim contiguous),
-    seeds [B] int64, step: int64 tensor of 1 element, temperature: 1-element fp32 tensor or float.
+def sample(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor, temperature, nonfinite=None) -> tuple:
+    """(tokens [B] int64, logp [B] fp32) from logits [B, V] (any float dtype, read as fp32; last dim
+    contiguous), seeds [B] int64, step: int64 tensor of 1 element, temperature: 1-element fp32
+    tensor or float; `nonfinite` (int32 [1]) is set to 1 if a logit is NaN/Inf (else left alone).
     Two launches: per (row, vocabulary chunk) partials, then one combine per row."""
     B, V = logits.shape
     if logits.stride(1) != 1:
@@ -122,12 +127,25 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor, temper
         temperature = torch.tensor([float(temperature)], dtype=torch.float32, device=dev)
     if not isinstance(step, torch.Tensor):
         step = torch.tensor([int(step)], dtype=torch.int64, device=dev)
+    if nonfinite is None:
+        nonfinite = torch.zeros(1, dtype=torch.int32, device=dev)
     iters, P = _split(V)
     part = torch.empty(B, P, 4, dtype=torch.float32, device=dev)
     tok = torch.empty(B, dtype=torch.int64, device=dev)
     logp = torch.empty(B, dtype=torch.float32, device=dev)
     _partial_kernel[(B, P)](
-        logits, logits.stride(0), seeds, step, temperature, part, V, P, BLOCK=BLOCK_V, ITERS=iters, num_warps=8
+        logits,
+        logits.stride(0),
+        seeds,
+        step,
+        temperature,
+        part,
+        nonfinite,
+        V,
+        P,
+        BLOCK=BLOCK_V,
+        ITERS=iters,
+        num_warps=8,
     )
     _combine_kernel[(B,)](
         logits, logits.stride(0), temperature, part, tok, logp, P, PP=triton.next_power_of_2(P), num_warps=1

@@ -119,3 +119,30 @@ def test_engine_errors():
     eng.embed[7] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         eng.generate([[7, 8]], max_new_tokens=4, temperature=1.0, seeds=[0])
+
+
+@pytest.mark.parametrize("G,hd", [(8, 128), (4, 64), (2, 32)])
+def test_decode_attention_kernel_matches_torch(G, hd):
+    from rollout.kernels import attention_triton
+
+    g = torch.Generator(device=DEV).manual_seed(G)
+    n, hk, S = 7, 4, 300
+    H = G * hk
+    kc = torch.randn(n + 2, hk, S, hd, device=DEV, generator=g).bfloat16()
+    vc = torch.randn(n + 2, hk, S, hd, device=DEV, generator=g).bfloat16()
+    q = torch.randn(n, H, hd, device=DEV, generator=g).bfloat16()
+    kv = torch.randn(n, 2 * hk, hd, device=DEV, generator=g).bfloat16()
+    k_new, v_new = kv[:, :hk], kv[:, hk:]  # strided views, as the fused qkv split gives them
+    pos = torch.tensor([0, 1, 5, 63, 64, 65, 299], device=DEV)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k[torch.arange(n, device=DEV), :, pos] = k_new
+    ref_v[torch.arange(n, device=DEV), :, pos] = v_new
+    o = attention_triton.decode_attention(q, k_new, v_new, kc, vc, pos, hd**-0.5)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    for b in range(n):
+        p = int(pos[b]) + 1
+        k = ref_k[b, :, :p].float().repeat_interleave(G, 0)
+        v = ref_v[b, :, :p].float().repeat_interleave(G, 0)
+        w = (q[b].float()[:, None, :] @ k.transpose(1, 2) * hd**-0.5).softmax(-1)
+        ref = (w @ v)[:, 0]
+        torch.testing.assert_close(o[b].float(), ref, rtol=2e-2, atol=2e-2)
