@@ -188,7 +188,11 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
     step = torch.zeros(1, dtype=torch.int64, device=dev)
     temp = torch.ones(1, device=dev)
     sampling.sample(logits, seeds, step, temp)
-    t_s = events_ms(lambda: sampling.sample(logits, seeds, step, temp), repeats=50)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()  # timed as in the decode graph: replays, no launch overhead
+    with torch.cuda.graph(g):
+        sampling.sample(logits, seeds, step, temp)
+    t_s = events_ms(g.replay, repeats=50)
     ms64 = next(r["ms_step"] for r in out["decode"] if r["batch"] == Be and r["temperature"] == 1.0)
     out["sampling"] = {"batch": Be, "ms": t_s, "pct_step": t_s / ms64}
     print(f"  {name:10s} sampling B={Be}: {t_s * 1e3:.1f} us ({t_s / ms64:.1%} of a T=1 step)", flush=True)
