@@ -26,7 +26,8 @@ requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL
 above the transport limit (`max_receive_message_bytes`) are refused by gRPC itself with
 RESOURCE_EXHAUSTED. Health (grpc.health.v1) reports NOT_SERVING until the first publish.
 
-Test hooks are named `testonly_*`; they do nothing unless a test calls them.
+Faults (corrupted chunks, dropped streams) are injected by the tests, from outside: a subclass that
+wraps the FetchTensors handler (tests/integration/test_policy_grpc.py) and a TCP proxy.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import grpc
 import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from broker.tls import ServerTLS
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
@@ -66,7 +68,7 @@ _DATA_FIELD_TAG = bytes([(15 << 3) | 2])  # TensorChunk.data: field 15, length-d
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyServerConfig:
-    """`port=0` picks a free port. TLS: set cert + key; add a client CA to require client certs (mTLS)."""
+    """`port=0` picks a free port. TLS: `tls=ServerTLS(cert=, key=)`; add `client_ca` to require client certs (mTLS)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -76,9 +78,7 @@ class PolicyServerConfig:
     max_send_message_bytes: int = MAX_MANIFEST_BYTES + (1 << 20)
     max_tensor_names: int = 1 << 16
     shard_layouts_per_version: int = 16
-    tls_cert_chain_path: str | None = None
-    tls_private_key_path: str | None = None
-    tls_client_ca_path: str | None = None
+    tls: ServerTLS = field(default_factory=ServerTLS)
     use_uvloop: bool = True
     start_timeout_s: float = 30.0
     stop_grace_s: float = 2.0
@@ -111,14 +111,7 @@ class PolicyServerConfig:
             )
         if isinstance(self.max_send_message_bytes, int) and self.max_send_message_bytes < (2 << 20):
             bad.append(f"max_send_message_bytes={self.max_send_message_bytes} must be >= 2 MiB (1 MiB chunks)")
-        if (self.tls_cert_chain_path is None) != (self.tls_private_key_path is None):
-            bad.append("tls_cert_chain_path and tls_private_key_path must be set together")
-        if self.tls_client_ca_path is not None and self.tls_cert_chain_path is None:
-            bad.append("tls_client_ca_path (mTLS) needs tls_cert_chain_path and tls_private_key_path")
-        for name in ("tls_cert_chain_path", "tls_private_key_path", "tls_client_ca_path"):
-            v = getattr(self, name)
-            if v is not None and not Path(v).is_file():
-                bad.append(f"{name}={v!r} is not a file")
+        bad += self.tls.missing_files()
         for name in ("start_timeout_s", "stop_grace_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -287,8 +280,6 @@ class PolicyServer:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-shard")
         self._port = 0
         self._counters = {"fetch_streams": 0, "chunks_sent": 0, "bytes_sent": 0, "rejected_requests": 0}
-        self._corrupt: dict[tuple[int, int, int, int], int] = {}
-        self._drop_after: list[int] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -373,11 +364,11 @@ class PolicyServer:
         await self._health.set("", status)
         await self._health.set(SERVICE_NAME, status)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert_chain_path:
+        if cfg.tls.enabled:
             creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_private_key_path).read_bytes(), Path(cfg.tls_cert_chain_path).read_bytes())],
-                root_certificates=Path(cfg.tls_client_ca_path).read_bytes() if cfg.tls_client_ca_path else None,
-                require_client_auth=cfg.tls_client_ca_path is not None,
+                [(Path(cfg.tls.key).read_bytes(), Path(cfg.tls.cert).read_bytes())],
+                root_certificates=Path(cfg.tls.client_ca).read_bytes() if cfg.tls.client_ca else None,
+                require_client_auth=bool(cfg.tls.client_ca),
             )
             port = server.add_secure_port(address, creds)
         else:
@@ -386,9 +377,7 @@ class PolicyServer:
             raise OSError(f"could not bind {address}")
         await server.start()
         self._server, self._port = server, port
-        log.info(
-            "policy server listening on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_chain_path else "plaintext"
-        )
+        log.info("policy server listening on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls.enabled else "plaintext")
         ready.set()
         await self._stopping.wait()
         await self._health.enter_graceful_shutdown()
@@ -458,31 +447,6 @@ class PolicyServer:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counters)
-
-    # -- test hooks ---------------------------------------------------------------------------
-
-    def testonly_corrupt_chunk(
-        self, *, version: int, chunk_index: int, tp_rank: int = 0, tp_size: int = 1, times: int = 1
-    ) -> None:
-        """TEST ONLY: flip the last payload byte of this chunk the next `times` times it is sent."""
-        with self._lock:
-            self._corrupt[(version, chunk_index, tp_rank, tp_size)] = times
-
-    def testonly_drop_stream_after(self, n_chunks: int) -> None:
-        """TEST ONLY: end the next FetchTensors stream with UNAVAILABLE after `n_chunks` chunks."""
-        with self._lock:
-            self._drop_after.append(n_chunks)
-
-    def _take_corruption(self, key) -> bool:
-        with self._lock:
-            left = self._corrupt.get(key, 0)
-            if not left:
-                return False
-            if left == 1:
-                del self._corrupt[key]
-            else:
-                self._corrupt[key] = left - 1
-            return True
 
     # -- handlers -----------------------------------------------------------------------------
 
@@ -596,20 +560,13 @@ class PolicyServer:
             return
         with self._lock:
             self._counters["fetch_streams"] += 1
-            drop_after = self._drop_after.pop(0) if self._drop_after else None
         sent = nbytes = 0
         try:
             for pos in positions:
                 msg = layout.messages[pos]
-                if self._corrupt and self._take_corruption((v.version, layout.indices[pos], req.tp_rank, tp_size)):
-                    corrupted = bytearray(msg)
-                    corrupted[-1] ^= 0xFF
-                    msg = bytes(corrupted)
-                yield msg
-                sent += 1
+                sent += 1  # counted when handed to gRPC
                 nbytes += len(msg)
-                if drop_after is not None and sent >= drop_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "testonly: stream dropped")
+                yield msg
         finally:
             with self._lock:
                 self._counters["chunks_sent"] += sent

@@ -10,6 +10,8 @@ deterministically. It holds:
 - per tensor: name, format, format params, logical shape, each part's dtype/shape/byte range,
   the fp32 global scale when there is one, the TP style, xxh3_64 per chunk and sha256 overall.
 
+Every hash here is `policy.hashing.sha256_json` of a canonical JSON form: `model_config_sha256` is
+`ModelConfig.fingerprint()` and `recipe_sha256` is `Recipe.fingerprint()` (what `tandem plan` prints).
 `contract_fingerprint` is a sha256 over a canonical JSON form of the Contract (not over protobuf
 bytes, so it cannot change with the protobuf library): everything trainer and rollout must agree
 on, and nothing that changes per version (version, time, checksums). The TP degree is in it only
@@ -27,7 +29,6 @@ as norms are published as [1, D] by whoever quantizes them.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -42,6 +43,7 @@ import torch
 import xxhash
 
 from policy import formats, kernels
+from policy.hashing import canonical_json, sha256_hex
 from policy.tp import TP_SCALE_MODES, ShardCut, TPPlan, check_tp, from_parts_kwargs, part_index
 from tandem.v1 import manifest_pb2 as pb
 
@@ -77,32 +79,6 @@ class FingerprintMismatch(ValueError):
 
 class ChecksumMismatch(ValueError):
     """Bytes do not match the xxh3 / sha256 the manifest (or a chunk) declares."""
-
-
-def canonical_json(obj: Any) -> str:
-    """Sorted keys, no spaces, no NaN; tuples become lists. The one JSON form that gets hashed."""
-    return json.dumps(_plain(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-
-
-def _plain(obj: Any) -> Any:
-    if hasattr(obj, "to_dict") and callable(obj.to_dict):
-        return _plain(obj.to_dict())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _plain(dataclasses.asdict(obj))
-    if isinstance(obj, Mapping):
-        bad = [k for k in obj if not isinstance(k, str)]
-        if bad:
-            raise ValueError(f"canonical JSON needs string keys, got {bad[:5]}")
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise ValueError(f"cannot put a {type(obj).__name__} into canonical JSON: {obj!r}")
-
-
-def _sha256_hex(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # -- the contract ------------------------------------------------------------------------------
@@ -190,10 +166,10 @@ class Contract:
         rules_json = canonical_json(self.recipe_rules)
         return pb.Contract(
             model_config_json=model_json,
-            model_config_sha256=_sha256_hex(model_json),
+            model_config_sha256=sha256_hex(model_json),
             recipe_name=self.recipe_name,
             recipe_rules_json=rules_json,
-            recipe_sha256=recipe_sha256(self.recipe_name, rules_json),
+            recipe_sha256=recipe_sha256(rules_json),
             quantizer_spec_version=self.quantizer_spec_version,
             activation_sites=[
                 pb.ActivationSite(name=s.name, format=s.format, scope=s.scope, tp_scale_mode=s.tp_scale_mode)
@@ -231,16 +207,19 @@ def contract_from_recipe(
     )
 
 
-def recipe_sha256(name: str, rules_json: str) -> str:
-    return _sha256_hex(name + "\n" + rules_json)
+def recipe_sha256(rules_json: str) -> str:
+    """`Recipe.fingerprint()`: the hash of the rules' canonical JSON (the contract fingerprint
+    covers the recipe name on its own)."""
+    return sha256_hex(rules_json)
 
 
 def contract_fingerprint(contract: pb.Contract) -> str:
     """sha256 hex over a canonical JSON of the contract's parts (see the module docstring)."""
     doc = {
         "schema": SCHEMA_VERSION,
-        "model_config_sha256": _sha256_hex(contract.model_config_json),
-        "recipe_sha256": recipe_sha256(contract.recipe_name, contract.recipe_rules_json),
+        "model_config_sha256": sha256_hex(contract.model_config_json),
+        "recipe_name": contract.recipe_name,
+        "recipe_sha256": recipe_sha256(contract.recipe_rules_json),
         "quantizer_spec_version": contract.quantizer_spec_version,
         "activation_sites": [[s.name, s.format, s.scope, s.tp_scale_mode] for s in contract.activation_sites],
         "tp_plan": {
@@ -248,7 +227,7 @@ def contract_fingerprint(contract: pb.Contract) -> str:
             "partition_tp_size": contract.tp_plan.partition_tp_size,
         },
     }
-    return _sha256_hex(canonical_json(doc))
+    return sha256_hex(canonical_json(doc))
 
 
 def tp_plan_of(manifest: pb.Manifest) -> TPPlan:
@@ -463,10 +442,10 @@ def verify_manifest(m: pb.Manifest) -> None:
     if not 1 <= m.chunk_bytes <= CHUNK_BYTES:
         bad.append(f"chunk_bytes={m.chunk_bytes} must be in [1, {CHUNK_BYTES}]")
     c = m.contract
-    if c.model_config_sha256 != _sha256_hex(c.model_config_json):
+    if c.model_config_sha256 != sha256_hex(c.model_config_json):
         bad.append("contract.model_config_sha256 does not match model_config_json")
-    if c.recipe_sha256 != recipe_sha256(c.recipe_name, c.recipe_rules_json):
-        bad.append("contract.recipe_sha256 does not match recipe_name + recipe_rules_json")
+    if c.recipe_sha256 != recipe_sha256(c.recipe_rules_json):
+        bad.append("contract.recipe_sha256 does not match recipe_rules_json")
     fp = contract_fingerprint(c)
     if m.contract_fingerprint != fp:
         bad.append(f"contract_fingerprint {m.contract_fingerprint!r} does not match the contract ({fp})")

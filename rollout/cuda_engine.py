@@ -49,27 +49,18 @@ from torch import Tensor
 
 import policy.kernels as PK
 from policy.formats import nvfp4 as _nvfp4
-from policy.model import Generation, ModelConfig
+from policy.model import ModelConfig
 from policy.recipe import Plan
+from rollout import kernels as RK
 from rollout import sampling
+from rollout.engine import Generation
 
 __all__ = ["EngineConfig", "PackedEngine", "resolve_device"]
 
 
-def _decode_kernels():
-    """The module with pack / pack_experts / qmatmul (policy.kernels, or rollout.kernels after the
-    structure change moved them beside the engine)."""
-    try:
-        mod = importlib.import_module("rollout.kernels")
-        if hasattr(mod, "pack_experts"):
-            return mod
-    except ImportError:
-        pass
-    return PK
-
-
 def _matmul_triton():
-    return importlib.import_module(_decode_kernels().__name__ + ".matmul_triton")
+    """The Triton decode matmuls, imported on first use (CPU runs never import Triton)."""
+    return importlib.import_module("rollout.kernels.matmul_triton")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -243,13 +234,12 @@ class _Linear:
     """y = x̂ @ W.T for one weight: a PackedLinear for the 4-bit kernels, else a dense tensor."""
 
     def __init__(self, q, act, device, dtype):
-        K = _decode_kernels()
         self.act = act
         self.packed = None
         self.weight = None
         if PK.formats.format_of(q) in ("nvfp4", "int4") and device.type == "cuda":
-            p = K.pack(PK.to_device(q, device))
-            if K._kernel_fmt(p, torch.empty(1, p.shape[1], dtype=torch.bfloat16, device=device)) is not None:
+            p = RK.pack(PK.to_device(q, device))
+            if RK._kernel_fmt(p, torch.empty(1, p.shape[1], dtype=torch.bfloat16, device=device)) is not None:
                 self.packed = p
         if self.packed is None:
             self.weight = PK.dequantize(PK.to_device(q, device)).to(dtype)
@@ -271,16 +261,15 @@ class _Experts:
     """The routed experts of one layer: gate_up [E, 2F, D] and down [E, D, F], packed or dense."""
 
     def __init__(self, gate_up: list, down: list, act_gu, act_dn, device, dtype):
-        K = _decode_kernels()
         self.act_gu, self.act_dn = act_gu, act_dn
         fmts = {PK.formats.format_of(q) for q in gate_up + down}
         self.kernel = None
         if device.type == "cuda" and fmts <= {"nvfp4", "int4"} and len(fmts) == 1:
-            gu = K.pack_experts([PK.to_device(q, device) for q in gate_up])
-            dn = K.pack_experts([PK.to_device(q, device) for q in down])
+            gu = RK.pack_experts([PK.to_device(q, device) for q in gate_up])
+            dn = RK.pack_experts([PK.to_device(q, device) for q in down])
             probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
-            ok_gu = K._kernel_fmt(gu, probe.expand(1, gu.shape[1])) is not None
-            if ok_gu and K._kernel_fmt(dn, probe.expand(1, dn.shape[1])) is not None:
+            ok_gu = RK._kernel_fmt(gu, probe.expand(1, gu.shape[1])) is not None
+            if ok_gu and RK._kernel_fmt(dn, probe.expand(1, dn.shape[1])) is not None:
                 mt = _matmul_triton()
                 self.kernel = mt.FMT_NVFP4 if gu.fmt == "nvfp4" else mt.FMT_INT4
                 self.gu, self.dn = gu, dn
@@ -518,8 +507,9 @@ class PackedEngine:
             x, h = ops.add_rms(x, self._moe(L, h, ops), self._next_norm(i), eps)
         return self.lm_head(h, ops)  # the sampler reads them as fp32
 
-    def _prefill_forward(self, tokens: Tensor, lens: Tensor) -> Tensor:
-        """Right-padded prompts [n, T] -> logits [n, V] at each row's last real token; writes KV 0..T-1."""
+    def _prefill_forward(self, tokens: Tensor, lens: Tensor, n_samples: int = 1) -> Tensor:
+        """Right-padded prompts [n, T] -> logits [n, V] at each row's last real token; writes KV
+        0..T-1 of rows b * n_samples + i (each prompt computed once, its KV copied to its samples)."""
         cfg, ops, eps = self.cfg, self.plain, self.cfg.norm_eps
         n, T = tokens.shape
         H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -532,8 +522,9 @@ class PackedEngine:
             q, k, v = self._qkv(L, h, ops)
             q, k = ops.qk_norm_rope(q.view(n, T, H, hd), k.view(n, T, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(n, T, Hk, hd).transpose(1, 2)
-            self.k_cache[i][:n, :, :T] = k
-            self.v_cache[i][:n, :, :T] = v
+            R = n * n_samples
+            self.k_cache[i][:R, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
+            self.v_cache[i][:R, :, :T] = v if n_samples == 1 else v.repeat_interleave(n_samples, 0)
             # Right padding: a real token's causal window holds only real tokens.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hk)
             x, h = ops.add_rms(x, L.o(o.transpose(1, 2).reshape(n, T, H * hd), ops), L.ln2, eps)
@@ -646,17 +637,22 @@ class PackedEngine:
     # ---------------------------------------------------------------- public
 
     @torch.no_grad()
-    def prefill(self, prompts: Sequence[Sequence[int]], *, seeds, temperature: float, stop, pad_id: int) -> int:
-        """Reset the state, prefill the prompts into slots 0..B-1 and sample their first token.
-        Returns the bucket the batch decodes in."""
-        B = len(prompts)
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], *, seeds, temperature: float, stop, pad_id: int, n_samples: int = 1
+    ) -> int:
+        """Reset the state, prefill the prompts (each once) into slots 0..B*n_samples-1 (row
+        b * n_samples + i: sample i of prompt b) and sample their first token. Returns the bucket
+        the batch decodes in."""
+        P = len(prompts)
+        B = P * n_samples
         n = self.bucket(B)
         lens = [len(p) for p in prompts]
         T = max(lens)
-        tokens = torch.full((B, T), pad_id, dtype=torch.int64)
+        tokens = torch.full((P, T), pad_id, dtype=torch.int64)
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
-        lens_t = torch.tensor(lens + [1] * (n - B), dtype=torch.int64)
+        row_lens = [x for x in lens for _ in range(n_samples)]
+        lens_t = torch.tensor(row_lens + [1] * (n - B), dtype=torch.int64)
         dev = self.device
         self._temp_value = float(temperature)
         self.temperature.fill_(float(temperature))
@@ -673,7 +669,9 @@ class PackedEngine:
         self.out_logp.zero_()
         self.step.zero_()
         self._finite_bad.zero_()
-        logits = self._prefill_forward(tokens.to(dev), lens_t[:B].to(dev))
+        logits = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev), n_samples)
+        if n_samples > 1:
+            logits = logits.repeat_interleave(n_samples, 0)
         if n > B:  # spare rows of the bucket: dead padding
             logits = torch.cat([logits, logits.new_zeros(n - B, logits.shape[1])])
         self._sample_update(logits, n)
@@ -706,6 +704,7 @@ class PackedEngine:
         self,
         prompts: Sequence[Sequence[int]],
         *,
+        n_samples: int = 1,
         max_new_tokens: int,
         temperature: float = 1.0,
         seeds: Sequence[int] | None = None,
@@ -714,13 +713,18 @@ class PackedEngine:
         stop_ids: Sequence[int] = (),
         pad_id: int = 0,
     ) -> Generation:
-        """As `policy.model.generate` (same arguments and result), on this engine."""
+        """As `rollout.engine.generate` (same arguments and result, row b * n_samples + i is sample i
+        of prompt b), on this engine."""
         cfg, e = self.cfg, self.ecfg
-        B = len(prompts)
-        if B == 0:
+        if len(prompts) == 0:
             raise ValueError("no prompts")
+        if n_samples < 1:
+            raise ValueError(f"n_samples={n_samples} must be >= 1")
+        B = len(prompts) * n_samples
         if B > e.max_batch:
-            raise ValueError(f"{B} prompts > engine max_batch={e.max_batch} (KV slots)")
+            raise ValueError(
+                f"{B} rows ({len(prompts)} prompts x {n_samples} samples) > engine max_batch={e.max_batch}"
+            )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if not temperature >= 0 or not math.isfinite(temperature):
@@ -745,8 +749,8 @@ class PackedEngine:
         if seeds is None:
             seeds = torch.randint(0, 2**62, (B,), generator=generator).tolist()
         elif len(seeds) != B:
-            raise ValueError(f"seeds has {len(seeds)} entries for {B} prompts")
-        n = self.prefill(prompts, seeds=seeds, temperature=temperature, stop=stop, pad_id=pad_id)
+            raise ValueError(f"seeds has {len(seeds)} entries for {B} rows")
+        n = self.prefill(prompts, seeds=seeds, temperature=temperature, stop=stop, pad_id=pad_id, n_samples=n_samples)
         if max_new_tokens > 1:
             self.decode(n, max_new_tokens - 1)
         if bool(self._finite_bad):

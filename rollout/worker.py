@@ -11,10 +11,11 @@ Loop (one group at a time):
 SIGTERM sets a flag: the group in progress is finished and committed, then the worker exits
 (a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
 
-Generation: with `rollout.device=cpu` (default) the CPU KV-cache engine of policy.model with
-weights dequantized once per version (weight-only formats are exact after dequantization); with
-`cuda` / `cuda:N` the packed-weight engine of rollout.cuda_engine, rebuilt per version from the
-fetched tensors (its KV cache and graphs never outlive the version that filled them).
+Generation: with `rollout.device=cpu` (default) the CPU KV-cache engine of rollout/engine.py
+(the prompt prefilled once per group, its cache shared by the n samples) with weights dequantized
+once per version (weight-only formats are exact after dequantization); with `cuda` / `cuda:N` the
+packed-weight engine of rollout/cuda_engine.py, rebuilt per version from the fetched tensors (its
+KV cache and graphs never outlive the version that filled them).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
-from policy.model import ModelConfig, Transformer, generate
+from policy.loop import AsyncConfig
+from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout.cuda_engine import EngineConfig, PackedEngine, resolve_device
 
 from .config import RolloutConfig
-from .tasks import AdditionTask, CharTokenizer
+from .engine import generate
+from .tasks import Task
 
 
 class RolloutWorker:
@@ -54,15 +57,15 @@ class RolloutWorker:
         worker_id: str,
         model_config: ModelConfig,
         recipe: Recipe,
-        max_staleness: int,
-        task: AdditionTask,
-        tokenizer: CharTokenizer,
+        loop: AsyncConfig,
+        task: Task,
         log: Callable[[str], None] = print,
     ):
-        self.cfg, self.worker_id, self.max_staleness, self.log = cfg, worker_id, max_staleness, log
+        self.cfg, self.worker_id, self.loop, self.log = cfg, worker_id, loop, log
+        self.max_staleness = loop.max_staleness
         self.keys = Keys(run_id=run_id)
         self.redis_url = redis_url
-        self.task, self.tok = task, tokenizer
+        self.task = task
         self.recipe = recipe
         self.device = resolve_device(cfg.device)  # ValueError naming the problem when unusable
         self.model_config = model_config
@@ -75,9 +78,9 @@ class RolloutWorker:
         self.groups_done = 0
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
-        self.health = HealthServer(port=cfg.health_port, service=ROLLOUT_HEALTH)
-        if cfg.client_tls()["tls_root_ca_path"]:  # missing TLS files: fail at start, not at every fetch
-            PolicyClientConfig(address="tls-files-check:1", **cfg.client_tls())
+        self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH)
+        if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
+            PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -171,7 +174,7 @@ class RolloutWorker:
                 address=pointer.address,
                 expected_fingerprint=self.fingerprint,
                 fetch_timeout_s=self.cfg.fetch_timeout_s,
-                **self.cfg.client_tls(),
+                tls=self.cfg.tls,
             )
             with PolicyClient(cfg) as client:
                 return client.fetch(pointer.version)
@@ -208,18 +211,19 @@ class RolloutWorker:
     def _generate(self, prompt: list[int], seeds: list[int]) -> tuple[list, list]:
         """Completions and behavior log-probs of one prompt, one sample per seed."""
         kw = dict(
-            max_new_tokens=self.task.max_answer_tokens,
-            temperature=self.cfg.temperature,
-            eos_id=self.tok.eos_id,
-            pad_id=self.tok.pad_id,
+            max_new_tokens=self.task.max_new_tokens,
+            temperature=self.loop.temperature,
+            eos_id=self.task.tokenizer.eos_id,
+            pad_id=self.task.tokenizer.pad_id,
         )
         if self.engine is None:
-            gen = generate(self.model, [prompt] * len(seeds), seeds=seeds, **kw)
+            gen = generate(self.model, [prompt], n_samples=len(seeds), seeds=seeds, **kw)
             return gen.completions(), gen.completion_logprobs()
         completions, logps = [], []
         step = self.cfg.max_batch
         for i in range(0, len(seeds), step):  # a row's sample depends only on its seed: chunking is free
-            gen = self.engine.generate([prompt] * len(seeds[i : i + step]), seeds=seeds[i : i + step], **kw)
+            chunk = seeds[i : i + step]
+            gen = self.engine.generate([prompt], n_samples=len(chunk), seeds=chunk, **kw)
             completions += gen.completions()
             logps += gen.completion_logprobs()
         return completions, logps
@@ -242,7 +246,7 @@ class RolloutWorker:
                     prompt_tokens=np.asarray(prompt, dtype=np.int32),
                     completion_tokens=np.asarray(completion, dtype=np.int32),
                     behavior_logprobs=np.asarray(logps, dtype=np.float32),
-                    reward=self.task.score(self.tok, completion, group.task["answer"]),
+                    reward=self.task.score(completion, group.task),
                     policy_version=self.version,
                     contract_fingerprint=self.fingerprint,
                     worker_id=self.worker_id,

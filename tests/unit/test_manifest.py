@@ -129,6 +129,16 @@ def test_fingerprint_covers_the_contract_and_nothing_else(tensors):
     assert make_contract(activation_sites=mx, trainer_tp_size=2).partition_tp_size == 0
 
 
+def test_one_hasher_for_model_config_recipe_and_manifest():
+    """`tandem plan` (Recipe.fingerprint) and `tandem inspect` (the manifest's recipe_sha256) print
+    one hash for one recipe; the model config's likewise."""
+    recipe = Recipe.load("nvfp4_moe")
+    contract = M.contract_from_recipe(model_config=CFG, recipe=recipe).to_proto()
+    assert contract.recipe_sha256 == recipe.fingerprint()
+    assert contract.model_config_sha256 == CFG.fingerprint()
+    assert recipe.fingerprint() != Recipe.load("mxfp8").fingerprint()
+
+
 def test_fingerprint_mismatch_names_both(packed):
     M.check_fingerprint(packed.manifest, packed.manifest.contract_fingerprint)
     wrong = make_contract(recipe_name="something-else").fingerprint()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from policy import formats
-from policy.model import ModelConfig, Transformer, generate
+from policy.model import ModelConfig, Transformer
 from policy.qat import (
     ActivationQuantizer,
     QATHook,
@@ -23,6 +23,7 @@ from policy.qat import (
     remove_qat,
 )
 from policy.recipe import BUILTINS, Recipe
+from rollout.engine import generate
 from tandem import cli
 
 TINY = ModelConfig.preset("tiny")
