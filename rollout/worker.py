@@ -202,7 +202,9 @@ class RolloutWorker:
             self.recipe.plan(self.model_config),
             tensors,
             device=self.device,
-            engine=EngineConfig(max_batch=self.cfg.max_batch, max_seq_len=self.cfg.kv_capacity),
+            engine=EngineConfig(
+                max_batch=self.cfg.max_batch, max_seq_len=min(self.cfg.kv_capacity, self.model_config.max_seq_len)
+            ),
         )
         engine.capture()
         torch.cuda.synchronize(self.device)
