@@ -183,6 +183,11 @@ class _Fused:
     """torch.compile(fn) (static shapes, one graph), falling back to fn for good on the first error."""
 
     def __init__(self, fn):
+        # One compiled variant per batch bucket (static shapes): room for every bucket of a few engines.
+        dynamo = torch._dynamo.config
+        for key in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo, key):
+                setattr(dynamo, key, max(getattr(dynamo, key), 64))
         self.fn, self.compiled, self.failed = fn, torch.compile(fn, dynamic=False, fullgraph=True), False
 
     def __call__(self, *args):
@@ -626,6 +631,7 @@ class PackedEngine:
         torch.cuda.synchronize(self.device)
         return g
 
+    @torch.no_grad()
     def capture(self) -> None:
         """Capture the decode graphs now (otherwise the first decode does)."""
         if self.device.type == "cuda" and self.ecfg.use_graphs and not self._graphs:
