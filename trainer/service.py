@@ -226,7 +226,7 @@ class Trainer:
         self.state.version = 1
         self._snapshot()
         self._save_checkpoint()
-        qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+        qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
 
     def _audit(self, groups: list[list[Trajectory]]) -> None:
         """audit.jsonl: which groups each step used, from which version and worker (one line per step)."""
@@ -261,9 +261,9 @@ class Trainer:
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> None:
         if self.model.quant_hook is None:
-            qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+            qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
         v = self.state.version
-        tensors = mf.quantize_params(dict(self.model.named_parameters()), self.plan)
+        tensors = self.model.quant_hook.quantized_params(self.model)  # the QAT forward's own quantized parts
         packed = mf.build_manifest(
             version=v, parent_version=v - 1 if v > 1 else None, contract=self.contract, tensors=tensors
         )
