@@ -36,6 +36,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from policy.manifest import (
     MAX_NAME_CHARS,
     PackedPolicy,
     chunk_count,
+    first_chunk_indices,
     manifest_to_bytes,
     shard_tensor_bytes,
     tensor_layout,
@@ -132,6 +134,36 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def _chunk_messages(
+    version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int, expected_xxh3=None
+) -> list[tuple[int, bytes, memoryview]]:
+    """One tensor's pre-serialized TensorChunk messages: (chunk index, message, its data field).
+
+    Thread-safe and pure, so a version's tensors are framed in parallel (xxhash releases the GIL; the
+    one copy of the bytes into each message does not)."""
+    mv = memoryview(data)
+    n = chunk_count(len(mv), chunk_bytes)
+    out = []
+    for j in range(n):
+        piece = mv[j * chunk_bytes : (j + 1) * chunk_bytes]
+        digest = xxhash.xxh3_64_intdigest(piece)
+        if expected_xxh3 is not None and digest != expected_xxh3[j]:
+            raise ValueError(f"publish: tensor {name} chunk {j}: bytes do not match the manifest's xxh3")
+        head = policy_pb2.TensorChunk(
+            version=version,
+            chunk_index=first_index + j,
+            tensor_name=name,
+            tensor_nbytes=len(mv),
+            offset=j * chunk_bytes,
+            xxh3=digest,
+            tensor_sha256=sha256 if j == n - 1 else b"",
+        ).SerializeToString(deterministic=True)
+        prefix = head + _DATA_FIELD_TAG + _varint(len(piece))
+        msg = b"".join((prefix, piece))
+        out.append((first_index + j, msg, memoryview(msg)[len(prefix) :]))
+    return out
+
+
 @dataclass
 class _Layout:
     """Pre-serialized TensorChunk messages of one (version, tp_rank, tp_size), in chunk-index order."""
@@ -144,28 +176,14 @@ class _Layout:
     def add_tensor(
         self, *, version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int, expected_xxh3=None
     ) -> None:
-        mv = memoryview(data)
+        self.add_messages(name, _chunk_messages(version, name, first_index, data, sha256, chunk_bytes, expected_xxh3))
+
+    def add_messages(self, name: str, chunks: list[tuple[int, bytes, memoryview]]) -> None:
         start = len(self.messages)
-        n = chunk_count(len(mv), chunk_bytes)
-        for j in range(n):
-            piece = mv[j * chunk_bytes : (j + 1) * chunk_bytes]
-            digest = xxhash.xxh3_64_intdigest(piece)
-            if expected_xxh3 is not None and digest != expected_xxh3[j]:
-                raise ValueError(f"publish: tensor {name} chunk {j}: bytes do not match the manifest's xxh3")
-            head = policy_pb2.TensorChunk(
-                version=version,
-                chunk_index=first_index + j,
-                tensor_name=name,
-                tensor_nbytes=len(mv),
-                offset=j * chunk_bytes,
-                xxh3=digest,
-                tensor_sha256=sha256 if j == n - 1 else b"",
-            ).SerializeToString(deterministic=True)
-            prefix = head + _DATA_FIELD_TAG + _varint(len(piece))
-            msg = b"".join((prefix, piece))
-            self.indices.append(first_index + j)
+        for index, msg, payload in chunks:
+            self.indices.append(index)
             self.messages.append(msg)
-            self.payloads.append(memoryview(msg)[len(prefix) :])
+            self.payloads.append(payload)
         self.ranges[name] = (start, len(self.messages))
 
     def reuse_tensor(self, other: _Layout, name: str) -> None:
@@ -198,24 +216,25 @@ class _Version:
         self.content_digest = content_digest(m)
         self.plan = tp_plan_of(m)
         self.entries = {t.name: t for t in m.tensors}
-        self.first_index = {}
-        self.full = _Layout()
-        i = 0
+        self.first_index = first_chunk_indices(m)
         for t in m.tensors:
+            if len(policy.blobs[t.name]) != t.nbytes:
+                raise ValueError(
+                    f"publish: tensor {t.name} has {len(policy.blobs[t.name])} bytes, manifest says {t.nbytes}"
+                )
+
+        def frame(t):
             blob = policy.blobs[t.name]
-            if len(blob) != t.nbytes:
-                raise ValueError(f"publish: tensor {t.name} has {len(blob)} bytes, manifest says {t.nbytes}")
-            self.first_index[t.name] = i
-            self.full.add_tensor(
-                version=m.version,
-                name=t.name,
-                first_index=i,
-                data=blob,
-                sha256=t.sha256,
-                chunk_bytes=m.chunk_bytes,
-                expected_xxh3=t.chunk_xxh3,
+            return _chunk_messages(
+                m.version, t.name, self.first_index[t.name], blob, t.sha256, m.chunk_bytes, t.chunk_xxh3
             )
-            i += chunk_count(t.nbytes, m.chunk_bytes)
+
+        self.full = _Layout()
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(32, os.cpu_count() or 1), thread_name_prefix="frame"
+        ) as pool:
+            for t, chunks in zip(m.tensors, pool.map(frame, m.tensors)):
+                self.full.add_messages(t.name, chunks)
         announcement = policy_pb2.VersionAnnouncement(
             version=m.version,
             created_unix_ns=m.created_unix_ns,

@@ -32,8 +32,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,18 +264,41 @@ def quantize_params(weights: Mapping[str, torch.Tensor], plan) -> dict[str, Quan
 
 @dataclass(frozen=True)
 class PackedPolicy:
-    """A manifest and each tensor's bytes (immutable `bytes`, keyed by tensor name)."""
+    """A manifest and each tensor's bytes (immutable: `bytes` or a read-only memoryview, by tensor name)."""
 
     manifest: pb.Manifest
-    blobs: Mapping[str, bytes]
+    blobs: Mapping[str, bytes | memoryview]
 
 
 def _part_bytes(t: torch.Tensor) -> memoryview:
-    """Raw element bytes of a tensor (little-endian on every platform we run on), no copy if contiguous."""
+    """Raw element bytes of a CPU tensor (little-endian on every platform we run on), no copy if contiguous."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, started asynchronously into pinned memory (the caller synchronizes
+    once for all of them); CPU tensors are returned as they are."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _pack(views: Sequence[memoryview], chunk_bytes: int) -> tuple[memoryview, list[int], bytes]:
+    """One tensor's bytes: its parts copied into one new buffer, then its chunk xxh3s and sha256.
+
+    Runs in a worker thread: numpy's copy, xxhash and hashlib release the GIL, so tensors are packed
+    and hashed in parallel. The copy is what makes a published version immutable (a bf16 part can be
+    the live parameter itself); the buffer is returned read-only."""
+    buf = np.empty(sum(len(v) for v in views), dtype=np.uint8)
+    offset = 0
+    for v in views:
+        np.copyto(buf[offset : offset + len(v)], np.frombuffer(v, dtype=np.uint8))
+        offset += len(v)
+    buf.flags.writeable = False
+    blob = memoryview(buf)
+    return blob, chunk_digests(blob, chunk_bytes), hashlib.sha256(blob).digest()
 
 
 def chunk_digests(data, chunk_bytes: int) -> list[int]:
@@ -306,8 +331,13 @@ def build_manifest(
     tensors: Mapping[str, QuantizedParam],
     created_unix_ns: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    threads: int | None = None,
 ) -> PackedPolicy:
-    """Pack quantized tensors and describe them: one copy of the bytes, sha256 and xxh3 computed here."""
+    """Pack quantized tensors and describe them: one copy of the bytes, sha256 and xxh3 computed here.
+
+    Device tensors are copied to pinned host memory asynchronously (one synchronization for all),
+    then `threads` worker threads (default: one per CPU core, at most 32) copy each tensor's parts
+    into one immutable buffer and hash it. Each blob is a read-only memoryview."""
     bad = []
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         bad.append(f"version={version!r} must be an int >= 1")
@@ -329,7 +359,7 @@ def build_manifest(
         raise ValueError("build_manifest: " + "; ".join(bad))
 
     plan = contract.tp_plan
-    entries, blobs, total = [], {}, 0
+    entries, host_parts = [], []
     for name in sorted(tensors):
         param = tensors[name]
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
@@ -339,29 +369,27 @@ def build_manifest(
         formats.get(param.format)
         params_json = canonical_json(param.kwargs)
         shape = tuple(int(s) for s in param.value.shape)
-        parts, views, offset = [], [], 0
+        parts, offset = [], 0
+        host_parts.append([])
         for pname, t in param.value.parts().items():
             if t.dtype not in _DTYPE_NAMES:
                 raise ValueError(f"build_manifest: {name}: part {pname!r} has unsupported dtype {t.dtype}")
-            mv = _part_bytes(t)
+            nbytes = t.numel() * t.element_size()
             parts.append(
                 pb.TensorPart(
-                    name=pname, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, nbytes=len(mv)
+                    name=pname, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, nbytes=nbytes
                 )
             )
-            views.append(mv)
-            offset += len(mv)
-        blob = b"".join(views)
+            host_parts[-1].append(_to_host(t))
+            offset += nbytes
         entry = pb.TensorEntry(
             name=name,
             format=param.format,
             format_params_json=params_json,
             shape=list(shape),
             parts=parts,
-            nbytes=len(blob),
+            nbytes=offset,
             tp_style=plan.style(name),
-            chunk_xxh3=chunk_digests(blob, chunk_bytes),
-            sha256=hashlib.sha256(blob).digest(),
         )
         gs = param.value.parts().get("global_scale")
         if param.format == "nvfp4" and gs is not None and gs.numel() == 1:
@@ -373,7 +401,17 @@ def build_manifest(
             if errors:
                 raise ValueError("build_manifest: " + "; ".join(errors))
         entries.append(entry)
-        blobs[name] = blob
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the pinned host copies above were asynchronous
+    workers = threads or min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack") as pool:
+        packed = list(pool.map(lambda ts: _pack([_part_bytes(t) for t in ts], chunk_bytes), host_parts))
+    blobs, total = {}, 0
+    for entry, (blob, xxh3s, sha) in zip(entries, packed):
+        entry.chunk_xxh3.extend(xxh3s)
+        entry.sha256 = sha
+        blobs[entry.name] = blob
         total += len(blob)
 
     contract_pb = contract.to_proto()

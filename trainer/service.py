@@ -88,6 +88,7 @@ class Trainer:
         make_prompt: Callable[[int], PromptGroup],
         warm_start_example: Callable[[], tuple[list[int], list[int]]],
         pad_id: int,
+        init_weights: Callable[[Transformer], None] | None = None,
         log: Callable[[str], None] = print,
     ):
         self.cfg, self.loop, self.log = cfg, loop, log
@@ -99,6 +100,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
+        self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
         self.model = Transformer(model_config, seed=seed)
@@ -226,6 +228,9 @@ class Trainer:
                 _truncate_jsonl(self.run_dir / name, self.state.step)
             self.log(f"resumed from {self.ckpt_path}: step {self.state.step}, version {self.state.version}")
             return
+        if self.init_weights is not None:
+            self.init_weights(self.model)
+            self.log("initial weights loaded")
         if self.cfg.warmstart_steps:
             warm_start(
                 self.model,
@@ -239,7 +244,7 @@ class Trainer:
         self.state.version = 1
         self._snapshot()
         self._save_checkpoint()
-        qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+        qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
 
     def _audit(self, groups: list[list[Trajectory]]) -> None:
         """audit.jsonl: which groups each step used, from which version and worker (one line per step)."""
@@ -274,9 +279,12 @@ class Trainer:
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> None:
         if self.model.quant_hook is None:
-            qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+            qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
         v = self.state.version
-        tensors = mf.quantize_params(dict(self.model.named_parameters()), self.publish_plan)
+        if self.contract_breaking:  # the rollout_recipe ablation: quantized as the rollouts' recipe says
+            tensors = mf.quantize_params(dict(self.model.named_parameters()), self.publish_plan)
+        else:
+            tensors = self.model.quant_hook.quantized_params(self.model)  # the QAT forward's own quantized parts
         packed = mf.build_manifest(
             version=v, parent_version=v - 1 if v > 1 else None, contract=self.publish_contract, tensors=tensors
         )
