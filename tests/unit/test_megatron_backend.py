@@ -61,6 +61,19 @@ def _canonical(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in parameter_shapes(CFG).items()}
 
 
+def test_trainer_config_backend_and_device_fields():
+    from trainer.config import TrainerConfig
+
+    assert (TrainerConfig().backend, TrainerConfig().device) == ("torch", "cpu")
+    TrainerConfig(backend="megatron", device="cuda")
+    with pytest.raises(ValueError, match="backend='megatron' needs device='cuda'"):
+        TrainerConfig(backend="megatron")
+    with pytest.raises(ValueError, match="backend='jax'"):
+        TrainerConfig(backend="jax")
+    with pytest.raises(ValueError, match="device='gpu'"):
+        TrainerConfig(device="gpu")
+
+
 # ---- layouts by hand
 
 
