@@ -5,7 +5,9 @@ Architecture: `build_gpt_model(cfg)` builds the same decoder as `policy.model.Tr
 local (non-TransformerEngine) layer spec: RMSNorm, grouped-query attention with per-head q/k RMSNorm
 and rotate-half RoPE (base `rope_theta`), MoE with a softmax top-k router, SwiGLU routed experts
 (`SequentialMLP`, one MLP per expert) and the optional always-on shared expert, final RMSNorm and an
-untied output layer. No biases, no dropout, no auxiliary loss, no capacity limit. megatron-core's
+untied output layer. No biases, no dropout, no auxiliary loss, no capacity limit. A routed expert
+weights its output by the router probability (megatron would scale fc2's input: see
+`_scale_expert_outputs`). megatron-core's
 router computes `softmax(topk(logits))` when `moe_router_pre_softmax` is False, which equals
 softmax -> top-k -> renormalize (`norm_topk_prob=True`): softmax(l)_i / sum_{j in top-k} softmax(l)_j
 = exp(l_i) / sum_{j in top-k} exp(l_j). `norm_topk_prob=False` is `topk(softmax(logits))`
@@ -34,14 +36,17 @@ policy.manifest.build_manifest. QAT is implemented for TP=1 (any EP: experts are
 TP > 1 needs global scales reduced across shards and is refused.
 
 megatron-core needs torch.distributed and megatron.core.parallel_state initialized
-(`init_parallel`). Its GPTModel forward needs CUDA (causal mask and rotary tables are built there);
-construction, the mapping and the QAT hooks run on CPU (that is how the CPU tests run).
+(`init_parallel`). Its GPTModel forward is written for CUDA (the rotary table moves itself to
+torch.cuda.current_device(), attention forks the CUDA RNG tracker); construction, the mapping and
+the QAT hooks run on CPU, and the CPU tests run the full forward with those two device queries
+pointed at the CPU.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -74,12 +79,15 @@ __all__ = [
 # Setup
 
 
-def init_parallel(*, tp: int = 1, ep: int = 1) -> None:
+def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 0) -> None:
     """Initialize megatron's parallel state on an already initialized torch.distributed group
-    (pipeline parallel 1). Tear down with `megatron.core.parallel_state.destroy_model_parallel()`."""
-    from megatron.core import parallel_state
+    (pipeline parallel 1) and, with CUDA, its model-parallel RNG (its attention forks it even with
+    dropout 0). Tear down with `megatron.core.parallel_state.destroy_model_parallel()`."""
+    from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def transformer_config(
@@ -152,14 +160,57 @@ def build_gpt_model(
     )
     # The torch norms of the local spec are created in the default dtype; megatron's Float16Module
     # would cast them, we cast the whole model once so that every parameter has `dtype`.
-    return model.to(dtype=dtype)
+    model = model.to(dtype=dtype)
+    _fix_router_gating(model)
+    _scale_expert_outputs(model)
+    return model
+
+
+def _scale_expert_outputs(model: nn.Module) -> None:
+    """Routed experts weight their *output* by the router probability, as policy.model and the
+    rollout engines do: y_e = p_e * fc2(silu(gate) * up). megatron's MLP applies p_e to fc2's input
+    instead (per_token_scale), which is the same function but not the same quantized matmul: fc2's
+    activation quantization must see the expert's own activation (Compute contract), and under the
+    hp straight-through backward the router's gradient would go through fc2's master weight."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for mod in model.modules():
+        if isinstance(mod, SequentialMLP):
+            for expert in mod.local_experts:
+                expert.forward = partial(_expert_forward, expert)
+
+
+def _expert_forward(mlp: nn.Module, hidden_states: Tensor, per_token_scale: Tensor | None = None, **_: object):
+    h, _bias = mlp.linear_fc1(hidden_states)
+    gate, up = torch.chunk(h, 2, dim=-1)
+    y, _bias = mlp.linear_fc2(F.silu(gate) * up)
+    if per_token_scale is not None:
+        y = y * per_token_scale.unsqueeze(-1).to(y.dtype)
+    return y, None
+
+
+def _fix_router_gating(model: nn.Module) -> None:
+    """megatron-core 0.16 without TransformerEngine: its router_gating_linear reads the name
+    te_general_gemm, which it only defines when TE imports (NameError; 0.19 defines it as None).
+    There, each router computes its logits as a plain F.linear in the input dtype instead, which
+    is what megatron's own fallback computes with moe_router_dtype unset."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return
+    for mod in model.modules():
+        if isinstance(mod, TopKRouter):
+            mod.gating = lambda input, _m=mod: F.linear(input, _m.weight)
 
 
 def logits(model, tokens: Tensor) -> Tensor:
-    """[B, T] token ids -> [B, T, V] logits, causal, RoPE positions 0..T-1 (right padding only)."""
+    """[B, T] token ids -> [B, T, V] logits, causal, RoPE positions 0..T-1 (right padding only).
+    The causal mask (True = masked) is built here, on the tokens' device."""
     B, T = tokens.shape
     positions = torch.arange(T, device=tokens.device).expand(B, T)
-    return model(tokens, positions, None)
+    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
+    return model(tokens, positions, causal)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -559,8 +610,8 @@ def apply_qat(
     remove_qat(model)
     hook = MegatronQATHook(plan, backward)
     for mod, (attr, fn) in _qat_forwards(model, hook, ep_rank * (cfg.n_experts // ep)).items():
+        mod._tandem_qat = (attr, mod.__dict__.get(attr))  # what remove_qat restores
         setattr(mod, attr, fn)
-        mod._tandem_qat = attr
     if optimizer is not None:
         optimizer.register_step_post_hook(hook.invalidate)
     return hook
@@ -569,6 +620,9 @@ def apply_qat(
 def remove_qat(model: nn.Module) -> None:
     """Restore megatron's own forwards (undo `apply_qat`)."""
     for mod in model.modules():
-        attr = mod.__dict__.pop("_tandem_qat", None)
-        if attr is not None:
+        saved = mod.__dict__.pop("_tandem_qat", None)
+        if saved is not None:
+            attr, previous = saved
             delattr(mod, attr)
+            if previous is not None:
+                setattr(mod, attr, previous)

@@ -1,10 +1,14 @@
 """trainer/megatron_backend.py on CPU: a real megatron-core GPTModel (local spec) built under a
 single-process gloo group on loopback; the canonical <-> megatron mapping bit for bit, the qkv and
-gate/up layouts by hand, TP/EP sharding, and the QAT hooks' arithmetic against policy.qat on the
-torch model with the reference quantizers. (The GPTModel forward needs CUDA: tests/gpu.)"""
+gate/up layouts by hand, TP/EP sharding, the QAT hooks' arithmetic against policy.qat on the
+torch model with the reference quantizers, and whole forwards/backwards against the torch backend in
+fp32. megatron's forward is written for CUDA in two places, which `cpu_forward` points at the CPU for
+the test (torch.cuda.current_device, used to move the rotary table, and the CUDA RNG tracker's fork,
+used around attention dropout, here 0); everything else is megatron-core's own code."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import pytest
@@ -45,6 +49,14 @@ def mb():
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def cpu_forward(mb, monkeypatch):
+    from megatron.core import tensor_parallel
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext())
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +287,7 @@ def test_qat_linears_compute_what_policy_qat_computes(mb, models, backward):
     finally:
         mb.remove_qat(gpt)
         ref.quant_hook = None
-    assert "forward" not in mod.__dict__ and "gating" not in _module(gpt, "decoder.layers.0.mlp.router").__dict__
+    assert "forward" not in mod.__dict__ and "_tandem_qat" not in _module(gpt, "decoder.layers.0.mlp.router").__dict__
 
 
 def test_qat_cache_refreshes_after_an_optimizer_step(mb, models):
@@ -312,3 +324,55 @@ def test_qat_refuses_a_recipe_that_splits_the_fused_qkv(mb, models):
     with pytest.raises(ValueError, match="q/k/v inputs differently"):
         mb.apply_qat(gpt, CFG, recipe)
     assert "forward" not in gpt.decoder.layers[0].self_attention.linear_qkv.__dict__
+
+
+# ---- whole forwards and backwards on CPU (fp32: differences are accumulation order only)
+
+
+@pytest.fixture(scope="module")
+def models32(mb):
+    ref = Transformer(CFG, seed=7)
+    gpt = mb.build_gpt_model(CFG, dtype=torch.float32, cpu_init=True)
+    mb.load_canonical(gpt, CFG, dict(ref.named_parameters()))
+    return ref, gpt
+
+
+@pytest.mark.parametrize(
+    ("recipe_name", "backward"), [(None, None), ("nvfp4_moe", "hp"), ("nvfp4_moe", "dequant"), ("int4_qat", "hp")]
+)
+def test_forward_and_backward_equal_the_torch_backend_in_fp32(mb, models32, cpu_forward, recipe_name, backward):
+    ref, gpt = models32
+    if recipe_name is not None:
+        torch_apply_qat(ref, Recipe.load(recipe_name), backward)
+        mb.apply_qat(gpt, CFG, Recipe.load(recipe_name), backward)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(9))
+    try:
+        lt, lm = ref(tokens), mb.logits(gpt, tokens)
+        assert lm.shape == lt.shape
+        torch.testing.assert_close(lm, lt, rtol=0, atol=2e-5)
+        for lg in (lt, lm):
+            F.cross_entropy(lg[:, :-1].reshape(-1, CFG.vocab_size), tokens[:, 1:].reshape(-1)).backward()
+        grads_m = mb.from_megatron(CFG, {n: p.grad for n, p in gpt.named_parameters()})
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads_m[n], p.grad, rtol=1e-3, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    finally:
+        mb.remove_qat(gpt)
+        ref.quant_hook = None
+        ref.zero_grad(set_to_none=True)
+        gpt.zero_grad(set_to_none=True)
+
+
+def test_a_wrong_qkv_layout_is_visible_in_the_logits(mb, models32, cpu_forward):
+    """The forward comparison can fail: loading q/k/v concatenated instead of interleaved per group."""
+    ref, gpt = models32
+    p = dict(ref.named_parameters())
+    wrong = mb.build_gpt_model(CFG, dtype=torch.float32, cpu_init=True)
+    mb.load_canonical(wrong, CFG, p)
+    with torch.no_grad():
+        for i in range(CFG.n_layers):
+            a = f"model.layers.{i}.self_attn."
+            qkv = torch.cat([p[a + "q_proj.weight"], p[a + "k_proj.weight"], p[a + "v_proj.weight"]])
+            wrong.decoder.layers[i].self_attention.linear_qkv.weight.copy_(qkv)
+    tokens = torch.randint(0, CFG.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (mb.logits(wrong, tokens) - ref(tokens)).abs().max() > 1e-3
