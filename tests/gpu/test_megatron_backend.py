@@ -92,8 +92,8 @@ def test_logits_equal_the_torch_backend_within_bf16_noise(models):
     noise, err_m, diff = _compare(ref, f32, gpt, _tokens())
     print(f"plain: torch-bf16 vs fp32 {noise:.2e}, megatron vs fp32 {err_m:.2e}, megatron vs torch {diff:.2e}")
     assert noise > 0
-    assert err_m <= 2 * noise + 1e-4
-    assert diff <= 3 * noise + 1e-4
+    assert err_m <= 3 * noise + 1e-4
+    assert diff <= 4 * noise + 1e-4
 
 
 def test_qat_logits_effective_weights_and_published_bytes(models):
@@ -106,8 +106,8 @@ def test_qat_logits_effective_weights_and_published_bytes(models):
         tokens = _tokens(seed=1)
         noise, err_m, diff = _compare(ref, f32, gpt, tokens)
         print(f"qat nvfp4_moe: torch-bf16 vs fp32 {noise:.2e}, megatron vs fp32 {err_m:.2e}, vs torch {diff:.2e}")
-        assert err_m <= 2 * noise + 1e-4
-        assert diff <= 3 * noise + 1e-4
+        assert err_m <= 3 * noise + 1e-4
+        assert diff <= 4 * noise + 1e-4
         t_eff, m_eff = t_hook.effective_weights(ref), m_hook.effective_weights(gpt)
         assert sorted(t_eff) == sorted(m_eff)
         assert all(torch.equal(bits(t_eff[n]), bits(m_eff[n])) for n in t_eff)
