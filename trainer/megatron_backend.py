@@ -4,8 +4,9 @@ the canonical names, and QAT on its linears with policy.qat's quantizers.
 Architecture: `build_gpt_model(cfg)` builds the same decoder as `policy.model.Transformer` from the
 local (non-TransformerEngine) layer spec: RMSNorm, grouped-query attention with per-head q/k RMSNorm
 and rotate-half RoPE (base `rope_theta`), MoE with a softmax top-k router, SwiGLU routed experts
-(`SequentialMLP`, one MLP per expert) and the optional always-on shared expert, final RMSNorm and an
-untied output layer. No biases, no dropout, no auxiliary loss, no capacity limit. A routed expert
+(`SequentialMLP`, one MLP per expert) and the optional always-on shared expert, or a dense SwiGLU MLP
+per `cfg.is_moe_layer` (Qwen3 dense and mixed models: megatron's moe_layer_freq pattern), final
+RMSNorm and an output layer, tied to the embedding when `tie_word_embeddings`. No biases, no dropout, no auxiliary loss, no capacity limit. A routed expert
 weights its output by the router probability (megatron would scale fc2's input: see
 `_scale_expert_outputs`). megatron-core's
 router computes `softmax(topk(logits))` when `moe_router_pre_softmax` is False, which equals
@@ -20,7 +21,8 @@ rank)'s local state for any TP and EP size. Layouts (F = expert ffn dim, G = n_k
 r = n_heads / n_kv_heads):
   linear_qkv   [(n_heads + 2G) h, D], per query group g: [q heads g r .. g r + r - 1; k_g; v_g]
                (each h rows): megatron's interleaved layout; TP shards whole groups.
-  linear_fc1   [2F, D] = canonical gate_up_proj [gate; up], the same tensor (one global scale);
+  linear_fc1   [2F, D] = canonical gate_up_proj [gate; up] (routed, shared and dense MLPs), the same
+               tensor (one global scale);
                TP rank t holds [gate_t; up_t].
   experts      global expert e lives on EP rank e // (E / ep) as local_experts.{e % (E / ep)}.
   column-parallel (rows split): linear_qkv, linear_fc1, output_layer, word_embeddings;
@@ -99,22 +101,28 @@ def transformer_config(
     cpu_init: allocate and initialize on the CPU (no CUDA needed; the CPU tests use it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    moe = {}
+    if cfg.n_experts:
+        moe = dict(
+            num_moe_experts=cfg.n_experts,
+            moe_layer_freq=[int(cfg.is_moe_layer(i)) for i in range(cfg.n_layers)],
+            moe_router_topk=cfg.top_k,
+            moe_ffn_hidden_size=cfg.expert_ffn_dim,
+            moe_shared_expert_intermediate_size=cfg.shared_expert_ffn_dim or None,
+            moe_router_pre_softmax=not cfg.norm_topk_prob,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather",  # alltoall allocates CUDA streams at construction
+            moe_grouped_gemm=False,
+        )
     return TransformerConfig(
         num_layers=cfg.n_layers,
         hidden_size=cfg.dim,
         num_attention_heads=cfg.n_heads,
         num_query_groups=cfg.n_kv_heads,
         kv_channels=cfg.head_dim,
-        ffn_hidden_size=cfg.expert_ffn_dim,
-        num_moe_experts=cfg.n_experts,
-        moe_router_topk=cfg.top_k,
-        moe_ffn_hidden_size=cfg.expert_ffn_dim,
-        moe_shared_expert_intermediate_size=cfg.shared_expert_ffn_dim or None,
-        moe_router_pre_softmax=not cfg.norm_topk_prob,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather",  # alltoall allocates CUDA streams at construction
-        moe_grouped_gemm=False,
+        ffn_hidden_size=cfg.ffn_dim or cfg.expert_ffn_dim,  # dense layers (unused when all are MoE)
+        **moe,
         add_bias_linear=False,
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -143,20 +151,20 @@ def build_gpt_model(
     """A megatron-core GPTModel of `cfg` from the local layer spec, every parameter in `dtype`
     (parallel state must be set up)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    spec = get_gpt_layer_local_spec(
-        num_experts=cfg.n_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
-    )
+    config = transformer_config(cfg, dtype=dtype, tp=tp, ep=ep, cpu_init=cpu_init)
+    # Per layer: the local spec, MoE or dense MLP as config.moe_layer_freq says.
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(
-        config=transformer_config(cfg, dtype=dtype, tp=tp, ep=ep, cpu_init=cpu_init),
+        config=config,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
         position_embedding_type="rope",
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
         rotary_percent=1.0,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
     )
     # The torch norms of the local spec are created in the default dtype; megatron's Float16Module
     # would cast them, we cast the whole model once so that every parameter has `dtype`.
@@ -246,6 +254,8 @@ _LAYER_RENAMES = {
     "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "mlp.gate.weight": "mlp.router.weight",
+    "mlp.gate_up_proj.weight": "mlp.linear_fc1.weight",  # dense MLP layers
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
     "mlp.shared_expert.gate_up_proj.weight": "mlp.shared_experts.linear_fc1.weight",
     "mlp.shared_expert.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
 }
@@ -553,6 +563,13 @@ def _qat_forwards(model: nn.Module, hook: MegatronQATHook, expert_offset: int) -
 
     out = {}
     for path, mod in model.named_modules():
+        if path.removeprefix("module.") == "output_layer" and hook.cfg.tie_word_embeddings:
+            # tied head: GPTModel passes the embedding as `weight`; logits = x @ effective(embed).T
+            def tied(input_, weight=None, runtime_gather_output=None):
+                return F.linear(input_, hook.param("model.embed_tokens.weight", weight)), None
+
+            out[mod] = ("forward", tied)
+            continue
         if "weight" not in dict(mod.named_parameters(recurse=False)):
             continue
         mname = f"{path}.weight"

@@ -22,6 +22,8 @@ from policy.qat import bits
 from policy.recipe import Recipe
 
 CFG = ModelConfig.preset("tiny", n_layers=2)
+DENSE = ModelConfig.preset("tiny-dense", n_layers=2)  # Qwen3 dense, tied embeddings
+MIXED = ModelConfig.preset("tiny", n_layers=3, mlp_only_layers=[1], ffn_dim=256, tie_word_embeddings=True)
 GROUP = ModelConfig.preset("tiny", n_heads=4, n_kv_heads=2, head_dim=2, dim=1, n_layers=1)
 
 
@@ -330,29 +332,51 @@ def test_qat_refuses_a_recipe_that_splits_the_fused_qkv(mb, models):
 
 
 @pytest.fixture(scope="module")
-def models32(mb):
-    ref = Transformer(CFG, seed=7)
-    gpt = mb.build_gpt_model(CFG, dtype=torch.float32, cpu_init=True)
-    mb.load_canonical(gpt, CFG, dict(ref.named_parameters()))
-    return ref, gpt
+def pairs32(mb):
+    """cfg -> (torch Transformer, megatron GPTModel) in fp32 with the same weights, built once."""
+    built = {}
+
+    def get(cfg):
+        if cfg not in built:
+            ref = Transformer(cfg, seed=7)
+            gpt = mb.build_gpt_model(cfg, dtype=torch.float32, cpu_init=True)
+            mb.load_canonical(gpt, cfg, dict(ref.named_parameters()))
+            built[cfg] = (ref, gpt)
+        return built[cfg]
+
+    return get
 
 
+@pytest.mark.parametrize("cfg", [DENSE, MIXED], ids=["dense-tied", "mixed-tied"])
+def test_dense_mixed_and_tied_models_map_bitwise(mb, pairs32, cfg):
+    ref, gpt = pairs32(cfg)
+    names = {n for n, _ in gpt.named_parameters()}
+    assert names == set(mb.megatron_shapes(cfg))
+    assert "output_layer.weight" not in names and "decoder.layers.1.mlp.linear_fc1.weight" in names
+    back = mb.canonical_state(gpt, cfg)
+    assert all(torch.equal(bits(back[n]), bits(p)) for n, p in ref.named_parameters())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("recipe_name", "backward"), [(None, None), ("nvfp4_moe", "hp"), ("nvfp4_moe", "dequant"), ("int4_qat", "hp")]
 )
-def test_forward_and_backward_equal_the_torch_backend_in_fp32(mb, models32, cpu_forward, recipe_name, backward):
-    ref, gpt = models32
+@pytest.mark.parametrize("cfg", [CFG, DENSE, MIXED], ids=["moe", "dense-tied", "mixed-tied"])
+def test_forward_and_backward_equal_the_torch_backend_in_fp32(mb, pairs32, cpu_forward, cfg, recipe_name, backward):
+    if cfg is not CFG and recipe_name == "int4_qat":
+        pytest.skip("one QAT recipe per extra architecture is enough")
+    ref, gpt = pairs32(cfg)
     if recipe_name is not None:
         torch_apply_qat(ref, Recipe.load(recipe_name), backward)
-        mb.apply_qat(gpt, CFG, Recipe.load(recipe_name), backward)
-    tokens = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(9))
+        mb.apply_qat(gpt, cfg, Recipe.load(recipe_name), backward)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(9))
     try:
         lt, lm = ref(tokens), mb.logits(gpt, tokens)
         assert lm.shape == lt.shape
         torch.testing.assert_close(lm, lt, rtol=0, atol=2e-5)
         for lg in (lt, lm):
-            F.cross_entropy(lg[:, :-1].reshape(-1, CFG.vocab_size), tokens[:, 1:].reshape(-1)).backward()
-        grads_m = mb.from_megatron(CFG, {n: p.grad for n, p in gpt.named_parameters()})
+            F.cross_entropy(lg[:, :-1].reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1)).backward()
+        grads_m = mb.from_megatron(cfg, {n: p.grad for n, p in gpt.named_parameters()})
         for n, p in ref.named_parameters():
             torch.testing.assert_close(grads_m[n], p.grad, rtol=1e-3, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     finally:
@@ -362,9 +386,9 @@ def test_forward_and_backward_equal_the_torch_backend_in_fp32(mb, models32, cpu_
         gpt.zero_grad(set_to_none=True)
 
 
-def test_a_wrong_qkv_layout_is_visible_in_the_logits(mb, models32, cpu_forward):
+def test_a_wrong_qkv_layout_is_visible_in_the_logits(mb, pairs32, cpu_forward):
     """The forward comparison can fail: loading q/k/v concatenated instead of interleaved per group."""
-    ref, gpt = models32
+    ref, _ = pairs32(CFG)
     p = dict(ref.named_parameters())
     wrong = mb.build_gpt_model(CFG, dtype=torch.float32, cpu_init=True)
     mb.load_canonical(wrong, CFG, p)
