@@ -95,7 +95,9 @@ def main(argv=None) -> int:
             ref.quant_hook = None
             mb.remove_qat(gpt)
             row[backend] = {"ms": sec * 1e3, "tokens_per_s": n_tok / sec, "peak_gib": peak / 2**30}
-            print(f"{mode:10s} {backend:9s} {sec * 1e3:8.1f} ms/step {n_tok / sec:10.0f} tok/s  peak {peak / 2**30:6.2f} GiB")
+            print(
+                f"{mode:10s} {backend:9s} {sec * 1e3:8.1f} ms/step {n_tok / sec:10.0f} tok/s  peak {peak / 2**30:6.2f} GiB"
+            )
         ratio = row["megatron"]["tokens_per_s"] / row["torch"]["tokens_per_s"]
         row["megatron_over_torch"] = ratio
         print(f"{mode:10s} megatron/torch tokens/s = {ratio:.2f}x")
