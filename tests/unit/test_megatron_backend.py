@@ -359,12 +359,19 @@ def test_dense_mixed_and_tied_models_map_bitwise(mb, pairs32, cfg):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("recipe_name", "backward"), [(None, None), ("nvfp4_moe", "hp"), ("nvfp4_moe", "dequant"), ("int4_qat", "hp")]
+    ("cfg", "recipe_name", "backward"),
+    [
+        (CFG, None, None),
+        (CFG, "nvfp4_moe", "hp"),
+        (CFG, "nvfp4_moe", "dequant"),
+        (CFG, "int4_qat", "hp"),
+        (DENSE, None, None),
+        (DENSE, "mxfp8", "hp"),  # attention weights and inputs in MXFP8 (no experts in a dense model)
+        (MIXED, "nvfp4_moe", "hp"),
+    ],
+    ids=["moe", "moe-nvfp4-hp", "moe-nvfp4-dequant", "moe-int4-hp", "dense-tied", "dense-tied-mxfp8", "mixed-nvfp4"],
 )
-@pytest.mark.parametrize("cfg", [CFG, DENSE, MIXED], ids=["moe", "dense-tied", "mixed-tied"])
 def test_forward_and_backward_equal_the_torch_backend_in_fp32(mb, pairs32, cpu_forward, cfg, recipe_name, backward):
-    if cfg is not CFG and recipe_name == "int4_qat":
-        pytest.skip("one QAT recipe per extra architecture is enough")
     ref, gpt = pairs32(cfg)
     if recipe_name is not None:
         torch_apply_qat(ref, Recipe.load(recipe_name), backward)
