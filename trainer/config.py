@@ -45,6 +45,9 @@ class TrainerConfig:
     """Trainer model implementation: "torch" (policy.model.Transformer) or "megatron" (a megatron-core
     GPTModel of the same architecture, trainer/megatron_backend.py; needs device "cuda" and the
     `megatron` extra)."""
+    dtype: str = "bfloat16"
+    """Compute dtype on CUDA: "bfloat16" (autocast; master weights and AdamW state stay fp32) or
+    "float32". The CPU always computes in fp32 (bf16 matmuls there are slow and gain nothing)."""
     # publishing (the staleness bound is the run's: loop.max_staleness, shared with the rollouts)
     publish_every: int = 1
     """Publish a new policy version every this many optimizer steps."""
@@ -98,6 +101,8 @@ class TrainerConfig:
             errors.append(f"backward={self.backward!r} (hp or dequant)")
         if self.device not in ("cpu", "cuda"):
             errors.append(f"device={self.device!r} (cpu or cuda)")
+        if self.dtype not in ("bfloat16", "float32"):
+            errors.append(f"dtype={self.dtype!r} (bfloat16 or float32)")
         if self.backend not in ("torch", "megatron"):
             errors.append(f"backend={self.backend!r} (torch or megatron)")
         elif self.backend == "megatron" and self.device != "cuda":
