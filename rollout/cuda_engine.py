@@ -400,7 +400,10 @@ class PackedEngine:
             raise ValueError(f"PackedEngine: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
         self.embed = self._dense(tensors, "model.embed_tokens.weight")
         self.norm = self._dense(tensors, "model.norm.weight")
-        self.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
+        if cfg.tie_word_embeddings:  # the head is the embedding (bf16 in every recipe), no activation quant
+            self.lm_head = _Linear(tensors["model.embed_tokens.weight"], None, dev, dt)
+        else:
+            self.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
         self.layers = []
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}"
@@ -417,6 +420,15 @@ class PackedEngine:
                 L.qkv = torch.cat([L.q.weight, L.k.weight, L.v.weight])
             else:
                 L.qkv = None
+            L.dense = None
+            if not cfg.is_moe_layer(i):  # a dense SwiGLU MLP (Qwen3 dense, mlp_only_layers)
+                m = f"{p}.mlp"
+                L.dense = (
+                    _Linear(tensors[f"{m}.gate_up_proj.weight"], self._act(f"{m}.gate_up_proj.input"), dev, dt),
+                    _Linear(tensors[f"{m}.down_proj.weight"], self._act(f"{m}.down_proj.input"), dev, dt),
+                )
+                self.layers.append(L)
+                continue
             L.gate = _Linear(tensors[f"{p}.mlp.gate.weight"], self._act(f"{p}.mlp.gate.input"), dev, dt)
             E = range(cfg.n_experts)
             L.experts = _Experts(
@@ -473,6 +485,8 @@ class PackedEngine:
 
     def _moe(self, L, x: Tensor, ops) -> Tensor:
         cfg = self.cfg
+        if L.dense is not None:
+            return L.dense[1](ops.swiglu(L.dense[0](x, ops), cfg.ffn_dim), ops)
         weights, ids = ops.route(L.gate(x, ops), cfg.top_k, cfg.norm_topk_prob)
         out = L.experts(x, ids, weights, ops)
         if L.shared is not None:
