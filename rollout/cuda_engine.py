@@ -403,7 +403,10 @@ class PackedEngine:
             raise ValueError(f"PackedEngine: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
         self.embed = self._dense(tensors, "model.embed_tokens.weight")
         self.norm = self._dense(tensors, "model.norm.weight")
-        self.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
+        if cfg.tie_word_embeddings:  # logits = x @ embed_tokens.weight.T, as policy.model.TiedHead
+            self.lm_head = _Linear(tensors["model.embed_tokens.weight"], None, dev, dt)
+        else:
+            self.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
         self.layers = []
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}"
@@ -420,6 +423,14 @@ class PackedEngine:
                 L.qkv = torch.cat([L.q.weight, L.k.weight, L.v.weight])
             else:
                 L.qkv = None
+            L.gate = L.experts = L.shared = L.dense = None
+            if not cfg.is_moe_layer(i):  # a dense SwiGLU MLP (Qwen3 dense, mlp_only_layers)
+                L.dense = (
+                    _Linear(tensors[f"{p}.mlp.gate_up_proj.weight"], self._act(f"{p}.mlp.gate_up_proj.input"), dev, dt),
+                    _Linear(tensors[f"{p}.mlp.down_proj.weight"], self._act(f"{p}.mlp.down_proj.input"), dev, dt),
+                )
+                self.layers.append(L)
+                continue
             L.gate = _Linear(tensors[f"{p}.mlp.gate.weight"], self._act(f"{p}.mlp.gate.input"), dev, dt)
             E = range(cfg.n_experts)
             L.experts = _Experts(
@@ -430,7 +441,6 @@ class PackedEngine:
                 dev,
                 dt,
             )
-            L.shared = None
             if cfg.has_shared_expert:
                 s = f"{p}.mlp.shared_expert"
                 L.shared = (
@@ -476,6 +486,8 @@ class PackedEngine:
 
     def _moe(self, L, x: Tensor, ops) -> Tensor:
         cfg = self.cfg
+        if L.dense is not None:
+            return L.dense[1](ops.swiglu(L.dense[0](x, ops), cfg.ffn_dim), ops)
         weights, ids = ops.route(L.gate(x, ops), cfg.top_k, cfg.norm_topk_prob)
         out = L.experts(x, ids, weights, ops)
         if L.shared is not None:
