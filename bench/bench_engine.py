@@ -97,7 +97,7 @@ def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
         return nbytes(p.codes, p.scales, p.global_scale)
 
     total = nbytes(eng.norm) + lin_bytes(eng.lm_head) + batch * cfg.dim * eng.embed.element_size()
-    touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** batch)
+    touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** batch) if cfg.n_experts else 0
     for L in eng.layers:
         total += nbytes(L.ln1, L.ln2, L.q_norm, L.k_norm)
         total += sum(lin_bytes(x) for x in (L.q, L.k, L.v, L.o))
