@@ -22,6 +22,8 @@ class RolloutConfig:
     # grpc.health.v1 for Kubernetes probes: SERVING once a verified policy is loaded, NOT_SERVING
     # before and while draining. -1 = off, 0 = a free port on 127.0.0.1, else that port on 0.0.0.0.
     health_port: int = -1
+    # Prometheus metrics of this worker: 0 = a free port on 127.0.0.1, -1 = off, else that port on 0.0.0.0.
+    metrics_port: int = 0
 
     def __post_init__(self):
         errors = []
@@ -45,6 +47,8 @@ class RolloutConfig:
             )
         if not -1 <= self.health_port <= 65535:
             errors.append(f"health_port={self.health_port} (-1 = off, 0 = free, else a port)")
+        if not -1 <= self.metrics_port <= 65535:
+            errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if errors:
             raise ValueError("RolloutConfig: " + "; ".join(errors))
 

@@ -28,6 +28,16 @@ def task_and_model(cfg: RunConfig) -> tuple[AdditionTask, CharTokenizer, ModelCo
     return task, tok, ModelConfig.preset(cfg.model.preset, **overrides), Recipe.load(cfg.recipe)
 
 
+def check(cfg: RunConfig) -> None:
+    """Everything about `cfg` that can be checked without Redis or a process: the task, the model
+    preset and overrides, the recipe and its plan for that model. ValueError names the problem."""
+    try:
+        _, _, model_config, recipe = task_and_model(cfg)
+    except TypeError as e:  # a model override of the wrong type
+        raise ValueError(f"model.overrides: {e}") from None
+    recipe.plan(model_config)
+
+
 def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
     task, tok, model_config, recipe = task_and_model(cfg)
 

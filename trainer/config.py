@@ -22,6 +22,10 @@ class TrainerConfig:
     backward: str = "hp"  # QAT straight-through mode: "hp" or "dequant"
     # publishing (max_staleness is the run's, RunConfig.max_staleness, shared with the rollouts)
     publish_every: int = 1
+    # checkpoints/step-NNNNNN.pt every this many steps (and at the last): the consumed samples are
+    # committed to Redis only then, so a crash re-delivers exactly what the lost steps consumed.
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2  # the newest N checkpoint files are kept, older ones deleted
     prompts_ahead: int = 0  # prompt groups queued or in flight; 0 = groups_per_step * max(1, max_staleness)
     # warm start: supervised steps on correct answers before RL, so the policy is sometimes right
     warmstart_steps: int = 150
@@ -41,17 +45,28 @@ class TrainerConfig:
     # Plaintext grpc.health.v1 for Kubernetes probes (kubelet's gRPC probe cannot speak TLS): SERVING
     # once a policy is published. -1 = off, 0 = a free port on 127.0.0.1, else that port on 0.0.0.0.
     health_port: int = -1
-    metrics_port: int = 0  # Prometheus; 0 = a free port, -1 = off
+    metrics_port: int = 0  # Prometheus; 0 = a free port on 127.0.0.1, -1 = off, else that port on 0.0.0.0
+    # gRPC server reflection on the policy port (grpcurl-style tools list the services); on for
+    # `tandem run`, off in the Kubernetes overlays.
+    grpc_reflection: bool = True
     collect_timeout_s: float = 300.0  # give up waiting for trajectories after this long
 
     def __post_init__(self):
         errors = []
-        for name in ("max_steps", "groups_per_step", "group_size", "minibatches", "publish_every"):
+        for name in (
+            "max_steps",
+            "groups_per_step",
+            "group_size",
+            "minibatches",
+            "publish_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} (must be >= 1)")
         if self.group_size < 2:
             errors.append(f"group_size={self.group_size} (GRPO needs >= 2 samples per prompt)")
-        if self.groups_per_step * self.group_size % self.minibatches:
+        if self.minibatches >= 1 and self.groups_per_step * self.group_size % self.minibatches:
             errors.append(
                 f"minibatches={self.minibatches} must divide groups_per_step*group_size="
                 f"{self.groups_per_step * self.group_size}"

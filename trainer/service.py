@@ -2,10 +2,17 @@
 
 One step, as a short loop (slime-style):
     feed prompts -> collect `groups_per_step` admissible groups -> GRPO step(s) -> version += 1
-    -> checkpoint -> commit the consumed samples (idempotency keys + XACK) -> publish
-Checkpoint-before-publish keeps the registry from ever naming a version that a restarted trainer
-does not have; commit-after-checkpoint means a crash re-delivers exactly the samples whose effect
-was lost (the checkpoint lists the samples it includes, and a restart commits them first).
+    -> every `checkpoint_every` steps: checkpoint, then commit the samples consumed since the last
+       one (idempotency keys + XACK) -> publish
+Commit-after-checkpoint means a crash re-delivers exactly the samples whose effect was lost (the
+checkpoint lists the samples it includes, and a restart commits them first). A restarted trainer
+publishes its restored weights under a new version number, above any in Redis, so a number never
+names two different policies, even when the steps after the last checkpoint published versions.
+
+A checkpoint (checkpoints/step-NNNNNN.pt, the newest `keep_checkpoints` kept) holds the fp32
+master weights, the AdamW state (two more tensors per parameter), the State below and the contract
+fingerprint: about 3x the model's fp32 size. It is written to a temporary file, fsynced and
+renamed, so a crash leaves the previous checkpoint whole.
 
 The trainer is task-agnostic: the prompts it feeds and the warm-start examples come from
 callables the `tandem trainer` command builds from the configured task.
@@ -48,6 +55,11 @@ class State:
 
     step: int = 0
     version: int = 0
+    # Cumulative counters (exported to Prometheus as tandem_trainer_<name>_total; a restart
+    # continues from the checkpoint's totals).
+    samples: int = 0
+    completion_tokens: int = 0
+    versions_published: int = 0
     dropped_stale: int = 0
     dropped_fingerprint: int = 0
     # (stream_id, sample_id) of every sample consumed since the previous checkpoint
@@ -77,7 +89,9 @@ class Trainer:
         self.keys = Keys(run_id=run_id)
         self.redis_url = redis_url
         self.run_dir = Path(run_dir)
-        self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self._ckpt_step = -1  # the step of the newest checkpoint on disk
+        self._resumed_from: int | None = None  # the checkpoint step this process resumed from
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
@@ -94,11 +108,17 @@ class Trainer:
         self._scratch_version: int | None = None
         self.server = PolicyServer(
             PolicyServerConfig(
-                host=cfg.grpc_host, port=cfg.grpc_port, keep_versions=max_staleness + 2, **cfg.server_tls()
+                host=cfg.grpc_host,
+                port=cfg.grpc_port,
+                keep_versions=max_staleness + 2,
+                reflection=cfg.grpc_reflection,
+                **cfg.server_tls(),
             )
         )
         self.health = HealthServer(port=cfg.health_port, service=TRAINER_HEALTH)  # Kubernetes probes
-        self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
+        self.metrics = MetricsSink(
+            self.run_dir / "metrics.jsonl", port=cfg.metrics_port, state=lambda: vars(self.state)
+        )
         self._stop = asyncio.Event()
         self._held: dict[str, list[TrajectoryRecord]] = {}  # group_id -> records of an incomplete group
         self._foreign: list[TrajectoryRecord] = []  # wrong fingerprint: dead-lettered at the next commit
@@ -134,19 +154,27 @@ class Trainer:
                     break
                 row = self._train_step(groups)
                 self.state.step += 1
+                self.state.samples += row["samples"]
+                self.state.completion_tokens += row["completion_tokens"]
                 self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in records]
-                publish = self.state.step % self.cfg.publish_every == 0 or self.state.step == self.cfg.max_steps
+                last = self.state.step == self.cfg.max_steps
+                publish = self.state.step % self.cfg.publish_every == 0 or last
                 self.state.version += publish
                 row.update(step=self.state.step, policy_version=self.state.version, time=time.time())
+                if self._resumed_from is not None:  # the plots mark where the run resumed
+                    row["resumed_from"], self._resumed_from = self._resumed_from, None
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
                 self.metrics.write(row)
                 self._audit(groups)
+                if self.state.step % self.cfg.checkpoint_every == 0 or last:
+                    await self._checkpoint_and_commit()
                 if publish:
                     self._snapshot()
-                    self._save_checkpoint()
-                    await self._commit()
                     await self._publish()
                 self.log(self._progress_line(row))
+            if self.state.step > self._ckpt_step:  # stopped between checkpoints: keep what was done
+                await self._checkpoint_and_commit()
+                self.log(f"stopped at step {self.state.step}: checkpoint written")
             return 0
         finally:
             self.health.stop()
@@ -158,9 +186,13 @@ class Trainer:
         return (
             f"step {r['step']:>4}/{self.cfg.max_steps} v{r['policy_version']} reward {r['reward_mean']:.3f} "
             f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']} dropped {r['dropped_stale']}s/"
-            f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {r['logp_abs_diff_quant']:.4f}"
+            f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {r['logp_abs_diff_quant']:.1e}"
             f" stale {r['logp_abs_diff_stale']:.4f}) kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s"
         )
+
+    async def _checkpoint_and_commit(self) -> None:
+        self._save_checkpoint()
+        await self._commit()
 
     async def _commit(self) -> None:
         """After a checkpoint: dead-letter the foreign samples, mark every consumed sample used."""
@@ -175,24 +207,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoint / warm start
     async def _restore_or_warm_start(self) -> None:
-        if self.ckpt_path.exists():
-            ck = torch.load(self.ckpt_path, map_location="cpu", weights_only=True)
+        for tmp in self.ckpt_dir.glob("*.tmp"):  # a write cut short by a crash
+            tmp.unlink()
+        path = latest_checkpoint(self.ckpt_dir)
+        if path is not None:
+            ck = torch.load(path, map_location="cpu", weights_only=True)
             if ck["fingerprint"] != self.fingerprint:
                 raise ValueError(
-                    f"checkpoint {self.ckpt_path} has contract fingerprint {ck['fingerprint'][:12]}, "
+                    f"checkpoint {path} has contract fingerprint {ck['fingerprint'][:12]}, "
                     f"this run's is {self.fingerprint[:12]}: different model/recipe"
                 )
             self.model.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optimizer"])
-            self.state = State(**ck["state"])
-            self.snapshots = {int(k): v for k, v in ck["snapshots"].items()}
+            self.state = State(**{**vars(State()), **ck["state"]})  # fields added since: their defaults
             # The checkpoint includes these samples: mark them used before reading anything.
             await self.stream.commit_ids([tuple(p) for p in self.state.pending_commit])
             self.state.pending_commit = []
             # Steps after the checkpoint are redone: forget their lines.
             for name in ("metrics.jsonl", "audit.jsonl"):
                 _truncate_jsonl(self.run_dir / name, self.state.step)
-            self.log(f"resumed from {self.ckpt_path}: step {self.state.step}, version {self.state.version}")
+            # Publish the restored weights under a number above any version already announced
+            # (steps lost since the checkpoint may have published some).
+            latest = await self.registry.latest()
+            self.state.version = max(self.state.version, latest.version if latest else 0) + 1
+            self._ckpt_step = self._resumed_from = self.state.step
+            self._snapshot()
+            self.log(f"resumed from {path}: step {self.state.step}, now version {self.state.version}")
             return
         if self.cfg.warmstart_steps:
             warm_start(
@@ -225,19 +265,34 @@ class Trainer:
             del self.snapshots[v]
 
     def _save_checkpoint(self) -> None:
-        self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "state": self.state.__dict__,
-                "snapshots": {str(k): v for k, v in self.snapshots.items()},
-                "fingerprint": self.fingerprint,
-            },
-            tmp,
-        )
-        os.replace(tmp, self.ckpt_path)  # atomic: a crash leaves the previous checkpoint whole
+        """checkpoints/step-NNNNNN.pt, atomically (temporary file, fsync, rename, fsync of the
+        folder); then only the newest `keep_checkpoints` are kept. The version snapshots used for
+        the mismatch metrics are not saved: after a restart, samples of older versions are left
+        out of the quantization/staleness split until they are gone."""
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        path = self.ckpt_dir / f"step-{self.state.step:06d}.pt"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "state": vars(self.state),
+                    "fingerprint": self.fingerprint,
+                },
+                f,
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(self.ckpt_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself is durable
+        finally:
+            os.close(fd)
+        self._ckpt_step = self.state.step
+        for old in checkpoints(self.ckpt_dir)[: -self.cfg.keep_checkpoints]:
+            old.unlink()
 
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> None:
@@ -249,6 +304,7 @@ class Trainer:
             version=v, parent_version=v - 1 if v > 1 else None, contract=self.contract, tensors=tensors
         )
         self.server.publish(packed)
+        self.state.versions_published += 1
         await self.registry.publish(
             PolicyPointer(
                 version=v,
@@ -330,9 +386,13 @@ class Trainer:
         with torch.no_grad():
             prox = self.model.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
             at_version = prox.clone()
+            known = torch.ones(len(samples), dtype=torch.bool)  # rows whose version's weights we hold
             for v in sorted(set(versions.tolist())):
-                if v == self.state.version or v not in self.snapshots:
+                if v == self.state.version:
                     continue  # the current weights are version v (published after the last update)
+                if v not in self.snapshots:  # from before a restart: left out of the split
+                    known[versions == v] = False
+                    continue
                 rows = (versions == v).nonzero().squeeze(-1)
                 self._load_scratch(v)
                 at_version[rows] = self.scratch.token_logprobs(
@@ -371,7 +431,7 @@ class Trainer:
             "dropped_stale": self.state.dropped_stale,
             "dropped_fingerprint": self.state.dropped_fingerprint,
             "duplicates": self.stream.counters.duplicates,
-            **grpo.mismatch_metrics(prox, behav, at_version, mask),
+            **grpo.mismatch_metrics(prox, behav, at_version, mask, version_known=known),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "clip_frac": stats["clip_frac"] / cfg.minibatches,
             "tis_frac": stats["tis_frac"] / cfg.minibatches,
@@ -387,6 +447,18 @@ class Trainer:
             if self.scratch.quant_hook is None:
                 qat.apply_qat(self.scratch, self.recipe, backward=self.cfg.backward)
             self._scratch_version = version
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """The trainer's checkpoint files in `folder`, oldest first (a run folder's `checkpoints/`)."""
+    return sorted(Path(folder).glob("step-*.pt"))
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest checkpoint in `folder` (or the single `trainer.pt` of older versions), or None."""
+    found = checkpoints(folder)
+    legacy = Path(folder) / "trainer.pt"
+    return found[-1] if found else legacy if legacy.exists() else None
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -45,8 +46,50 @@ def load(args: argparse.Namespace):
         tls_cert_chain_path=args.tls_cert,
         tls_private_key_path=args.tls_key,
     )
+    _check_reachable(args.target, min(args.timeout, 3.0))
     with PolicyClient(config) as client:
+        _check_handshake(client, args)
         return client.get_manifest(args.version)
+
+
+def _check_reachable(target: str, timeout_s: float) -> None:
+    """ValueError at once for a closed port or an unknown host (gRPC would retry until its deadline)."""
+    import socket
+
+    host, _, port = target.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"{target!r}: want host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        raise ValueError(f"{target}: connection refused (nothing listens there)") from None
+    except socket.gaierror as e:
+        raise ValueError(f"{target}: unknown host ({e.strerror})") from None
+    except OSError as e:
+        raise ValueError(f"{target}: cannot connect: {e.strerror or e}") from None
+
+
+def _check_handshake(client, args) -> None:
+    """One health call without waiting for the channel: a TLS handshake that fails shows up here as
+    UNAVAILABLE at once, named as such (gRPC would otherwise retry it until DEADLINE_EXCEEDED)."""
+    import grpc
+
+    try:
+        client.health("", wait_for_ready=False)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            return  # reachable: the manifest call reports anything else
+        details = e.details() or ""
+        if args.tls_ca:
+            raise ValueError(
+                f"{args.target}: TLS handshake failed: likely a wrong CA (--tls-ca), a certificate not "
+                f"issued for this server name, or a server that requires a client certificate "
+                f"(--tls-cert/--tls-key); gRPC: {details.splitlines()[0][:300]}"
+            ) from None
+        raise ValueError(
+            f"{args.target}: the server accepted the connection but does not speak plaintext gRPC "
+            f"(a TLS server? pass --tls-ca); gRPC: {details.splitlines()[0][:300]}"
+        ) from None
 
 
 def _mb(n: int) -> str:
@@ -108,11 +151,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         m = load(args)
-    except ValueError as e:
-        print(f"tandem inspect: {e}")
-        return 2
     except grpc.RpcError as e:
-        print(f"tandem inspect: {args.target}: {e.code().name}: {e.details()}")
+        print(f"tandem inspect: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     if args.json:
         from google.protobuf import json_format

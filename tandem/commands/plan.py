@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import warnings
 from collections import defaultdict
 
@@ -61,7 +62,7 @@ def main(args) -> int:
             warnings.simplefilter("ignore")  # reported below, once, in the output
             plan = recipe.plan(cfg)
     except ValueError as e:
-        print(f"tandem plan: {e}")
+        print(f"tandem plan: {e}", file=sys.stderr)
         return 2
     total = sum(e.numel for e in plan.params)
     if args.json:
