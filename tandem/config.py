@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -167,9 +168,9 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.exists() and (REPO_CONFIGS / p).exists():
+        if not os.path.exists(p) and os.path.isfile(REPO_CONFIGS / p):
             p = REPO_CONFIGS / p
-        if not p.is_file():
+        if not os.path.isfile(p):
             raise ValueError(f"config file {str(path)!r} not found")
         data = _yaml(p.read_text(), f"config file {str(path)!r}")
         if data is None:
@@ -236,8 +237,6 @@ def env_overrides(environ: dict | None = None) -> list[str]:
     the password in a Secret: TANDEM_REDIS_PASSWORD (and TANDEM_REDIS_CA_FILE, the CA of a
     rediss:// server) are merged into TANDEM_REDIS_URL, which they therefore require.
     """
-    import os
-
     env = os.environ if environ is None else environ
     out = []
     for name, key in ENV_KEYS.items():

@@ -44,7 +44,10 @@ GAUGES = {
         "staleness part of the mismatch: current vs the sample's version, mean per token (nats)",
     ),
     "kl_k3": ("tandem_trainer_kl_k3", "k3 estimate of KL(rollout || trainer) per completion token, last step (nats)"),
-    "grad_norm": ("tandem_trainer_grad_norm", "gradient norm before clipping, mean over the last step's updates"),
+    "grad_norm": (
+        "tandem_trainer_grad_norm",
+        "L2 gradient norm before clipping, mean over the last step's updates (unitless)",
+    ),
     "clip_frac": ("tandem_trainer_clip_frac", "fraction of tokens whose PPO ratio was clipped, last step (0..1)"),
     "tis_frac": ("tandem_trainer_tis_frac", "fraction of tokens whose importance weight hit the cap, last step (0..1)"),
     "step_time_s": ("tandem_trainer_last_step_seconds", "wall time of the last optimizer step (seconds)"),
@@ -109,8 +112,13 @@ class MetricsSink:
 def state_samples(state: dict):
     """(kind, name, help, value) for the State's step and version (gauges) and every other integer
     field (a counter, `tandem_trainer_<field>_total`)."""
-    yield "gauge", "tandem_trainer_step", "optimizer steps taken (the trainer's step counter)", state["step"]
-    yield "gauge", "tandem_trainer_policy_version", "policy version last published or being trained", state["version"]
+    yield "gauge", "tandem_trainer_step", "optimizer steps taken (steps)", state["step"]
+    yield (
+        "gauge",
+        "tandem_trainer_policy_version",
+        "policy version last published or being trained (version number)",
+        state["version"],
+    )
     for name, value in state.items():
         if name in ("step", "version") or isinstance(value, bool) or not isinstance(value, int):
             continue

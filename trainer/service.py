@@ -122,6 +122,7 @@ class Trainer:
         self._stop = asyncio.Event()
         self._held: dict[str, list[TrajectoryRecord]] = {}  # group_id -> records of an incomplete group
         self._foreign: list[TrajectoryRecord] = []  # wrong fingerprint: dead-lettered at the next commit
+        self._consumed: list[TrajectoryRecord] = []  # consumed by the _collect in progress
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -150,7 +151,8 @@ class Trainer:
             while self.state.step < self.cfg.max_steps and not self._stop.is_set():
                 await self._feed_prompts()
                 groups, records = await self._collect()
-                if groups is None:  # stop requested while collecting
+                if groups is None:  # stop requested while collecting: what it dropped is consumed
+                    self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in self._consumed]
                     break
                 row = self._train_step(groups)
                 self.state.step += 1
@@ -172,9 +174,10 @@ class Trainer:
                     self._snapshot()
                     await self._publish()
                 self.log(self._progress_line(row))
-            if self.state.step > self._ckpt_step:  # stopped between checkpoints: keep what was done
+            if self.state.step > self._ckpt_step or self.state.pending_commit:  # keep what was done
                 await self._checkpoint_and_commit()
-                self.log(f"stopped at step {self.state.step}: checkpoint written")
+            if self._stop.is_set():
+                self.log(f"stopped at step {self.state.step} (checkpoint step-{self._ckpt_step:06d}.pt)")
             return 0
         finally:
             self.health.stop()
@@ -226,13 +229,15 @@ class Trainer:
             # Steps after the checkpoint are redone: forget their lines.
             for name in ("metrics.jsonl", "audit.jsonl"):
                 _truncate_jsonl(self.run_dir / name, self.state.step)
-            # Publish the restored weights under a number above any version already announced
-            # (steps lost since the checkpoint may have published some).
+            # The restored weights are the checkpoint's version, unless steps since the last publish
+            # moved them; they get a new number then, or when lost steps published higher numbers.
             latest = await self.registry.latest()
-            self.state.version = max(self.state.version, latest.version if latest else 0) + 1
+            moved = self.state.step % self.cfg.publish_every != 0
+            if moved or (latest is not None and latest.version > self.state.version):
+                self.state.version = max(self.state.version, latest.version if latest else 0) + 1
             self._ckpt_step = self._resumed_from = self.state.step
             self._snapshot()
-            self.log(f"resumed from {path}: step {self.state.step}, now version {self.state.version}")
+            self.log(f"resumed from {path}: step {self.state.step}, version {self.state.version}")
             return
         if self.cfg.warmstart_steps:
             warm_start(
@@ -317,9 +322,12 @@ class Trainer:
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
+        # Samples already consumed stay pending in the stream until the next checkpoint commits
+        # them: they are not queued any more.
+        consumed = len(self.state.pending_commit) + len(self._consumed)
+        unconsumed = _group_backlog(await self.stream.stats(), self.stream.group) - consumed
         queued = (
-            _group_backlog(await self.prompts.stats(), self.prompts.group)
-            + _group_backlog(await self.stream.stats(), self.stream.group) // self.cfg.group_size
+            _group_backlog(await self.prompts.stats(), self.prompts.group) + max(0, unconsumed) // self.cfg.group_size
         )
         want = self.cfg.queued_groups(self.max_staleness) - queued
         if want > 0:
@@ -330,7 +338,7 @@ class Trainer:
     async def _collect(self) -> tuple[list[list[Trajectory]] | None, list[TrajectoryRecord]]:
         """Read until `groups_per_step` complete, admissible groups are held; drop the rest, counted."""
         done: list[list[TrajectoryRecord]] = []
-        consumed: list[TrajectoryRecord] = []
+        consumed = self._consumed = []  # dropped ones count as consumed for _feed_prompts at once
         deadline = time.monotonic() + self.cfg.collect_timeout_s
         # Groups held from earlier reads: drop those gone stale meanwhile, use the complete ones first.
         for gid in list(self._held):
@@ -368,6 +376,7 @@ class Trainer:
         for extra in done[self.cfg.groups_per_step :]:  # keep surplus complete groups for the next step
             self._held[extra[0].trajectory.group_id] = extra
         consumed += [r for g in used for r in g]
+        self._consumed = []  # the caller adds them to pending_commit
         return [[r.trajectory for r in g] for g in used], consumed
 
     # ------------------------------------------------------------------ the GRPO step

@@ -10,11 +10,11 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from pathlib import Path
+    import os
 
     from tandem.launcher import run
 
     config, overrides = args.config, list(args.overrides)
-    if "=" in config and not Path(config).exists():  # `tandem run trainer.max_steps=1`: the demo config
+    if "=" in config and not os.path.exists(config):  # `tandem run trainer.max_steps=1`: the demo config
         config, overrides = "demo.yaml", [config, *overrides]
     return run(config, args.run_dir, overrides)
