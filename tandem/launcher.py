@@ -108,29 +108,28 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
     run_dir = Path(run_dir or Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)  # also a folder made by an older version
-    redis = None
-    if not cfg.redis_url:
-        redis = LocalRedis(LocalRedisConfig(workdir=run_dir / "redis", appendonly=True))
-        cfg = dataclasses.replace(cfg, redis_url=redis.start())
-        print(f"[tandem] private redis-server at {cfg.redis_url} (append-only file in {run_dir / 'redis'})")
-    resolved = run_dir / "config.yaml"
-    resolved.write_text(run_config.dump(cfg))  # the Redis password masked: the services get it below
-    print(f"[tandem] run folder {run_dir}")
-    # One BLAS thread per process: trainer and workers share the cores, and oversubscribed torch
-    # threads are several times slower than one each. The Redis URL (with any password) travels
-    # in the environment, not in the file.
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_REDIS_URL": cfg.redis_url}
-    for name in run_config.REDIS_URL_PARTS:  # already in the URL
-        env.pop(name, None)
-    common = ["--config", str(resolved)]
+    redis, trainer, workers, rc = None, None, [], 1
     logs = run_dir / "logs"
-    trainer = _spawn(["trainer", *common, "--run-dir", str(run_dir)], logs / "trainer.log", env, console=True)
-    workers = [
-        _spawn(["rollout", *common, "--worker-id", f"w{i}"], logs / f"rollout-w{i}.log", env)
-        for i in range(cfg.num_rollout_workers)
-    ]
-    rc = 1
     try:
+        if not cfg.redis_url:
+            redis = LocalRedis(LocalRedisConfig(workdir=run_dir / "redis", appendonly=True))
+            cfg = dataclasses.replace(cfg, redis_url=redis.start())
+            print(f"[tandem] private redis-server at {cfg.redis_url} (append-only file in {run_dir / 'redis'})")
+        resolved = run_dir / "config.yaml"
+        resolved.write_text(run_config.dump(cfg))  # the Redis password masked: the services get it below
+        print(f"[tandem] run folder {run_dir}")
+        # One BLAS thread per process: trainer and workers share the cores, and oversubscribed torch
+        # threads are several times slower than one each. The Redis URL (with any password) travels
+        # in the environment, not in the file.
+        env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_REDIS_URL": cfg.redis_url}
+        for name in run_config.REDIS_URL_PARTS:  # already in the URL
+            env.pop(name, None)
+        common = ["--config", str(resolved)]
+        trainer = _spawn(["trainer", *common, "--run-dir", str(run_dir)], logs / "trainer.log", env, console=True)
+        workers = [
+            _spawn(["rollout", *common, "--worker-id", f"w{i}"], logs / f"rollout-w{i}.log", env)
+            for i in range(cfg.num_rollout_workers)
+        ]
         while True:
             rc = trainer.poll()
             if rc is not None:
@@ -145,7 +144,8 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
     except KeyboardInterrupt:
         print("\n[tandem] Ctrl-C: stopping the trainer, then the rollout workers, then Redis", file=sys.stderr)
         try:
-            _stop([trainer])
+            if trainer is not None:
+                _stop([trainer])
         except KeyboardInterrupt:  # a second Ctrl-C: stop now
             trainer.kill()
         rc = 130
@@ -153,8 +153,9 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rest is short: let it finish
         _stop(workers)
         if redis is not None:
-            redis.stop()
-    trainer.tee.join(timeout=5)  # the trainer's last lines
+            redis.stop()  # last: the trainer and the workers commit to it while they stop
+    if trainer is not None:
+        trainer.tee.join(timeout=5)  # the trainer's last lines
     plots = write_plots(run_dir)
     print(
         f"[tandem] trainer exited with {rc}; plots: {', '.join(p.name for p in plots) or 'none'}; "

@@ -100,7 +100,9 @@ def mismatch_figure(rows: list[dict], label: str):
         return [max(v, LOG_FLOOR) if isinstance(v, (int, float)) else float("nan") for v in values]
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.plot(steps, series("logp_abs_diff"), "k-", linewidth=1.5, label="total |logp_prox - logp_behav| (mean)")
+    # The total, dashed and on top: it mostly equals the staleness part, which would hide it.
+    total = "total |logp_prox - logp_behav| (mean)"
+    ax.plot(steps, series("logp_abs_diff"), "k--", linewidth=1.2, zorder=5, label=total)
     ax.plot(steps, series("logp_abs_diff_stale"), ".-", label="staleness part: current vs version v (mean)")
     ax.plot(steps, series("logp_abs_diff_quant"), ".-", label="quantization part: version v vs rollout (mean)")
     if any("logp_abs_diff_quant_p50" in r for r in rows):

@@ -6,8 +6,8 @@ One step, as a short loop (slime-style):
        one (idempotency keys + XACK) -> publish
 Commit-after-checkpoint means a crash re-delivers exactly the samples whose effect was lost (the
 checkpoint lists the samples it includes, and a restart commits them first). A restarted trainer
-publishes its restored weights under a new version number, above any in Redis, so a number never
-names two different policies, even when the steps after the last checkpoint published versions.
+republishes the checkpoint's version, or, when its weights moved since that publish or the lost
+steps published higher versions, a new number above any in Redis: a number never names two policies.
 
 A checkpoint (checkpoints/step-NNNNNN.pt, the newest `keep_checkpoints` kept) holds the fp32
 master weights, the AdamW state (two more tensors per parameter), the State below and the contract

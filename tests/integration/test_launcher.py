@@ -199,3 +199,13 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
     # Counters continue from the checkpoint's totals.
     state = torch.load(sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1], weights_only=True)["state"]
     assert state["samples"] == 8 * (stopped + 2) and state["step"] == stopped + 2
+
+    # `tandem probe --run-dir` measures what the run trained, with the run's model and recipe.
+    probe = [sys.executable, "-m", "tandem.cli", "probe", "--run-dir", str(run_dir), "--batch", "2", "--seq-len", "8"]
+    res = subprocess.run(probe + ["--json"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert f"version {state['version']}" in out["weights"] and out["results"][0]["recipe"] == "nvfp4_moe"
+    assert out["results"][0]["weights_bitwise_equal"]
+    res = subprocess.run(probe + ["--version", "999"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "no checkpoint of that version" in res.stderr and "Traceback" not in res.stderr
