@@ -33,7 +33,7 @@ from broker.codec import PromptGroup, Trajectory, sample_id_for
 from broker.health import ROLLOUT_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.metrics import MetricsEndpoint
-from broker.policy_client import PolicyClient, PolicyClientConfig
+from broker.policy_client import PolicyClient, PolicyClientConfig, check_reachable
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
@@ -223,6 +223,9 @@ class RolloutWorker:
         """Fetch and verify a version (in a thread: the gRPC client is blocking), then swap it in."""
 
         def fetch():
+            # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
+            # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
+            check_reachable(pointer.address)
             cfg = PolicyClientConfig(
                 address=pointer.address,
                 expected_fingerprint=self.fingerprint,

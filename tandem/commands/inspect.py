@@ -37,7 +37,7 @@ def load(args: argparse.Namespace):
         return read_manifest(args.target)
     if ":" not in args.target:
         raise ValueError(f"{args.target!r} is neither a file nor a host:port address")
-    from broker.policy_client import PolicyClient, PolicyClientConfig
+    from broker.policy_client import PolicyClient, PolicyClientConfig, check_reachable
 
     config = PolicyClientConfig(
         address=args.target,
@@ -46,27 +46,10 @@ def load(args: argparse.Namespace):
         tls_cert_chain_path=args.tls_cert,
         tls_private_key_path=args.tls_key,
     )
-    _check_reachable(args.target, min(args.timeout, 3.0))
+    check_reachable(args.target, min(args.timeout, 3.0))
     with PolicyClient(config) as client:
         _check_handshake(client, args)
         return client.get_manifest(args.version)
-
-
-def _check_reachable(target: str, timeout_s: float) -> None:
-    """ValueError at once for a closed port or an unknown host (gRPC would retry until its deadline)."""
-    import socket
-
-    host, _, port = target.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"{target!r}: want host:port")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except ConnectionRefusedError:
-        raise ValueError(f"{target}: connection refused (nothing listens there)") from None
-    except socket.gaierror as e:
-        raise ValueError(f"{target}: unknown host ({e.strerror})") from None
-    except OSError as e:
-        raise ValueError(f"{target}: cannot connect: {e.strerror or e}") from None
 
 
 def _check_handshake(client, args) -> None:
