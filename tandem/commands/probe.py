@@ -22,9 +22,10 @@ import time
 
 import torch
 
-from policy.model import PRESETS, ModelConfig, Transformer, generate
+from policy.model import PRESETS, ModelConfig, Transformer
 from policy.qat import probe_mismatch
 from policy.recipe import BUILTINS, Recipe
+from rollout.engine import generate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +54,7 @@ def _run_model(args) -> tuple[Transformer, Recipe, str]:
 
     run_dir = Path(args.run_dir)
     cfg = config.load(run_dir / "config.yaml")
-    _, _, model_config, recipe = services.task_and_model(cfg)
+    _, model_config, recipe = services.task_and_model(cfg)
     found = checkpoints(run_dir / "checkpoints") or [p for p in [latest_checkpoint(run_dir / "checkpoints")] if p]
     if not found:
         raise ValueError(f"no checkpoint in {run_dir / 'checkpoints'}")

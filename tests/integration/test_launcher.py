@@ -31,8 +31,7 @@ def _config(tmp: Path, max_steps: int) -> Path:
     cfg = {
         "run_id": "launch",
         "num_rollout_workers": 2,
-        "max_staleness": 1,
-        "seed": 5,
+        "loop": {"max_staleness": 1, "seed": 5},
         "recipe": "nvfp4_moe",
         "model": {"preset": "tiny", "overrides": MODEL},
         "trainer": {
@@ -177,7 +176,7 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
     from tandem import config, services
 
-    _, _, model_config, _ = services.task_and_model(config.load(run_dir / "config.yaml"))
+    _, model_config, _ = services.task_and_model(config.load(run_dir / "config.yaml"))
     fp32_bytes = 4 * model_config.num_parameters()
     assert ckpts[-1].stat().st_size < 3.1 * fp32_bytes  # weights + two AdamW moments, no more
     assert (run_dir / "redis" / "appendonlydir").is_dir()
