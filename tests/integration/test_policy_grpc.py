@@ -499,7 +499,7 @@ def test_tandem_inspect_names_a_closed_port_and_a_failed_tls_handshake(tmp_path,
     key, cert = _self_signed(tmp_path)
     (tmp_path / "other").mkdir()
     _, other_cert = _self_signed(tmp_path / "other")  # a CA that did not sign the server's certificate
-    cfg = PolicyServerConfig(tls_cert_chain_path=cert, tls_private_key_path=key)
+    cfg = PolicyServerConfig(tls=ServerTLS(cert=cert, key=key))
     with PolicyServer(cfg) as s:
         s.publish(policy)
         assert main(["inspect", s.address, "--tls-ca", cert, "--tensors", "0"]) == 0  # the right CA
