@@ -14,6 +14,7 @@ import difflib
 import functools
 import inspect
 import json
+import math
 import os
 import types
 import typing
@@ -180,14 +181,18 @@ def _coerce(hint, value, path: str):
         return float(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as text
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
-            pass
-    if origin is tuple:
+            number = math.nan
+        if math.isfinite(number):
+            return number
+    if origin is tuple and Ellipsis not in typing.get_args(hint):
         args = typing.get_args(hint)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ValueError(f"config {path}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is tuple and isinstance(value, list):  # tuple[X, ...]
+        return tuple(value)
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ValueError(f"config {path}: expected a mapping of names to values, got {_short(value)}")
