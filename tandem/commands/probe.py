@@ -111,7 +111,8 @@ def main(args) -> int:
             model = _model(args)
             source = "weights " + args.weights if args.weights else f"random init seed {args.seed}"
     except ValueError as e:
-        print(f"tandem probe: {e}", file=sys.stderr)
+        hint = " (a run's checkpoint? use --run-dir RUN_FOLDER)" if args.weights and "bad shapes" in str(e) else ""
+        print(f"tandem probe: {e}{hint}", file=sys.stderr)
         return 2
     cfg = model.cfg
     g = torch.Generator().manual_seed(args.seed)
