@@ -5,10 +5,13 @@ sampling temperature is the run's (`loop.temperature`), shared with the trainer.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from broker.health import HealthConfig
 from broker.tls import ClientTLS
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +36,13 @@ class RolloutConfig:
     before and while draining."""
     metrics_port: int = 0
     """Prometheus metrics of this worker: 0 = a free port on 127.0.0.1, -1 = off, else that port on 0.0.0.0."""
+    device: str = "cpu"
+    """Where generation runs: "cpu" (rollout/engine.py on dequantized weights, the default) or
+    "cuda" / "cuda:N" (rollout/cuda_engine.py: packed 4-bit weights, CUDA graphs, on-device sampling)."""
+    max_batch: int = 64
+    """cuda only: rows per generate call (KV slots); a group's samples run in chunks of this many."""
+    kv_capacity: int = 1024
+    """cuda only: KV length of a slot (prompt + new tokens); a longer request is refused."""
 
     def __post_init__(self):
         errors = []
@@ -45,5 +55,9 @@ class RolloutConfig:
             )
         if not -1 <= self.metrics_port <= 65535:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
+        if self.max_batch < 1 or self.kv_capacity < 2:
+            errors.append(f"max_batch={self.max_batch}, kv_capacity={self.kv_capacity} (need >= 1 and >= 2)")
         if errors:
             raise ValueError("RolloutConfig: " + "; ".join(errors))

@@ -100,6 +100,7 @@ class Trainer:
         make_prompt: Callable[[int], PromptGroup],
         warm_start_example: Callable[[], tuple[list[int], list[int]]],
         pad_id: int,
+        init_weights: Callable[[Transformer], None] | None = None,
         log: Callable[[str], None] = print,
     ):
         self.cfg, self.loop, self.log = cfg, loop, log
@@ -113,6 +114,7 @@ class Trainer:
         self._ckpt_step = -1  # the step of the newest checkpoint on disk
         self._resumed_from: int | None = None  # the checkpoint step this process resumed from
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
+        self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
         self.model = Transformer(model_config, seed=seed)
@@ -259,6 +261,9 @@ class Trainer:
             self._snapshot()
             self.log(f"resumed from {path}: step {self.state.step}, version {self.state.version}")
             return
+        if self.init_weights is not None:
+            self.init_weights(self.model)
+            self.log("initial weights loaded")
         if self.cfg.warmstart_steps:
             warm_start(
                 self.model,
