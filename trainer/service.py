@@ -112,6 +112,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self._ckpt_step = -1  # the step of the newest checkpoint on disk
+        self._weights_version: int | None = None  # the version the model's weights are (None: moved since)
         self._resumed_from: int | None = None  # the checkpoint step this process resumed from
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
         self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
@@ -184,6 +185,7 @@ class Trainer:
                 last = self.state.step == self.cfg.max_steps
                 publish = self.state.step % self.cfg.publish_every == 0 or last
                 self.state.version += publish
+                self._weights_version = self.state.version if publish else None
                 row.update(step=self.state.step, policy_version=self.state.version, time=time.time())
                 if self._resumed_from is not None:  # the plots mark where the run resumed
                     row["resumed_from"], self._resumed_from = self._resumed_from, None
@@ -254,10 +256,11 @@ class Trainer:
             # The restored weights are the checkpoint's version, unless steps since the last publish
             # moved them; they get a new number then, or when lost steps published higher numbers.
             latest = await self.registry.latest()
-            moved = self.state.step % self.cfg.publish_every != 0
+            moved = ck.get("weights_version", self.state.version) != self.state.version
             if moved or (latest is not None and latest.version > self.state.version):
                 self.state.version = max(self.state.version, latest.version if latest else 0) + 1
             self._ckpt_step = self._resumed_from = self.state.step
+            self._weights_version = self.state.version
             self._snapshot()
             self.log(f"resumed from {path}: step {self.state.step}, version {self.state.version}")
             return
@@ -274,7 +277,7 @@ class Trainer:
                 pad_id=self.pad_id,
                 log=self.log,
             )
-        self.state.version = 1
+        self.state.version = self._weights_version = 1
         self._snapshot()
         self._save_checkpoint()
         qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
@@ -309,6 +312,7 @@ class Trainer:
                     "optimizer": self.optimizer.state_dict(),
                     "state": vars(self.state),
                     "fingerprint": self.fingerprint,
+                    "weights_version": self._weights_version,
                 },
                 f,
             )
@@ -494,6 +498,26 @@ def latest_checkpoint(folder: Path) -> Path | None:
     found = checkpoints(folder)
     legacy = Path(folder) / "trainer.pt"
     return found[-1] if found else legacy if legacy.exists() else None
+
+
+def checkpoint_of_version(folder: Path, version: int | None = None) -> tuple[Path, dict]:
+    """(path, checkpoint) of the newest checkpoint in `folder` whose `model` holds exactly the
+    weights of policy `version` (default: the newest such); ValueError listing what is kept."""
+    found = checkpoints(folder) or [p for p in [latest_checkpoint(folder)] if p]
+    kept = []
+    for path in reversed(found):
+        ck = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain types only
+        held = {ck.get("weights_version", ck["state"]["version"]): ck["model"]}
+        held.update({int(v): w for v, w in ck.get("snapshots", {}).items()})  # trainer.pt of older versions
+        held.pop(None, None)
+        kept += sorted(held)
+        want = max(held, default=None) if version is None else version
+        if want in held:
+            return path, {**ck, "model": held[want], "weights_version": want}
+    raise ValueError(
+        f"no checkpoint in {folder} holds the weights of version {version if version is not None else 'any'}"
+        f" (kept: {', '.join(str(v) for v in sorted(set(kept))) or 'none'})"
+    )
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:

@@ -50,30 +50,14 @@ def _run_model(args) -> tuple[Transformer, Recipe, str]:
     from pathlib import Path
 
     from tandem import config, services
-    from trainer.service import checkpoints, latest_checkpoint
+    from trainer.service import checkpoint_of_version
 
     run_dir = Path(args.run_dir)
-    cfg = config.load(run_dir / "config.yaml")
-    _, model_config, recipe = services.task_and_model(cfg)
-    found = checkpoints(run_dir / "checkpoints") or [p for p in [latest_checkpoint(run_dir / "checkpoints")] if p]
-    if not found:
-        raise ValueError(f"no checkpoint in {run_dir / 'checkpoints'}")
-    chosen = None
-    versions = []
-    for path in reversed(found):
-        ck = torch.load(path, map_location="cpu", weights_only=True)
-        versions.append(ck["state"]["version"])
-        if args.version is None or ck["state"]["version"] == args.version:
-            chosen = ck
-            break
-    if chosen is None:
-        raise ValueError(
-            f"--version {args.version}: no checkpoint of that version in {run_dir / 'checkpoints'} "
-            f"(kept: {', '.join(str(v) for v in sorted(versions))})"
-        )
+    _, model_config, recipe = services.task_and_model(config.load(run_dir / "config.yaml"))
+    _, ck = checkpoint_of_version(run_dir / "checkpoints", args.version)
     model = Transformer(model_config, seed=args.seed)
-    model.load_weights(chosen["model"])
-    what = f"run {run_dir.name} step {chosen['state']['step']} version {chosen['state']['version']}"
+    model.load_weights(ck["model"])
+    what = f"run {run_dir.name} step {ck['state']['step']} version {ck['weights_version']}"
     return model.eval(), recipe, what
 
 
