@@ -83,7 +83,7 @@ def mismatch_metrics(
     before a restart) are left out of the two parts and the percentiles (NaN if no row is known).
     """
     d = logp_prox - logp_behav
-    split = mask if version_known is None else mask * version_known[:, None].to(mask.dtype)
+    split = mask if version_known is None else mask * version_known[:, None].to(mask)  # its dtype and device
     quant = (logp_version - logp_behav).abs()
     tokens = quant[split > 0]
     nan = float("nan")
