@@ -97,10 +97,14 @@ def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
         return nbytes(p.codes, p.scales, p.global_scale)
 
     total = nbytes(eng.norm) + lin_bytes(eng.lm_head) + batch * cfg.dim * eng.embed.element_size()
-    touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** batch)
+    touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** batch) if cfg.n_experts else 0
     for L in eng.layers:
         total += nbytes(L.ln1, L.ln2, L.q_norm, L.k_norm)
-        total += sum(lin_bytes(x) for x in (L.q, L.k, L.v, L.o, L.gate))
+        total += sum(lin_bytes(x) for x in (L.q, L.k, L.v, L.o))
+        if L.dense is not None:
+            total += sum(lin_bytes(x) for x in L.dense)
+            continue
+        total += lin_bytes(L.gate)
         ex = L.experts
         if ex.kernel is not None:
             per = (nbytes(ex.gu.codes, ex.gu.scales, ex.gu.global_scale) + nbytes(ex.dn.codes, ex.dn.scales)) / (
@@ -230,6 +234,7 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--dense", action="store_true", help="a dense model of Qwen3-8B widths instead (--layers of them)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--recipes", default="bf16,nvfp4_moe,int4_qat")
     ap.add_argument("--batches", default="1,16,64,256")
@@ -244,7 +249,23 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    cfg = ModelConfig.preset(args.preset, n_layers=args.layers)
+    if args.dense:  # Qwen3-8B widths (HF config.json), cut to --layers layers
+        cfg = ModelConfig.preset(
+            "tiny-dense",
+            vocab_size=151936,
+            dim=4096,
+            n_layers=args.layers,
+            n_heads=32,
+            n_kv_heads=8,
+            head_dim=128,
+            ffn_dim=12288,
+            tie_word_embeddings=False,
+            rope_theta=1_000_000.0,
+            max_seq_len=40960,
+        )
+        args.preset = "qwen3-8b-widths (dense)"
+    else:
+        cfg = ModelConfig.preset(args.preset, n_layers=args.layers)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.preset} x{args.layers} layers", flush=True)
     bw = copy_bandwidth(dev)
     print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s", flush=True)

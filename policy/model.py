@@ -493,8 +493,9 @@ class MoE(nn.Module):
         hs = h.split(sizes)
         h_hat = hook.quantize_inputs([self.experts[e].down_proj.site for e in used], h, sizes)
         hs_hat = hs if h_hat is None else h_hat.split(sizes)
-        y = x.new_empty(N * k, shape[-1])
-        y[order] = torch.cat([self.experts[e].down_proj(hs[i], hook, hs_hat[i]) for i, e in enumerate(used)])
+        ys = torch.cat([self.experts[e].down_proj(hs[i], hook, hs_hat[i]) for i, e in enumerate(used)])
+        y = ys.new_empty(N * k, shape[-1])  # the experts' dtype: bf16 under autocast, x's otherwise
+        y[order] = ys
         out = (y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x, hook)

@@ -10,11 +10,14 @@ published tensors (the quantized objects a worker fetched) without dequantizing 
   its dequantization (bf16: the published bf16 weight itself);
 - activation sites the recipe quantizes get the same per-token fake quantization QAT uses
   (`policy.kernels.quantize` + `dequantize`, bitwise the trainer's x̂), without the host-side
-  finite check: each quantizer's status word is folded into one device flag that `generate`
-  reads once, after the sequences are done (NaN/Inf anywhere -> ValueError);
+  finite check: the sampler flags NaN/Inf logits (where any NaN/Inf in the residual stream ends
+  up) in one device word that `generate` reads once, after the sequences are done (-> ValueError);
 - the decode step (embedding -> layers -> LM head -> sampling -> stop bookkeeping) has no host
   synchronization and is captured in a CUDA graph per batch bucket (`EngineConfig.graph_buckets`);
-  a batch runs in the smallest bucket that holds it, the spare rows as dead padding;
+  a batch runs in the smallest bucket that holds it, the spare rows as dead padding; its
+  elementwise glue is fused by torch.compile (`EngineConfig.fuse`) and its attention is one Triton
+  kernel per layer that also writes the new K/V (`rollout.kernels.attention_triton`, live keys only);
+- `generate(prompts, n_samples=...)`: each prompt is prefilled once, its KV copied to its samples;
 - the KV cache is slotted: [max_batch, n_kv_heads, max_seq_len, head_dim] per layer, allocated
   once; a request that does not fit (too many rows, prompt + max_new_tokens over capacity) is
   refused with a ValueError naming the numbers;
@@ -27,12 +30,12 @@ differs from the engine's behavior log-probs only by accumulation order and, for
 where the fp32 global scale is applied (the kernels scale the accumulator, QAT rounds
 e2m1 x sf x S_dec to bf16 first: DESIGN.md's Compute contract, not yet in policy/qat.py).
 
-Decode attention reads the whole slot (capacity keys, masked past each row's position): fixed
-shapes for the graphs, at the cost of reading capacity rather than length; FlashInfer's paged
-decode kernels would read only the live keys (not used: see docs/benchmarks.md).
+Not here: continuous batching across prompt groups (one generate call is one batch, run to its
+end), FlashInfer (prefill uses SDPA; decode uses the Triton kernel), a prefill GEMM for the 4-bit
+weights (prefill runs the decode matmul, 16 tokens per tile).
 
-The same code runs on the CPU (reference matmuls, torch sampling, no graphs), which is how the
-unit tests check its logic against `policy.model.generate`.
+The same code runs on the CPU (reference matmuls, torch sampling, torch attention, no graphs),
+which is how the unit tests check its logic against `rollout.engine.generate`.
 """
 
 from __future__ import annotations
@@ -400,7 +403,10 @@ class PackedEngine:
             raise ValueError(f"PackedEngine: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
         self.embed = self._dense(tensors, "model.embed_tokens.weight")
         self.norm = self._dense(tensors, "model.norm.weight")
-        self.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
+        if cfg.tie_word_embeddings:  # logits = x @ embed_tokens.weight.T, as policy.model.TiedHead
+            self.lm_head = _Linear(tensors["model.embed_tokens.weight"], None, dev, dt)
+        else:
+            self.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
         self.layers = []
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}"
@@ -417,6 +423,14 @@ class PackedEngine:
                 L.qkv = torch.cat([L.q.weight, L.k.weight, L.v.weight])
             else:
                 L.qkv = None
+            L.gate = L.experts = L.shared = L.dense = None
+            if not cfg.is_moe_layer(i):  # a dense SwiGLU MLP (Qwen3 dense, mlp_only_layers)
+                L.dense = (
+                    _Linear(tensors[f"{p}.mlp.gate_up_proj.weight"], self._act(f"{p}.mlp.gate_up_proj.input"), dev, dt),
+                    _Linear(tensors[f"{p}.mlp.down_proj.weight"], self._act(f"{p}.mlp.down_proj.input"), dev, dt),
+                )
+                self.layers.append(L)
+                continue
             L.gate = _Linear(tensors[f"{p}.mlp.gate.weight"], self._act(f"{p}.mlp.gate.input"), dev, dt)
             E = range(cfg.n_experts)
             L.experts = _Experts(
@@ -427,7 +441,6 @@ class PackedEngine:
                 dev,
                 dt,
             )
-            L.shared = None
             if cfg.has_shared_expert:
                 s = f"{p}.mlp.shared_expert"
                 L.shared = (
@@ -473,6 +486,8 @@ class PackedEngine:
 
     def _moe(self, L, x: Tensor, ops) -> Tensor:
         cfg = self.cfg
+        if L.dense is not None:
+            return L.dense[1](ops.swiglu(L.dense[0](x, ops), cfg.ffn_dim), ops)
         weights, ids = ops.route(L.gate(x, ops), cfg.top_k, cfg.norm_topk_prob)
         out = L.experts(x, ids, weights, ops)
         if L.shared is not None:

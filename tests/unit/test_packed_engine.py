@@ -192,3 +192,25 @@ def test_top_p_keeps_the_smallest_nucleus():
     tok, lp = sampling.sample_reference(z.expand(1000, -1), torch.arange(1000), 0, 1.0, top_p=0.8)
     assert set(tok.tolist()) == {0, 1}
     torch.testing.assert_close(lp[tok == 0][0], torch.tensor(math.log(0.5 / 0.8)), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "preset,overrides,recipe",
+    [
+        ("tiny-dense", {"n_layers": 2}, "int4_qat"),  # dense SwiGLU MLPs, tied LM head
+        ("tiny", {"n_layers": 2, "n_experts": 4, "mlp_only_layers": (0,), "ffn_dim": 256}, "nvfp4_moe"),
+    ],
+)
+def test_dense_and_mixed_layers_match_reference_generate(preset, overrides, recipe):
+    cfg = ModelConfig.preset(preset, **overrides)
+    model = Transformer(cfg, seed=2)
+    plan = Recipe.load(recipe).plan(model)
+    packed = qat.quantize_weights(model, plan)
+    ref = Transformer(cfg, seed=None)
+    qat.load_packed(ref, packed)
+    qat.install_activation_quant(ref, plan)
+    eng = PackedEngine(cfg, plan, packed, device="cpu", dtype=torch.float32, engine=EngineConfig(max_batch=4))
+    a = generate(ref, PROMPTS, max_new_tokens=8, temperature=0.0)
+    b = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
