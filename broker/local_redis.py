@@ -1,9 +1,11 @@
 """A private `redis-server` on a free loopback port, for tests, benchmarks and `tandem run`.
 
-Simplified on purpose: no persistence (`--save ''`, `--appendonly no`), loopback only,
-one process per instance. A production deployment runs its own Redis; this module only
-exists so that everything on one machine (CI, the demo, the benchmarks) uses a real
-server started the same way.
+Simplified on purpose: loopback only, one process per instance, no persistence unless
+`appendonly` (an append-only file in `workdir`, fsynced every second: what `tandem run` uses so
+that a resumed run finds its streams again). The server runs in its own process session, so a
+terminal's Ctrl-C reaches only its owner, which stops it last. A production deployment runs its
+own Redis; this module only exists so that everything on one machine (CI, the demo, the
+benchmarks) uses a real server started the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class LocalRedisConfig:
     start_timeout_s: float = 10.0
     start_attempts: int = 3
     maxmemory: str = "0"  # "0" = no limit; e.g. "2gb" for a bounded demo
+    appendonly: bool = False  # persist to an AOF in workdir (appendonlydir/), reloaded on the next start
 
     def __post_init__(self) -> None:
         errors = []
@@ -90,7 +93,9 @@ class LocalRedis:
                     "--save",
                     "",
                     "--appendonly",
-                    "no",
+                    "yes" if cfg.appendonly else "no",
+                    "--appendfsync",
+                    "everysec",
                     "--dir",
                     str(cfg.workdir),
                     "--logfile",
@@ -103,6 +108,7 @@ class LocalRedis:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
+                start_new_session=True,  # a terminal's SIGINT reaches the owner only; it stops us last
             )
             error = _wait_for_ping(proc, cfg.host, port, cfg.start_timeout_s)
             if error is None:
@@ -150,7 +156,7 @@ def _wait_for_ping(proc: subprocess.Popen, host: str, port: int, timeout_s: floa
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    # SIGTERM first: with persistence off, redis-server exits at once.
+    # SIGTERM first: redis-server flushes its AOF (if any) and exits.
     proc.terminate()
     try:
         proc.wait(timeout=5)

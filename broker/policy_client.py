@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -379,3 +380,19 @@ class PolicyClient:
             t.digest = hasher.submit(t.sha.digest)
             t.done = True
         return True
+
+
+def check_reachable(target: str, timeout_s: float = 3.0) -> None:
+    """ValueError at once for a closed port or an unknown host of `target` (host:port): a gRPC call
+    that waits for the channel would retry those until its deadline."""
+    host, _, port = target.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"{target!r}: want host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        raise ValueError(f"{target}: connection refused (nothing listens there)") from None
+    except socket.gaierror as e:
+        raise ValueError(f"{target}: unknown host ({e.strerror})") from None
+    except OSError as e:
+        raise ValueError(f"{target}: cannot connect: {e.strerror or e}") from None

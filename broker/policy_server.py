@@ -82,6 +82,7 @@ class PolicyServerConfig:
     shard_layouts_per_version: int = 16
     tls: ServerTLS = field(default_factory=ServerTLS)
     use_uvloop: bool = True
+    reflection: bool = False  # gRPC server reflection (grpcurl-style tools can list the services)
     start_timeout_s: float = 30.0
     stop_grace_s: float = 2.0
 
@@ -382,6 +383,13 @@ class PolicyServer:
         status = health_pb2.HealthCheckResponse.SERVING if self._latest else health_pb2.HealthCheckResponse.NOT_SERVING
         await self._health.set("", status)
         await self._health.set(SERVICE_NAME, status)
+        if cfg.reflection:
+            from grpc_reflection.v1alpha import reflection
+
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                server,
+            )
         address = f"{cfg.host}:{cfg.port}"
         if cfg.tls.enabled:
             creds = grpc.ssl_server_credentials(

@@ -34,6 +34,8 @@ class RolloutConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     """grpc.health.v1 for Kubernetes probes: SERVING once a verified policy is loaded, NOT_SERVING
     before and while draining."""
+    metrics_port: int = 0
+    """Prometheus metrics of this worker: 0 = a free port on 127.0.0.1, -1 = off, else that port on 0.0.0.0."""
     device: str = "cpu"
     """Where generation runs: "cpu" (rollout/engine.py on dequantized weights, the default) or
     "cuda" / "cuda:N" (rollout/cuda_engine.py: packed 4-bit weights, CUDA graphs, on-device sampling)."""
@@ -51,6 +53,8 @@ class RolloutConfig:
                 f"reclaim_idle_s={self.reclaim_idle_s}, fetch_timeout_s={self.fetch_timeout_s}, "
                 f"read_block_ms={self.read_block_ms} (must be > 0)"
             )
+        if not -1 <= self.metrics_port <= 65535:
+            errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
         if self.max_batch < 1 or self.kv_capacity < 2:

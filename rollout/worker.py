@@ -8,6 +8,9 @@ Loop (one group at a time):
     the newest -> generate n samples from the packed quantized weights with per-token activation
     quantization at the recipe's sites -> score with the task's verifier -> XADD the n
     trajectories and XACK the prompt in one transaction.
+Prometheus on `rollout.metrics_port` (`WorkerMetrics`): generated tokens, groups, tokens/s,
+policy fetch seconds and bytes, the live version, refused versions, the staleness of the policy in use.
+
 SIGTERM sets a flag: the group in progress is finished and committed, then the worker exits
 (a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
 
@@ -32,7 +35,8 @@ import numpy as np
 from broker.codec import PromptGroup, Trajectory, sample_id_for
 from broker.health import ROLLOUT_HEALTH, HealthServer
 from broker.keys import Keys
-from broker.policy_client import PolicyClient, PolicyClientConfig
+from broker.metrics import MetricsEndpoint
+from broker.policy_client import PolicyClient, PolicyClientConfig, check_reachable
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
@@ -45,6 +49,54 @@ from rollout.cuda_engine import EngineConfig, PackedEngine, resolve_device
 from .config import RolloutConfig
 from .engine import generate
 from .tasks import Task
+
+
+class WorkerMetrics:
+    """The worker's Prometheus metrics (`tandem_rollout_*`, labelled by nothing: one worker per
+    endpoint; Prometheus adds the pod as `instance`)."""
+
+    def __init__(self, port: int):
+        import prometheus_client as prom
+
+        self.endpoint = MetricsEndpoint(port)
+        reg = self.endpoint.registry
+        self.groups = prom.Counter(
+            "tandem_rollout_groups", "prompt groups generated and committed (groups)", registry=reg
+        )
+        self.tokens = prom.Counter(
+            "tandem_rollout_generated_tokens", "completion tokens generated (tokens)", registry=reg
+        )
+        self.tokens_per_s = prom.Gauge(
+            "tandem_rollout_generated_tokens_per_second",
+            "completion tokens per second of generation in the last group (tokens/s)",
+            registry=reg,
+        )
+        self.fetch_seconds = prom.Histogram(
+            "tandem_rollout_policy_fetch_seconds",
+            "time to fetch, verify and load one policy version (seconds)",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=reg,
+        )
+        self.fetch_bytes = prom.Counter(
+            "tandem_rollout_policy_fetch_bytes", "policy tensor bytes fetched over gRPC (bytes)", registry=reg
+        )
+        self.fetch_failures = prom.Counter(
+            "tandem_rollout_policy_fetch_failures", "policy fetches that failed and will be retried", registry=reg
+        )
+        self.version = prom.Gauge(
+            "tandem_rollout_policy_version", "policy version in use (0 before the first)", registry=reg
+        )
+        self.refused = prom.Counter(
+            "tandem_rollout_versions_refused",
+            "announced versions refused for a contract fingerprint not this worker's (versions)",
+            registry=reg,
+        )
+        self.staleness = prom.Gauge(
+            "tandem_rollout_policy_staleness",
+            "newest announced version minus the version in use, at the last group start (versions)",
+            registry=reg,
+        )
+        self.port = self.endpoint.port
 
 
 class RolloutWorker:
@@ -79,6 +131,7 @@ class RolloutWorker:
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
         self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH)
+        self.metrics = WorkerMetrics(cfg.metrics_port)
         if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
             PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
 
@@ -94,6 +147,8 @@ class RolloutWorker:
     async def run(self) -> int:
         if self.health.start() is not None:
             self.log(f"{self.worker_id}: health (grpc.health.v1) on {self.health.host}:{self.health.port}")
+        if self.metrics.port is not None:
+            self.log(f"{self.worker_id}: metrics (Prometheus) on port {self.metrics.port}")
         self.redis = connect(self.redis_url)
         registry = PolicyRegistry(self.redis, self.keys)
         queue = PromptQueue(
@@ -132,9 +187,15 @@ class RolloutWorker:
                     latest = await registry.latest()
                     if latest.version - self.version > self.max_staleness and not await self._try_load(latest):
                         break
+                    self.metrics.staleness.set(latest.version - self.version)
+                    t0 = time.perf_counter()
                     trajectories = self._rollout_group(rec.group)
+                    n_tokens = sum(len(t.completion_tokens) for t in trajectories)
+                    self.metrics.tokens_per_s.set(n_tokens / max(time.perf_counter() - t0, 1e-9))
                     await queue.complete(rec, trajectories)
                     self.groups_done += 1
+                    self.metrics.groups.inc()
+                    self.metrics.tokens.inc(n_tokens)
             self.log(f"{self.worker_id}: drained after {self.groups_done} groups")
             return 0
         finally:
@@ -142,6 +203,7 @@ class RolloutWorker:
             await beats
             await self.redis.aclose()
             self.health.stop()
+            self.metrics.endpoint.close()
 
     async def _try_load(self, pointer: PolicyPointer | None) -> bool:
         """Load `pointer`'s version; False (logged) when it is not for our contract or not reachable
@@ -151,6 +213,7 @@ class RolloutWorker:
         if pointer.contract_fingerprint != self.fingerprint:
             if pointer.version != self._refused:
                 self._refused = pointer.version
+                self.metrics.refused.inc()
                 self.log(
                     f"{self.worker_id}: refusing v{pointer.version}: contract fingerprint "
                     f"{pointer.contract_fingerprint[:12]} is not ours ({self.fingerprint[:12]})"
@@ -160,9 +223,9 @@ class RolloutWorker:
             await self._load(pointer)
             return True
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
+            self.metrics.fetch_failures.inc()
             self.log(
-                f"{self.worker_id}: fetching v{pointer.version} from {pointer.address} failed, will retry: "
-                f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                f"{self.worker_id}: fetching v{pointer.version} from {pointer.address} failed, will retry: {why(e)}"
             )
             return False
 
@@ -170,6 +233,9 @@ class RolloutWorker:
         """Fetch and verify a version (in a thread: the gRPC client is blocking), then swap it in."""
 
         def fetch():
+            # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
+            # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
+            check_reachable(pointer.address)
             cfg = PolicyClientConfig(
                 address=pointer.address,
                 expected_fingerprint=self.fingerprint,
@@ -188,6 +254,9 @@ class RolloutWorker:
             self.engine = None  # free the previous version's weights, KV cache and graphs first
             self.engine = await asyncio.to_thread(self._build_engine, fetched.tensors)
         self.version = fetched.version
+        self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
+        self.metrics.fetch_bytes.inc(fetched.stats.bytes)
+        self.metrics.version.set(self.version)
         self.health.set_serving(not self.stop.is_set())
         self.log(
             f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
@@ -256,3 +325,13 @@ class RolloutWorker:
                 )
             )
         return out
+
+
+def why(e: BaseException) -> str:
+    """One line for a log: a gRPC error's status code and details (its str() is a multi-line
+    dump whose first line says nothing), else the exception's type and first line."""
+    if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
+        details = (e.details() or "").replace("\n", " ")
+        return f"gRPC {e.code().name}: {details[:300]}"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"

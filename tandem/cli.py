@@ -26,12 +26,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("tandem-rl")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = (argv if argv is not None else sys.argv[1:])[:1]
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text)
         # Only the chosen subcommand's module is imported to add its arguments.
         if chosen == [name]:
             importlib.import_module(module).add_arguments(p)
@@ -42,7 +52,36 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
-    return int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
+    # A person gets one line that names what was wrong (exit 2), never a traceback; a closed pipe
+    # (`tandem plan ... --json | head`) ends the command quietly, as it does any Unix tool.
+    try:
+        rc = int(importlib.import_module(COMMANDS[args.command][0]).main(args) or 0)
+        sys.stdout.flush()
+        return rc
+    except (ValueError, OSError) as e:
+        if isinstance(e, BrokenPipeError):
+            return _broken_pipe()
+        print(f"tandem {args.command}: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tandem {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror or e}"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _broken_pipe() -> int:
+    import os
+
+    # Python would complain again when it flushes stdout at exit: point it at /dev/null.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what a tool killed by the closed pipe reports
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import difflib
 import functools
 import inspect
 import json
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -209,15 +211,60 @@ def _type_name(hint) -> str:
 
 def _coerce(hint, value, path: str):
     origin = typing.get_origin(hint)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    if hint in (int, float) and isinstance(value, bool):  # bools are ints in Python: never a number here
+        raise ValueError(f"config {path}: expected {hint.__name__}, got {value!r}")
+    if hint is float and isinstance(value, int):
         return float(value)
-    if origin in (tuple,) and isinstance(value, list):
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as text
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if math.isfinite(number):
+            return number
+    if origin is tuple and Ellipsis not in typing.get_args(hint):
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ValueError(f"config {path}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin is tuple and isinstance(value, list):  # tuple[X, ...]
         return tuple(value)
-    if origin is dict or hint is Any or origin in (typing.Union, types.UnionType, typing.Literal):
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"config {path}: expected a mapping of names to values, got {_short(value)}")
+        _check_size(value, path)
+        return value
+    if hint is Any or origin in (typing.Union, types.UnionType, typing.Literal):
+        _check_size(value, path)
         return value
     if isinstance(hint, type) and not isinstance(value, hint):
-        raise ValueError(f"config {path}: expected {hint.__name__}, got {value!r}")
+        raise ValueError(f"config {path}: expected {hint.__name__}, got {_short(value)}")
     return value
+
+
+MAX_VALUE_NODES, MAX_VALUE_DEPTH = 1000, 8  # an override value is a scalar or a small mapping/list
+
+
+def _check_size(value, path: str) -> None:
+    """Refuse values with more than MAX_VALUE_NODES nodes (counting every YAML alias again, as
+    dump() would expand it) or nested deeper than MAX_VALUE_DEPTH; stops counting at the bound."""
+    budget = [MAX_VALUE_NODES]
+
+    def visit(v, depth: int) -> None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError(f"config {path}: value too large (over {MAX_VALUE_NODES} items)")
+        if depth > MAX_VALUE_DEPTH:
+            raise ValueError(f"config {path}: value nested deeper than {MAX_VALUE_DEPTH} levels")
+        for child in v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ():
+            visit(child, depth + 1)
+
+    visit(value, 0)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _set_dotted(d: dict, dotted: str, value) -> None:
@@ -230,23 +277,47 @@ def _set_dotted(d: dict, dotted: str, value) -> None:
 
 
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """YAML file (or the defaults when None) + `a.b=value` overrides -> RunConfig."""
+    """YAML file (or the defaults when None) + `a.b=value` overrides -> RunConfig.
+
+    Every problem (missing file, YAML syntax, unknown key, wrong type, bad value) is a ValueError
+    whose one-line message names the file, key or value."""
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.exists() and (REPO_CONFIGS / p).exists():
+        if not os.path.exists(p) and os.path.isfile(REPO_CONFIGS / p):
             p = REPO_CONFIGS / p
-        data = yaml.safe_load(p.read_text()) or {}
+        if not os.path.isfile(p):
+            raise ValueError(f"config file {str(path)!r} not found")
+        data = _yaml(p.read_text(), f"config file {str(path)!r}")
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {str(path)!r}: expected a mapping at the top, got {type(data).__name__}")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not key=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        value = _yaml(raw, f"override {key.strip()}")
+        _check_size(value, key.strip())
+        _set_dotted(data, key.strip(), value)
     return _build(RunConfig, data, "")
 
 
+def _yaml(text: str, what: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{what}: YAML syntax error{where}: {problem}") from None
+    except RecursionError:
+        raise ValueError(f"{what}: YAML nested too deeply") from None
+
+
 def dump(cfg: RunConfig) -> str:
-    """The resolved config as YAML (written into every run folder)."""
+    """The resolved config as YAML (written into every run folder), the Redis password masked."""
+    cfg = dataclasses.replace(cfg, redis_url=redact_url(cfg.redis_url))
 
     def plain(o):
         if isinstance(o, tuple):
@@ -282,8 +353,6 @@ def env_overrides(environ: dict | None = None) -> list[str]:
     the password in a Secret: TANDEM_REDIS_PASSWORD (and TANDEM_REDIS_CA_FILE, the CA of a
     rediss:// server) are merged into TANDEM_REDIS_URL, which they therefore require.
     """
-    import os
-
     env = os.environ if environ is None else environ
     out = []
     for name, key in ENV_KEYS.items():
@@ -317,3 +386,13 @@ def redis_url_with(url: str, *, password: str = "", ca_file: str = "") -> str:
             )
         query = "&".join(q for q in (query, urlencode({"ssl_ca_certs": ca_file})) if q)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (if any) replaced by `***`: what may be written to disk or logs."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.partition(":")[0]
+    return urlunsplit((parts.scheme, f"{user}:***@{hostport}", parts.path, parts.query, parts.fragment))

@@ -1,9 +1,14 @@
 """`tandem run`: one machine, separate processes: a private redis-server (unless the config
 names a Redis URL), the trainer and N rollout workers, exactly the services Kubernetes runs.
 
-The launcher writes the run folder (config.yaml resolved, logs/, and what the trainer writes:
-metrics.jsonl, checkpoints/, plots), shows the trainer's progress on the console, and on
-Ctrl-C or when the trainer finishes stops the rollouts with SIGTERM (they drain), then Redis.
+The launcher checks the config completely (recipe, model, Redis reachable) before it starts
+anything, writes the run folder (mode 0700, files 0600: config.yaml resolved with secrets masked,
+logs/ with trainer.log and one log per worker, and what the trainer writes: metrics.jsonl,
+checkpoints/, plots), shows the trainer's progress on the console, and on Ctrl-C or when the
+trainer finishes stops the trainer, then the rollouts with SIGTERM (they drain), then Redis.
+Every child runs in its own process session, so a terminal's Ctrl-C reaches the launcher alone.
+The private Redis keeps an append-only file in `redis/`: `--run-dir` resumes against the same
+streams and prompt sequence.
 """
 
 from __future__ import annotations
@@ -13,29 +18,44 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from broker.local_redis import LocalRedis, LocalRedisConfig
 
 from . import config as run_config
+from . import services
 from .plots import write_plots
 
 
-def _spawn(args: list[str], log: Path | None) -> subprocess.Popen:
-    # A new session: Ctrl-C reaches only the launcher, which then stops children in order.
-    out = open(log, "ab") if log else None
-    # One BLAS thread per process: trainer and workers share the cores, and oversubscribed
-    # torch threads are several times slower than one each.
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
+def _spawn(args: list[str], log: Path, env: dict, *, console: bool = False) -> subprocess.Popen:
+    """A child in a new session: Ctrl-C reaches only the launcher, which then stops children in
+    order. Output goes to `log`; with `console`, to the console as well (a thread copies it)."""
+    out = open(log, "ab")
+    proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", *args],
-        stdout=out,
-        stderr=subprocess.STDOUT if out else None,
+        stdout=subprocess.PIPE if console else out,
+        stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
         env=env,
     )
+    if console:
+        proc.tee = threading.Thread(target=_tee, args=(proc.stdout, out), daemon=True)
+        proc.tee.start()
+    else:
+        out.close()
+    return proc
+
+
+def _tee(src, log) -> None:
+    with src, log:
+        for line in iter(src.readline, b""):
+            log.write(line)
+            log.flush()
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
 
 
 def _stop(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
@@ -55,52 +75,90 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def check_redis(url: str, timeout_s: float = 3.0) -> None:
+    """ValueError "cannot reach Redis at URL: reason" unless `url` answers PING within `timeout_s`."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        client.ping()
+    except redis.exceptions.AuthenticationError as e:
+        raise ValueError(f"cannot reach Redis at {run_config.redact_url(url)}: authentication failed ({e})") from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
+        text = str(e).lower()
+        reason = "connection refused" if "refused" in text else str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"cannot reach Redis at {run_config.redact_url(url)}: {reason}") from None
+    except redis.exceptions.ResponseError as e:  # e.g. NOAUTH: a password is needed
+        raise ValueError(f"cannot reach Redis at {run_config.redact_url(url)}: {e}") from None
+    finally:
+        client.close()
+
+
 def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> int:
+    # Everything that can be wrong with the config fails here, before any process or folder exists.
+    cfg = run_config.load(config_path, overrides)
+    services.check(cfg)
+    if cfg.redis_url:
+        check_redis(cfg.redis_url)
     # Ctrl-C and SIGTERM both stop the run in order (explicitly: a shell may have started us
     # with SIGINT ignored, as it does for background jobs).
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    cfg = run_config.load(config_path, overrides)
+    os.umask(0o077)  # the run folder is the user's alone: 0700 folders, 0600 files (children inherit)
     run_dir = Path(run_dir or Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    redis = None
-    if not cfg.redis_url:
-        redis = LocalRedis(LocalRedisConfig(workdir=run_dir / "redis"))
-        cfg = dataclasses.replace(cfg, redis_url=redis.start())
-        print(f"[tandem] private redis-server at {cfg.redis_url}")
-    resolved = run_dir / "config.yaml"
-    resolved.write_text(run_config.dump(cfg))
-    print(f"[tandem] run folder {run_dir}")
-    common = ["--config", str(resolved)]
-    trainer = _spawn(["trainer", *common, "--run-dir", str(run_dir)], None)
-    workers = [
-        _spawn(["rollout", *common, "--worker-id", f"w{i}"], run_dir / "logs" / f"rollout-w{i}.log")
-        for i in range(cfg.num_rollout_workers)
-    ]
-    rc = 1
+    os.chmod(run_dir, 0o700)  # also a folder made by an older version
+    redis, trainer, workers, rc = None, None, [], 1
+    logs = run_dir / "logs"
     try:
+        if not cfg.redis_url:
+            redis = LocalRedis(LocalRedisConfig(workdir=run_dir / "redis", appendonly=True))
+            cfg = dataclasses.replace(cfg, redis_url=redis.start())
+            print(f"[tandem] private redis-server at {cfg.redis_url} (append-only file in {run_dir / 'redis'})")
+        resolved = run_dir / "config.yaml"
+        resolved.write_text(run_config.dump(cfg))  # the Redis password masked: the services get it below
+        print(f"[tandem] run folder {run_dir}")
+        # One BLAS thread per process: trainer and workers share the cores, and oversubscribed torch
+        # threads are several times slower than one each. The Redis URL (with any password) travels
+        # in the environment, not in the file.
+        env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_REDIS_URL": cfg.redis_url}
+        for name in run_config.REDIS_URL_PARTS:  # already in the URL
+            env.pop(name, None)
+        common = ["--config", str(resolved)]
+        trainer = _spawn(["trainer", *common, "--run-dir", str(run_dir)], logs / "trainer.log", env, console=True)
+        workers = [
+            _spawn(["rollout", *common, "--worker-id", f"w{i}"], logs / f"rollout-w{i}.log", env)
+            for i in range(cfg.num_rollout_workers)
+        ]
         while True:
             rc = trainer.poll()
             if rc is not None:
                 break
             dead = [i for i, w in enumerate(workers) if w.poll() is not None]
             if dead and len(dead) == len(workers):
-                print(f"[tandem] every rollout worker exited; see {run_dir / 'logs'}", file=sys.stderr)
+                print(f"[tandem] every rollout worker exited; see {logs}", file=sys.stderr)
                 _stop([trainer])
                 rc = 1
                 break
             time.sleep(0.5)
     except KeyboardInterrupt:
-        print("\n[tandem] Ctrl-C: stopping the trainer and the rollout workers", file=sys.stderr)
-        _stop([trainer])
+        print("\n[tandem] Ctrl-C: stopping the trainer, then the rollout workers, then Redis", file=sys.stderr)
+        try:
+            if trainer is not None:
+                _stop([trainer])
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now
+            trainer.kill()
         rc = 130
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rest is short: let it finish
         _stop(workers)
         if redis is not None:
-            redis.stop()
+            redis.stop()  # last: the trainer and the workers commit to it while they stop
+    if trainer is not None:
+        trainer.tee.join(timeout=5)  # the trainer's last lines
     plots = write_plots(run_dir)
     print(
         f"[tandem] trainer exited with {rc}; plots: {', '.join(p.name for p in plots) or 'none'}; "
-        f"metrics: {run_dir / 'metrics.jsonl'}"
+        f"metrics: {run_dir / 'metrics.jsonl'}; logs: {logs}"
     )
     return rc

@@ -84,6 +84,16 @@ def initial_weights(cfg: RunConfig):
     return lambda model: load_hf_into(model, cfg.model.checkpoint)
 
 
+def check(cfg: RunConfig) -> None:
+    """Everything about `cfg` that can be checked without Redis or a process: the task, the model
+    preset and overrides, the recipe and its plan for that model. ValueError names the problem."""
+    try:
+        _, model_config, recipe = task_and_model(cfg)
+    except TypeError as e:  # a model override of the wrong type
+        raise ValueError(f"model.overrides: {e}") from None
+    recipe.plan(model_config)
+
+
 def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
     task, model_config, recipe = task_and_model(cfg)
 

@@ -51,6 +51,11 @@ class TrainerConfig:
     # publishing (the staleness bound is the run's: loop.max_staleness, shared with the rollouts)
     publish_every: int = 1
     """Publish a new policy version every this many optimizer steps."""
+    checkpoint_every: int = 10
+    """Write checkpoints/step-NNNNNN.pt every this many steps (and at the last); the consumed
+    samples are committed to Redis only then, so a crash re-delivers what the lost steps consumed."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many checkpoint files, delete older ones."""
     prompts_ahead: int = 0
     """Prompt groups queued or in flight; 0 = groups_per_step * max(1, loop.max_staleness)."""
     # warm start: supervised steps on correct answers before RL, so the policy is sometimes right
@@ -75,18 +80,29 @@ class TrainerConfig:
     """grpc.health.v1 for Kubernetes probes (plaintext: kubelet's gRPC probe cannot speak TLS):
     SERVING once a policy is published."""
     metrics_port: int = 0
-    """Prometheus metrics port; 0 = a free port, -1 = off."""
+    """Prometheus metrics port; 0 = a free port on 127.0.0.1, -1 = off, else that port on 0.0.0.0."""
+    grpc_reflection: bool = True
+    """gRPC server reflection on the policy port (grpcurl-style tools list the services); on for
+    `tandem run`, off in the Kubernetes overlays."""
     collect_timeout_s: float = 300.0
     """Give up waiting for trajectories after this long (seconds)."""
 
     def __post_init__(self):
         errors = []
-        for name in ("max_steps", "groups_per_step", "group_size", "minibatches", "publish_every"):
+        for name in (
+            "max_steps",
+            "groups_per_step",
+            "group_size",
+            "minibatches",
+            "publish_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+        ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} (must be >= 1)")
         if self.group_size < 2:
             errors.append(f"group_size={self.group_size} (GRPO needs >= 2 samples per prompt)")
-        if self.groups_per_step * self.group_size % self.minibatches:
+        if self.minibatches >= 1 and self.groups_per_step * self.group_size % self.minibatches:
             errors.append(
                 f"minibatches={self.minibatches} must divide groups_per_step*group_size="
                 f"{self.groups_per_step * self.group_size}"
@@ -117,6 +133,8 @@ class TrainerConfig:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} (want host:port)")
             elif self.grpc_port == 0:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} needs a fixed grpc_port (it is 0: a free port)")
+        if not -1 <= self.metrics_port <= 65535:
+            errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if errors:
             raise ValueError("TrainerConfig: " + "; ".join(errors))
 

@@ -67,11 +67,31 @@ def masked_mean(x: Tensor, mask: Tensor) -> float:
     return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
-def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, logp_version: Tensor, mask: Tensor) -> dict[str, float]:
+def mismatch_metrics(
+    logp_prox: Tensor, logp_behav: Tensor, logp_version: Tensor, mask: Tensor, version_known: Tensor | None = None
+) -> dict[str, float]:
+    """Train/rollout mismatch per completion token (masked means over [B, T]):
+
+        logp_abs_diff        = mean |logp_prox - logp_behav|              (total)
+        logp_abs_diff_quant  = mean |logp_version - logp_behav|           (quantization part)
+        logp_abs_diff_stale  = mean |logp_prox - logp_version|            (staleness part)
+        kl_k3                = mean (exp(d) - 1 - d),  d = logp_prox - logp_behav
+        logp_abs_diff_quant_p50 / _p95: median and 95th percentile of |logp_version - logp_behav|
+                                        over the tokens (the mean hides how rare large ones are)
+
+    version_known [B] (bool): rows whose version's weights are known; the others (samples from
+    before a restart) are left out of the two parts and the percentiles (NaN if no row is known).
+    """
     d = logp_prox - logp_behav
+    split = mask if version_known is None else mask * version_known[:, None].to(mask)  # its dtype and device
+    quant = (logp_version - logp_behav).abs()
+    tokens = quant[split > 0]
+    nan = float("nan")
     return {
         "logp_abs_diff": masked_mean(d.abs(), mask),
-        "logp_abs_diff_quant": masked_mean((logp_version - logp_behav).abs(), mask),
-        "logp_abs_diff_stale": masked_mean((logp_prox - logp_version).abs(), mask),
+        "logp_abs_diff_quant": masked_mean(quant, split) if tokens.numel() else nan,
+        "logp_abs_diff_stale": masked_mean((logp_prox - logp_version).abs(), split) if tokens.numel() else nan,
+        "logp_abs_diff_quant_p50": float(tokens.double().quantile(0.5)) if tokens.numel() else nan,
+        "logp_abs_diff_quant_p95": float(tokens.double().quantile(0.95)) if tokens.numel() else nan,
         "kl_k3": masked_mean(torch.exp(d) - 1 - d, mask),
     }

@@ -1,43 +1,126 @@
-"""Per-step metrics: one JSON object per line in metrics.jsonl, the same numbers as Prometheus gauges."""
+"""Per-step metrics: one JSON object per line in metrics.jsonl, and a Prometheus endpoint.
+
+Prometheus (names per the conventions: `_total` counters, `_seconds`, units in every HELP):
+- counters `tandem_trainer_<name>_total` for every integer counter of the trainer's State
+  (samples, completion tokens, drops, versions published, ...): read from State at scrape time,
+  so after a restart they continue from the checkpoint's totals;
+- gauges `tandem_trainer_step` and `tandem_trainer_policy_version`, present from start-up;
+- gauges of the last step's numbers (reward, staleness, mismatch, ...; table GAUGES);
+- histogram `tandem_trainer_step_seconds` of the optimizer step's wall time;
+- the default process collector (CPU seconds, memory, file descriptors).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+
+from broker.metrics import MetricsEndpoint
+
+# metrics.jsonl key -> (Prometheus gauge name, HELP). Cumulative quantities are counters instead.
+GAUGES = {
+    "reward_mean": ("tandem_trainer_reward_mean", "mean reward of the last step's samples (task units, 0..1)"),
+    "staleness_mean": ("tandem_trainer_staleness_mean", "mean staleness of the last step's samples (versions)"),
+    "staleness_max": ("tandem_trainer_staleness_max", "largest staleness among the last step's samples (versions)"),
+    "logp_abs_diff": (
+        "tandem_trainer_logp_abs_diff",
+        "mean |log p_trainer - log p_rollout| per completion token, last step (nats)",
+    ),
+    "logp_abs_diff_quant": (
+        "tandem_trainer_logp_abs_diff_quant",
+        "quantization part of the mismatch: trainer under the sample's version vs rollout, mean per token (nats)",
+    ),
+    "logp_abs_diff_quant_p50": (
+        "tandem_trainer_logp_abs_diff_quant_p50",
+        "median over the last step's tokens of the quantization part |logp_version - logp_rollout| (nats)",
+    ),
+    "logp_abs_diff_quant_p95": (
+        "tandem_trainer_logp_abs_diff_quant_p95",
+        "95th percentile over the last step's tokens of the quantization part (nats)",
+    ),
+    "logp_abs_diff_stale": (
+        "tandem_trainer_logp_abs_diff_stale",
+        "staleness part of the mismatch: current vs the sample's version, mean per token (nats)",
+    ),
+    "kl_k3": ("tandem_trainer_kl_k3", "k3 estimate of KL(rollout || trainer) per completion token, last step (nats)"),
+    "grad_norm": (
+        "tandem_trainer_grad_norm",
+        "L2 gradient norm before clipping, mean over the last step's updates (unitless)",
+    ),
+    "clip_frac": ("tandem_trainer_clip_frac", "fraction of tokens whose PPO ratio was clipped, last step (0..1)"),
+    "tis_frac": ("tandem_trainer_tis_frac", "fraction of tokens whose importance weight hit the cap, last step (0..1)"),
+    "step_time_s": ("tandem_trainer_last_step_seconds", "wall time of the last optimizer step (seconds)"),
+}
+
+# State counter -> HELP. A State counter missing here is still exported, with a generic HELP.
+COUNTER_HELP = {
+    "samples": "trajectories used in optimizer steps (samples)",
+    "completion_tokens": "completion tokens trained on (tokens)",
+    "dropped_stale": "samples dropped as staler than max_staleness (samples)",
+    "dropped_fingerprint": "samples dropped and dead-lettered for a foreign contract fingerprint (samples)",
+    "dead_lettered": "stream entries moved to the dead-letter stream (entries)",
+    "malformed": "undecodable trajectory entries dead-lettered (entries)",
+    "invalid": "well-formed but invalid trajectories dead-lettered (samples)",
+    "duplicates": "trajectories delivered again after being used, acked without training (samples)",
+    "versions_published": "policy versions published (versions)",
+}
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class MetricsSink:
-    def __init__(self, path: Path, *, port: int = -1):
-        """port: -1 = no Prometheus endpoint, 0 = a free port (see `.port`), else that port."""
+    def __init__(self, path: Path, *, port: int = -1, state: Callable[[], dict] | None = None):
+        """port: -1 = no Prometheus endpoint, 0 = a free port (see `.port`), else that port.
+        state: returns the trainer's State as a dict; its integers are exported (see module doc)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
-        self.port = None
-        self._gauges = {}
-        self._server = None
-        if port >= 0:
-            import prometheus_client as prom
+        self.endpoint = MetricsEndpoint(port) if port >= 0 else None
+        self.port = self.endpoint.port if self.endpoint else None
+        if self.endpoint is None:
+            return
+        import prometheus_client as prom
 
-            self._registry = prom.CollectorRegistry()
-            self._prom = prom
-            self._server, _ = prom.start_http_server(
-                port, addr="127.0.0.1" if port == 0 else "0.0.0.0", registry=self._registry
-            )
-            self.port = self._server.server_port
+        reg = self.endpoint.registry
+        self._gauges = {k: prom.Gauge(name, help_text, registry=reg) for k, (name, help_text) in GAUGES.items()}
+        self._step_seconds = prom.Histogram(
+            "tandem_trainer_step_seconds",
+            "wall time of one optimizer step (seconds)",
+            buckets=STEP_BUCKETS,
+            registry=reg,
+        )
+        if state is not None:
+            self.endpoint.add_callback(lambda: state_samples(state()))
 
     def write(self, row: dict) -> None:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._server is None:
+        if self.endpoint is None:
             return
-        for key, value in row.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                g = self._gauges.get(key)
-                if g is None:
-                    g = self._gauges[key] = self._prom.Gauge(f"tandem_trainer_{key}", key, registry=self._registry)
-                g.set(value)
+        for key, gauge in self._gauges.items():
+            if isinstance(row.get(key), (int, float)):
+                gauge.set(row[key])
+        if "step_time_s" in row:
+            self._step_seconds.observe(row["step_time_s"])
 
     def close(self) -> None:
         self._file.close()
-        if self._server is not None:
-            self._server.shutdown()
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+
+def state_samples(state: dict):
+    """(kind, name, help, value) for the State's step and version (gauges) and every other integer
+    field (a counter, `tandem_trainer_<field>_total`)."""
+    yield "gauge", "tandem_trainer_step", "optimizer steps taken (steps)", state["step"]
+    yield (
+        "gauge",
+        "tandem_trainer_policy_version",
+        "policy version last published or being trained (version number)",
+        state["version"],
+    )
+    for name, value in state.items():
+        if name in ("step", "version") or isinstance(value, bool) or not isinstance(value, int):
+            continue
+        help_text = COUNTER_HELP.get(name, f"the trainer's cumulative {name.replace('_', ' ')} (count)")
+        yield "counter", f"tandem_trainer_{name}_total", help_text, value

@@ -2,10 +2,17 @@
 
 One step, as a short loop (slime-style):
     feed prompts -> collect `groups_per_step` admissible groups -> GRPO step(s) -> version += 1
-    -> checkpoint -> commit the consumed samples (idempotency keys + XACK) -> publish
-Checkpoint-before-publish keeps the registry from ever naming a version that a restarted trainer
-does not have; commit-after-checkpoint means a crash re-delivers exactly the samples whose effect
-was lost (the checkpoint lists the samples it includes, and a restart commits them first).
+    -> every `checkpoint_every` steps: checkpoint, then commit the samples consumed since the last
+       one (idempotency keys + XACK) -> publish
+Commit-after-checkpoint means a crash re-delivers exactly the samples whose effect was lost (the
+checkpoint lists the samples it includes, and a restart commits them first). A restarted trainer
+republishes the checkpoint's version, or, when its weights moved since that publish or the lost
+steps published higher versions, a new number above any in Redis: a number never names two policies.
+
+A checkpoint (checkpoints/step-NNNNNN.pt, the newest `keep_checkpoints` kept) holds the fp32
+master weights, the AdamW state (two more tensors per parameter), the State below and the contract
+fingerprint: about 3x the model's fp32 size. It is written to a temporary file, fsynced and
+renamed, so a crash leaves the previous checkpoint whole.
 
 The trainer is task-agnostic: the prompts it feeds and the warm-start examples come from
 callables the `tandem trainer` command builds from the configured task.
@@ -49,6 +56,11 @@ class State:
 
     step: int = 0
     version: int = 0
+    # Cumulative counters (exported to Prometheus as tandem_trainer_<name>_total; a restart
+    # continues from the checkpoint's totals).
+    samples: int = 0
+    completion_tokens: int = 0
+    versions_published: int = 0
     dropped_stale: int = 0
     dropped_fingerprint: int = 0
     # (stream_id, sample_id) of every sample consumed since the previous checkpoint
@@ -71,6 +83,7 @@ class Batch:
     prox: torch.Tensor  # current weights (proximal policy)
     at_version: torch.Tensor  # each sample's own version
     started: float  # perf_counter at the start of the step
+    known: torch.Tensor | None = None  # [B] bool: rows whose version's weights are held (at_version valid)
 
 
 class Trainer:
@@ -98,7 +111,10 @@ class Trainer:
         self.keys = Keys(run_id=run_id)
         self.redis_url = redis_url
         self.run_dir = Path(run_dir)
-        self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self._ckpt_step = -1  # the step of the newest checkpoint on disk
+        self._weights_version: int | None = None  # the version the model's weights are (None: moved since)
+        self._resumed_from: int | None = None  # the checkpoint step this process resumed from
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
         self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
         torch.manual_seed(seed)
@@ -137,14 +153,21 @@ class Trainer:
         self._scratch_version: int | None = None
         self.server = PolicyServer(
             PolicyServerConfig(
-                host=cfg.grpc_host, port=cfg.grpc_port, keep_versions=self.max_staleness + 2, tls=cfg.tls
+                host=cfg.grpc_host,
+                port=cfg.grpc_port,
+                keep_versions=self.max_staleness + 2,
+                reflection=cfg.grpc_reflection,
+                tls=cfg.tls,
             )
         )
         self.health = HealthServer(port=cfg.health.port, service=TRAINER_HEALTH)  # Kubernetes probes
-        self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
+        self.metrics = MetricsSink(
+            self.run_dir / "metrics.jsonl", port=cfg.metrics_port, state=lambda: vars(self.state)
+        )
         self._stop = asyncio.Event()
         self._backlog = admission.Backlog()  # incomplete groups and surplus complete ones, between steps
         self._foreign: list[TrajectoryRecord] = []  # wrong fingerprint: dead-lettered at the next commit
+        self._consumed: list[TrajectoryRecord] = []  # consumed by the _collect in progress
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -178,23 +201,34 @@ class Trainer:
             while self.state.step < self.cfg.max_steps and not self._stop.is_set():
                 await self._feed_prompts()
                 groups, records = await self._collect()
-                if groups is None:  # stop requested while collecting
+                if groups is None:  # stop requested while collecting: what it dropped is consumed
+                    self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in self._consumed]
                     break
                 row = self.optimize(self.recompute_logprobs(groups))
                 self.state.step += 1
+                self.state.samples += row["samples"]
+                self.state.completion_tokens += row["completion_tokens"]
                 self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in records]
-                publish = self.state.step % self.cfg.publish_every == 0 or self.state.step == self.cfg.max_steps
+                last = self.state.step == self.cfg.max_steps
+                publish = self.state.step % self.cfg.publish_every == 0 or last
                 self.state.version += publish
+                self._weights_version = self.state.version if publish else None
                 row.update(step=self.state.step, policy_version=self.state.version, time=time.time())
+                if self._resumed_from is not None:  # the plots mark where the run resumed
+                    row["resumed_from"], self._resumed_from = self._resumed_from, None
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
                 self.metrics.write(row)
                 self._audit(groups)
+                if self.state.step % self.cfg.checkpoint_every == 0 or last:
+                    await self._checkpoint_and_commit()
                 if publish:
                     self._snapshot()
-                    self._save_checkpoint()
-                    await self._commit()
                     await self._publish()
                 self.log(self._progress_line(row))
+            if self.state.step > self._ckpt_step or self.state.pending_commit:  # keep what was done
+                await self._checkpoint_and_commit()
+            if self._stop.is_set():
+                self.log(f"stopped at step {self.state.step} (checkpoint step-{self._ckpt_step:06d}.pt)")
             return 0
         finally:
             self.health.stop()
@@ -206,9 +240,13 @@ class Trainer:
         return (
             f"step {r['step']:>4}/{self.cfg.max_steps} v{r['policy_version']} reward {r['reward_mean']:.3f} "
             f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']} dropped {r['dropped_stale']}s/"
-            f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {r['logp_abs_diff_quant']:.4f}"
+            f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {r['logp_abs_diff_quant']:.1e}"
             f" stale {r['logp_abs_diff_stale']:.4f}) kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s"
         )
+
+    async def _checkpoint_and_commit(self) -> None:
+        self._save_checkpoint()
+        await self._commit()
 
     async def _commit(self) -> None:
         """After a checkpoint: dead-letter the foreign samples, mark every consumed sample used."""
@@ -224,24 +262,35 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoint / warm start
     async def _restore_or_warm_start(self) -> None:
-        if self.ckpt_path.exists():
-            ck = torch.load(self.ckpt_path, map_location="cpu", weights_only=True)
+        for tmp in self.ckpt_dir.glob("*.tmp"):  # a write cut short by a crash
+            tmp.unlink()
+        path = latest_checkpoint(self.ckpt_dir)
+        if path is not None:
+            ck = torch.load(path, map_location="cpu", weights_only=True)
             if ck["fingerprint"] != self.fingerprint:
                 raise ValueError(
-                    f"checkpoint {self.ckpt_path} has contract fingerprint {ck['fingerprint'][:12]}, "
+                    f"checkpoint {path} has contract fingerprint {ck['fingerprint'][:12]}, "
                     f"this run's is {self.fingerprint[:12]}: different model/recipe"
                 )
             self.model.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optimizer"])
-            self.state = State(**ck["state"])
-            self.snapshots = {int(k): v for k, v in ck["snapshots"].items()}
+            self.state = State(**{**vars(State()), **ck["state"]})  # fields added since: their defaults
             # The checkpoint includes these samples: mark them used before reading anything.
             await self.stream.commit_ids([tuple(p) for p in self.state.pending_commit])
             self.state.pending_commit = []
             # Steps after the checkpoint are redone: forget their lines.
             for name in ("metrics.jsonl", "audit.jsonl"):
                 _truncate_jsonl(self.run_dir / name, self.state.step)
-            self.log(f"resumed from {self.ckpt_path}: step {self.state.step}, version {self.state.version}")
+            # The restored weights are the checkpoint's version, unless steps since the last publish
+            # moved them; they get a new number then, or when lost steps published higher numbers.
+            latest = await self.registry.latest()
+            moved = ck.get("weights_version", self.state.version) != self.state.version
+            if moved or (latest is not None and latest.version > self.state.version):
+                self.state.version = max(self.state.version, latest.version if latest else 0) + 1
+            self._ckpt_step = self._resumed_from = self.state.step
+            self._weights_version = self.state.version
+            self._snapshot()
+            self.log(f"resumed from {path}: step {self.state.step}, version {self.state.version}")
             return
         if self.init_weights is not None:
             self.init_weights(self.model)
@@ -256,7 +305,7 @@ class Trainer:
                 pad_id=self.pad_id,
                 log=self.log,
             )
-        self.state.version = 1
+        self.state.version = self._weights_version = 1
         self._snapshot()
         self._save_checkpoint()
         qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
@@ -280,19 +329,35 @@ class Trainer:
             del self.snapshots[v]
 
     def _save_checkpoint(self) -> None:
-        self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.ckpt_path.with_suffix(".tmp")
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "state": self.state.__dict__,
-                "snapshots": {str(k): v for k, v in self.snapshots.items()},
-                "fingerprint": self.fingerprint,
-            },
-            tmp,
-        )
-        os.replace(tmp, self.ckpt_path)  # atomic: a crash leaves the previous checkpoint whole
+        """checkpoints/step-NNNNNN.pt, atomically (temporary file, fsync, rename, fsync of the
+        folder); then only the newest `keep_checkpoints` are kept. The version snapshots used for
+        the mismatch metrics are not saved: after a restart, samples of older versions are left
+        out of the quantization/staleness split until they are gone."""
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        path = self.ckpt_dir / f"step-{self.state.step:06d}.pt"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(
+                {
+                    "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "state": vars(self.state),
+                    "fingerprint": self.fingerprint,
+                    "weights_version": self._weights_version,
+                },
+                f,
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(self.ckpt_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself is durable
+        finally:
+            os.close(fd)
+        self._ckpt_step = self.state.step
+        for old in checkpoints(self.ckpt_dir)[: -self.cfg.keep_checkpoints]:
+            old.unlink()
 
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> None:
@@ -307,6 +372,7 @@ class Trainer:
             version=v, parent_version=v - 1 if v > 1 else None, contract=self.publish_contract, tensors=tensors
         )
         self.server.publish(packed)
+        self.state.versions_published += 1
         await self.registry.publish(
             PolicyPointer(
                 version=v,
@@ -319,9 +385,12 @@ class Trainer:
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
+        # Samples already consumed stay pending in the stream until the next checkpoint commits
+        # them: they are not queued any more.
+        consumed = len(self.state.pending_commit) + len(self._consumed)
+        unconsumed = _group_backlog(await self.stream.stats(), self.stream.group) - consumed
         queued = (
-            _group_backlog(await self.prompts.stats(), self.prompts.group)
-            + _group_backlog(await self.stream.stats(), self.stream.group) // self.cfg.group_size
+            _group_backlog(await self.prompts.stats(), self.prompts.group) + max(0, unconsumed) // self.cfg.group_size
         )
         want = self.cfg.queued_groups(self.max_staleness) - queued
         if want > 0:
@@ -332,7 +401,7 @@ class Trainer:
     async def _collect(self) -> tuple[list[list[Trajectory]] | None, list[TrajectoryRecord]]:
         """Read until `groups_per_step` complete, admissible groups are held (the rules:
         `trainer.admission`); drops are counted, and consumed with the trained groups."""
-        consumed: list[TrajectoryRecord] = []
+        consumed = self._consumed = []  # drops count as consumed for _feed_prompts at once
         deadline = time.monotonic() + self.cfg.collect_timeout_s
         records: list[TrajectoryRecord] | None = None  # first pass: the backlog alone, at this version
         while True:
@@ -365,6 +434,7 @@ class Trainer:
                 )
             records = await self.stream.read()
         consumed += [r for g in decision.train for r in g]
+        self._consumed = []  # the caller adds them to pending_commit
         return [[r.trajectory for r in g] for g in decision.train], consumed
 
     # ------------------------------------------------------------------ the GRPO step
@@ -388,15 +458,19 @@ class Trainer:
         with torch.no_grad(), self.autocast:
             prox = self.model.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
             at_version = prox.clone()
+            known = torch.ones(len(samples), dtype=torch.bool)  # rows whose version's weights we hold
             for v in sorted(set(versions.tolist())):
-                if v == self.state.version or v not in self.snapshots:
+                if v == self.state.version:
                     continue  # the current weights are version v (published after the last update)
+                if v not in self.snapshots:  # from before a restart: left out of the split
+                    known[versions == v] = False
+                    continue
                 rows = (versions == v).nonzero().squeeze(-1)
                 self._load_scratch(v)
                 at_version[rows] = self.scratch.token_logprobs(
                     tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
                 )
-        return Batch(tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0)
+        return Batch(tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0, known=known)
 
     def optimize(self, b: Batch) -> dict:
         """The GRPO update over `minibatches` shuffled minibatches; returns the step's metrics row."""
@@ -435,7 +509,7 @@ class Trainer:
             "dropped_stale": self.state.dropped_stale,
             "dropped_fingerprint": self.state.dropped_fingerprint,
             "duplicates": self.stream.counters.duplicates,
-            **grpo.mismatch_metrics(b.prox, b.behav, b.at_version, b.mask),
+            **grpo.mismatch_metrics(b.prox, b.behav, b.at_version, b.mask, version_known=b.known),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "clip_frac": stats["clip_frac"] / cfg.minibatches,
             "tis_frac": stats["tis_frac"] / cfg.minibatches,
@@ -453,6 +527,38 @@ class Trainer:
             if self.scratch.quant_hook is None:
                 qat.apply_qat(self.scratch, self.recipe, backward=self.cfg.backward)
             self._scratch_version = version
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """The trainer's checkpoint files in `folder`, oldest first (a run folder's `checkpoints/`)."""
+    return sorted(Path(folder).glob("step-*.pt"))
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest checkpoint in `folder` (or the single `trainer.pt` of older versions), or None."""
+    found = checkpoints(folder)
+    legacy = Path(folder) / "trainer.pt"
+    return found[-1] if found else legacy if legacy.exists() else None
+
+
+def checkpoint_of_version(folder: Path, version: int | None = None) -> tuple[Path, dict]:
+    """(path, checkpoint) of the newest checkpoint in `folder` whose `model` holds exactly the
+    weights of policy `version` (default: the newest such); ValueError listing what is kept."""
+    found = checkpoints(folder) or [p for p in [latest_checkpoint(folder)] if p]
+    kept = []
+    for path in reversed(found):
+        ck = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain types only
+        held = {ck.get("weights_version", ck["state"]["version"]): ck["model"]}
+        held.update({int(v): w for v, w in ck.get("snapshots", {}).items()})  # trainer.pt of older versions
+        held.pop(None, None)
+        kept += sorted(held)
+        want = max(held, default=None) if version is None else version
+        if want in held:
+            return path, {**ck, "model": held[want], "weights_version": want}
+    raise ValueError(
+        f"no checkpoint in {folder} holds the weights of version {version if version is not None else 'any'}"
+        f" (kept: {', '.join(str(v) for v in sorted(set(kept))) or 'none'})"
+    )
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:

@@ -1,9 +1,9 @@
 """`tandem export (RUN_DIR | HOST:PORT) [--version V] --format FMT --out DIR`: a published version as a
 Hugging Face folder for transformers / vLLM / SGLang (formats: policy/export.py).
 
-RUN_DIR: a run folder (`tandem run`); version V is re-quantized from the trainer checkpoint's master
-weights of that version (the checkpoint keeps the last max_staleness + 1 versions), which gives the
-published bytes exactly (the quantizers are pure functions of the weights). HOST:PORT: a trainer's
+RUN_DIR: a run folder (`tandem run`); version V is re-quantized from the master weights of the
+checkpoint that holds that version (trainer.keep_checkpoints are kept), which gives the published
+bytes exactly (the quantizers are pure functions of the weights). HOST:PORT: a trainer's
 policy server; the version's packed tensors are fetched and verified like a rollout worker does.
 Default version: the newest.
 """
@@ -30,26 +30,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def from_run_dir(run_dir: Path, version: int | None):
     """(model config, {name: quantized}, recipe name, fingerprint, version) from a run folder."""
-    import torch
-
     from policy import manifest as mf
     from tandem import config as run_config
     from tandem.services import task_and_model
+    from trainer.service import checkpoint_of_version
 
-    cfg_file, ckpt = run_dir / "config.yaml", run_dir / "checkpoints" / "trainer.pt"
-    if not cfg_file.is_file() or not ckpt.is_file():
-        raise ValueError(f"{run_dir} is not a run folder (needs config.yaml and checkpoints/trainer.pt)")
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise ValueError(f"{run_dir} is not a run folder (needs config.yaml and checkpoints/)")
     _, model_config, recipe = task_and_model(run_config.load(cfg_file))
     fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
-    ck = torch.load(ckpt, map_location="cpu", weights_only=True)  # tensors and plain types only
+    ckpt, ck = checkpoint_of_version(run_dir / "checkpoints", version)
     if ck["fingerprint"] != fingerprint:
         raise ValueError(f"{ckpt} has contract {ck['fingerprint'][:12]}, the run's config gives {fingerprint[:12]}")
-    snapshots = {int(k): v for k, v in ck["snapshots"].items()}
-    newest = int(ck["state"]["version"])
-    version = newest if version is None else version
-    if version not in snapshots:
-        raise ValueError(f"version {version} is not in {ckpt}: it keeps versions {sorted(snapshots)}")
-    packed = mf.quantize_params(snapshots[version], recipe.plan(model_config))
+    version = ck["weights_version"]
+    plan = recipe.plan(model_config)
+    names = {e.name for e in plan.params}
+    weights = {n: w for n, w in ck["model"].items() if n in names}  # parameters, not buffers
+    packed = mf.quantize_params(weights, plan)
     return model_config, {n: q.value for n, q in packed.items()}, recipe.name, fingerprint, version
 
 

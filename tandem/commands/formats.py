@@ -27,9 +27,11 @@ VARIANTS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, default=2048)
-    p.add_argument("--cols", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=int, default=2048, help="rows M of the generated input (default 2048)")
+    p.add_argument(
+        "--cols", type=int, default=2048, help="columns K, the blocked dim (default 2048; a multiple of 128)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated input (default 0)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per format (best is reported)")
     p.add_argument("--load", metavar="FILE", help="a torch file holding a tensor or a dict of tensors")
     p.add_argument("--key", help="which tensor of --load's dict")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -36,13 +37,38 @@ def load(args: argparse.Namespace):
         return read_manifest(args.target)
     if ":" not in args.target:
         raise ValueError(f"{args.target!r} is neither a file nor a host:port address")
-    from broker.policy_client import PolicyClient, PolicyClientConfig
+    from broker.policy_client import PolicyClient, PolicyClientConfig, check_reachable
     from broker.tls import ClientTLS
 
     tls = ClientTLS(ca=args.tls_ca or "", cert=args.tls_cert or "", key=args.tls_key or "")
     config = PolicyClientConfig(address=args.target, call_timeout_s=args.timeout, tls=tls)
+    check_reachable(args.target, min(args.timeout, 3.0))
     with PolicyClient(config) as client:
+        _check_handshake(client, args)
         return client.get_manifest(args.version)
+
+
+def _check_handshake(client, args) -> None:
+    """One health call without waiting for the channel: a TLS handshake that fails shows up here as
+    UNAVAILABLE at once, named as such (gRPC would otherwise retry it until DEADLINE_EXCEEDED)."""
+    import grpc
+
+    try:
+        client.health("", wait_for_ready=False)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            return  # reachable: the manifest call reports anything else
+        details = e.details() or ""
+        if args.tls_ca:
+            raise ValueError(
+                f"{args.target}: TLS handshake failed: likely a wrong CA (--tls-ca), a certificate not "
+                f"issued for this server name, or a server that requires a client certificate "
+                f"(--tls-cert/--tls-key); gRPC: {details.splitlines()[0][:300]}"
+            ) from None
+        raise ValueError(
+            f"{args.target}: the server accepted the connection but does not speak plaintext gRPC "
+            f"(a TLS server? pass --tls-ca); gRPC: {details.splitlines()[0][:300]}"
+        ) from None
 
 
 def _mb(n: int) -> str:
@@ -104,11 +130,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         m = load(args)
-    except ValueError as e:
-        print(f"tandem inspect: {e}")
-        return 2
     except grpc.RpcError as e:
-        print(f"tandem inspect: {args.target}: {e.code().name}: {e.details()}")
+        print(f"tandem inspect: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     if args.json:
         from google.protobuf import json_format

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -86,7 +87,7 @@ def main(args) -> int:
         cfg = model_config(args.model)
         recipe, plan = make_plan(args.recipe, cfg)
     except ValueError as e:
-        print(f"tandem plan: {e}")
+        print(f"tandem plan: {e}", file=sys.stderr)
         return 2
     render(recipe, plan, args.model, args.json)
     return 0

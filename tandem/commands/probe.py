@@ -7,7 +7,9 @@ each pair. The QAT and packed forwards use bitwise-identical weights, so their r
 
 Without --weights the model is randomly initialized (seeded); its near-uniform predictions make the
 absolute numbers small, so compare recipes against each other. --weights takes a torch file with a
-canonical-name state dict (or {"model": state_dict}), read with weights_only=True. Tokens are sampled
+canonical-name state dict (or {"model": state_dict}), read with weights_only=True, for a model of
+the --model preset. --run-dir takes what a run trained: the model config and recipe from the run's
+config.yaml and the weights from its newest checkpoint (or that of --version V). Tokens are sampled
 from the BF16 model itself (what a rollout would score), unless --random-tokens.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -32,12 +35,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         help=f"built-in ({', '.join(BUILTINS)}) or YAML file; repeatable (default: every built-in)",
     )
-    p.add_argument("--weights", metavar="FILE", help="canonical-name state dict (torch file)")
+    p.add_argument("--weights", metavar="FILE", help="canonical-name state dict (torch file) for --model")
+    p.add_argument("--run-dir", metavar="DIR", help="a run folder: its model, recipe and checkpoint weights")
+    p.add_argument("--version", type=int, help="with --run-dir: the checkpoint of this policy version (default newest)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-tokens", action="store_true", help="score uniform random tokens")
     p.add_argument("--json", action="store_true")
+
+
+def _run_model(args) -> tuple[Transformer, Recipe, str]:
+    """The model of a run folder with the weights of its newest checkpoint (or of --version)."""
+    from pathlib import Path
+
+    from tandem import config, services
+    from trainer.service import checkpoint_of_version
+
+    run_dir = Path(args.run_dir)
+    _, model_config, recipe = services.task_and_model(config.load(run_dir / "config.yaml"))
+    _, ck = checkpoint_of_version(run_dir / "checkpoints", args.version)
+    model = Transformer(model_config, seed=args.seed)
+    model.load_weights(ck["model"])
+    what = f"run {run_dir.name} step {ck['state']['step']} version {ck['weights_version']}"
+    return model.eval(), recipe, what
 
 
 def _model(args) -> Transformer:
@@ -57,13 +78,25 @@ def _model(args) -> Transformer:
 
 def main(args) -> int:
     if args.batch < 1 or args.seq_len < 2:
-        print(f"tandem probe: need --batch >= 1 and --seq-len >= 2, got {args.batch}, {args.seq_len}")
+        print(f"tandem probe: need --batch >= 1 and --seq-len >= 2, got {args.batch}, {args.seq_len}", file=sys.stderr)
+        return 2
+    if args.run_dir and args.weights:
+        print("tandem probe: --run-dir and --weights exclude each other", file=sys.stderr)
+        return 2
+    if args.version is not None and not args.run_dir:
+        print("tandem probe: --version needs --run-dir", file=sys.stderr)
         return 2
     try:
-        recipes = [Recipe.load(r) for r in (args.recipe or BUILTINS)]
-        model = _model(args)
+        if args.run_dir:
+            model, run_recipe, source = _run_model(args)
+            recipes = [Recipe.load(r) for r in args.recipe] if args.recipe else [run_recipe]
+        else:
+            recipes = [Recipe.load(r) for r in (args.recipe or BUILTINS)]
+            model = _model(args)
+            source = "weights " + args.weights if args.weights else f"random init seed {args.seed}"
     except ValueError as e:
-        print(f"tandem probe: {e}")
+        hint = " (a run's checkpoint? use --run-dir RUN_FOLDER)" if args.weights and "bad shapes" in str(e) else ""
+        print(f"tandem probe: {e}{hint}", file=sys.stderr)
         return 2
     cfg = model.cfg
     g = torch.Generator().manual_seed(args.seed)
@@ -83,14 +116,13 @@ def main(args) -> int:
     if args.json:
         print(
             json.dumps(
-                {"model": args.model, "weights": args.weights, "tokens": results[0]["tokens"], "results": results},
+                {"model": args.model, "weights": source, "tokens": results[0]["tokens"], "results": results},
                 indent=1,
             )
         )
         return 0
     print(
-        f"model {args.model} ({cfg.num_parameters():,} params, "
-        f"{'weights ' + args.weights if args.weights else f'random init seed {args.seed}'}), "
+        f"model {'of the run' if args.run_dir else args.model} ({cfg.num_parameters():,} params, {source}), "
         f"{results[0]['tokens']} scored tokens"
     )
     print(f"{'recipe':<12}{'pair':<14}{'mean|Δlogp|':>13}{'max|Δlogp|':>12}{'KL':>12}")

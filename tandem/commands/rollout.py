@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
 
 def add_arguments(p) -> None:
@@ -21,10 +20,9 @@ def main(args) -> int:
     from rollout.cuda_engine import resolve_device
     from tandem import config, services
 
-    try:
-        cfg = config.load(args.config, config.env_overrides() + args.overrides)
-        resolve_device(cfg.rollout.device)  # e.g. rollout.device=cuda on a machine without CUDA
-    except ValueError as e:
-        print(f"tandem rollout: {e}", file=sys.stderr)
-        return 2
+    if not args.config:
+        raise ValueError("no run config: pass --config FILE or set TANDEM_CONFIG")
+    cfg = config.load(args.config, config.env_overrides() + args.overrides)
+    services.check(cfg)
+    resolve_device(cfg.rollout.device)  # e.g. rollout.device=cuda on a machine without CUDA
     return services.serve_rollout(cfg, args.worker_id)

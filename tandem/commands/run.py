@@ -13,18 +13,16 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    import sys
+    import os
 
     from tandem import config
-
-    try:
-        if args.explain is not None:
-            print(config.explain(args.explain))
-            return 0
-        config.load(args.config, args.overrides)  # a bad config: one line, exit 2 (the launcher loads it again)
-    except (ValueError, OSError) as e:
-        print(f"tandem run: {e}", file=sys.stderr)
-        return 2
     from tandem.launcher import run
 
-    return run(args.config, args.run_dir, args.overrides)
+    if args.explain is not None:
+        print(config.explain(args.explain))
+        return 0
+    # A bad config is one line and exit 2 (tandem.cli), raised by the launcher before it starts anything.
+    path, overrides = args.config, list(args.overrides)
+    if "=" in path and not os.path.exists(path):  # `tandem run trainer.max_steps=1`: the demo config
+        path, overrides = "demo.yaml", [path, *overrides]
+    return run(path, args.run_dir, overrides)

@@ -49,6 +49,7 @@ def _config(tmp: Path, run_id: str, redis_url: str) -> Path:
             "warmstart_steps": 5,
             "warmstart_batch": 8,
             "metrics_port": -1,
+            "checkpoint_every": 2,  # a restart redoes the steps since the last even one
             "collect_timeout_s": 60.0,
         },
         "rollout": {"reclaim_idle_s": 2.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0, "read_block_ms": 200},

@@ -479,7 +479,7 @@ def test_tandem_inspect_prints_a_served_manifest(server, policy, capsys):
     from tandem.cli import main
 
     assert main(["inspect", server.address, "--timeout", "1"]) == 1  # nothing published yet
-    assert "UNAVAILABLE: no policy has been published yet" in capsys.readouterr().out
+    assert "UNAVAILABLE: no policy has been published yet" in capsys.readouterr().err
     server.publish(policy)
     assert main(["inspect", server.address, "--tensors", "-1"]) == 0
     out = capsys.readouterr().out
@@ -487,3 +487,67 @@ def test_tandem_inspect_prints_a_served_manifest(server, policy, capsys):
     assert "policy version 1 (parent none)" in out
     for t in policy.manifest.tensors:
         assert t.name in out
+
+
+def test_tandem_inspect_names_a_closed_port_and_a_failed_tls_handshake(tmp_path, free_port, policy, capsys):
+    from tandem.cli import main
+
+    # A closed port: "connection refused", not DEADLINE_EXCEEDED after the whole --timeout.
+    assert main(["inspect", f"127.0.0.1:{free_port()}", "--timeout", "30"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "connection refused" in err and "DEADLINE" not in err and len(err.splitlines()) == 1
+    key, cert = _self_signed(tmp_path)
+    (tmp_path / "other").mkdir()
+    _, other_cert = _self_signed(tmp_path / "other")  # a CA that did not sign the server's certificate
+    cfg = PolicyServerConfig(tls=ServerTLS(cert=cert, key=key))
+    with PolicyServer(cfg) as s:
+        s.publish(policy)
+        assert main(["inspect", s.address, "--tls-ca", cert, "--tensors", "0"]) == 0  # the right CA
+        capsys.readouterr()
+        # The wrong CA: a TLS handshake failure, named with its likely causes.
+        assert main(["inspect", s.address, "--tls-ca", other_cert, "--timeout", "30"]) == 2
+        err = capsys.readouterr().err
+        assert "TLS handshake failed" in err and "wrong CA" in err and "DEADLINE" not in err
+        # No CA at all against a TLS server: says it may be one.
+        assert main(["inspect", s.address, "--timeout", "30"]) == 2
+        assert "pass --tls-ca" in capsys.readouterr().err
+
+
+def test_server_reflection_lists_the_services(policy):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    def services(server) -> set[str]:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            req = reflection_pb2.ServerReflectionRequest(list_services="")
+            try:
+                (resp,) = list(stub.ServerReflectionInfo(iter([req]), timeout=10))
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNIMPLEMENTED
+                return set()
+        return {s.name for s in resp.list_services_response.service}
+
+    with PolicyServer(PolicyServerConfig(reflection=True)) as s:
+        got = services(s)
+        assert {"tandem.v1.PolicyService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= got
+        # grpcurl resolves the service's methods from its file descriptor
+        with grpc.insecure_channel(s.address) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            req = reflection_pb2.ServerReflectionRequest(file_containing_symbol="tandem.v1.PolicyService")
+            (resp,) = list(stub.ServerReflectionInfo(iter([req]), timeout=10))
+            assert resp.file_descriptor_response.file_descriptor_proto
+    with PolicyServer(PolicyServerConfig()) as s:  # off by default (and in the Kubernetes overlays)
+        assert services(s) == set()
+
+
+def test_worker_log_line_of_a_failed_fetch_has_code_and_details(free_port):
+    from rollout.worker import why
+
+    with grpc.insecure_channel(f"127.0.0.1:{free_port()}") as ch:
+        call = ch.unary_unary("/tandem.v1.PolicyService/GetManifest")
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"", timeout=5)
+    line = why(e.value)
+    assert line.startswith("gRPC UNAVAILABLE: ") and len(line) > len("gRPC UNAVAILABLE: ") + 5
+    assert "_InactiveRpcError" not in line and "\n" not in line
+    assert why(ValueError("bad checksum\nmore")) == "ValueError: bad checksum"

@@ -56,6 +56,21 @@ def test_mismatch_metrics_decompose():
     assert m["kl_k3"] == pytest.approx(float((d.exp() - 1 - d).mean()))
 
 
+def test_mismatch_percentiles_and_rows_of_unknown_versions():
+    # Row 0's version is known (|quant| per token 0.1, 0.0, 0.3), row 1's is not (from before a restart).
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    behav = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -9.0]])
+    at_v = torch.tensor([[-1.1, -2.0, -2.7], [-5.0, -5.0, -9.0]])
+    prox = at_v.clone()
+    m = grpo.mismatch_metrics(prox, behav, at_v, mask, version_known=torch.tensor([True, False]))
+    assert m["logp_abs_diff_quant"] == pytest.approx(0.4 / 3)  # row 1's 4.0s are left out
+    assert m["logp_abs_diff_quant_p50"] == pytest.approx(0.1)
+    assert m["logp_abs_diff_quant_p95"] == pytest.approx(0.1 + 0.9 * 0.2)  # linear between 0.1 and 0.3
+    assert m["logp_abs_diff"] == pytest.approx((0.4 + 8.0) / 5)  # the total keeps every row
+    none = grpo.mismatch_metrics(prox, behav, at_v, mask, version_known=torch.tensor([False, False]))
+    assert math.isnan(none["logp_abs_diff_quant"]) and math.isnan(none["logp_abs_diff_quant_p95"])
+
+
 def test_pack_aligns_targets_and_completion_mask():
     tokens, targets, attn, mask = pack([[1, 5, 6], [1, 7]], [[8, 2], [9, 9, 2]], pad_id=0)
     assert tokens.tolist() == [[1, 5, 6, 8], [1, 7, 9, 9]]

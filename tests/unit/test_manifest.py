@@ -289,7 +289,7 @@ def test_tandem_inspect_prints_a_manifest_file(packed, tmp_path, capsys):
     assert '"recipe_name": "mixed"' in capsys.readouterr().out
     path.write_bytes(b"\x0a\xff")
     assert main(["inspect", str(path)]) == 2
-    assert "not a tandem.v1.Manifest" in capsys.readouterr().out
+    assert "not a tandem.v1.Manifest" in capsys.readouterr().err
 
 
 def test_parallel_packing_equals_serial_and_published_bytes_are_immutable(tensors):

@@ -290,4 +290,4 @@ def test_cli_plan_text_30b(capsys):
     assert "layers kept whole in bf16: 40-47" in out
     assert "24,159,191,040" in out
     assert cli.main(["plan", "nope", "--model", "tiny"]) == 2
-    assert "unknown recipe 'nope'" in capsys.readouterr().out
+    assert "unknown recipe 'nope'" in capsys.readouterr().err

@@ -32,11 +32,58 @@ def test_demo_config_loads_and_overrides_apply():
         ("run_id=a b", "run_id="),
         ("trainer.max_steps=ten", "trainer.max_steps: expected int"),
         ("nokey", "is not key=value"),
+        # bools are ints in Python: never taken as 1 or 1.0
+        ("trainer.max_steps=true", r"trainer.max_steps: expected int, got True"),
+        ("trainer.lr=false", r"trainer.lr: expected float, got False"),
+        ("model.overrides=[1,2,3]", r"model.overrides: expected a mapping"),
+        ("trainer.betas=1_000", r"trainer.betas: expected a list of 2 values, got 1000"),
+        ("trainer.betas=[0.9, x]", r"trainer.betas\[1\]: expected float"),
+        ("trainer.minibatches=0", r"minibatches=0 \(must be >= 1\)"),  # not ZeroDivisionError
+        ("trainer.lr=[1,2", r"override trainer.lr: YAML syntax error .*line 1"),
+        ("trainer.lr=" + "[" * 3000, "override trainer.lr: YAML nested too deeply"),
+        ("model.overrides={a: {b: {c: {d: {e: {f: {g: {h: {i: {j: 1}}}}}}}}}}", "nested deeper than 8"),
+        ("trainer.checkpoint_every=0", r"checkpoint_every=0 \(must be >= 1\)"),
+        ("rollout.metrics_port=70000", "metrics_port=70000"),
     ],
 )
 def test_bad_configs_name_the_problem(override, message):
     with pytest.raises(ValueError, match=message):
         config.load(None, [override])
+
+
+def test_yaml_alias_bomb_is_refused_before_it_is_expanded():
+    # 9 levels of 9 aliases: 311 characters that dump() would expand to 9**9 items (85 s of CPU).
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join(['*a' + str(i - 1)] * 9)}]" for i in range(1, 9)]
+    bomb = "{" + ", ".join(lines) + "}"
+    with pytest.raises(ValueError, match="model.overrides: value too large"):
+        config.load(None, ["model.overrides=" + bomb])
+
+
+def test_config_file_problems_name_the_file(tmp_path):
+    with pytest.raises(ValueError, match="config file 'nope.yaml' not found"):
+        config.load("nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_steps: [1\n")
+    with pytest.raises(ValueError, match=r"config file '.*bad.yaml': YAML syntax error \(line 3"):
+        config.load(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping at the top, got list"):
+        config.load(bad)
+
+
+def test_floats_written_without_a_dot_parse():
+    assert config.load(None, ["trainer.lr=1e-3"]).trainer.lr == 1e-3  # YAML 1.1 reads 1e-3 as text
+
+
+def test_dump_masks_the_redis_password():
+    cfg = config.load(None, ["redis_url=redis://user:s3cret@redis:6379/0"])
+    text = config.dump(cfg)
+    assert "s3cret" not in text and "redis://user:***@redis:6379/0" in text
+    assert config.redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
+    assert (
+        config.redact_url("rediss://:p%40ss@h:1/0?ssl_ca_certs=/ca.pem") == "rediss://:***@h:1/0?ssl_ca_certs=/ca.pem"
+    )
 
 
 def test_explain_shows_attribute_docstrings_and_unknown_keys_say_what_they_meant(capsys):

@@ -1,0 +1,66 @@
+"""Plots of a run folder: log-scale mismatch with its percentiles, the run id in every title, a
+marker wherever the run resumed, in every plot over steps."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from tandem import plots  # noqa: E402
+
+
+def _rows():
+    rows = []
+    for step in range(1, 7):
+        rows.append(
+            {
+                "step": step,
+                "reward_mean": 0.1 * step,
+                "staleness_mean": 1.0,
+                "staleness_max": 2,
+                "staleness_hist": {"1": 30, "2": 2},
+                "dropped_stale": 0,
+                "logp_abs_diff": 0.05,
+                "logp_abs_diff_quant": 2e-7 if step != 2 else 0.0,  # an exact 0 must stay drawable
+                "logp_abs_diff_quant_p50": 1e-7,
+                "logp_abs_diff_quant_p95": 5e-7,
+                "logp_abs_diff_stale": 0.05,
+                "kl_k3": -1e-9,  # the k3 estimator can come out slightly negative
+            }
+        )
+    rows[3]["resumed_from"] = 3  # step 4 is the first after a restart from step 3's checkpoint
+    return rows
+
+
+def _vlines(ax) -> list[float]:
+    return [line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == ":"]
+
+
+def test_mismatch_is_log_scale_with_percentiles_and_resume_marker():
+    fig = plots.mismatch_figure(_rows(), "run exp7 (exp7-1)")
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log"
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert any("median" in s for s in labels) and any("95th percentile" in s for s in labels)
+    assert any(s.startswith("total") for s in labels)
+    quant = next(line for line in ax.get_lines() if line.get_label().startswith("quantization part: version"))
+    assert min(quant.get_ydata()) == plots.LOG_FLOOR  # the exact 0 is on the axis, not dropped
+    assert "run exp7" in ax.get_title()
+    assert _vlines(ax) == [3.5]
+
+
+def test_every_plot_names_the_run_and_marks_the_resume(tmp_path):
+    (tmp_path / "config.yaml").write_text("run_id: exp7\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    label = plots.run_label(tmp_path)
+    assert label == f"run exp7 ({tmp_path.name})"
+    reward = plots.reward_figure(_rows(), label)
+    staleness = plots.staleness_figure(_rows(), label)
+    assert "run exp7" in reward.axes[0].get_title() and "run exp7" in staleness.texts[0].get_text()
+    assert _vlines(reward.axes[0]) == [3.5] and _vlines(staleness.axes[0]) == [3.5]
+    written = plots.write_plots(tmp_path)
+    assert [p.name for p in written] == ["reward.png", "mismatch.png", "staleness.png"]
+    assert all(p.stat().st_size > 1000 for p in written)
