@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from broker.codec import (
     encode_trajectory,
 )
 from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys, check_name
+from broker.outage import OutageRetry
 
 DATA_FIELD = b"d"
 _DL_PREFIX = "orig:"
@@ -66,10 +67,14 @@ def run_async(main: Awaitable[Any]) -> Any:
     return uvloop.run(main)
 
 
-def connect(url: str, *, timeout_s: float = 35.0) -> aioredis.Redis:
-    """An asyncio Redis client with bounded socket timeouts.
+def connect(
+    url: str, *, timeout_s: float = 35.0, outage_s: float = 60.0, log: Callable[[str], None] = print
+) -> aioredis.Redis:
+    """An asyncio Redis client with bounded socket timeouts that rides out Redis outages.
 
-    `timeout_s` must exceed the longest XREADGROUP BLOCK (StreamConfig caps it at 30 s).
+    `timeout_s` must exceed the longest XREADGROUP BLOCK (StreamConfig caps it at 30 s). Every
+    command retries through a restart or failover for up to `outage_s` seconds (broker.outage),
+    then raises `RedisOutage`.
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"url={url!r}: want redis://, rediss:// or unix://")
@@ -80,6 +85,7 @@ def connect(url: str, *, timeout_s: float = 35.0) -> aioredis.Redis:
         socket_timeout=timeout_s,
         socket_connect_timeout=min(timeout_s, 5.0),
         health_check_interval=30,
+        retry=OutageRetry(outage_s=outage_s, log=log),
     )
 
 

@@ -52,13 +52,14 @@ class RolloutWorker:
         model_config: ModelConfig,
         recipe: Recipe,
         max_staleness: int,
+        redis_outage_s: float = 60.0,
         task: AdditionTask,
         tokenizer: CharTokenizer,
         log: Callable[[str], None] = print,
     ):
         self.cfg, self.worker_id, self.max_staleness, self.log = cfg, worker_id, max_staleness, log
         self.keys = Keys(run_id=run_id)
-        self.redis_url = redis_url
+        self.redis_url, self.redis_outage_s = redis_url, redis_outage_s
         self.task, self.tok = task, tokenizer
         self.recipe = recipe
         self.model = Transformer(model_config, seed=None)
@@ -84,7 +85,7 @@ class RolloutWorker:
     async def run(self) -> int:
         if self.health.start() is not None:
             self.log(f"{self.worker_id}: health (grpc.health.v1) on {self.health.host}:{self.health.port}")
-        self.redis = connect(self.redis_url)
+        self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
         registry = PolicyRegistry(self.redis, self.keys)
         queue = PromptQueue(
             self.redis,

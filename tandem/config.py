@@ -53,6 +53,9 @@ class RunConfig:
     # Samples more than this many versions behind the trainer are dropped by the trainer, and a
     # rollout never starts a group with a policy already this far behind.
     max_staleness: int = 2
+    # Services ride out a Redis restart or failover this long (retrying with backoff), then exit
+    # non-zero for the orchestrator to restart them (broker.outage).
+    redis_outage_s: float = 60.0
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -66,6 +69,8 @@ class RunConfig:
             errors.append(f"num_rollout_workers={self.num_rollout_workers} (want 0..64)")
         if self.max_staleness < 0:
             errors.append(f"max_staleness={self.max_staleness} (must be >= 0)")
+        if not 0 <= self.redis_outage_s <= 3600:
+            errors.append(f"redis_outage_s={self.redis_outage_s} (want 0..3600 seconds)")
         if errors:
             raise ValueError("RunConfig: " + "; ".join(errors))
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from broker.codec import PromptGroup
+from broker.outage import RedisOutage
 from broker.streams import run_async
 from policy.model import ModelConfig
 from policy.recipe import Recipe
@@ -56,6 +59,7 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         model_config=model_config,
         recipe=recipe,
         max_staleness=cfg.max_staleness,
+        redis_outage_s=cfg.redis_outage_s,
         run_dir=run_dir,
         seed=cfg.seed,
         temperature=cfg.rollout.temperature,
@@ -76,6 +80,7 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
         model_config=model_config,
         recipe=recipe,
         max_staleness=cfg.max_staleness,
+        redis_outage_s=cfg.redis_outage_s,
         task=task,
         tokenizer=tok,
         log=lambda s: print(f"[rollout] {s}", flush=True),
@@ -91,7 +96,7 @@ def serve_trainer(cfg: RunConfig, run_dir) -> int:
             loop.add_signal_handler(sig, trainer.request_stop)
         return await trainer.run()
 
-    return run_async(main())
+    return _exit_on_outage(lambda: run_async(main()), "trainer")
 
 
 def serve_rollout(cfg: RunConfig, worker_id: str) -> int:
@@ -101,4 +106,16 @@ def serve_rollout(cfg: RunConfig, worker_id: str) -> int:
         worker.install_signal_handlers()
         return await worker.run()
 
-    return run_async(main())
+    return _exit_on_outage(lambda: run_async(main()), f"rollout {worker_id}")
+
+
+REDIS_OUTAGE_EXIT = 3
+
+
+def _exit_on_outage(run: Callable[[], int], who: str) -> int:
+    """Run a service; past `redis_outage_s` of Redis outage: one line, exit code 3 (restart me)."""
+    try:
+        return run()
+    except RedisOutage as e:
+        print(f"[{who}] giving up: {e}", file=sys.stderr, flush=True)
+        return REDIS_OUTAGE_EXIT

@@ -64,6 +64,7 @@ class Trainer:
         model_config: ModelConfig,
         recipe: Recipe,
         max_staleness: int,
+        redis_outage_s: float = 60.0,
         run_dir: str | Path,
         seed: int,
         temperature: float,
@@ -75,7 +76,7 @@ class Trainer:
         self.cfg, self.max_staleness, self.log = cfg, max_staleness, log
         self.temperature = temperature  # the rollouts' sampling temperature: log-probs must match it
         self.keys = Keys(run_id=run_id)
-        self.redis_url = redis_url
+        self.redis_url, self.redis_outage_s = redis_url, redis_outage_s
         self.run_dir = Path(run_dir)
         self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
@@ -109,7 +110,7 @@ class Trainer:
         self._stop.set()
 
     async def run(self) -> int:
-        self.redis = connect(self.redis_url)
+        self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
         self.registry = PolicyRegistry(self.redis, self.keys)
         self.prompts = PromptQueue(self.redis, self.keys)
         self.stream = TrajectoryStream(
