@@ -201,13 +201,26 @@ async def stream_stats(redis: aioredis.Redis, stream: str) -> dict[str, Any]:
         "groups": {
             _s(g["name"]): {
                 "pending": int(g["pending"]),
-                "lag": None if g.get("lag") is None else int(g["lag"]),
+                "lag": await _lag(redis, stream, g),
                 "consumers": int(g["consumers"]),
                 "last_delivered": _s(g["last-delivered-id"]),
             }
             for g in groups
         },
     }
+
+
+LAG_COUNT_CAP = 10_000  # where Redis does not know a group's lag, count at most this many entries
+
+
+async def _lag(redis: aioredis.Redis, stream: str, group: dict) -> int:
+    """Entries never delivered to the group. Redis 7.0 reports lag None when it cannot tell (after
+    reloading from AOF it forgets the group's entries-read): then count the entries after its last
+    delivered id, up to LAG_COUNT_CAP (a lower bound past that, still enough for backpressure)."""
+    if group.get("lag") is not None:
+        return int(group["lag"])
+    after = "(" + _s(group["last-delivered-id"])
+    return len(await redis.xrange(stream, min=after, max="+", count=LAG_COUNT_CAP))
 
 
 async def read_deadletter(redis: aioredis.Redis, keys: Keys, count: int = 100, start: str = "-") -> list[DeadLetter]:
@@ -256,6 +269,7 @@ class GroupConsumer:
         self._scan_from = "-"  # janitor's XPENDING position, wraps around
         self._last_janitor = float("-inf")
         self._group_ready = False
+        self.counters = Counters()
 
     async def ensure_group(self) -> None:
         await ensure_group(self.redis, self.stream, self.group)
@@ -274,6 +288,19 @@ class GroupConsumer:
             raise ValueError(f"count={count}: want 1..10000")
         if not 0 <= block_ms <= 30_000:
             raise ValueError(f"block_ms={block_ms}: want 0..30000")
+        try:
+            return await self._read(count, block_ms)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # Redis lost the stream or the group (a failover to an empty replica, a wipe): make them
+            # again and start over from this consumer's (now empty) pending list.
+            self._group_ready, self._backlog_cursor, self._scan_from = False, "0", "-"
+            await self.ensure_group()
+            return []
+
+    async def _read(self, count: int, block_ms: int) -> list[Entry]:
+        cfg = self.config
         if not self._group_ready:
             await self.ensure_group()
         if cfg.janitor_every_s and time.monotonic() - self._last_janitor >= cfg.janitor_every_s:
@@ -312,6 +339,7 @@ class GroupConsumer:
                 continue
             entry = Entry(sid, fields, deliveries.get(sid, 1))
             if entry.deliveries > self.config.max_deliveries:
+                self.counters.dead_lettered += 1
                 await self._dead_letter(entry, self._too_many(entry))
                 continue
             self._held.add(sid)
@@ -422,6 +450,7 @@ class GroupConsumer:
                     continue
                 entry = Entry(sid, fields, prior[sid] + 1)
                 if entry.deliveries > cfg.max_deliveries:
+                    self.counters.dead_lettered += 1
                     await self._dead_letter(entry, self._too_many(entry))
                     dead += 1
                 else:
@@ -474,6 +503,7 @@ class Counters:
 
     malformed: int = 0  # undecodable entries sent to the dead-letter stream
     duplicates: int = 0  # samples already committed or already held, acked and dropped
+    dead_lettered: int = 0  # entries delivered more than max_deliveries times, dead-lettered
 
 
 class _TypedStream:
@@ -500,7 +530,7 @@ class _TypedStream:
                 redis, stream=stream, group=group, consumer=consumer, deadletter=keys.deadletter, config=config
             )
         )
-        self.counters = Counters()
+        self.counters = Counters() if self.consumer is None else self.consumer.counters
 
     def _need_consumer(self) -> GroupConsumer:
         if self.consumer is None:

@@ -22,6 +22,7 @@ class RolloutConfig:
     # grpc.health.v1 for Kubernetes probes: SERVING once a verified policy is loaded, NOT_SERVING
     # before and while draining. -1 = off, 0 = a free port on 127.0.0.1, else that port on 0.0.0.0.
     health_port: int = -1
+    max_policy_bytes: int = 64 << 30  # a manifest declaring more tensor bytes than this is refused
 
     def __post_init__(self):
         errors = []

@@ -34,6 +34,7 @@ from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
+from policy.manifest_check import ManifestRefused, check_manifest, expected_tensors
 from policy.model import ModelConfig, Transformer, generate
 from policy.recipe import Recipe
 
@@ -66,6 +67,10 @@ class RolloutWorker:
         self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
         self.version: int | None = None
         self._refused: int | None = None  # last version refused for its fingerprint (logged once)
+        # What a loadable manifest declares (checked before anything is allocated), and the versions
+        # refused for not matching it: immutable, so never fetched again.
+        self.expected = expected_tensors(recipe.plan(model_config))
+        self.refused_versions: set[int] = set()
         self.groups_done = 0
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
@@ -106,9 +111,14 @@ class RolloutWorker:
                 stop=self.stop,
                 interval_s=self.cfg.heartbeat_s,
                 ttl_s=self.cfg.heartbeat_ttl_s,
-                info=lambda: {"version": self.version, "groups": self.groups_done},
+                info=lambda: {
+                    "version": self.version,
+                    "groups": self.groups_done,
+                    "refused_versions": len(self.refused_versions),
+                },
             )
         )
+        carried: list = []  # prompt records read but not started (the newest policy was unreachable)
         try:
             while not self.stop.is_set():
                 latest = await registry.latest()
@@ -117,11 +127,17 @@ class RolloutWorker:
                 if self.version is None:
                     await asyncio.sleep(0.5)
                     continue
-                for rec in await queue.read():
+                records, carried = (carried, []) if carried else (await queue.read(), [])
+                for i, rec in enumerate(records):
                     # Never start a group with a policy already more than max_staleness behind; if the
-                    # newest cannot be fetched now, the entry stays pending here and is retried.
+                    # newest cannot be fetched now, keep the entry and retry it (re-reading the pointer:
+                    # a restarted trainer publishes a new address).
                     latest = await registry.latest()
-                    if latest.version - self.version > self.max_staleness and not await self._try_load(latest):
+                    stale = latest is not None and latest.version - self.version > self.max_staleness
+                    if stale and not await self._try_load(latest):
+                        carried = records[i:]
+                        await queue.keep_alive(carried)  # still ours: no other janitor claims them
+                        await asyncio.sleep(0.5)
                         break
                     trajectories = self._rollout_group(rec.group)
                     await queue.complete(rec, trajectories)
@@ -137,7 +153,7 @@ class RolloutWorker:
     async def _try_load(self, pointer: PolicyPointer | None) -> bool:
         """Load `pointer`'s version; False (logged) when it is not for our contract or not reachable
         now, e.g. a trainer that restarted and has not republished yet."""
-        if pointer is None:
+        if pointer is None or pointer.version in self.refused_versions:
             return False
         if pointer.contract_fingerprint != self.fingerprint:
             if pointer.version != self._refused:
@@ -150,6 +166,13 @@ class RolloutWorker:
         try:
             await self._load(pointer)
             return True
+        except ManifestRefused as e:
+            self.refused_versions.add(pointer.version)
+            self.log(
+                f"{self.worker_id}: {str(e)[:400]}; keeping v{self.version} "
+                f"({len(self.refused_versions)} version(s) refused)"
+            )
+            return False
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
             self.log(
                 f"{self.worker_id}: fetching v{pointer.version} from {pointer.address} failed, will retry: "
@@ -168,7 +191,7 @@ class RolloutWorker:
                 **self.cfg.client_tls(),
             )
             with PolicyClient(cfg) as client:
-                return client.fetch(pointer.version)
+                return client.fetch(pointer.version, check=self._check_manifest)
 
         t0 = time.perf_counter()
         fetched = await asyncio.to_thread(fetch)
@@ -180,6 +203,9 @@ class RolloutWorker:
             f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
             f"{time.perf_counter() - t0:.2f}s)"
         )
+
+    def _check_manifest(self, manifest) -> None:
+        check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
 
     def _rollout_group(self, group: PromptGroup) -> list[Trajectory]:
         n = group.n_samples

@@ -66,6 +66,7 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         make_prompt=make_prompt,
         warm_start_example=example,
         pad_id=tok.pad_id,
+        max_completion_tokens=task.max_answer_tokens,
         log=lambda s: print(f"[trainer] {s}", flush=True),
     )
 

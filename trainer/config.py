@@ -43,6 +43,7 @@ class TrainerConfig:
     health_port: int = -1
     metrics_port: int = 0  # Prometheus; 0 = a free port, -1 = off
     collect_timeout_s: float = 300.0  # give up waiting for trajectories after this long
+    max_abs_reward: float = 1e3  # samples with |reward| above this are refused (trainer.validation)
 
     def __post_init__(self):
         errors = []

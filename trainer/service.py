@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from broker.codec import PromptGroup, Trajectory
@@ -39,6 +40,7 @@ from . import grpo
 from .config import TrainerConfig
 from .metrics import MetricsSink
 from .sequences import pack, scatter_rows
+from .validation import TrajectoryRules, check_trajectory
 from .warmstart import warm_start
 
 
@@ -52,6 +54,17 @@ class State:
     dropped_fingerprint: int = 0
     # (stream_id, sample_id) of every sample consumed since the previous checkpoint
     pending_commit: list = field(default_factory=list)
+    # Exactly-once without trusting Redis: the next prompt index to feed, and every group fed and
+    # not yet used or dropped (group_id -> prompt index). A sample of any other group is refused,
+    # and after Redis lost the queue (its prompt_seq marker is gone) these are fed again.
+    prompt_seq: int = 0
+    outstanding: dict = field(default_factory=dict)
+    # Totals over the whole run (persisted: a restart does not reset them).
+    invalid: int = 0  # samples refused by trainer.validation, dead-lettered with the reason
+    malformed: int = 0  # undecodable trajectory entries, dead-lettered
+    duplicates: int = 0  # samples already used or already held, acked and dropped
+    dead_lettered: int = 0  # entries dead-lettered after more than max_deliveries deliveries
+    refed: int = 0  # prompts fed again after Redis lost them
 
 
 class Trainer:
@@ -71,6 +84,7 @@ class Trainer:
         make_prompt: Callable[[int], PromptGroup],
         warm_start_example: Callable[[], tuple[list[int], list[int]]],
         pad_id: int,
+        max_completion_tokens: int = 64,
         log: Callable[[str], None] = print,
     ):
         self.cfg, self.max_staleness, self.log = cfg, max_staleness, log
@@ -86,6 +100,14 @@ class Trainer:
         self.plan = recipe.plan(model_config)
         self.contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
         self.fingerprint = self.contract.fingerprint()
+        self.rules = TrajectoryRules(
+            group_size=cfg.group_size,
+            vocab_size=model_config.vocab_size,
+            max_seq_len=model_config.max_seq_len,
+            max_completion_tokens=max_completion_tokens,
+            max_abs_reward=cfg.max_abs_reward,
+        )
+        self._fed_tokens: dict[str, np.ndarray] = {}  # group_id -> prompt tokens, of outstanding groups
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -102,7 +124,8 @@ class Trainer:
         self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
         self._stop = asyncio.Event()
         self._held: dict[str, list[TrajectoryRecord]] = {}  # group_id -> records of an incomplete group
-        self._foreign: list[TrajectoryRecord] = []  # wrong fingerprint: dead-lettered at the next commit
+        # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
+        self._rejected: list[tuple[TrajectoryRecord, str]] = []
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -114,7 +137,12 @@ class Trainer:
         self.registry = PolicyRegistry(self.redis, self.keys)
         self.prompts = PromptQueue(self.redis, self.keys)
         self.stream = TrajectoryStream(
-            self.redis, self.keys, consumer="trainer", config=StreamConfig(read_count=256, block_ms=500)
+            self.redis,
+            self.keys,
+            consumer="trainer",
+            # The trainer is the only consumer: its own restarts (not poison: trainer.validation refuses
+            # that) are what re-deliver entries, so allow many before dead-lettering an innocent sample.
+            config=StreamConfig(read_count=256, block_ms=500, max_deliveries=100),
         )
         await self.prompts.setup()
         await self.stream.setup()
@@ -127,6 +155,7 @@ class Trainer:
         )
         try:
             await self._restore_or_warm_start()
+            await self._reconcile_prompts()
             await self._publish()
             while self.state.step < self.cfg.max_steps and not self._stop.is_set():
                 await self._feed_prompts()
@@ -164,13 +193,10 @@ class Trainer:
         )
 
     async def _commit(self) -> None:
-        """After a checkpoint: dead-letter the foreign samples, mark every consumed sample used."""
-        for rec in self._foreign:
-            await self.stream.dead_letter(
-                rec,
-                f"contract fingerprint {rec.trajectory.contract_fingerprint[:12]} != trainer's {self.fingerprint[:12]}",
-            )
-        self._foreign = []
+        """After a checkpoint: dead-letter the refused samples, mark every consumed sample used."""
+        for rec, reason in self._rejected:
+            await self.stream.dead_letter(rec, reason)
+        self._rejected = []
         await self.stream.commit_ids(self.state.pending_commit)
         self.state.pending_commit = []
 
@@ -250,26 +276,80 @@ class Trainer:
             version=v, parent_version=v - 1 if v > 1 else None, contract=self.contract, tensors=tensors
         )
         self.server.publish(packed)
+        await self._point_registry()
+        self.health.set_serving(not self._stop.is_set())
+
+    async def _point_registry(self) -> None:
         await self.registry.publish(
             PolicyPointer(
-                version=v,
+                version=self.state.version,
                 address=self.cfg.grpc_advertise or self.server.address,
                 contract_fingerprint=self.fingerprint,
                 published_at=time.time(),
             )
         )
-        self.health.set_serving(not self._stop.is_set())
+
+    @property
+    def _seq_key(self) -> str:
+        return self.keys.prefix + "prompt_seq"  # Redis's copy of State.prompt_seq: gone = Redis lost data
+
+    async def _reconcile_prompts(self) -> None:
+        """At start: prompts fed after the checkpoint and still queued in Redis are ours too; if Redis
+        lost prompts we fed (its prompt_seq marker is missing or behind), feed the outstanding again."""
+        raw = await self.redis.get(self._seq_key)
+        marker = None if raw is None else int(raw)
+        if marker is not None and marker >= self.state.prompt_seq:
+            for i in range(self.state.prompt_seq, marker):
+                self.state.outstanding[self.make_prompt(i).group_id] = i
+            self.state.prompt_seq = marker
+        elif self.state.prompt_seq > 0:
+            await self._refeed(f"prompt_seq in Redis is {marker}, the checkpoint's {self.state.prompt_seq}")
+
+    async def _refeed(self, why: str) -> None:
+        groups = [self.make_prompt(i) for i in sorted(self.state.outstanding.values())]
+        await self.prompts.add(groups)
+        await self.redis.set(self._seq_key, self.state.prompt_seq)
+        self.state.refed += len(groups)
+        self.log(f"Redis lost prompts ({why}): fed the {len(groups)} outstanding groups again")
+        await self._point_registry()  # policy:latest may be gone too
+
+    def _fed_prompt(self, group_id: str) -> np.ndarray | None:
+        """The prompt tokens fed as `group_id`, while it is outstanding (fed, not yet used or dropped)."""
+        if group_id not in self.state.outstanding:
+            return None
+        if group_id not in self._fed_tokens:
+            self._fed_tokens[group_id] = self.make_prompt(self.state.outstanding[group_id]).prompt_tokens
+        return self._fed_tokens[group_id]
+
+    def _settle(self, group_id: str) -> None:
+        """The group was used or dropped: any later sample of it is refused."""
+        self.state.outstanding.pop(group_id, None)
+        self._fed_tokens.pop(group_id, None)
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
+        if self.state.prompt_seq > 0 and await self.redis.get(self._seq_key) is None:
+            await self._refeed("its prompt_seq marker is gone")
         queued = (
             _group_backlog(await self.prompts.stats(), self.prompts.group)
             + _group_backlog(await self.stream.stats(), self.stream.group) // self.cfg.group_size
         )
-        want = self.cfg.queued_groups(self.max_staleness) - queued
+        q = self.cfg.queued_groups(self.max_staleness)
+        want = q - queued
         if want > 0:
-            first = await self.redis.incrby(self.keys.prefix + "prompt_seq", want) - want
-            await self.prompts.add([self.make_prompt(i) for i in range(first, first + want)])
+            first = self.state.prompt_seq
+            groups = [self.make_prompt(i) for i in range(first, first + want)]
+            self.state.outstanding.update((g.group_id, i) for i, g in zip(range(first, first + want), groups))
+            self.state.prompt_seq = first + want
+            await self.prompts.add(groups)
+            await self.redis.set(self._seq_key, self.state.prompt_seq)
+            # Prompts lost on the way (e.g. dead-lettered by the workers) would stay outstanding forever.
+            cap = 20 * q + 100
+            if len(self.state.outstanding) > cap:
+                for gid, _ in sorted(self.state.outstanding.items(), key=lambda kv: kv[1])[
+                    : len(self.state.outstanding) - cap
+                ]:
+                    self._settle(gid)
 
     # ------------------------------------------------------------------ collect
     async def _collect(self) -> tuple[list[list[Trajectory]] | None, list[TrajectoryRecord]]:
@@ -283,6 +363,7 @@ class Trainer:
             if self.state.version - recs[0].trajectory.policy_version > self.max_staleness:
                 self.state.dropped_stale += len(recs)
                 consumed += self._held.pop(gid)
+                self._settle(gid)
             elif len(recs) == recs[0].trajectory.group_size:
                 done.append(self._held.pop(gid))
         while len(done) < self.cfg.groups_per_step:
@@ -297,12 +378,24 @@ class Trainer:
                 if t.contract_fingerprint != self.fingerprint:
                     # Counted now, dead-lettered after the next checkpoint (so a crash recounts it once).
                     self.state.dropped_fingerprint += 1
-                    self._foreign.append(rec)
+                    reason = f"contract fingerprint {t.contract_fingerprint[:12]} != trainer's {self.fingerprint[:12]}"
+                    self._rejected.append((rec, reason))
                     consumed.append(rec)
                     continue
                 if self.state.version - t.policy_version > self.max_staleness:
                     self.state.dropped_stale += 1
                     consumed.append(rec)
+                    if t.group_id not in self._held:
+                        self._settle(t.group_id)
+                    continue
+                reason = check_trajectory(
+                    t, self.rules, version=self.state.version, fed_prompt=self._fed_prompt(t.group_id)
+                )
+                if reason is not None:  # alone: the rest of its group stays held
+                    self.state.invalid += 1
+                    self._rejected.append((rec, f"invalid: {reason}"))
+                    consumed.append(rec)
+                    self.log(f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r}: {reason}")
                     continue
                 recs = self._held.setdefault(t.group_id, [])
                 recs.append(rec)
@@ -313,6 +406,8 @@ class Trainer:
         for extra in done[self.cfg.groups_per_step :]:  # keep surplus complete groups for the next step
             self._held[extra[0].trajectory.group_id] = extra
         consumed += [r for g in used for r in g]
+        for g in used:
+            self._settle(g[0].trajectory.group_id)
         return [[r.trajectory for r in g] for g in used], consumed
 
     # ------------------------------------------------------------------ the GRPO step
@@ -371,7 +466,7 @@ class Trainer:
             "staleness_hist": dict(Counter(str(s) for s in staleness)),
             "dropped_stale": self.state.dropped_stale,
             "dropped_fingerprint": self.state.dropped_fingerprint,
-            "duplicates": self.stream.counters.duplicates,
+            **self._drop_counters(),
             **grpo.mismatch_metrics(prox, behav, at_version, mask),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "clip_frac": stats["clip_frac"] / cfg.minibatches,
@@ -381,6 +476,17 @@ class Trainer:
             "step_time_s": time.perf_counter() - t0,
         }
         return row
+
+    def _drop_counters(self) -> dict:
+        """Run totals of everything dropped (also persisted in the checkpoint)."""
+        c, s = self.stream.counters, self.state
+        s.duplicates, s.malformed, s.dead_lettered = (
+            s.duplicates + c.duplicates,
+            s.malformed + c.malformed,
+            s.dead_lettered + c.dead_lettered,
+        )
+        c.duplicates = c.malformed = c.dead_lettered = 0
+        return {k: getattr(s, k) for k in ("duplicates", "malformed", "invalid", "dead_lettered", "refed")}
 
     def _load_scratch(self, version: int) -> None:
         if self._scratch_version != version:
@@ -399,4 +505,4 @@ def _truncate_jsonl(path: Path, max_step: int) -> None:
 def _group_backlog(stats: dict, group: str) -> int:
     """Entries of `group` not yet acked: never delivered (lag) plus delivered and pending."""
     g = stats["groups"].get(group)
-    return 0 if g is None else (g["lag"] or 0) + g["pending"]
+    return 0 if g is None else g["lag"] + g["pending"]
