@@ -15,7 +15,7 @@ from broker.codec import Trajectory
 from broker.keys import Keys
 from broker.outage import RedisOutage
 from broker.registry import PolicyPointer, PolicyRegistry
-from broker.streams import GroupConsumer, TrajectoryStream, add_entries, connect
+from broker.streams import GroupConsumer, TrajectoryStream, add_entries, connect, stream_stats
 from tests.restartable_redis import RestartableRedis
 
 pytestmark = pytest.mark.integration
@@ -83,5 +83,26 @@ async def test_past_the_bound_a_clear_error(tmp_path):
             with pytest.raises(RedisOutage, match=r"unreachable for .*redis_outage_s=1"):
                 await r.get("a")
             assert time.monotonic() - t0 >= 1.0
+        finally:
+            await r.aclose()
+
+
+async def test_backlog_is_counted_after_a_restart_forgets_the_lag(tmp_path):
+    """Defect 2: Redis 7.0 reloading from AOF forgets a group's entries-read, so XINFO GROUPS says
+    lag None; stream_stats then counts the undelivered entries itself (the trainer's backlog bound)."""
+    with RestartableRedis(tmp_path, appendfsync="always") as server:
+        r = connect(server.url, outage_s=30, log=lambda s: None)
+        try:
+            reader = GroupConsumer(r, stream="s", group="g", consumer="c", deadletter="dl")
+            await reader.ensure_group()
+            await add_entries(r, "s", [b"%d" % i for i in range(10)])
+            got = await reader.read(count=4, block_ms=10)
+            await reader.ack([e.id for e in got[:1]])
+            before = (await stream_stats(r, "s"))["groups"]["g"]
+            assert (before["lag"], before["pending"]) == (6, 3)
+            await _restart(server, 0.1)
+            raw = (await r.xinfo_groups("s"))[0]
+            after = (await stream_stats(r, "s"))["groups"]["g"]
+            assert (after["lag"], after["pending"]) == (6, 3), (raw, after)
         finally:
             await r.aclose()
