@@ -701,6 +701,11 @@ class TrajectoryStream(_TypedStream):
             self.consumer.release(sid for sid, _ in pairs)
         return marked
 
+    def forget(self, record: TrajectoryRecord) -> None:
+        """Stop treating `record`'s sample id as held (it was refused; a later copy may be the real one)."""
+        if self._held_samples.get(record.trajectory.sample_id) == record.stream_id:
+            del self._held_samples[record.trajectory.sample_id]
+
     def _seen_key(self, record: TrajectoryRecord) -> str:
         return self.keys.idempotency(self.SCOPE, record.trajectory.sample_id)
 

@@ -108,6 +108,8 @@ class Trainer:
             max_abs_reward=cfg.max_abs_reward,
         )
         self._fed_tokens: dict[str, np.ndarray] = {}  # group_id -> prompt tokens, of outstanding groups
+        self._dropped_groups: list[str] = []  # settled without training since the last audit line
+        self._settled_recent: dict[str, None] = {}  # recently settled group ids (insertion-ordered, capped)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -242,7 +244,9 @@ class Trainer:
             "step": self.state.step,
             "version": self.state.version,
             "groups": [[g[0].group_id, g[0].policy_version, g[0].worker_id] for g in groups],
+            "dropped": self._dropped_groups,
         }
+        self._dropped_groups = []
         with open(self.run_dir / "audit.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -321,15 +325,21 @@ class Trainer:
             self._fed_tokens[group_id] = self.make_prompt(self.state.outstanding[group_id]).prompt_tokens
         return self._fed_tokens[group_id]
 
-    def _settle(self, group_id: str) -> None:
-        """The group was used or dropped: any later sample of it is refused."""
-        self.state.outstanding.pop(group_id, None)
+    def _settle(self, group_id: str, *, dropped: bool) -> None:
+        """The group was used or dropped (listed in the next audit line): any later sample of it is refused."""
+        if self.state.outstanding.pop(group_id, None) is not None and dropped:
+            self._dropped_groups.append(group_id)
         self._fed_tokens.pop(group_id, None)
+        self._settled_recent[group_id] = None
+        while len(self._settled_recent) > 100_000:
+            del self._settled_recent[next(iter(self._settled_recent))]
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
-        if self.state.prompt_seq > 0 and await self.redis.get(self._seq_key) is None:
-            await self._refeed("its prompt_seq marker is gone")
+        if self.state.prompt_seq > 0:
+            raw = await self.redis.get(self._seq_key)  # only this trainer writes it: it must be ours
+            if raw is None or int(raw) != self.state.prompt_seq:
+                await self._refeed(f"its prompt_seq is {raw and int(raw)}, ours {self.state.prompt_seq}")
         queued = (
             _group_backlog(await self.prompts.stats(), self.prompts.group)
             + _group_backlog(await self.stream.stats(), self.stream.group) // self.cfg.group_size
@@ -349,7 +359,7 @@ class Trainer:
                 for gid, _ in sorted(self.state.outstanding.items(), key=lambda kv: kv[1])[
                     : len(self.state.outstanding) - cap
                 ]:
-                    self._settle(gid)
+                    self._settle(gid, dropped=True)
 
     # ------------------------------------------------------------------ collect
     async def _collect(self) -> tuple[list[list[Trajectory]] | None, list[TrajectoryRecord]]:
@@ -363,7 +373,7 @@ class Trainer:
             if self.state.version - recs[0].trajectory.policy_version > self.max_staleness:
                 self.state.dropped_stale += len(recs)
                 consumed += self._held.pop(gid)
-                self._settle(gid)
+                self._settle(gid, dropped=True)
             elif len(recs) == recs[0].trajectory.group_size:
                 done.append(self._held.pop(gid))
         while len(done) < self.cfg.groups_per_step:
@@ -379,22 +389,26 @@ class Trainer:
                     # Counted now, dead-lettered after the next checkpoint (so a crash recounts it once).
                     self.state.dropped_fingerprint += 1
                     reason = f"contract fingerprint {t.contract_fingerprint[:12]} != trainer's {self.fingerprint[:12]}"
-                    self._rejected.append((rec, reason))
-                    consumed.append(rec)
+                    self._rejected.append((rec, reason))  # not committed: its sample id is not marked used
+                    self.stream.forget(rec)  # and a later copy under that id may be the real one
                     continue
                 if self.state.version - t.policy_version > self.max_staleness:
                     self.state.dropped_stale += 1
                     consumed.append(rec)
                     if t.group_id not in self._held:
-                        self._settle(t.group_id)
+                        self._settle(t.group_id, dropped=True)
                     continue
-                reason = check_trajectory(
-                    t, self.rules, version=self.state.version, fed_prompt=self._fed_prompt(t.group_id)
-                )
+                fed = self._fed_prompt(t.group_id)
+                if fed is None and t.group_id in self._settled_recent:
+                    # Already used or dropped, and Redis forgot its idempotency key (lost writes).
+                    self.state.duplicates += 1
+                    consumed.append(rec)
+                    continue
+                reason = check_trajectory(t, self.rules, version=self.state.version, fed_prompt=fed)
                 if reason is not None:  # alone: the rest of its group stays held
                     self.state.invalid += 1
                     self._rejected.append((rec, f"invalid: {reason}"))
-                    consumed.append(rec)
+                    self.stream.forget(rec)
                     self.log(f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r}: {reason}")
                     continue
                 recs = self._held.setdefault(t.group_id, [])
@@ -407,7 +421,7 @@ class Trainer:
             self._held[extra[0].trajectory.group_id] = extra
         consumed += [r for g in used for r in g]
         for g in used:
-            self._settle(g[0].trajectory.group_id)
+            self._settle(g[0].trajectory.group_id, dropped=False)
         return [[r.trajectory for r in g] for g in used], consumed
 
     # ------------------------------------------------------------------ the GRPO step

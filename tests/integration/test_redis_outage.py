@@ -10,13 +10,13 @@ import time
 
 import numpy as np
 import pytest
+from restartable_redis import RestartableRedis  # tests/restartable_redis.py
 
 from broker.codec import Trajectory
 from broker.keys import Keys
 from broker.outage import RedisOutage
 from broker.registry import PolicyPointer, PolicyRegistry
 from broker.streams import GroupConsumer, TrajectoryStream, add_entries, connect, stream_stats
-from tests.restartable_redis import RestartableRedis
 
 pytestmark = pytest.mark.integration
 
