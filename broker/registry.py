@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.keys import Keys, check_name
+from broker.signing import POLICY_POINTER, Signer
 
 _MAX_EXACT_VERSION = 2**53  # Lua compares versions as doubles
 _MAX_INFO_BYTES = 4096
@@ -43,7 +44,7 @@ if cur then
   end
 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'address', ARGV[2], 'contract_fingerprint', ARGV[3],
-           'published_at', ARGV[4])
+           'published_at', ARGV[4], 'sig', ARGV[7])
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
 """
@@ -84,10 +85,18 @@ class PolicyPointer:
         )
 
 
+def _signed_bytes(version: str, address: str, fingerprint: str, published_at: str) -> bytes:
+    return "\n".join((version, address, fingerprint, published_at)).encode()
+
+
 class PolicyRegistry:
-    def __init__(self, redis: aioredis.Redis, keys: Keys):
-        self.redis, self.keys = redis, keys
+    """With a `signer` (broker.signing), publish() signs the pointer and latest() refuses (returns None
+    for, and counts in `refused`) a pointer without a valid signature."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, signer: Signer | None = None):
+        self.redis, self.keys, self.signer = redis, keys, signer
         self._publish = redis.register_script(_PUBLISH)
+        self.refused = 0  # unsigned or badly signed pointers seen by latest()
 
     async def publish(self, pointer: PolicyPointer) -> bool:
         """Point `policy:latest` at `pointer` and announce it. Returns False (and changes
@@ -100,17 +109,17 @@ class PolicyRegistry:
                 contract_fingerprint=pointer.contract_fingerprint,
                 published_at=time.time(),
             )
+        fields = (
+            str(pointer.version),
+            pointer.address,
+            pointer.contract_fingerprint,
+            repr(float(pointer.published_at)),
+        )
+        sig = "" if self.signer is None else self.signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex()
         try:
             ok = await self._publish(
                 keys=[self.keys.policy_latest],
-                args=[
-                    str(pointer.version),
-                    pointer.address,
-                    pointer.contract_fingerprint,
-                    repr(float(pointer.published_at)),
-                    self.keys.announce,
-                    pointer.to_json(),
-                ],
+                args=[*fields, self.keys.announce, pointer.to_json(), sig],
             )
         except ResponseError as e:
             if "another contract fingerprint" in str(e):
@@ -122,6 +131,17 @@ class PolicyRegistry:
         h = await self.redis.hgetall(self.keys.policy_latest)
         if not h:
             return None
+        if self.signer is not None:
+            try:
+                signed = _signed_bytes(
+                    *(h[k].decode() for k in (b"version", b"address", b"contract_fingerprint", b"published_at"))
+                )
+                tag = bytes.fromhex(h.get(b"sig", b"").decode())
+            except (KeyError, ValueError, UnicodeDecodeError):
+                signed, tag = b"", None
+            if not self.signer.verify(POLICY_POINTER, signed, tag):
+                self.refused += 1
+                return None
         try:
             return PolicyPointer(
                 version=int(h[b"version"]),

@@ -53,8 +53,10 @@ from broker.codec import (
 )
 from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys, check_name
 from broker.outage import OutageRetry
+from broker.signing import TRAJECTORY, Signer
 
 DATA_FIELD = b"d"
+SIG_FIELD = b"s"  # HMAC of DATA_FIELD (broker.signing), on trajectory entries when the run has a secret
 _DL_PREFIX = "orig:"
 
 
@@ -167,13 +169,22 @@ def _id_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
-async def add_entries(redis: aioredis.Redis, stream: str, payloads: Sequence[bytes]) -> list[str]:
-    """XADD each payload as `{d: payload}` in one pipelined round trip; returns the ids."""
+def _trajectory_fields(payload: bytes, signer: Signer | None) -> dict[bytes, bytes]:
+    if signer is None:
+        return {DATA_FIELD: payload}
+    return {DATA_FIELD: payload, SIG_FIELD: signer.sign(TRAJECTORY, payload)}
+
+
+async def add_entries(
+    redis: aioredis.Redis, stream: str, payloads: Sequence[bytes], signer: Signer | None = None
+) -> list[str]:
+    """XADD each payload as `{d: payload}` (plus `s`, its HMAC, with a signer) in one pipelined
+    round trip; returns the ids."""
     if not payloads:
         return []
     async with redis.pipeline(transaction=False) as pipe:
         for payload in payloads:
-            pipe.xadd(stream, {DATA_FIELD: payload})
+            pipe.xadd(stream, _trajectory_fields(payload, signer))
         return [_s(i) for i in await pipe.execute()]
 
 
@@ -502,6 +513,7 @@ class Counters:
     """What a typed queue dropped on its own (for metrics)."""
 
     malformed: int = 0  # undecodable entries sent to the dead-letter stream
+    unsigned: int = 0  # trajectory entries without a valid signature (the run has a secret), dead-lettered
     duplicates: int = 0  # samples already committed or already held, acked and dropped
     dead_lettered: int = 0  # entries delivered more than max_deliveries times, dead-lettered
 
@@ -520,8 +532,9 @@ class _TypedStream:
         consumer: str | None,
         config: StreamConfig,
         limits: CodecLimits,
+        signer: Signer | None = None,
     ):
-        self.redis, self.keys, self.limits, self.config = redis, keys, limits, config
+        self.redis, self.keys, self.limits, self.config, self.signer = redis, keys, limits, config, signer
         self.stream, self.group = stream, group
         self.consumer = (
             None
@@ -563,8 +576,11 @@ class PromptQueue(_TypedStream):
         consumer: str | None = None,
         config: StreamConfig = StreamConfig(),
         limits: CodecLimits = DEFAULT_LIMITS,
+        signer: Signer | None = None,  # signs the trajectories complete() adds
     ):
-        super().__init__(redis, keys, keys.prompts, PROMPTS_GROUP, consumer=consumer, config=config, limits=limits)
+        super().__init__(
+            redis, keys, keys.prompts, PROMPTS_GROUP, consumer=consumer, config=config, limits=limits, signer=signer
+        )
 
     async def add(self, groups: Sequence[PromptGroup]) -> list[str]:
         return await add_entries(self.redis, self.keys.prompts, [encode_prompt_group(g, self.limits) for g in groups])
@@ -586,7 +602,7 @@ class PromptQueue(_TypedStream):
         payloads = [encode_trajectory(t, self.limits) for t in trajectories]
         async with self.redis.pipeline(transaction=True) as pipe:
             for p in payloads:
-                pipe.xadd(self.keys.trajectories, {DATA_FIELD: p})
+                pipe.xadd(self.keys.trajectories, _trajectory_fields(p, self.signer))
             pipe.xack(self.keys.prompts, PROMPTS_GROUP, record.stream_id)
             result = await pipe.execute()
         c.release([record.stream_id])
@@ -635,16 +651,24 @@ class TrajectoryStream(_TypedStream):
         consumer: str | None = None,
         config: StreamConfig = StreamConfig(),
         limits: CodecLimits = DEFAULT_LIMITS,
+        signer: Signer | None = None,  # signs what add() adds; read() refuses entries without a valid tag
     ):
         super().__init__(
-            redis, keys, keys.trajectories, TRAJECTORIES_GROUP, consumer=consumer, config=config, limits=limits
+            redis,
+            keys,
+            keys.trajectories,
+            TRAJECTORIES_GROUP,
+            consumer=consumer,
+            config=config,
+            limits=limits,
+            signer=signer,
         )
         self._held_samples: dict[str, str] = {}  # sample_id -> stream_id, read but not committed
         self._commit_script = redis.register_script(_COMMIT)
 
     async def add(self, trajectories: Sequence[Trajectory]) -> list[str]:
         return await add_entries(
-            self.redis, self.keys.trajectories, [encode_trajectory(t, self.limits) for t in trajectories]
+            self.redis, self.keys.trajectories, [encode_trajectory(t, self.limits) for t in trajectories], self.signer
         )
 
     async def read(self, count: int | None = None, block_ms: int | None = None) -> list[TrajectoryRecord]:
@@ -655,8 +679,16 @@ class TrajectoryStream(_TypedStream):
         duplicates: list[str] = []
         batch_samples: set[str] = set()
         for e in await c.read(count, block_ms):
+            payload = e.fields.get(DATA_FIELD)
+            if self.signer is not None and not (
+                isinstance(payload, bytes) and self.signer.verify(TRAJECTORY, payload, e.fields.get(SIG_FIELD))
+            ):
+                self.counters.unsigned += 1
+                why = "unsigned" if SIG_FIELD not in e.fields else "bad signature"
+                await c.dead_letter(e, f"{why}: not signed with this run's secret")
+                continue
             try:
-                t = decode_trajectory(e.fields.get(DATA_FIELD), self.limits)
+                t = decode_trajectory(payload, self.limits)
             except CodecError as err:
                 self.counters.malformed += 1
                 await c.dead_letter(e, f"decode: {err}")
@@ -712,6 +744,6 @@ class TrajectoryStream(_TypedStream):
     async def dead_letter(self, record: TrajectoryRecord, reason: str) -> None:
         """Reject a sample for good (e.g. a contract fingerprint mismatch), with the reason."""
         c = self._need_consumer()
-        fields = {DATA_FIELD: encode_trajectory(record.trajectory, self.limits)}
+        fields = _trajectory_fields(encode_trajectory(record.trajectory, self.limits), self.signer)
         await c.dead_letter(Entry(record.stream_id, fields, record.deliveries), reason)
-        self._held_samples.pop(record.trajectory.sample_id, None)
+        self.forget(record)  # only if that id is still this entry's (a real copy may be held under it)

@@ -31,6 +31,7 @@ from broker.health import ROLLOUT_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
+from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
@@ -54,13 +55,14 @@ class RolloutWorker:
         recipe: Recipe,
         max_staleness: int,
         redis_outage_s: float = 60.0,
+        signer: Signer | None = None,
         task: AdditionTask,
         tokenizer: CharTokenizer,
         log: Callable[[str], None] = print,
     ):
         self.cfg, self.worker_id, self.max_staleness, self.log = cfg, worker_id, max_staleness, log
         self.keys = Keys(run_id=run_id)
-        self.redis_url, self.redis_outage_s = redis_url, redis_outage_s
+        self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.task, self.tok = task, tokenizer
         self.recipe = recipe
         self.model = Transformer(model_config, seed=None)
@@ -91,10 +93,11 @@ class RolloutWorker:
         if self.health.start() is not None:
             self.log(f"{self.worker_id}: health (grpc.health.v1) on {self.health.host}:{self.health.port}")
         self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
-        registry = PolicyRegistry(self.redis, self.keys)
+        registry = PolicyRegistry(self.redis, self.keys, signer=self.signer)  # refuses unsigned pointers
         queue = PromptQueue(
             self.redis,
             self.keys,
+            signer=self.signer,
             consumer=self.worker_id,
             config=StreamConfig(
                 read_count=1,
@@ -119,9 +122,14 @@ class RolloutWorker:
             )
         )
         carried: list = []  # prompt records read but not started (the newest policy was unreachable)
+        refused_logged = 0
         try:
             while not self.stop.is_set():
                 latest = await registry.latest()
+                if registry.refused > refused_logged:
+                    if refused_logged == 0 or registry.refused % 100 == 0:
+                        self.log(f"{self.worker_id}: refusing policy:latest: not signed with this run's secret")
+                    refused_logged = registry.refused
                 if latest is not None and (self.version is None or latest.version > self.version):
                     await self._try_load(latest)  # swap between groups; on failure keep the current one
                 if self.version is None:

@@ -56,6 +56,9 @@ class RunConfig:
     # Services ride out a Redis restart or failover this long (retrying with backoff), then exit
     # non-zero for the orchestrator to restart them (broker.outage).
     redis_outage_s: float = 60.0
+    # The run secret that signs trajectories and the policy pointer (broker.signing): a file holding
+    # 64 hex characters; "" = $TANDEM_RUN_SECRET if set, else unsigned. `tandem run` makes one per run.
+    run_secret_file: str = ""
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -158,6 +161,7 @@ def dump(cfg: RunConfig) -> str:
 ENV_KEYS = {
     "TANDEM_RUN_ID": "run_id",
     "TANDEM_REDIS_URL": "redis_url",  # plus TANDEM_REDIS_PASSWORD / TANDEM_REDIS_CA_FILE, merged in
+    "TANDEM_RUN_SECRET_FILE": "run_secret_file",  # a mounted Secret (or TANDEM_RUN_SECRET, read directly)
     "TANDEM_TRAINER_TLS_CERT": "trainer.grpc_tls_cert",
     "TANDEM_TRAINER_TLS_KEY": "trainer.grpc_tls_key",
     "TANDEM_TRAINER_TLS_CLIENT_CA": "trainer.grpc_tls_client_ca",

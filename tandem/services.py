@@ -14,6 +14,7 @@ import numpy as np
 
 from broker.codec import PromptGroup
 from broker.outage import RedisOutage
+from broker.signing import load_signer
 from broker.streams import run_async
 from policy.model import ModelConfig
 from policy.recipe import Recipe
@@ -60,6 +61,7 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         recipe=recipe,
         max_staleness=cfg.max_staleness,
         redis_outage_s=cfg.redis_outage_s,
+        signer=load_signer(cfg.run_secret_file),
         run_dir=run_dir,
         seed=cfg.seed,
         temperature=cfg.rollout.temperature,
@@ -82,6 +84,7 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
         recipe=recipe,
         max_staleness=cfg.max_staleness,
         redis_outage_s=cfg.redis_outage_s,
+        signer=load_signer(cfg.run_secret_file),
         task=task,
         tokenizer=tok,
         log=lambda s: print(f"[rollout] {s}", flush=True),

@@ -30,6 +30,7 @@ from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer, PolicyRegistry
+from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect
 from policy import manifest as mf
 from policy import qat
@@ -65,6 +66,7 @@ class State:
     duplicates: int = 0  # samples already used or already held, acked and dropped
     dead_lettered: int = 0  # entries dead-lettered after more than max_deliveries deliveries
     refed: int = 0  # prompts fed again after Redis lost them
+    unsigned: int = 0  # trajectory entries without a valid run-secret signature, dead-lettered
 
 
 class Trainer:
@@ -78,6 +80,7 @@ class Trainer:
         recipe: Recipe,
         max_staleness: int,
         redis_outage_s: float = 60.0,
+        signer: Signer | None = None,
         run_dir: str | Path,
         seed: int,
         temperature: float,
@@ -90,7 +93,7 @@ class Trainer:
         self.cfg, self.max_staleness, self.log = cfg, max_staleness, log
         self.temperature = temperature  # the rollouts' sampling temperature: log-probs must match it
         self.keys = Keys(run_id=run_id)
-        self.redis_url, self.redis_outage_s = redis_url, redis_outage_s
+        self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.run_dir = Path(run_dir)
         self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
@@ -136,7 +139,7 @@ class Trainer:
 
     async def run(self) -> int:
         self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
-        self.registry = PolicyRegistry(self.redis, self.keys)
+        self.registry = PolicyRegistry(self.redis, self.keys, signer=self.signer)
         self.prompts = PromptQueue(self.redis, self.keys)
         self.stream = TrajectoryStream(
             self.redis,
@@ -145,6 +148,7 @@ class Trainer:
             # The trainer is the only consumer: its own restarts (not poison: trainer.validation refuses
             # that) are what re-deliver entries, so allow many before dead-lettering an innocent sample.
             config=StreamConfig(read_count=256, block_ms=500, max_deliveries=100),
+            signer=self.signer,
         )
         await self.prompts.setup()
         await self.stream.setup()
@@ -494,13 +498,10 @@ class Trainer:
     def _drop_counters(self) -> dict:
         """Run totals of everything dropped (also persisted in the checkpoint)."""
         c, s = self.stream.counters, self.state
-        s.duplicates, s.malformed, s.dead_lettered = (
-            s.duplicates + c.duplicates,
-            s.malformed + c.malformed,
-            s.dead_lettered + c.dead_lettered,
-        )
-        c.duplicates = c.malformed = c.dead_lettered = 0
-        return {k: getattr(s, k) for k in ("duplicates", "malformed", "invalid", "dead_lettered", "refed")}
+        for name in ("duplicates", "malformed", "dead_lettered", "unsigned"):
+            setattr(s, name, getattr(s, name) + getattr(c, name))
+            setattr(c, name, 0)
+        return {k: getattr(s, k) for k in ("duplicates", "malformed", "invalid", "dead_lettered", "unsigned", "refed")}
 
     def _load_scratch(self, version: int) -> None:
         if self._scratch_version != version:

@@ -28,13 +28,19 @@ from pathlib import Path
 import torch
 import yaml
 
+from broker.signing import write_secret_file
+
 TRIALS = int(os.environ.get("FAULT_TRIALS", "2"))
 
 
 def config(tmp: Path, run_id: str, redis_url: str, *, max_steps: int, workers: int = 2, **trainer) -> Path:
+    secret = tmp / "run.secret"  # signed runs: trajectories and the policy pointer carry HMACs
+    if not secret.exists():
+        write_secret_file(secret)
     cfg = {
         "run_id": run_id,
         "redis_url": redis_url,
+        "run_secret_file": str(secret),
         "num_rollout_workers": workers,
         "max_staleness": 1,
         "seed": 5,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import signal
 import statistics
 import time
 
@@ -18,6 +17,7 @@ from restartable_redis import RestartableRedis
 
 from broker.codec import Trajectory, decode_prompt_group
 from broker.keys import Keys
+from broker.signing import load_signer
 from broker.streams import DATA_FIELD, TrajectoryStream, add_entries, connect, read_deadletter
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults]
@@ -120,20 +120,22 @@ def test_redis_wiped_mid_run_and_between_resumes(tmp_path, redis_server, run_id)
            **figures)  # fmt: skip
 
 
-def _poison(url: str, run_id: str) -> int:
-    """Inject, for the newest fed prompt, one sample per crash input of defect 3, plus a forged group
-    for a prompt never fed and one undecodable entry. Returns the number of invalid samples."""
+def _poison(url: str, run_id: str, secret_file: str) -> tuple[int, str]:
+    """Inject, for a fed prompt no worker has read yet, one sample per crash input of defect 3 and a
+    forged group for a prompt never fed (all signed: a compromised worker), plus one undecodable
+    entry and one unsigned copy of a good sample. Returns (invalid samples, the poisoned group)."""
 
-    async def main() -> int:
+    async def main() -> tuple[int, str]:
         r = connect(url)
         keys = Keys(run_id=run_id)
         try:
-            # A prompt no worker has read yet: its real samples arrive after the poison.
-            (info,) = await r.xinfo_groups(keys.prompts)
-            last = info["last-delivered-id"].decode()
-            entries = await r.xrange(keys.prompts, min="(" + last, max="+", count=1)
-            assert entries, "no undelivered prompt (the workers are stopped: prompts_ahead keeps some queued)"
-            group = decode_prompt_group(entries[0][1][DATA_FIELD])
+            # A prompt no worker has read yet (none runs yet): its real samples arrive after the poison.
+            deadline = time.monotonic() + 120
+            while not (await r.exists(keys.policy_latest) and await r.xlen(keys.prompts)):
+                assert time.monotonic() < deadline, "the trainer published nothing and fed no prompt"
+                await asyncio.sleep(0.2)
+            (_, fields), = await r.xrange(keys.prompts, count=1)  # fmt: skip
+            group = decode_prompt_group(fields[DATA_FIELD])
             version = int(await r.hget(keys.policy_latest, "version"))
             base = dict(
                 prompt_id=group.prompt_id, group_id=group.group_id, group_size=group.n_samples,
@@ -154,9 +156,11 @@ def _poison(url: str, run_id: str) -> int:
                 t(3, completion_tokens=np.full(2000, 5, np.int32), behavior_logprobs=np.full(2000, -1.0, np.float32)),
                 t(0, group_id="p999999", prompt_id="p999999", sample_id="p999999/0"),
             ]
-            await TrajectoryStream(r, keys).add(bad)
-            await add_entries(r, keys.trajectories, [b"\x93not msgpack"])
-            return len(bad)
+            signer = load_signer(secret_file)
+            await TrajectoryStream(r, keys, signer=signer).add(bad)
+            await add_entries(r, keys.trajectories, [b"\x93not msgpack"], signer)
+            await TrajectoryStream(r, keys).add([t(3)])  # unsigned: whoever can write Redis
+            return len(bad), group.group_id
         finally:
             await r.aclose()
 
@@ -167,25 +171,20 @@ def test_poison_trajectories_injected_live(tmp_path, redis_server, run_id):
     """Defect 3: every invalid sample is dead-lettered alone with its reason and counted; the step
     never fails; no legitimate sample is dead-lettered; the real group of the poisoned prompt trains."""
     max_steps = 4
-    run = _start(tmp_path, run_id, redis_server.url, max_steps=max_steps, prompts_ahead=6)
+    run = _start(tmp_path, run_id, redis_server.url, max_steps=max_steps, workers=())
     try:
-        run.wait_steps(1)
-        for p in run.workers.values():
-            p.send_signal(signal.SIGSTOP)
-        try:
-            n_bad = _poison(redis_server.url, run_id)
-            time.sleep(1.5)  # the trainer reads them (it polls every 0.5 s)
-        finally:
-            for p in run.workers.values():
-                p.send_signal(signal.SIGCONT)
+        n_bad, poisoned = _poison(redis_server.url, run_id, str(tmp_path / "run.secret"))
+        time.sleep(1.5)  # the trainer reads them (it polls every 0.5 s), then the workers start
+        for w in ("w0", "w1"):
+            run.start_worker(w)
         assert run.wait_trainer() == 0, run.log_tail("trainer")
     finally:
         run.close()
     figures = audit(run.run_dir, max_steps)
     state = checkpoint_state(run.run_dir)
-    assert state["invalid"] == n_bad and state["malformed"] == 1, state
+    assert (state["invalid"], state["malformed"], state["unsigned"]) == (n_bad, 1, 1), state
     last = lines(run.run_dir / "metrics.jsonl")[-1]
-    assert last["invalid"] == n_bad and last["malformed"] == 1
+    assert (last["invalid"], last["malformed"], last["unsigned"]) == (n_bad, 1, 1)
 
     async def deadletters():
         r = connect(redis_server.url)
@@ -196,8 +195,11 @@ def test_poison_trajectories_injected_live(tmp_path, redis_server, run_id):
 
     dead = asyncio.run(deadletters())
     reasons = [d.reason for d in dead]
-    assert len(dead) == n_bad + 1, reasons  # each alone: not one legitimate sample among them
+    assert len(dead) == n_bad + 2, reasons  # each alone: not one legitimate sample among them
     for want in ("group_size=1", "vocab is", "reward=1e+300", "2000 completion tokens", "no prompt this trainer fed",
-                 "decode"):  # fmt: skip
+                 "decode", "unsigned"):  # fmt: skip
         assert sum(want in r for r in reasons) == 1, (want, reasons)
-    report("poison", faults=n_bad + 1, **figures)
+    # The poisoned prompt's real group still trained (the forged copies did not shadow it).
+    trained = {g[0] for r in lines(run.run_dir / "audit.jsonl") for g in r["groups"]}
+    assert poisoned in trained or poisoned in state["outstanding"], poisoned
+    report("poison", faults=n_bad + 2, **figures)
