@@ -34,7 +34,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -100,7 +100,16 @@ class StreamConfig:
     janitor_every_s: float = 5.0  # read() runs the janitor this often; 0 = never
     janitor_count: int = 256  # pending entries examined per janitor pass
     trim: bool = True  # janitor trims entries every group has acked
-    deadletter_maxlen: int = 100_000  # approximate cap of the dead-letter stream
+    deadletter_maxlen: int = 100_000  # approximate cap of the dead-letter stream (entries)
+    # A dead letter keeps an entry's fields up to this many bytes each; a larger field is replaced by a
+    # reference (its size and first bytes), so the dead-letter stream holds at most about
+    # deadletter_max_bytes (its length is capped at deadletter_max_bytes // (inline + 1 KiB) too).
+    deadletter_inline_bytes: int = 16 << 10
+    deadletter_max_bytes: int = 64 << 20
+    # What one read() may pull: count is cut to max_read_bytes // max_entry_bytes (Redis returns
+    # whole entries; the codec refuses anything above its 4 MiB limit only after the read).
+    max_entry_bytes: int = DEFAULT_LIMITS.max_message_bytes + (4 << 10)
+    max_read_bytes: int = 256 << 20
     idempotency_ttl_s: int = 7 * 24 * 3600  # lifetime of "sample already used" markers
 
     def __post_init__(self) -> None:
@@ -123,8 +132,25 @@ class StreamConfig:
         want(isinstance(self.trim, bool), "trim", "bool")
         want(is_int("deadletter_maxlen") and self.deadletter_maxlen >= 1, "deadletter_maxlen", ">= 1")
         want(is_int("idempotency_ttl_s") and self.idempotency_ttl_s >= 1, "idempotency_ttl_s", ">= 1")
+        for name in ("deadletter_inline_bytes", "deadletter_max_bytes", "max_entry_bytes"):
+            want(is_int(name) and getattr(self, name) >= 1, name, ">= 1")
+        want(
+            is_int("max_read_bytes") and self.max_read_bytes >= self.max_entry_bytes,
+            "max_read_bytes",
+            ">= max_entry_bytes",
+        )
         if errors:
             raise ValueError("StreamConfig: " + "; ".join(errors))
+
+    @property
+    def max_read_count(self) -> int:
+        """Entries one read may return: at most max_read_bytes of them at max_entry_bytes each."""
+        return max(1, self.max_read_bytes // self.max_entry_bytes)
+
+    @property
+    def deadletter_cap(self) -> int:
+        """Length cap of the dead-letter stream: by count, and by bytes at the inline size per entry."""
+        return max(1, min(self.deadletter_maxlen, self.deadletter_max_bytes // (self.deadletter_inline_bytes + 1024)))
 
 
 @dataclass(frozen=True)
@@ -152,7 +178,8 @@ class DeadLetter:
     deliveries: int
     reason: str
     at: float
-    fields: dict[bytes, bytes]  # the original entry's fields
+    fields: dict[bytes, bytes]  # the original entry's fields (those up to deadletter_inline_bytes)
+    oversized: dict[bytes, tuple[int, bytes]] = field(default_factory=dict)  # the others: (size, first bytes)
 
 
 def _s(value: bytes | str) -> str:
@@ -250,6 +277,11 @@ async def read_deadletter(redis: aioredis.Redis, keys: Keys, count: int = 100, s
                 reason=_s(meta.get("reason", b"")),
                 at=float(meta.get("at", b"0")),
                 fields={k[len(_DL_PREFIX) :]: v for k, v in f.items() if _s(k).startswith(_DL_PREFIX)},
+                oversized={
+                    k[len("size:") :].encode(): (int(v), meta.get("prefix:" + k[len("size:") :], b""))
+                    for k, v in meta.items()
+                    if k.startswith("size:")
+                },
             )
         )
     return out
@@ -297,6 +329,7 @@ class GroupConsumer:
         block_ms = cfg.block_ms if block_ms is None else block_ms
         if not 1 <= count <= 10_000:
             raise ValueError(f"count={count}: want 1..10000")
+        count = min(count, cfg.max_read_count)
         if not 0 <= block_ms <= 30_000:
             raise ValueError(f"block_ms={block_ms}: want 0..30000")
         try:
@@ -399,9 +432,16 @@ class GroupConsumer:
             "reason": reason[:2000],
             "at": repr(time.time()),
         }
-        record.update({_DL_PREFIX + _s(k): v for k, v in entry.fields.items()})
+        inline = self.config.deadletter_inline_bytes
+        for k, v in entry.fields.items():
+            v = v if isinstance(v, bytes) else str(v).encode()
+            if len(v) <= inline:
+                record[_DL_PREFIX + _s(k)] = v
+            else:  # a reference, not the payload: an oversized entry must not be copied
+                record[f"size:{_s(k)}"] = len(v)
+                record[f"prefix:{_s(k)}"] = v[:256]
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.deadletter_stream, record, maxlen=self.config.deadletter_maxlen, approximate=True)
+            pipe.xadd(self.deadletter_stream, record, maxlen=self.config.deadletter_cap, approximate=True)
             pipe.xack(self.stream, self.group, entry.id)
             await pipe.execute()
         self._held.discard(entry.id)

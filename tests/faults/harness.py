@@ -161,6 +161,12 @@ def audit(run_dir: Path, max_steps: int) -> dict:
     assert set(trained) <= fed, f"trained groups never fed: {sorted(set(trained) - fed)[:5]}"
     assert not set(trained) & set(dropped), sorted(set(trained) & set(dropped))[:5]
     assert not (set(trained) | set(dropped)) & outstanding
+    # Drop counters are run totals, persisted in the checkpoint: never lower after a restart.
+    metrics = lines(run_dir / "metrics.jsonl")
+    for key in ("dropped_stale", "dropped_fingerprint", "duplicates", "malformed", "invalid", "unsigned", "refed"):
+        values = [m[key] for m in metrics]
+        assert values == sorted(values), f"{key} went down (reset by a restart?): {values}"
+        assert values[-1] == state[key], (key, values[-1], state[key])
     lost = fed - set(trained) - set(dropped) - outstanding
     assert not lost, f"{len(lost)} fed prompts neither trained, dropped nor outstanding: {sorted(lost)[:5]}"
     return {
