@@ -20,8 +20,10 @@ class RolloutConfig:
     grpc_tls_key: str = ""
     grpc_tls_server_name: str = ""  # checked against the trainer's certificate instead of the dialed host
     # grpc.health.v1 for Kubernetes probes: SERVING once a verified policy is loaded, NOT_SERVING
-    # before and while draining. -1 = off, 0 = a free port on 127.0.0.1, else that port on 0.0.0.0.
+    # before and while draining. -1 = off, 0 = a free port, else that port; on health_host (a pod: its
+    # IP, TANDEM_ROLLOUT_HEALTH_HOST from the downward API).
     health_port: int = -1
+    health_host: str = "127.0.0.1"
     max_policy_bytes: int = 64 << 30  # a manifest declaring more tensor bytes than this is refused
 
     def __post_init__(self):

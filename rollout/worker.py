@@ -76,7 +76,7 @@ class RolloutWorker:
         self.groups_done = 0
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
-        self.health = HealthServer(port=cfg.health_port, service=ROLLOUT_HEALTH)
+        self.health = HealthServer(port=cfg.health_port, service=ROLLOUT_HEALTH, host=cfg.health_host)
         if cfg.client_tls()["tls_root_ca_path"]:  # missing TLS files: fail at start, not at every fetch
             PolicyClientConfig(address="tls-files-check:1", **cfg.client_tls())
 

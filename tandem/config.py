@@ -169,6 +169,8 @@ ENV_KEYS = {
     "TANDEM_ROLLOUT_TLS_CERT": "rollout.grpc_tls_cert",
     "TANDEM_ROLLOUT_TLS_KEY": "rollout.grpc_tls_key",
     "TANDEM_ROLLOUT_TLS_SERVER_NAME": "rollout.grpc_tls_server_name",
+    "TANDEM_TRAINER_HEALTH_HOST": "trainer.health_host",  # the pod IP (downward API status.podIP)
+    "TANDEM_ROLLOUT_HEALTH_HOST": "rollout.health_host",
 }
 REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE")
 

@@ -39,8 +39,10 @@ class TrainerConfig:
     grpc_tls_key: str = ""
     grpc_tls_client_ca: str = ""
     # Plaintext grpc.health.v1 for Kubernetes probes (kubelet's gRPC probe cannot speak TLS): SERVING
-    # once a policy is published. -1 = off, 0 = a free port on 127.0.0.1, else that port on 0.0.0.0.
+    # once a policy is published. -1 = off, 0 = a free port, else that port; on health_host (a pod: its
+    # IP, TANDEM_TRAINER_HEALTH_HOST from the downward API).
     health_port: int = -1
+    health_host: str = "127.0.0.1"
     metrics_port: int = 0  # Prometheus; 0 = a free port, -1 = off
     collect_timeout_s: float = 300.0  # give up waiting for trajectories after this long
     max_abs_reward: float = 1e3  # samples with |reward| above this are refused (trainer.validation)

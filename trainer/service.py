@@ -125,7 +125,9 @@ class Trainer:
                 host=cfg.grpc_host, port=cfg.grpc_port, keep_versions=max_staleness + 2, **cfg.server_tls()
             )
         )
-        self.health = HealthServer(port=cfg.health_port, service=TRAINER_HEALTH)  # Kubernetes probes
+        self.health = HealthServer(
+            port=cfg.health_port, service=TRAINER_HEALTH, host=cfg.health_host
+        )  # Kubernetes probes
         self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
         self._stop = asyncio.Event()
         self._held: dict[str, list[TrajectoryRecord]] = {}  # group_id -> records of an incomplete group
