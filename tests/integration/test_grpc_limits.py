@@ -62,19 +62,19 @@ def test_streams_per_connection_are_capped(packed):
 def test_concurrent_rpcs_are_capped_in_all(packed):
     with PolicyServer(PolicyServerConfig(max_concurrent_rpcs=2)) as server:
         server.publish(packed)
-        channels = [_stalled_streams(server.address, 1) for _ in range(2)]
+        ch = grpc.insecure_channel(server.address)
+        watch = ch.unary_stream("/tandem.v1.PolicyService/WatchVersions")
+        req = policy_pb2.WatchVersionsRequest(after_version=1).SerializeToString()  # waits for v2: holds a slot
+        held = [watch(req, timeout=60) for _ in range(2)]
         try:
-            _wait(lambda: server.stats()["fetch_streams"] >= 2)
-            ch, (third,) = _stalled_streams(server.address, 1)
+            time.sleep(1.0)
             with pytest.raises(grpc.RpcError) as e:
-                next(iter(third))
+                next(iter(watch(req, timeout=10)))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            ch.close()
         finally:
-            for ch, calls in channels:
-                for c in calls:
-                    c.cancel()
-                ch.close()
+            for c in held:
+                c.cancel()
+            ch.close()
 
 
 def test_name_lists_longer_than_the_version_are_refused(packed):
