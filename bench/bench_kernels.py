@@ -26,8 +26,9 @@ import torch.nn.functional as F
 import triton
 
 import policy.kernels as K
-from policy.kernels import matmul_triton as mt
+import rollout.kernels as RK
 from policy.kernels import quant_triton as qt
+from rollout.kernels import matmul_triton as mt
 
 RESULTS: dict = {"quant": [], "matmul": [], "moe": [], "tune": []}
 
@@ -164,13 +165,13 @@ def make_weights(n: int, k: int):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     return {
         "bf16": w,
-        "nvfp4": K.pack(K.quantize("nvfp4", w, scope="tensor")),
-        "int4": K.pack(K.quantize("int4", w, group_size=32)),
+        "nvfp4": RK.pack(K.quantize("nvfp4", w, scope="tensor")),
+        "int4": RK.pack(K.quantize("int4", w, group_size=32)),
         "fp8_block": K.quantize("fp8_block", w, block=(128, 128)),
     }
 
 
-def run_kernel(x, w: K.PackedLinear, config=None):
+def run_kernel(x, w: RK.PackedLinear, config=None):
     fid = mt.FMT_NVFP4 if w.fmt == "nvfp4" else mt.FMT_INT4
     return mt.w4a16_matmul(x, w.codes, w.scales, w.global_scale, fid, w.group_size, config=config)
 
@@ -240,10 +241,10 @@ def bench_dense(shapes, ms=(1, 4, 16, 64)) -> None:
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf = bench(lambda: F.linear(x, ws["bf16"]))
-            t4 = bench(lambda: K.qmatmul(x, ws["nvfp4"]))
-            ti = bench(lambda: K.qmatmul(x, ws["int4"]))
-            y8 = K._scaled_mm_fp8_block(x, ws["fp8_block"])
-            t8 = bench(lambda: K._scaled_mm_fp8_block(x, ws["fp8_block"])) if y8 is not None else float("nan")
+            t4 = bench(lambda: RK.qmatmul(x, ws["nvfp4"]))
+            ti = bench(lambda: RK.qmatmul(x, ws["int4"]))
+            y8 = RK._scaled_mm_fp8_block(x, ws["fp8_block"])
+            t8 = bench(lambda: RK._scaled_mm_fp8_block(x, ws["fp8_block"])) if y8 is not None else float("nan")
             line(
                 f"{n:5d}x{k:<5d} {m:3d} {t_bf:8.1f} | {t4:8.1f} {t_bf / t4:5.2f} | {ti:8.1f} {t_bf / ti:5.2f} | {t8:9.1f} {t_bf / t8:5.2f}"
             )
@@ -260,8 +261,8 @@ def bench_dense(shapes, ms=(1, 4, 16, 64)) -> None:
                 }
             )
             if m == ms[0]:  # fresh inputs: the kernel must still match the reference dequant + matmul
-                ref = x.float() @ K.dequantize(K.unpack(ws["nvfp4"])).T
-                err = float((K.qmatmul(x, ws["nvfp4"]).float() - ref).norm() / ref.norm())
+                ref = x.float() @ K.dequantize(RK.unpack(ws["nvfp4"])).T
+                err = float((RK.qmatmul(x, ws["nvfp4"]).float() - ref).norm() / ref.norm())
                 line(f"  nvfp4 rel. error vs reference dequant+matmul: {err:.2e}")
 
 
@@ -278,7 +279,7 @@ def bench_moe(ms=(1, 4, 16, 64), experts=128, topk=8, d=2048, f=768) -> None:
     for name, (n, k) in layers.items():
         w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         packed = {
-            fmt: K.pack_experts([K.quantize(fmt, w[e], **kw) for e in range(experts)])
+            fmt: RK.pack_experts([K.quantize(fmt, w[e], **kw) for e in range(experts)])
             for fmt, kw in (("nvfp4", {"scope": "tensor"}), ("int4", {"group_size": 32}))
         }
         w_t = w.transpose(1, 2).contiguous()  # [E, K, N] for grouped_mm

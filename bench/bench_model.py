@@ -17,9 +17,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from policy.model import _PLAIN, ModelConfig, Transformer, generate
+from policy.model import _PLAIN, ModelConfig, Transformer
 from policy.qat import apply_qat, install_activation_quant, load_packed, quantize_weights, remove_qat
 from policy.recipe import BUILTINS, Recipe
+from rollout.engine import generate
 
 
 def paired(base, variant, repeats: int, setup_base=lambda: None, setup_variant=lambda: None):

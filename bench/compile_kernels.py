@@ -24,8 +24,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from policy.kernels import matmul_triton as mt
 from policy.kernels import quant_triton as qt
+from rollout.kernels import matmul_triton as mt
 
 TARGET = GPUTarget("cuda", 90, 32)
 IN_PTR = {0: "*i16", 1: "*fp16", 2: "*i32"}

@@ -9,14 +9,15 @@ from __future__ import annotations
 import torch
 
 import policy.kernels as K
-from policy.kernels import matmul_triton as mt
+import rollout.kernels as RK
 from policy.kernels import quant_triton as qt
+from rollout.kernels import matmul_triton as mt
 
 
 def main() -> None:
     w = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) * 0.02
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    pw = K.pack(K.quantize("nvfp4", w, scope="tensor"))
+    pw = RK.pack(K.quantize("nvfp4", w, scope="tensor"))
     torch.cuda.synchronize()
     qt.nvfp4_quantize(x, "row")
     for m in (1, 16):

@@ -39,7 +39,7 @@ MS = (1, 4, 16)
 def _compile_one(job) -> str:
     """Run one config once per specialization (M == 1 and M > 1) so Triton caches its binary."""
     fmt, cfg, n, k = job
-    from policy.kernels import matmul_triton as mt
+    from rollout.kernels import matmul_triton as mt
 
     try:
         words = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
@@ -65,8 +65,9 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, ".")
     import policy.kernels as K
+    import rollout.kernels as RK
     from bench.bench_kernels import bench, make_weights
-    from policy.kernels import matmul_triton as mt
+    from rollout.kernels import matmul_triton as mt
 
     t0 = time.time()
     jobs = [(f, c, 8192, 8192) for c in CONFIGS for f in (mt.FMT_NVFP4, mt.FMT_INT4)]
@@ -102,7 +103,7 @@ def main() -> int:
                     return mt.w4a16_matmul(x, w.codes, w.scales, w.global_scale, fid, w.group_size, config=cfg)
 
                 y16 = run(xs[16])
-                ref = xs[16].float() @ K.dequantize(K.unpack(w)).T
+                ref = xs[16].float() @ K.dequantize(RK.unpack(w)).T
                 err = float((y16.float() - ref).norm() / ref.norm())
                 same = torch.equal(run(xs[16][:1])[0], y16[0]) and torch.equal(run(xs[16][3:7]), y16[3:7])
                 repeat = torch.equal(run(xs[16]), y16)

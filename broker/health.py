@@ -16,6 +16,7 @@ Binding: `host` (loopback by default; in a pod its IP, where kubelet probes), po
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -75,3 +76,18 @@ class HealthServer:
             self.set_serving(False)
             self._server.stop(grace_s).wait(grace_s + 5)
             self._server = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthConfig:
+    """The `health:` section of the trainer and of a rollout worker."""
+
+    port: int = -1
+    """Plaintext grpc.health.v1 for Kubernetes probes: -1 = off, 0 = a free port, else that port."""
+    host: str = "127.0.0.1"
+    """Address the probe port binds: loopback by default; in a pod its IP (the downward API's
+    status.podIP, through TANDEM_TRAINER_HEALTH_HOST / TANDEM_ROLLOUT_HEALTH_HOST)."""
+
+    def __post_init__(self):
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not -1 <= self.port <= 65535:
+            raise ValueError(f"health.port={self.port!r} (-1 = off, 0 = free, else a port)")

@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from broker.tls import ClientTLS
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     ChecksumMismatch,
@@ -82,10 +83,7 @@ class PolicyClientConfig:
     retry_backoff_s: float = 0.05
     max_receive_message_bytes: int = MAX_MANIFEST_BYTES + (1 << 20)
     max_send_message_bytes: int = 4 << 20
-    tls_root_ca_path: str | None = None  # set to use TLS
-    tls_cert_chain_path: str | None = None  # client certificate (mTLS)
-    tls_private_key_path: str | None = None
-    tls_server_name: str | None = None  # overrides the name checked against the server certificate
+    tls: ClientTLS = field(default_factory=ClientTLS)  # plaintext unless tls.ca is set
 
     def __post_init__(self) -> None:
         bad = []
@@ -109,14 +107,7 @@ class PolicyClientConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad.append(f"{name}={v!r} must be an int >= 1")
-        if (self.tls_cert_chain_path is None) != (self.tls_private_key_path is None):
-            bad.append("tls_cert_chain_path and tls_private_key_path must be set together")
-        if self.tls_cert_chain_path is not None and self.tls_root_ca_path is None:
-            bad.append("a client certificate (mTLS) needs tls_root_ca_path")
-        for name in ("tls_root_ca_path", "tls_cert_chain_path", "tls_private_key_path"):
-            v = getattr(self, name)
-            if v is not None and not Path(v).is_file():
-                bad.append(f"{name}={v!r} is not a file")
+        bad += self.tls.missing_files()
         if bad:
             raise ValueError("invalid PolicyClientConfig: " + "; ".join(bad))
 
@@ -173,14 +164,15 @@ class PolicyClient:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        if config.tls_root_ca_path:
+        tls = config.tls
+        if tls.enabled:
             creds = grpc.ssl_channel_credentials(
-                root_certificates=Path(config.tls_root_ca_path).read_bytes(),
-                private_key=Path(config.tls_private_key_path).read_bytes() if config.tls_private_key_path else None,
-                certificate_chain=Path(config.tls_cert_chain_path).read_bytes() if config.tls_cert_chain_path else None,
+                root_certificates=Path(tls.ca).read_bytes(),
+                private_key=Path(tls.key).read_bytes() if tls.key else None,
+                certificate_chain=Path(tls.cert).read_bytes() if tls.cert else None,
             )
-            if config.tls_server_name:
-                options.append(("grpc.ssl_target_name_override", config.tls_server_name))
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
             self._channel = grpc.secure_channel(config.address, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(config.address, options=options)

@@ -26,7 +26,8 @@ requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL
 above the transport limit (`max_receive_message_bytes`) are refused by gRPC itself with
 RESOURCE_EXHAUSTED. Health (grpc.health.v1) reports NOT_SERVING until the first publish.
 
-Test hooks are named `testonly_*`; they do nothing unless a test calls them.
+Faults (corrupted chunks, dropped streams) are injected by the tests, from outside: a subclass that
+wraps the FetchTensors handler (tests/integration/test_policy_grpc.py) and a TCP proxy.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -44,11 +46,13 @@ import grpc
 import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from broker.tls import ServerTLS
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
     PackedPolicy,
     chunk_count,
+    first_chunk_indices,
     manifest_to_bytes,
     shard_tensor_bytes,
     tensor_layout,
@@ -66,7 +70,7 @@ _DATA_FIELD_TAG = bytes([(15 << 3) | 2])  # TensorChunk.data: field 15, length-d
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyServerConfig:
-    """`port=0` picks a free port. TLS: set cert + key; add a client CA to require client certs (mTLS)."""
+    """`port=0` picks a free port. TLS: `tls=ServerTLS(cert=, key=)`; add `client_ca` to require client certs (mTLS)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -76,9 +80,7 @@ class PolicyServerConfig:
     max_send_message_bytes: int = MAX_MANIFEST_BYTES + (1 << 20)
     max_tensor_names: int = 1 << 16
     shard_layouts_per_version: int = 16
-    tls_cert_chain_path: str | None = None
-    tls_private_key_path: str | None = None
-    tls_client_ca_path: str | None = None
+    tls: ServerTLS = field(default_factory=ServerTLS)
     use_uvloop: bool = True
     start_timeout_s: float = 30.0
     stop_grace_s: float = 2.0
@@ -121,21 +123,8 @@ class PolicyServerConfig:
             )
         if isinstance(self.max_send_message_bytes, int) and self.max_send_message_bytes < (2 << 20):
             bad.append(f"max_send_message_bytes={self.max_send_message_bytes} must be >= 2 MiB (1 MiB chunks)")
-        if (self.tls_cert_chain_path is None) != (self.tls_private_key_path is None):
-            bad.append("tls_cert_chain_path and tls_private_key_path must be set together")
-        if self.tls_client_ca_path is not None and self.tls_cert_chain_path is None:
-            bad.append("tls_client_ca_path (mTLS) needs tls_cert_chain_path and tls_private_key_path")
-        for name in ("tls_cert_chain_path", "tls_private_key_path", "tls_client_ca_path"):
-            v = getattr(self, name)
-            if v is not None and not Path(v).is_file():
-                bad.append(f"{name}={v!r} is not a file")
-        for name in (
-            "start_timeout_s",
-            "stop_grace_s",
-            "keepalive_s",
-            "min_ping_interval_s",
-            "idle_s",
-        ):
+        bad += self.tls.missing_files()
+        for name in ("start_timeout_s", "stop_grace_s", "keepalive_s", "min_ping_interval_s", "idle_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 bad.append(f"{name}={v!r} must be a number > 0")
@@ -155,6 +144,36 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def _chunk_messages(
+    version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int, expected_xxh3=None
+) -> list[tuple[int, bytes, memoryview]]:
+    """One tensor's pre-serialized TensorChunk messages: (chunk index, message, its data field).
+
+    Thread-safe and pure, so a version's tensors are framed in parallel (xxhash releases the GIL; the
+    one copy of the bytes into each message does not)."""
+    mv = memoryview(data)
+    n = chunk_count(len(mv), chunk_bytes)
+    out = []
+    for j in range(n):
+        piece = mv[j * chunk_bytes : (j + 1) * chunk_bytes]
+        digest = xxhash.xxh3_64_intdigest(piece)
+        if expected_xxh3 is not None and digest != expected_xxh3[j]:
+            raise ValueError(f"publish: tensor {name} chunk {j}: bytes do not match the manifest's xxh3")
+        head = policy_pb2.TensorChunk(
+            version=version,
+            chunk_index=first_index + j,
+            tensor_name=name,
+            tensor_nbytes=len(mv),
+            offset=j * chunk_bytes,
+            xxh3=digest,
+            tensor_sha256=sha256 if j == n - 1 else b"",
+        ).SerializeToString(deterministic=True)
+        prefix = head + _DATA_FIELD_TAG + _varint(len(piece))
+        msg = b"".join((prefix, piece))
+        out.append((first_index + j, msg, memoryview(msg)[len(prefix) :]))
+    return out
+
+
 @dataclass
 class _Layout:
     """Pre-serialized TensorChunk messages of one (version, tp_rank, tp_size), in chunk-index order."""
@@ -167,28 +186,14 @@ class _Layout:
     def add_tensor(
         self, *, version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int, expected_xxh3=None
     ) -> None:
-        mv = memoryview(data)
+        self.add_messages(name, _chunk_messages(version, name, first_index, data, sha256, chunk_bytes, expected_xxh3))
+
+    def add_messages(self, name: str, chunks: list[tuple[int, bytes, memoryview]]) -> None:
         start = len(self.messages)
-        n = chunk_count(len(mv), chunk_bytes)
-        for j in range(n):
-            piece = mv[j * chunk_bytes : (j + 1) * chunk_bytes]
-            digest = xxhash.xxh3_64_intdigest(piece)
-            if expected_xxh3 is not None and digest != expected_xxh3[j]:
-                raise ValueError(f"publish: tensor {name} chunk {j}: bytes do not match the manifest's xxh3")
-            head = policy_pb2.TensorChunk(
-                version=version,
-                chunk_index=first_index + j,
-                tensor_name=name,
-                tensor_nbytes=len(mv),
-                offset=j * chunk_bytes,
-                xxh3=digest,
-                tensor_sha256=sha256 if j == n - 1 else b"",
-            ).SerializeToString(deterministic=True)
-            prefix = head + _DATA_FIELD_TAG + _varint(len(piece))
-            msg = b"".join((prefix, piece))
-            self.indices.append(first_index + j)
+        for index, msg, payload in chunks:
+            self.indices.append(index)
             self.messages.append(msg)
-            self.payloads.append(memoryview(msg)[len(prefix) :])
+            self.payloads.append(payload)
         self.ranges[name] = (start, len(self.messages))
 
     def reuse_tensor(self, other: _Layout, name: str) -> None:
@@ -221,24 +226,25 @@ class _Version:
         self.content_digest = content_digest(m)
         self.plan = tp_plan_of(m)
         self.entries = {t.name: t for t in m.tensors}
-        self.first_index = {}
-        self.full = _Layout()
-        i = 0
+        self.first_index = first_chunk_indices(m)
         for t in m.tensors:
+            if len(policy.blobs[t.name]) != t.nbytes:
+                raise ValueError(
+                    f"publish: tensor {t.name} has {len(policy.blobs[t.name])} bytes, manifest says {t.nbytes}"
+                )
+
+        def frame(t):
             blob = policy.blobs[t.name]
-            if len(blob) != t.nbytes:
-                raise ValueError(f"publish: tensor {t.name} has {len(blob)} bytes, manifest says {t.nbytes}")
-            self.first_index[t.name] = i
-            self.full.add_tensor(
-                version=m.version,
-                name=t.name,
-                first_index=i,
-                data=blob,
-                sha256=t.sha256,
-                chunk_bytes=m.chunk_bytes,
-                expected_xxh3=t.chunk_xxh3,
+            return _chunk_messages(
+                m.version, t.name, self.first_index[t.name], blob, t.sha256, m.chunk_bytes, t.chunk_xxh3
             )
-            i += chunk_count(t.nbytes, m.chunk_bytes)
+
+        self.full = _Layout()
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(32, os.cpu_count() or 1), thread_name_prefix="frame"
+        ) as pool:
+            for t, chunks in zip(m.tensors, pool.map(frame, m.tensors)):
+                self.full.add_messages(t.name, chunks)
         announcement = policy_pb2.VersionAnnouncement(
             version=m.version,
             created_unix_ns=m.created_unix_ns,
@@ -303,8 +309,6 @@ class PolicyServer:
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-shard")
         self._port = 0
         self._counters = {"fetch_streams": 0, "chunks_sent": 0, "bytes_sent": 0, "rejected_requests": 0}
-        self._corrupt: dict[tuple[int, int, int, int], int] = {}
-        self._drop_after: list[int] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -396,11 +400,11 @@ class PolicyServer:
         await self._health.set("", status)
         await self._health.set(SERVICE_NAME, status)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert_chain_path:
+        if cfg.tls.enabled:
             creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_private_key_path).read_bytes(), Path(cfg.tls_cert_chain_path).read_bytes())],
-                root_certificates=Path(cfg.tls_client_ca_path).read_bytes() if cfg.tls_client_ca_path else None,
-                require_client_auth=cfg.tls_client_ca_path is not None,
+                [(Path(cfg.tls.key).read_bytes(), Path(cfg.tls.cert).read_bytes())],
+                root_certificates=Path(cfg.tls.client_ca).read_bytes() if cfg.tls.client_ca else None,
+                require_client_auth=bool(cfg.tls.client_ca),
             )
             port = server.add_secure_port(address, creds)
         else:
@@ -409,9 +413,7 @@ class PolicyServer:
             raise OSError(f"could not bind {address}")
         await server.start()
         self._server, self._port = server, port
-        log.info(
-            "policy server listening on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls_cert_chain_path else "plaintext"
-        )
+        log.info("policy server listening on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls.enabled else "plaintext")
         ready.set()
         await self._stopping.wait()
         await self._health.enter_graceful_shutdown()
@@ -481,31 +483,6 @@ class PolicyServer:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counters)
-
-    # -- test hooks ---------------------------------------------------------------------------
-
-    def testonly_corrupt_chunk(
-        self, *, version: int, chunk_index: int, tp_rank: int = 0, tp_size: int = 1, times: int = 1
-    ) -> None:
-        """TEST ONLY: flip the last payload byte of this chunk the next `times` times it is sent."""
-        with self._lock:
-            self._corrupt[(version, chunk_index, tp_rank, tp_size)] = times
-
-    def testonly_drop_stream_after(self, n_chunks: int) -> None:
-        """TEST ONLY: end the next FetchTensors stream with UNAVAILABLE after `n_chunks` chunks."""
-        with self._lock:
-            self._drop_after.append(n_chunks)
-
-    def _take_corruption(self, key) -> bool:
-        with self._lock:
-            left = self._corrupt.get(key, 0)
-            if not left:
-                return False
-            if left == 1:
-                del self._corrupt[key]
-            else:
-                self._corrupt[key] = left - 1
-            return True
 
     # -- handlers -----------------------------------------------------------------------------
 
@@ -624,20 +601,13 @@ class PolicyServer:
             return
         with self._lock:
             self._counters["fetch_streams"] += 1
-            drop_after = self._drop_after.pop(0) if self._drop_after else None
         sent = nbytes = 0
         try:
             for pos in positions:
                 msg = layout.messages[pos]
-                if self._corrupt and self._take_corruption((v.version, layout.indices[pos], req.tp_rank, tp_size)):
-                    corrupted = bytearray(msg)
-                    corrupted[-1] ^= 0xFF
-                    msg = bytes(corrupted)
-                yield msg
-                sent += 1
+                sent += 1  # counted when handed to gRPC
                 nbytes += len(msg)
-                if drop_after is not None and sent >= drop_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "testonly: stream dropped")
+                yield msg
         finally:
             with self._lock:
                 self._counters["chunks_sent"] += sent

@@ -10,6 +10,8 @@ deterministically. It holds:
 - per tensor: name, format, format params, logical shape, each part's dtype/shape/byte range,
   the fp32 global scale when there is one, the TP style, xxh3_64 per chunk and sha256 overall.
 
+Every hash here is `policy.hashing.sha256_json` of a canonical JSON form: `model_config_sha256` is
+`ModelConfig.fingerprint()` and `recipe_sha256` is `Recipe.fingerprint()` (what `tandem plan` prints).
 `contract_fingerprint` is a sha256 over a canonical JSON form of the Contract (not over protobuf
 bytes, so it cannot change with the protobuf library): everything trainer and rollout must agree
 on, and nothing that changes per version (version, time, checksums). The TP degree is in it only
@@ -27,12 +29,13 @@ as norms are published as [1, D] by whoever quantizes them.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ import torch
 import xxhash
 
 from policy import formats, kernels
+from policy.hashing import canonical_json, sha256_hex
 from policy.tp import TP_SCALE_MODES, ShardCut, TPPlan, check_tp, from_parts_kwargs, part_index
 from tandem.v1 import manifest_pb2 as pb
 
@@ -77,32 +81,6 @@ class FingerprintMismatch(ValueError):
 
 class ChecksumMismatch(ValueError):
     """Bytes do not match the xxh3 / sha256 the manifest (or a chunk) declares."""
-
-
-def canonical_json(obj: Any) -> str:
-    """Sorted keys, no spaces, no NaN; tuples become lists. The one JSON form that gets hashed."""
-    return json.dumps(_plain(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-
-
-def _plain(obj: Any) -> Any:
-    if hasattr(obj, "to_dict") and callable(obj.to_dict):
-        return _plain(obj.to_dict())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return _plain(dataclasses.asdict(obj))
-    if isinstance(obj, Mapping):
-        bad = [k for k in obj if not isinstance(k, str)]
-        if bad:
-            raise ValueError(f"canonical JSON needs string keys, got {bad[:5]}")
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise ValueError(f"cannot put a {type(obj).__name__} into canonical JSON: {obj!r}")
-
-
-def _sha256_hex(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # -- the contract ------------------------------------------------------------------------------
@@ -190,10 +168,10 @@ class Contract:
         rules_json = canonical_json(self.recipe_rules)
         return pb.Contract(
             model_config_json=model_json,
-            model_config_sha256=_sha256_hex(model_json),
+            model_config_sha256=sha256_hex(model_json),
             recipe_name=self.recipe_name,
             recipe_rules_json=rules_json,
-            recipe_sha256=recipe_sha256(self.recipe_name, rules_json),
+            recipe_sha256=recipe_sha256(rules_json),
             quantizer_spec_version=self.quantizer_spec_version,
             activation_sites=[
                 pb.ActivationSite(name=s.name, format=s.format, scope=s.scope, tp_scale_mode=s.tp_scale_mode)
@@ -231,16 +209,19 @@ def contract_from_recipe(
     )
 
 
-def recipe_sha256(name: str, rules_json: str) -> str:
-    return _sha256_hex(name + "\n" + rules_json)
+def recipe_sha256(rules_json: str) -> str:
+    """`Recipe.fingerprint()`: the hash of the rules' canonical JSON (the contract fingerprint
+    covers the recipe name on its own)."""
+    return sha256_hex(rules_json)
 
 
 def contract_fingerprint(contract: pb.Contract) -> str:
     """sha256 hex over a canonical JSON of the contract's parts (see the module docstring)."""
     doc = {
         "schema": SCHEMA_VERSION,
-        "model_config_sha256": _sha256_hex(contract.model_config_json),
-        "recipe_sha256": recipe_sha256(contract.recipe_name, contract.recipe_rules_json),
+        "model_config_sha256": sha256_hex(contract.model_config_json),
+        "recipe_name": contract.recipe_name,
+        "recipe_sha256": recipe_sha256(contract.recipe_rules_json),
         "quantizer_spec_version": contract.quantizer_spec_version,
         "activation_sites": [[s.name, s.format, s.scope, s.tp_scale_mode] for s in contract.activation_sites],
         "tp_plan": {
@@ -248,7 +229,7 @@ def contract_fingerprint(contract: pb.Contract) -> str:
             "partition_tp_size": contract.tp_plan.partition_tp_size,
         },
     }
-    return _sha256_hex(canonical_json(doc))
+    return sha256_hex(canonical_json(doc))
 
 
 def tp_plan_of(manifest: pb.Manifest) -> TPPlan:
@@ -283,18 +264,41 @@ def quantize_params(weights: Mapping[str, torch.Tensor], plan) -> dict[str, Quan
 
 @dataclass(frozen=True)
 class PackedPolicy:
-    """A manifest and each tensor's bytes (immutable `bytes`, keyed by tensor name)."""
+    """A manifest and each tensor's bytes (immutable: `bytes` or a read-only memoryview, by tensor name)."""
 
     manifest: pb.Manifest
-    blobs: Mapping[str, bytes]
+    blobs: Mapping[str, bytes | memoryview]
 
 
 def _part_bytes(t: torch.Tensor) -> memoryview:
-    """Raw element bytes of a tensor (little-endian on every platform we run on), no copy if contiguous."""
+    """Raw element bytes of a CPU tensor (little-endian on every platform we run on), no copy if contiguous."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, started asynchronously into pinned memory (the caller synchronizes
+    once for all of them); CPU tensors are returned as they are."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
+def _pack(views: Sequence[memoryview], chunk_bytes: int) -> tuple[memoryview, list[int], bytes]:
+    """One tensor's bytes: its parts copied into one new buffer, then its chunk xxh3s and sha256.
+
+    Runs in a worker thread: numpy's copy, xxhash and hashlib release the GIL, so tensors are packed
+    and hashed in parallel. The copy is what makes a published version immutable (a bf16 part can be
+    the live parameter itself); the buffer is returned read-only."""
+    buf = np.empty(sum(len(v) for v in views), dtype=np.uint8)
+    offset = 0
+    for v in views:
+        np.copyto(buf[offset : offset + len(v)], np.frombuffer(v, dtype=np.uint8))
+        offset += len(v)
+    buf.flags.writeable = False
+    blob = memoryview(buf)
+    return blob, chunk_digests(blob, chunk_bytes), hashlib.sha256(blob).digest()
 
 
 def chunk_digests(data, chunk_bytes: int) -> list[int]:
@@ -327,8 +331,13 @@ def build_manifest(
     tensors: Mapping[str, QuantizedParam],
     created_unix_ns: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    threads: int | None = None,
 ) -> PackedPolicy:
-    """Pack quantized tensors and describe them: one copy of the bytes, sha256 and xxh3 computed here."""
+    """Pack quantized tensors and describe them: one copy of the bytes, sha256 and xxh3 computed here.
+
+    Device tensors are copied to pinned host memory asynchronously (one synchronization for all),
+    then `threads` worker threads (default: one per CPU core, at most 32) copy each tensor's parts
+    into one immutable buffer and hash it. Each blob is a read-only memoryview."""
     bad = []
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         bad.append(f"version={version!r} must be an int >= 1")
@@ -350,7 +359,7 @@ def build_manifest(
         raise ValueError("build_manifest: " + "; ".join(bad))
 
     plan = contract.tp_plan
-    entries, blobs, total = [], {}, 0
+    entries, host_parts = [], []
     for name in sorted(tensors):
         param = tensors[name]
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
@@ -360,29 +369,27 @@ def build_manifest(
         formats.get(param.format)
         params_json = canonical_json(param.kwargs)
         shape = tuple(int(s) for s in param.value.shape)
-        parts, views, offset = [], [], 0
+        parts, offset = [], 0
+        host_parts.append([])
         for pname, t in param.value.parts().items():
             if t.dtype not in _DTYPE_NAMES:
                 raise ValueError(f"build_manifest: {name}: part {pname!r} has unsupported dtype {t.dtype}")
-            mv = _part_bytes(t)
+            nbytes = t.numel() * t.element_size()
             parts.append(
                 pb.TensorPart(
-                    name=pname, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, nbytes=len(mv)
+                    name=pname, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, nbytes=nbytes
                 )
             )
-            views.append(mv)
-            offset += len(mv)
-        blob = b"".join(views)
+            host_parts[-1].append(_to_host(t))
+            offset += nbytes
         entry = pb.TensorEntry(
             name=name,
             format=param.format,
             format_params_json=params_json,
             shape=list(shape),
             parts=parts,
-            nbytes=len(blob),
+            nbytes=offset,
             tp_style=plan.style(name),
-            chunk_xxh3=chunk_digests(blob, chunk_bytes),
-            sha256=hashlib.sha256(blob).digest(),
         )
         gs = param.value.parts().get("global_scale")
         if param.format == "nvfp4" and gs is not None and gs.numel() == 1:
@@ -394,7 +401,17 @@ def build_manifest(
             if errors:
                 raise ValueError("build_manifest: " + "; ".join(errors))
         entries.append(entry)
-        blobs[name] = blob
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the pinned host copies above were asynchronous
+    workers = threads or min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack") as pool:
+        packed = list(pool.map(lambda ts: _pack([_part_bytes(t) for t in ts], chunk_bytes), host_parts))
+    blobs, total = {}, 0
+    for entry, (blob, xxh3s, sha) in zip(entries, packed):
+        entry.chunk_xxh3.extend(xxh3s)
+        entry.sha256 = sha
+        blobs[entry.name] = blob
         total += len(blob)
 
     contract_pb = contract.to_proto()
@@ -463,10 +480,10 @@ def verify_manifest(m: pb.Manifest) -> None:
     if not 1 <= m.chunk_bytes <= CHUNK_BYTES:
         bad.append(f"chunk_bytes={m.chunk_bytes} must be in [1, {CHUNK_BYTES}]")
     c = m.contract
-    if c.model_config_sha256 != _sha256_hex(c.model_config_json):
+    if c.model_config_sha256 != sha256_hex(c.model_config_json):
         bad.append("contract.model_config_sha256 does not match model_config_json")
-    if c.recipe_sha256 != recipe_sha256(c.recipe_name, c.recipe_rules_json):
-        bad.append("contract.recipe_sha256 does not match recipe_name + recipe_rules_json")
+    if c.recipe_sha256 != recipe_sha256(c.recipe_rules_json):
+        bad.append("contract.recipe_sha256 does not match recipe_rules_json")
     fp = contract_fingerprint(c)
     if m.contract_fingerprint != fp:
         bad.append(f"contract_fingerprint {m.contract_fingerprint!r} does not match the contract ({fp})")

@@ -1,4 +1,6 @@
-"""Qwen3-MoE-style decoder in one file: config, modules, full-sequence and KV-cache forward, sampling.
+"""Qwen3-MoE-style decoder in one file: config, modules, full-sequence and KV-cache forward.
+
+Generation (prefill, decode, sampling) is the rollout engine's: `rollout/engine.py`.
 
 Architecture (one layer): RMSNorm -> grouped-query attention (q/k RMSNorm per head, RoPE) -> residual
 -> RMSNorm -> MoE block (softmax router, top-k, routed SwiGLU experts with a fused gate_up projection,
@@ -27,8 +29,6 @@ enough on CPU; GPU serving uses fused kernels elsewhere).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,16 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from policy.hashing import sha256_json
+
 __all__ = [
     "PRESETS",
     "ActivationQuantHook",
-    "Generation",
     "KVCache",
     "ModelConfig",
     "QuantHook",
     "Transformer",
     "activation_sites",
-    "generate",
     "parameter_shapes",
 ]
 
@@ -147,9 +147,8 @@ class ModelConfig:
         return cls(**d)
 
     def fingerprint(self) -> str:
-        """sha256 hex of the canonical JSON (sorted keys, no spaces) of every field."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        """sha256 hex of the canonical JSON of every field (policy.hashing, as the manifest's)."""
+        return sha256_json(self.to_dict())
 
     @property
     def has_shared_expert(self) -> bool:
@@ -635,124 +634,3 @@ class Transformer(nn.Module):
         if temperature != 1.0:
             logits = logits / temperature
         return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
-
-
-# --------------------------------------------------------------------------------------------------
-# Generation
-
-
-@dataclass
-class Generation:
-    """Result of `generate`. Row b produced `lengths[b]` tokens: tokens[b, :lengths[b]] (the stop
-    token included), with the sampling policy's log-probs in logprobs[b, :lengths[b]]; the rest is
-    pad_id / 0. `stopped[b]` is True when the row ended on a stop token, False at max_new_tokens."""
-
-    tokens: Tensor  # [B, N] long
-    logprobs: Tensor  # [B, N] fp32
-    lengths: Tensor  # [B] long
-    stopped: Tensor  # [B] bool
-
-    def completions(self) -> list[list[int]]:
-        return [self.tokens[b, :n].tolist() for b, n in enumerate(self.lengths.tolist())]
-
-    def completion_logprobs(self) -> list[list[float]]:
-        return [self.logprobs[b, :n].tolist() for b, n in enumerate(self.lengths.tolist())]
-
-
-def _row_generators(batch: int, generator: torch.Generator | None, seeds: Sequence[int] | None):
-    if seeds is not None:
-        if len(seeds) != batch:
-            raise ValueError(f"seeds has {len(seeds)} entries for {batch} prompts")
-        row_seeds = [int(s) for s in seeds]
-    else:
-        row_seeds = torch.randint(0, 2**62, (batch,), generator=generator).tolist()
-    return [torch.Generator().manual_seed(s) for s in row_seeds]
-
-
-@torch.no_grad()
-def generate(
-    model: Transformer,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    generator: torch.Generator | None = None,
-    seeds: Sequence[int] | None = None,
-    eos_id: int | None = None,
-    stop_ids: Sequence[int] = (),
-    pad_id: int = 0,
-) -> Generation:
-    """Sample continuations of variable-length prompts (left-padded into one batch, KV cache).
-
-    Returns the new tokens and, per token, the log-probability under the distribution it was sampled
-    from: log_softmax(logits / temperature) (temperature 0 = greedy, log-probs at temperature 1).
-    These are the rollout's behavior log-probs.
-
-    Each row draws its randomness from its own generator, seeded by `seeds[b]` or, if not given, by
-    a seed drawn from `generator` (or torch's global generator). So a row's sample depends only on
-    its prompt and its seed, not on padding or on the other rows (up to last-bit float differences
-    between batch shapes, see the module docstring). Generation stops per row at `eos_id` or any of
-    `stop_ids` (the stop token is included), or after `max_new_tokens`.
-    """
-    cfg = model.cfg
-    B = len(prompts)
-    if B == 0:
-        raise ValueError("no prompts")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not temperature >= 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature={temperature} must be finite and >= 0")
-    lens = [len(p) for p in prompts]
-    if min(lens) == 0:
-        raise ValueError(f"empty prompt(s) at index {[b for b, n in enumerate(lens) if n == 0]}")
-    L = max(lens)
-    if L + max_new_tokens > cfg.max_seq_len:
-        raise ValueError(f"longest prompt {L} + max_new_tokens {max_new_tokens} > max_seq_len {cfg.max_seq_len}")
-    stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
-    for t in stop | {pad_id}:
-        if not 0 <= t < cfg.vocab_size:
-            raise ValueError(f"token id {t} (stop/eos/pad) outside vocab of size {cfg.vocab_size}")
-
-    device = model.lm_head.weight.device
-    tokens = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    for b, p in enumerate(prompts):
-        tokens[b, L - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[b, L - len(p) :] = True
-    if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, vocab_size={cfg.vocab_size})")
-    tokens, mask = tokens.to(device), mask.to(device)
-    gens = _row_generators(B, generator, seeds) if temperature > 0 else None
-    stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-
-    cache = KVCache(cfg, B, L + max_new_tokens, dtype=model.lm_head.weight.dtype, device=device)
-    out_tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    out_logp = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)
-    alive = torch.ones(B, dtype=torch.bool, device=device)
-    stopped = torch.zeros(B, dtype=torch.bool, device=device)
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
-
-    logits = model(tokens, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()
-    for step in range(max_new_tokens):
-        if temperature > 0:
-            logp = (logits / temperature).log_softmax(dim=-1)
-            # Gumbel-max with per-row exponential noise: argmax(logp - log E) ~ Categorical(exp(logp)).
-            noise = torch.stack([torch.empty(cfg.vocab_size).exponential_(generator=g) for g in gens])
-            nxt = (logp - noise.to(device).clamp_min(1e-30).log()).argmax(dim=-1)
-        else:
-            logp = logits.log_softmax(dim=-1)
-            nxt = logits.argmax(dim=-1)
-        lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
-        out_tokens[:, step] = torch.where(alive, nxt, pad_id)
-        out_logp[:, step] = torch.where(alive, lp, 0.0)
-        lengths += alive.long()
-        hit = alive & torch.isin(nxt, stop_t)
-        stopped |= hit
-        alive &= ~hit
-        if not alive.any() or step == max_new_tokens - 1:
-            break
-        # Finished rows keep stepping in lockstep, as padding nobody attends to.
-        logits = model(torch.where(alive, nxt, pad_id)[:, None], attention_mask=alive[:, None], cache=cache)[
-            :, -1
-        ].float()
-    return Generation(out_tokens.cpu(), out_logp.cpu(), lengths.cpu(), stopped.cpu())

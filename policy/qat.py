@@ -17,9 +17,14 @@ policy.formats functions the rollout uses on the published tensors, cast to the 
 sides, so for version v the trainer's effective weights equal the rollout's bitwise (tested). The
 matmul then sees identical operands on both sides.
 
-Effective weights are cached per parameter and recomputed only when the parameter's bits change
-(checked with one exact comparison against a snapshot per forward; the autograd version counter is
-not enough because fused optimizers do not bump it). This costs one extra copy of the parameters.
+Effective weights are cached per parameter together with the quantized object they came from, and
+recomputed once per optimizer step: `apply_qat(..., optimizer=opt)` registers a step post-hook that
+invalidates the cache (the first forward after the step refills it, tensor by tensor, on the device
+the parameter lives on), and so do `Transformer.load_weights` and a bumped autograd version counter
+(in-place edits outside the optimizer). A fused optimizer does not bump that counter, so a trainer
+that steps an optimizer it did not register must call `hook.invalidate()` itself. The cache is one
+copy of the effective weights plus the packed parts; publishing reuses those parts
+(`hook.quantized_params(model)`) instead of quantizing every weight again.
 
 `probe_mismatch` compares BF16, QAT and packed-weight forwards (mean |Δ log-prob| and KL per pair).
 """
@@ -33,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policy import formats, kernels
-from policy.manifest import quantize_param
+from policy.manifest import QuantizedParam, quantize_param
 from policy.model import QuantHook, Transformer
 from policy.recipe import Plan, Recipe
 
@@ -67,11 +72,6 @@ def _as_plan(model: Transformer, recipe: Recipe | Plan) -> Plan:
 def _quantize_param(entry, w: Tensor):
     """The quantized object of one parameter, exactly as the trainer publishes it (policy.manifest)."""
     return quantize_param(w, entry.format, **entry.kwargs).value
-
-
-def _effective(entry, w: Tensor) -> Tensor:
-    """dequantize(quantize(w)) in w's dtype and shape: the value both sides compute with."""
-    return kernels.dequantize(_quantize_param(entry, w)).view(w.shape).to(w.dtype)
 
 
 class ActivationQuantizer:
@@ -156,30 +156,33 @@ class QATHook(QuantHook):
         self.act_quant = ActivationQuantizer(plan)
         self._params = {e.name: e for e in plan.params}
         self._sites: dict[str, tuple[str, str]] = {}
-        # name -> (snapshot of the master bits, effective weight). Comparing bits, not the autograd
-        # version counter: fused optimizers (AdamW(fused=True)) update parameters without bumping it.
-        self._cache: dict[str, tuple[Tensor, Tensor]] = {}
+        # name -> (the parameter's autograd version, its QuantizedParam, its effective weight)
+        self._cache: dict[str, tuple[int, QuantizedParam, Tensor]] = {}
 
-    def invalidate(self) -> None:
+    def invalidate(self, *_: object) -> None:
+        """Forget every cached weight (also an optimizer step post-hook: it is called with the optimizer)."""
         self._cache.clear()
 
-    def effective(self, name: str, p: Tensor) -> Tensor:
-        """fake_quant of parameter `name` (no autograd), recomputed only when `p`'s bits changed."""
+    def _entry(self, name: str, p: Tensor) -> tuple[int, QuantizedParam, Tensor]:
         hit = self._cache.get(name)
-        if (
-            hit is not None
-            and hit[0].shape == p.shape
-            and hit[0].dtype == p.dtype
-            and hit[0].device == p.device
-            and torch.equal(_ints(hit[0]), _ints(p))
-        ):
-            return hit[1]
+        if hit is not None and hit[0] == p._version and hit[2].device == p.device:
+            return hit
         with torch.no_grad():
-            self._cache[name] = (p.detach().clone(), value := _effective(self._params[name], p))
-        return value
+            q = quantize_param(p, self._params[name].format, **self._params[name].kwargs)
+            hit = self._cache[name] = (p._version, q, kernels.dequantize(q.value).view(p.shape).to(p.dtype))
+        return hit
+
+    def effective(self, name: str, p: Tensor) -> Tensor:
+        """fake_quant of parameter `name` (no autograd), computed once per optimizer step."""
+        return self._entry(name, p)[2]
 
     def effective_weights(self, model: Transformer) -> dict[str, Tensor]:
         return {n: self.effective(n, p) for n, p in model.named_parameters()}
+
+    def quantized_params(self, model: Transformer) -> dict[str, QuantizedParam]:
+        """Every parameter's QuantizedParam, as published (policy.manifest.build_manifest takes them):
+        the same objects the forward computes with, from the cache where the forward already made them."""
+        return {n: self._entry(n, p)[1] for n, p in model.named_parameters()}
 
     def _names(self, site: str) -> tuple[str, str]:
         names = self._sites.get(site)
@@ -206,10 +209,14 @@ class QATHook(QuantHook):
         return p_hat
 
 
-def apply_qat(model: Transformer, recipe: Recipe | Plan, backward: str = "hp") -> QATHook:
-    """Install QAT on `model` (in place) and return the hook."""
+def apply_qat(
+    model: Transformer, recipe: Recipe | Plan, backward: str = "hp", *, optimizer: torch.optim.Optimizer | None = None
+) -> QATHook:
+    """Install QAT on `model` (in place) and return the hook; `optimizer`'s steps refresh its cache."""
     hook = QATHook(_as_plan(model, recipe), backward)
     model.quant_hook = hook
+    if optimizer is not None:
+        optimizer.register_step_post_hook(hook.invalidate)
     return hook
 
 

@@ -35,8 +35,6 @@ Built-in recipes are the YAML files shipped in configs/recipes/ (`BUILTINS`).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import re
 import warnings
@@ -47,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from policy import formats
+from policy.hashing import sha256_json
 from policy.model import ModelConfig, Transformer, activation_sites, parameter_shapes
 
 __all__ = ["BUILTINS", "RECIPE_DIR", "Plan", "PlanEntry", "Recipe", "Rule"]
@@ -345,10 +344,11 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def fingerprint(self) -> str:
-        """sha256 hex of the canonical JSON of name, keep_bf16 and rules (description excluded)."""
+        """sha256 hex of the canonical JSON of name, keep_bf16 and rules (description excluded):
+        the manifest's `recipe_sha256` (policy.hashing)."""
         d = self.to_dict()
         d.pop("description")
-        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return sha256_json(d)
 
     # ---- planning
 
@@ -425,13 +425,7 @@ class Recipe:
                 errors.append(f"{name}: fp8_block activation blocks must be one row, got {kwargs['block']}")
         elif len(shape) == 1 and rule.format != "bf16":
             errors.append(f"{name}: 1-D parameter {shape} can only be bf16, got {rule.format}")
-        block = {
-            "nvfp4": formats.nvfp4.BLOCK,
-            "mxfp8": formats.mxfp8.BLOCK,
-            "bf16": 1,
-            "int4": kwargs.get("group_size"),
-            "fp8_block": kwargs.get("block", (1, 1))[1],
-        }[rule.format]
+        block = formats.get(rule.format).block_shape(**kwargs)[1]
         if K % block:
             errors.append(f"{name}: K={K} is not a multiple of the {rule.format} block size {block}")
         return errors

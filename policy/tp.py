@@ -76,21 +76,9 @@ _ATTENTION_HEADS = re.compile(_LAYER + r"self_attn\.[qkv]_proj\.weight")
 
 
 def block_shape(fmt: str, kwargs: Mapping | None = None) -> tuple[int, int]:
-    """(rows, cols) of one quantization block of format `fmt` with quantize() kwargs `kwargs`."""
-    kwargs = dict(kwargs or {})
-    if fmt == "nvfp4":
-        return 1, formats.nvfp4.BLOCK
-    if fmt == "mxfp8":
-        return 1, formats.mxfp8.BLOCK
-    if fmt == "int4":
-        return 1, int(kwargs.get("group_size", formats.int4.DEFAULT_GROUP))
-    if fmt == "fp8_block":
-        bm, bk = kwargs.get("block", formats.fp8_block.WEIGHT_BLOCK)
-        return int(bm), int(bk)
-    if fmt == "bf16":
-        return 1, 1
-    formats.get(fmt)  # raises the ValueError that names the known formats
-    raise ValueError(f"format {fmt!r} has no TP block shape in policy/tp.py")
+    """(rows, cols) of one quantization block of format `fmt` with quantize() kwargs `kwargs`:
+    the format module's own `block_shape` (ValueError naming the known formats for another name)."""
+    return formats.get(fmt).block_shape(**dict(kwargs or {}))
 
 
 def check_tp(tp_rank: int, tp_size: int) -> None:

@@ -1,19 +1,38 @@
-"""Built-in task: multi-digit addition with a programmatic verifier and a character tokenizer.
+"""Tasks as plugins: the `Task` protocol, the registry of built-in tasks, and the built-in addition task.
 
-Chosen because a 1-5M parameter model learns it on a CPU in minutes, its reward is exact
+A task is what the run learns: its prompts, its verifier and its tokenizer (the tokenizer's size is
+the model's vocab, so trainer and rollout build the same one). `tandem/services.py` builds one with
+`make_task(cfg.task, seed=cfg.seed)` and injects it into both sides: the trainer feeds
+`task.prompt(i)` and warm-starts on `task.example(rng)`; a rollout worker generates up to
+`task.max_new_tokens` tokens and scores them with `task.score`. `task.name` selects the factory: a
+built-in registered in `TASKS`, or a user's `"module:attr"` (imported at start; called as
+`factory(cfg, seed=seed)` and returning a `Task`).
+
+The protocol (structural: any object with these members is a task):
+
+    tokenizer        a `Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode(text, bos=, eos=), decode(ids)
+    max_new_tokens   the longest completion a rollout generates
+    prompt(index)    -> Prompt, a pure function of (the task's seed, index), so that a restarted
+                        trainer feeds the same data
+    example(rng)     -> Prompt, a random example with its reference completion (supervised warm start)
+    score(completion_ids, fields) -> float, the verifier; `fields` is the Prompt's `fields` as it
+                        travelled with the prompt group (plain msgpack-able data: strings, numbers)
+
+Built-in task `addition`: multi-digit addition with a programmatic verifier and a character
+tokenizer. Chosen because a 1-5M parameter model learns it on a CPU in minutes, its reward is exact
 (no learned judge), and difficulty is one knob (`digits`). A prompt is "<bos>123+45=" and a
 correct completion is "168<eos>". The reward is 1.0 for the exact answer followed by <eos>,
 else 0.0: GRPO normalizes within a group, so a binary verifier is enough signal once the
 warm-started policy is sometimes right.
-
-The tokenizer is part of the model contract (its size is the model's vocab), so trainer and
-rollout both build it from this module's constants.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+="
@@ -48,18 +67,77 @@ class CharTokenizer:
         return "".join(out)
 
 
+@runtime_checkable
+class Tokenizer(Protocol):
+    pad_id: int
+    bos_id: int
+    eos_id: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prompt:
+    """One prompt of a task: its token ids, the fields its verifier needs, a reference completion."""
+
+    tokens: list[int]  # the prompt as the model sees it (with <bos> where the task uses one)
+    fields: dict[str, Any]  # travels with the prompt group to `Task.score`, e.g. {"answer": "15"}
+    reference: list[int]  # a correct completion (with <eos>), for the supervised warm start
+
+
+@runtime_checkable
+class Task(Protocol):
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def max_new_tokens(self) -> int: ...
+
+    def prompt(self, index: int) -> Prompt: ...
+
+    def example(self, rng: random.Random) -> Prompt: ...
+
+    def score(self, completion_ids: Sequence[int], fields: dict[str, Any]) -> float: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """The run's `task:` section."""
+
+    name: str = "addition"
+    """A built-in task (`rollout.tasks.TASKS`: addition) or a user's factory as "module:attr"."""
+    digits: int = 1
+    """addition: each operand has 1..digits digits (1 = single-digit sums, the demo)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Task-specific settings for a user's factory (it reads them from cfg.options)."""
+
+    def __post_init__(self):
+        if self.name not in TASKS and ":" not in self.name:
+            raise ValueError(
+                f"task.name={self.name!r}: not a built-in task ({', '.join(sorted(TASKS))}) "
+                "and not a 'module:attr' factory"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdditionTask:
-    """a+b with each operand drawn uniformly from 1..`digits` digits."""
+    """a+b with each operand drawn uniformly from 1..`digits` digits; prompt i from Random(seed, i)."""
 
     digits: int = 2
+    seed: int = 0
+    tokenizer: CharTokenizer = field(default_factory=CharTokenizer, compare=False)
 
     def __post_init__(self):
         if not 1 <= self.digits <= 9:
             raise ValueError(f"AdditionTask.digits={self.digits} must be in 1..9")
 
     @property
-    def max_answer_tokens(self) -> int:
+    def max_new_tokens(self) -> int:
         return self.digits + 2  # carry digit + <eos>
 
     def sample(self, rng: random.Random) -> tuple[str, str]:
@@ -67,12 +145,48 @@ class AdditionTask:
         a, b = (rng.randint(0, 10 ** rng.randint(1, self.digits) - 1) for _ in range(2))
         return f"{a}+{b}=", str(a + b)
 
+    def example(self, rng: random.Random) -> Prompt:
+        text, answer = self.sample(rng)
+        tok = self.tokenizer
+        return Prompt(
+            tokens=tok.encode(text, bos=True), fields={"answer": answer}, reference=tok.encode(answer, eos=True)
+        )
+
+    def prompt(self, index: int) -> Prompt:
+        return self.example(random.Random(self.seed * 1_000_003 + index))
+
     @staticmethod
     def reward(completion_text_until_eos: str, ended_with_eos: bool, answer: str) -> float:
         return 1.0 if ended_with_eos and completion_text_until_eos == answer else 0.0
 
-    def score(self, tok: CharTokenizer, completion_ids, answer: str) -> float:
-        """The verifier on raw completion token ids."""
+    def score(self, completion_ids: Sequence[int], fields: dict[str, Any]) -> float:
+        """The verifier on raw completion token ids: 1.0 for exactly fields["answer"] then <eos>."""
         ids = list(completion_ids)
-        ended = tok.eos_id in ids
-        return self.reward(tok.decode(ids), ended, answer)
+        ended = self.tokenizer.eos_id in ids
+        return self.reward(self.tokenizer.decode(ids), ended, fields["answer"])
+
+
+def make_addition(cfg: TaskConfig, *, seed: int) -> AdditionTask:
+    return AdditionTask(digits=cfg.digits, seed=seed)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"addition": make_addition}
+
+
+def make_task(cfg: TaskConfig, *, seed: int) -> Task:
+    """The configured task: a built-in from TASKS or a user's "module:attr" factory."""
+    if cfg.name in TASKS:
+        factory = TASKS[cfg.name]
+    else:
+        module, _, attr = cfg.name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"task.name={cfg.name!r}: cannot load the factory: {type(e).__name__}: {e}") from None
+    try:
+        task = factory(cfg, seed=seed)
+    except TypeError as e:  # a factory of the wrong signature
+        raise ValueError(f"task.name={cfg.name!r}: factory(cfg, seed=...) failed: {e}") from None
+    if not isinstance(task, Task) or not isinstance(task.tokenizer, Tokenizer):
+        raise ValueError(f"task.name={cfg.name!r}: the factory returned {type(task).__name__}, not a Task")
+    return task

@@ -11,8 +11,9 @@ Loop (one group at a time):
 SIGTERM sets a flag: the group in progress is finished and committed, then the worker exits
 (a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
 
-Simplified: generation is the CPU KV-cache engine of policy.model with weights dequantized once
-per version (weight-only formats are exact after dequantization; GPU engines keep them packed).
+Simplified: generation is the CPU KV-cache engine of rollout/engine.py (the prompt prefilled
+once per group, its cache shared by the n samples) with weights dequantized once per version
+(weight-only formats are exact after dequantization; GPU engines keep them packed).
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
+from policy.loop import AsyncConfig
 from policy.manifest_check import ManifestRefused, check_manifest, expected_tensors
-from policy.model import ModelConfig, Transformer, generate
+from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
 from .config import RolloutConfig
-from .tasks import AdditionTask, CharTokenizer
+from .engine import generate
+from .tasks import Task
 
 
 class RolloutWorker:
@@ -53,17 +56,17 @@ class RolloutWorker:
         worker_id: str,
         model_config: ModelConfig,
         recipe: Recipe,
-        max_staleness: int,
+        loop: AsyncConfig,
+        task: Task,
         redis_outage_s: float = 60.0,
         signer: Signer | None = None,
-        task: AdditionTask,
-        tokenizer: CharTokenizer,
         log: Callable[[str], None] = print,
     ):
-        self.cfg, self.worker_id, self.max_staleness, self.log = cfg, worker_id, max_staleness, log
+        self.cfg, self.worker_id, self.loop, self.log = cfg, worker_id, loop, log
+        self.max_staleness = loop.max_staleness
         self.keys = Keys(run_id=run_id)
         self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
-        self.task, self.tok = task, tokenizer
+        self.task = task
         self.recipe = recipe
         self.model = Transformer(model_config, seed=None)
         self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
@@ -76,9 +79,9 @@ class RolloutWorker:
         self.groups_done = 0
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
-        self.health = HealthServer(port=cfg.health_port, service=ROLLOUT_HEALTH, host=cfg.health_host)
-        if cfg.client_tls()["tls_root_ca_path"]:  # missing TLS files: fail at start, not at every fetch
-            PolicyClientConfig(address="tls-files-check:1", **cfg.client_tls())
+        self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH, host=cfg.health.host)
+        if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
+            PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -196,7 +199,7 @@ class RolloutWorker:
                 address=pointer.address,
                 expected_fingerprint=self.fingerprint,
                 fetch_timeout_s=self.cfg.fetch_timeout_s,
-                **self.cfg.client_tls(),
+                tls=self.cfg.tls,
             )
             with PolicyClient(cfg) as client:
                 return client.fetch(pointer.version, check=self._check_manifest)
@@ -221,11 +224,12 @@ class RolloutWorker:
         prompt = group.prompt_tokens.tolist()
         gen = generate(
             self.model,
-            [prompt] * n,
-            max_new_tokens=self.task.max_answer_tokens,
-            temperature=self.cfg.temperature,
-            eos_id=self.tok.eos_id,
-            pad_id=self.tok.pad_id,
+            [prompt],
+            n_samples=n,
+            max_new_tokens=self.task.max_new_tokens,
+            temperature=self.loop.temperature,
+            eos_id=self.task.tokenizer.eos_id,
+            pad_id=self.task.tokenizer.pad_id,
             seeds=[zlib.crc32(s.encode()) for s in sample_ids],
         )
         now = time.time()
@@ -241,7 +245,7 @@ class RolloutWorker:
                     prompt_tokens=np.asarray(prompt, dtype=np.int32),
                     completion_tokens=np.asarray(completion, dtype=np.int32),
                     behavior_logprobs=np.asarray(logps, dtype=np.float32),
-                    reward=self.task.score(self.tok, completion, group.task["answer"]),
+                    reward=self.task.score(completion, group.task),
                     policy_version=self.version,
                     contract_fingerprint=self.fingerprint,
                     worker_id=self.worker_id,

@@ -1,14 +1,18 @@
 """One YAML file per run plus `key=value` overrides -> one frozen, validated RunConfig.
 
 Each component owns its section's dataclass (`trainer.config.TrainerConfig`,
-`rollout.config.RolloutConfig`); this module only composes them, applies overrides
+`rollout.config.RolloutConfig`, `rollout.tasks.TaskConfig`); this module only composes them, applies overrides
 (`trainer.max_steps=20`, `model.dim=64`; values parse as YAML scalars) and rejects unknown
 keys by their full dotted path, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import functools
+import inspect
 import json
 import types
 import typing
@@ -19,7 +23,9 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import yaml
 
+from policy.loop import AsyncConfig
 from rollout.config import RolloutConfig
+from rollout.tasks import TaskConfig
 from trainer.config import TrainerConfig
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -30,39 +36,39 @@ class ModelSection:
     """The model preset plus field overrides (e.g. {"n_layers": 2}); vocab comes from the task."""
 
     preset: str = "tiny"
+    """A `policy.model.PRESETS` name."""
     overrides: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskSection:
-    name: str = "addition"
-    digits: int = 1
-
-    def __post_init__(self):
-        if self.name != "addition":
-            raise ValueError(f"task.name={self.name!r}: the built-in task is 'addition'")
+    """ModelConfig fields that replace the preset's (vocab_size always comes from the task)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
+    """One run: the top-level keys and one section per component (`tandem run --explain KEY`)."""
+
     run_id: str = "demo"
-    redis_url: str = ""  # empty: `tandem run` starts a private redis-server
+    """Names the run's Redis keys (tandem:{run_id}:...); letters, digits, '-', '_' and '.'."""
+    redis_url: str = ""
+    """redis://, rediss:// or unix:// URL; empty: `tandem run` starts a private redis-server."""
     num_rollout_workers: int = 2
-    seed: int = 0
+    """Rollout worker processes `tandem run` starts (0..64)."""
     recipe: str = "nvfp4_moe"
-    # Samples more than this many versions behind the trainer are dropped by the trainer, and a
-    # rollout never starts a group with a policy already this far behind.
-    max_staleness: int = 2
-    # Services ride out a Redis restart or failover this long (retrying with backoff), then exit
-    # non-zero for the orchestrator to restart them (broker.outage).
+    """A built-in recipe name or a recipe YAML file (`tandem plan RECIPE` shows it)."""
+    loop: AsyncConfig = field(default_factory=AsyncConfig)
+    """Run-wide settings both sides share: max_staleness, temperature, seed."""
     redis_outage_s: float = 60.0
-    # The run secret that signs trajectories and the policy pointer (broker.signing): a file holding
-    # 64 hex characters; "" = $TANDEM_RUN_SECRET if set, else unsigned. `tandem run` makes one per run.
+    """Services ride out a Redis restart or failover this long (retrying with backoff), then exit
+    non-zero (code 3) for the orchestrator to restart them (broker.outage)."""
     run_secret_file: str = ""
+    """The run secret that signs trajectories and the policy pointer (broker.signing): a file of 64
+    hex characters; "" = $TANDEM_RUN_SECRET if set, else unsigned. `tandem run` makes one per run."""
     model: ModelSection = field(default_factory=ModelSection)
-    task: TaskSection = field(default_factory=TaskSection)
+    """The policy model."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """What the run learns: prompts, verifier, tokenizer."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer service."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """A rollout worker."""
 
     def __post_init__(self):
         errors = []
@@ -70,8 +76,6 @@ class RunConfig:
             errors.append(f"run_id={self.run_id!r} (letters, digits, '-', '_' and '.' only)")
         if not 0 <= self.num_rollout_workers <= 64:
             errors.append(f"num_rollout_workers={self.num_rollout_workers} (want 0..64)")
-        if self.max_staleness < 0:
-            errors.append(f"max_staleness={self.max_staleness} (must be >= 0)")
         if not 0 <= self.redis_outage_s <= 3600:
             errors.append(f"redis_outage_s={self.redis_outage_s} (want 0..3600 seconds)")
         if errors:
@@ -90,8 +94,17 @@ def _build(cls, data: dict, path: str):
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
+        hints = ""
+        for k in unknown:
+            near = _near(k, fields)
+            if near:
+                hints += f"; did you mean {where}{near[0]}: {field_docs(cls).get(near[0], '')}"
+            else:  # a key of another section (e.g. max_staleness, now loop.max_staleness)
+                elsewhere = [d for d, _ in _all_keys(RunConfig) if d.rsplit(".", 1)[-1] == k]
+                if elsewhere:
+                    hints += f"; did you mean {elsewhere[0]}: {explain(elsewhere[0]).split(': ', 1)[1]}"
         raise ValueError(
-            f"unknown config key(s) {', '.join(where + k for k in unknown)}; known: {', '.join(sorted(fields))}"
+            f"unknown config key(s) {', '.join(where + k for k in unknown)}; known: {', '.join(sorted(fields))}" + hints
         )
     kwargs = {}
     for name, value in data.items():
@@ -102,6 +115,68 @@ def _build(cls, data: dict, path: str):
         else:
             kwargs[name] = _coerce(hint, value, sub)
     return cls(**kwargs)
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """{field: its attribute docstring (the string literal under it), whitespace collapsed}."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def explain(key: str) -> str:
+    """`tandem run --explain KEY`: a config key's type, default and documentation (a section: all its keys)."""
+    cls, path, default = RunConfig, "", RunConfig()
+    for part in [p for p in key.split(".") if p]:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            near = _near(part, fields)
+            raise ValueError(
+                f"unknown config key {path + part!r}"
+                + (f"; did you mean {', '.join(path + n for n in near)}?" if near else "")
+                + f" (keys of {path.rstrip('.') or 'the top level'}: {', '.join(fields)})"
+            )
+        hint = typing.get_type_hints(cls)[part]
+        doc, default = field_docs(cls).get(part, ""), getattr(default, part)
+        if not dataclasses.is_dataclass(hint):
+            return f"{path}{part} ({_type_name(hint)}, default {default!r}): {doc}"
+        cls, path = hint, f"{path}{part}."
+    lines = [f"{path.rstrip('.') or 'top level'}: {(cls.__doc__ or '').strip().splitlines()[0]}"]
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = "section" if dataclasses.is_dataclass(hints[f.name]) else _type_name(hints[f.name])
+        shown = "" if kind == "section" else f", default {getattr(default, f.name)!r}"
+        lines.append(f"  {path}{f.name} ({kind}{shown}): {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def _near(name: str, names) -> list[str]:
+    """Keys `name` may have meant: those it begins, then close spellings."""
+    return [n for n in names if n.startswith(name)][:3] or difflib.get_close_matches(name, list(names), n=3)
+
+
+def _all_keys(cls, path: str = ""):
+    """(dotted key, field) of every leaf field under dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _all_keys(hints[f.name], f"{path}{f.name}.")
+        else:
+            yield f"{path}{f.name}", f
+
+
+def _type_name(hint) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 def _coerce(hint, value, path: str):
@@ -162,15 +237,15 @@ ENV_KEYS = {
     "TANDEM_RUN_ID": "run_id",
     "TANDEM_REDIS_URL": "redis_url",  # plus TANDEM_REDIS_PASSWORD / TANDEM_REDIS_CA_FILE, merged in
     "TANDEM_RUN_SECRET_FILE": "run_secret_file",  # a mounted Secret (or TANDEM_RUN_SECRET, read directly)
-    "TANDEM_TRAINER_TLS_CERT": "trainer.grpc_tls_cert",
-    "TANDEM_TRAINER_TLS_KEY": "trainer.grpc_tls_key",
-    "TANDEM_TRAINER_TLS_CLIENT_CA": "trainer.grpc_tls_client_ca",
-    "TANDEM_ROLLOUT_TLS_CA": "rollout.grpc_tls_ca",
-    "TANDEM_ROLLOUT_TLS_CERT": "rollout.grpc_tls_cert",
-    "TANDEM_ROLLOUT_TLS_KEY": "rollout.grpc_tls_key",
-    "TANDEM_ROLLOUT_TLS_SERVER_NAME": "rollout.grpc_tls_server_name",
-    "TANDEM_TRAINER_HEALTH_HOST": "trainer.health_host",  # the pod IP (downward API status.podIP)
-    "TANDEM_ROLLOUT_HEALTH_HOST": "rollout.health_host",
+    "TANDEM_TRAINER_TLS_CERT": "trainer.tls.cert",
+    "TANDEM_TRAINER_TLS_KEY": "trainer.tls.key",
+    "TANDEM_TRAINER_TLS_CLIENT_CA": "trainer.tls.client_ca",
+    "TANDEM_ROLLOUT_TLS_CA": "rollout.tls.ca",
+    "TANDEM_ROLLOUT_TLS_CERT": "rollout.tls.cert",
+    "TANDEM_ROLLOUT_TLS_KEY": "rollout.tls.key",
+    "TANDEM_ROLLOUT_TLS_SERVER_NAME": "rollout.tls.server_name",
+    "TANDEM_TRAINER_HEALTH_HOST": "trainer.health.host",  # the pod IP (downward API status.podIP)
+    "TANDEM_ROLLOUT_HEALTH_HOST": "rollout.health.host",
 }
 REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE")
 

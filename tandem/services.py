@@ -1,5 +1,7 @@
 """Builds the trainer and a rollout worker from one RunConfig: the only place that imports both,
-so the task (prompts, verifier, tokenizer) is wired into the task-agnostic trainer here."""
+so the task (prompts, verifier, tokenizer; `rollout.tasks.Task`) is built here once per process and
+injected into both sides: the task-agnostic trainer gets its prompts and warm-start examples as
+callables, a rollout worker the task itself."""
 
 from __future__ import annotations
 
@@ -18,40 +20,39 @@ from broker.signing import load_signer
 from broker.streams import run_async
 from policy.model import ModelConfig
 from policy.recipe import Recipe
-from rollout.tasks import AdditionTask, CharTokenizer
+from rollout.tasks import Task, make_task
 from rollout.worker import RolloutWorker
 from trainer.service import Trainer
 
 from .config import RunConfig
 
 
-def task_and_model(cfg: RunConfig) -> tuple[AdditionTask, CharTokenizer, ModelConfig, Recipe]:
-    tok = CharTokenizer()
-    task = AdditionTask(digits=cfg.task.digits)
-    overrides = {"max_seq_len": 64, **cfg.model.overrides, "vocab_size": tok.vocab_size}
-    return task, tok, ModelConfig.preset(cfg.model.preset, **overrides), Recipe.load(cfg.recipe)
+def task_and_model(cfg: RunConfig) -> tuple[Task, ModelConfig, Recipe]:
+    task = make_task(cfg.task, seed=cfg.loop.seed)
+    overrides = {"max_seq_len": 64, **cfg.model.overrides, "vocab_size": task.tokenizer.vocab_size}
+    return task, ModelConfig.preset(cfg.model.preset, **overrides), Recipe.load(cfg.recipe)
 
 
 def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
-    task, tok, model_config, recipe = task_and_model(cfg)
+    task, model_config, recipe = task_and_model(cfg)
 
     def make_prompt(index: int) -> PromptGroup:
         # Prompt i is a pure function of (seed, i): a restarted trainer feeds the same data.
-        text, answer = task.sample(random.Random(cfg.seed * 1_000_003 + index))
+        p = task.prompt(index)
         return PromptGroup(
             prompt_id=f"p{index}",
             group_id=f"p{index}",
-            prompt_tokens=np.asarray(tok.encode(text, bos=True), dtype=np.int32),
+            prompt_tokens=np.asarray(p.tokens, dtype=np.int32),
             n_samples=cfg.trainer.group_size,
-            task={"answer": answer},
+            task=p.fields,
             created_at=time.time(),
         )
 
-    warm_rng = random.Random(cfg.seed + 17)
+    warm_rng = random.Random(cfg.loop.seed + 17)
 
     def example():
-        text, answer = task.sample(warm_rng)
-        return tok.encode(text, bos=True), tok.encode(answer, eos=True)
+        p = task.example(warm_rng)
+        return p.tokens, p.reference
 
     return Trainer(
         cfg.trainer,
@@ -59,22 +60,20 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         redis_url=cfg.redis_url,
         model_config=model_config,
         recipe=recipe,
-        max_staleness=cfg.max_staleness,
+        loop=cfg.loop,
         redis_outage_s=cfg.redis_outage_s,
         signer=load_signer(cfg.run_secret_file),
         run_dir=run_dir,
-        seed=cfg.seed,
-        temperature=cfg.rollout.temperature,
         make_prompt=make_prompt,
         warm_start_example=example,
-        pad_id=tok.pad_id,
-        max_completion_tokens=task.max_answer_tokens,
+        pad_id=task.tokenizer.pad_id,
+        max_completion_tokens=task.max_new_tokens,
         log=lambda s: print(f"[trainer] {s}", flush=True),
     )
 
 
 def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
-    task, tok, model_config, recipe = task_and_model(cfg)
+    task, model_config, recipe = task_and_model(cfg)
     return RolloutWorker(
         cfg.rollout,
         run_id=cfg.run_id,
@@ -82,11 +81,10 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
         worker_id=worker_id,
         model_config=model_config,
         recipe=recipe,
-        max_staleness=cfg.max_staleness,
+        loop=cfg.loop,
         redis_outage_s=cfg.redis_outage_s,
         signer=load_signer(cfg.run_secret_file),
         task=task,
-        tokenizer=tok,
         log=lambda s: print(f"[rollout] {s}", flush=True),
     )
 

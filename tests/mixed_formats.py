@@ -1,7 +1,20 @@
-"""Shared by the manifest and policy-transport tests: which format each tensor of the tiny model
-gets, so one policy mixes every format (TP-friendly: no 128x128 blocks on 128-wide tensors)."""
+"""Shared by the manifest, policy-transport and kernel tests: which format each tensor of the tiny
+model gets, so one policy mixes every format (TP-friendly: no 128x128 blocks on 128-wide tensors),
+and a byte-level comparison of two quantized objects."""
 
 from __future__ import annotations
+
+import torch
+
+
+def same_parts(a, b) -> bool:
+    """Two quantized objects have the same parts, dtypes and bytes."""
+    pa, pb = a.parts(), b.parts()
+    return pa.keys() == pb.keys() and all(
+        pa[n].dtype == pb[n].dtype
+        and torch.equal(pa[n].contiguous().view(torch.uint8), pb[n].contiguous().view(torch.uint8))
+        for n in pa
+    )
 
 
 def format_for(name: str) -> tuple[str, dict]:

@@ -1,51 +1,76 @@
-"""The trainer's configuration: one frozen dataclass, validated with messages naming each field."""
+"""The trainer's configuration: one frozen dataclass, validated with messages naming each field.
+
+Each field is documented by the string below it (shown by `tandem run --explain trainer.KEY`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from broker.health import HealthConfig
+from broker.tls import ServerTLS
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
+    """The `trainer:` section: the RL step, publishing, warm start and the service's ports."""
+
     # RL step
     max_steps: int = 100
-    groups_per_step: int = 16  # prompt groups consumed per optimizer step
-    group_size: int = 8  # samples per prompt (GRPO group)
+    """Optimizer steps of the run."""
+    groups_per_step: int = 16
+    """Prompt groups consumed per optimizer step."""
+    group_size: int = 8
+    """Samples per prompt (the GRPO group), >= 2."""
     lr: float = 3e-4
+    """AdamW learning rate of the RL steps."""
     betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 1.0
-    minibatches: int = 2  # optimizer updates per step; the PPO clip acts from the second one on
+    """Gradient-norm clip per update."""
+    minibatches: int = 2
+    """Optimizer updates per step; the PPO clip acts from the second one on."""
     clip_low: float = 0.2
+    """PPO clip: ratio floor 1 - clip_low."""
     clip_high: float = 0.28
-    tis_cap: float = 2.0  # truncated importance weight cap C on prox / behavior
-    backward: str = "hp"  # QAT straight-through mode: "hp" or "dequant"
-    # publishing (max_staleness is the run's, RunConfig.max_staleness, shared with the rollouts)
+    """PPO clip: ratio ceiling 1 + clip_high."""
+    tis_cap: float = 2.0
+    """Truncated importance weight cap C on prox / behavior."""
+    backward: str = "hp"
+    """QAT straight-through mode: "hp" (master weights) or "dequant" (effective operands)."""
+    # publishing (the staleness bound is the run's: loop.max_staleness, shared with the rollouts)
     publish_every: int = 1
-    prompts_ahead: int = 0  # prompt groups queued or in flight; 0 = groups_per_step * max(1, max_staleness)
+    """Publish a new policy version every this many optimizer steps."""
+    prompts_ahead: int = 0
+    """Prompt groups queued or in flight; 0 = groups_per_step * max(1, loop.max_staleness)."""
     # warm start: supervised steps on correct answers before RL, so the policy is sometimes right
     warmstart_steps: int = 150
+    """Supervised steps on the task's reference answers before RL (0 = none)."""
     warmstart_batch: int = 64
+    """Examples per warm-start step."""
     warmstart_lr: float = 3e-3
+    """Learning rate of the warm start."""
     # services
-    grpc_host: str = "127.0.0.1"  # a pod binds "0.0.0.0"
-    grpc_port: int = 0  # 0 = a free port (published in policy:latest)
-    # host:port the rollouts dial, published in policy:latest; "" = the bound address. In a pod: the
-    # Service's DNS name (a bound 0.0.0.0 is no address to dial).
+    grpc_host: str = "127.0.0.1"
+    """Address the policy gRPC server binds (a pod binds "0.0.0.0")."""
+    grpc_port: int = 0
+    """Port of the policy gRPC server; 0 = a free port (published in policy:latest)."""
     grpc_advertise: str = ""
-    # TLS of the policy gRPC (PEM paths; "" = plaintext): certificate chain + key; a client CA as
-    # well requires client certificates signed by it (mTLS).
-    grpc_tls_cert: str = ""
-    grpc_tls_key: str = ""
-    grpc_tls_client_ca: str = ""
-    # Plaintext grpc.health.v1 for Kubernetes probes (kubelet's gRPC probe cannot speak TLS): SERVING
-    # once a policy is published. -1 = off, 0 = a free port, else that port; on health_host (a pod: its
-    # IP, TANDEM_TRAINER_HEALTH_HOST from the downward API).
-    health_port: int = -1
-    health_host: str = "127.0.0.1"
-    metrics_port: int = 0  # Prometheus; 0 = a free port, -1 = off
-    collect_timeout_s: float = 300.0  # give up waiting for trajectories after this long
-    max_abs_reward: float = 1e3  # samples with |reward| above this are refused (trainer.validation)
+    """host:port the rollouts dial, published in policy:latest; "" = the bound address. In a pod:
+    the Service's DNS name (a bound 0.0.0.0 is no address to dial)."""
+    tls: ServerTLS = field(default_factory=ServerTLS)
+    """TLS of the policy gRPC (PEM paths): cert + key; a client_ca as well requires client
+    certificates signed by it (mTLS)."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """grpc.health.v1 for Kubernetes probes (plaintext: kubelet's gRPC probe cannot speak TLS):
+    SERVING once a policy is published."""
+    metrics_port: int = 0
+    """Prometheus metrics port; 0 = a free port, -1 = off."""
+    collect_timeout_s: float = 300.0
+    """Give up waiting for trajectories after this long (seconds)."""
+    max_abs_reward: float = 1e3
+    """Samples with |reward| above this are refused (trainer.validation)."""
 
     def __post_init__(self):
         errors = []
@@ -75,24 +100,8 @@ class TrainerConfig:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} (want host:port)")
             elif self.grpc_port == 0:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} needs a fixed grpc_port (it is 0: a free port)")
-        if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
-            errors.append(
-                f"grpc_tls_cert={self.grpc_tls_cert!r}, grpc_tls_key={self.grpc_tls_key!r} (set both or neither)"
-            )
-        if self.grpc_tls_client_ca and not self.grpc_tls_cert:
-            errors.append(f"grpc_tls_client_ca={self.grpc_tls_client_ca!r} (mTLS needs grpc_tls_cert and grpc_tls_key)")
-        if not -1 <= self.health_port <= 65535:
-            errors.append(f"health_port={self.health_port} (-1 = off, 0 = free, else a port)")
         if errors:
             raise ValueError("TrainerConfig: " + "; ".join(errors))
-
-    def server_tls(self) -> dict:
-        """The TLS keyword arguments of broker.policy_server.PolicyServerConfig (files checked there)."""
-        return {
-            "tls_cert_chain_path": self.grpc_tls_cert or None,
-            "tls_private_key_path": self.grpc_tls_key or None,
-            "tls_client_ca_path": self.grpc_tls_client_ca or None,
-        }
 
     def queued_groups(self, max_staleness: int) -> int:
         """Groups are consumed first in, first out, and the groups being trained on still count as

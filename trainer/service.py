@@ -34,10 +34,11 @@ from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect
 from policy import manifest as mf
 from policy import qat
+from policy.loop import AsyncConfig
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
-from . import grpo
+from . import admission, grpo
 from .config import TrainerConfig
 from .metrics import MetricsSink
 from .sequences import pack, scatter_rows
@@ -69,6 +70,24 @@ class State:
     unsigned: int = 0  # trajectory entries without a valid run-secret signature, dead-lettered
 
 
+@dataclass
+class Batch:
+    """One step's samples packed into rows [B, T] (see trainer.sequences.pack), with the step's
+    per-sample data and the trainer's recomputed log-probs."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    attn: torch.Tensor
+    mask: torch.Tensor  # completion tokens
+    behav: torch.Tensor  # the rollouts' behavior log-probs
+    rewards: torch.Tensor  # [B]
+    adv: torch.Tensor  # [B] group-normalized advantages
+    versions: torch.Tensor  # [B] policy version each sample came from
+    prox: torch.Tensor  # current weights (proximal policy)
+    at_version: torch.Tensor  # each sample's own version
+    started: float  # perf_counter at the start of the step
+
+
 class Trainer:
     def __init__(
         self,
@@ -78,20 +97,20 @@ class Trainer:
         redis_url: str,
         model_config: ModelConfig,
         recipe: Recipe,
-        max_staleness: int,
+        loop: AsyncConfig,
         redis_outage_s: float = 60.0,
         signer: Signer | None = None,
         run_dir: str | Path,
-        seed: int,
-        temperature: float,
         make_prompt: Callable[[int], PromptGroup],
         warm_start_example: Callable[[], tuple[list[int], list[int]]],
         pad_id: int,
         max_completion_tokens: int = 64,
         log: Callable[[str], None] = print,
     ):
-        self.cfg, self.max_staleness, self.log = cfg, max_staleness, log
-        self.temperature = temperature  # the rollouts' sampling temperature: log-probs must match it
+        self.cfg, self.loop, self.log = cfg, loop, log
+        self.max_staleness = loop.max_staleness
+        self.temperature = loop.temperature  # the rollouts' sampling temperature: log-probs must match it
+        seed = loop.seed
         self.keys = Keys(run_id=run_id)
         self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.run_dir = Path(run_dir)
@@ -122,15 +141,15 @@ class Trainer:
         self._scratch_version: int | None = None
         self.server = PolicyServer(
             PolicyServerConfig(
-                host=cfg.grpc_host, port=cfg.grpc_port, keep_versions=max_staleness + 2, **cfg.server_tls()
+                host=cfg.grpc_host, port=cfg.grpc_port, keep_versions=self.max_staleness + 2, tls=cfg.tls
             )
         )
         self.health = HealthServer(
-            port=cfg.health_port, service=TRAINER_HEALTH, host=cfg.health_host
+            port=cfg.health.port, service=TRAINER_HEALTH, host=cfg.health.host
         )  # Kubernetes probes
         self.metrics = MetricsSink(self.run_dir / "metrics.jsonl", port=cfg.metrics_port)
         self._stop = asyncio.Event()
-        self._held: dict[str, list[TrajectoryRecord]] = {}  # group_id -> records of an incomplete group
+        self._backlog = admission.Backlog()  # incomplete groups and surplus complete ones, between steps
         # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
         self._rejected: list[tuple[TrajectoryRecord, str]] = []
 
@@ -170,7 +189,7 @@ class Trainer:
                 groups, records = await self._collect()
                 if groups is None:  # stop requested while collecting
                     break
-                row = self._train_step(groups)
+                row = self.optimize(self.recompute_logprobs(groups))
                 self.state.step += 1
                 self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in records]
                 publish = self.state.step % self.cfg.publish_every == 0 or self.state.step == self.cfg.max_steps
@@ -242,7 +261,7 @@ class Trainer:
         self.state.version = 1
         self._snapshot()
         self._save_checkpoint()
-        qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+        qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
 
     def _audit(self, groups: list[list[Trajectory]]) -> None:
         """audit.jsonl: which groups each step used, from which version and worker (one line per step)."""
@@ -279,9 +298,9 @@ class Trainer:
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> None:
         if self.model.quant_hook is None:
-            qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+            qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
         v = self.state.version
-        tensors = mf.quantize_params(dict(self.model.named_parameters()), self.plan)
+        tensors = self.model.quant_hook.quantized_params(self.model)  # the QAT forward's own quantized parts
         packed = mf.build_manifest(
             version=v, parent_version=v - 1 if v > 1 else None, contract=self.contract, tensors=tensors
         )
@@ -369,78 +388,96 @@ class Trainer:
 
     # ------------------------------------------------------------------ collect
     async def _collect(self) -> tuple[list[list[Trajectory]] | None, list[TrajectoryRecord]]:
-        """Read until `groups_per_step` complete, admissible groups are held; drop the rest, counted."""
-        done: list[list[TrajectoryRecord]] = []
+        """Read until `groups_per_step` complete, admissible groups are held (the rules:
+        `trainer.admission`); drops are counted, and consumed with the trained groups."""
         consumed: list[TrajectoryRecord] = []
         deadline = time.monotonic() + self.cfg.collect_timeout_s
-        # Groups held from earlier reads: drop those gone stale meanwhile, use the complete ones first.
-        for gid in list(self._held):
-            recs = self._held[gid]
-            if self.state.version - recs[0].trajectory.policy_version > self.max_staleness:
-                self.state.dropped_stale += len(recs)
-                consumed += self._held.pop(gid)
-                self._settle(gid, dropped=True)
-            elif len(recs) == recs[0].trajectory.group_size:
-                done.append(self._held.pop(gid))
-        while len(done) < self.cfg.groups_per_step:
+        records: list[TrajectoryRecord] | None = None  # first pass: the backlog alone, at this version
+        while True:
+            decision = admission.admit(
+                self._backlog,
+                records or [],
+                version=self.state.version,
+                max_staleness=self.max_staleness,
+                fingerprint=self.fingerprint,
+                groups_per_step=self.cfg.groups_per_step,
+            )
+            self._backlog = decision.backlog
+            held = set(self._backlog.incomplete) | {g[0].trajectory.group_id for g in self._backlog.complete}
+            for drop in decision.drops:
+                t = drop.record.trajectory
+                if drop.reason == admission.FINGERPRINT:
+                    # Counted now, dead-lettered after the next checkpoint (so a crash recounts it once).
+                    self.state.dropped_fingerprint += 1
+                    self._reject(drop.record, f"contract fingerprint {t.contract_fingerprint[:12]} != trainer's "
+                                 f"{self.fingerprint[:12]}")  # fmt: skip
+                else:
+                    self.state.dropped_stale += 1
+                    consumed.append(drop.record)
+                    if t.group_id not in held:
+                        self._settle(t.group_id, dropped=True)
+            if records is not None:  # after every read, as in the read loop
+                await self._feed_prompts()
+            if decision.train:
+                break
             if self._stop.is_set():
                 return None, []
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no complete trajectory group for {self.cfg.collect_timeout_s}s: are rollout workers running?"
                 )
-            for rec in await self.stream.read():
-                t = rec.trajectory
-                if t.contract_fingerprint != self.fingerprint:
-                    # Counted now, dead-lettered after the next checkpoint (so a crash recounts it once).
-                    self.state.dropped_fingerprint += 1
-                    reason = f"contract fingerprint {t.contract_fingerprint[:12]} != trainer's {self.fingerprint[:12]}"
-                    self._rejected.append((rec, reason))  # not committed: its sample id is not marked used
-                    self.stream.forget(rec)  # and a later copy under that id may be the real one
-                    continue
-                if self.state.version - t.policy_version > self.max_staleness:
-                    self.state.dropped_stale += 1
-                    consumed.append(rec)
-                    if t.group_id not in self._held:
-                        self._settle(t.group_id, dropped=True)
-                    continue
-                fed = self._fed_prompt(t.group_id)
-                if fed is None and t.group_id in self._settled_recent:
-                    # Already used or dropped, and Redis forgot its idempotency key (lost writes).
-                    self.state.duplicates += 1
-                    consumed.append(rec)
-                    continue
-                reason = check_trajectory(t, self.rules, version=self.state.version, fed_prompt=fed)
-                if reason is not None:  # alone: the rest of its group stays held
-                    self.state.invalid += 1
-                    self._rejected.append((rec, f"invalid: {reason}"))
-                    self.stream.forget(rec)
-                    self.log(f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r}: {reason}")
-                    continue
-                recs = self._held.setdefault(t.group_id, [])
-                recs.append(rec)
-                if len(recs) == t.group_size:
-                    done.append(sorted(self._held.pop(t.group_id), key=lambda r: r.trajectory.sample_index))
-            await self._feed_prompts()
-        used = done[: self.cfg.groups_per_step]
-        for extra in done[self.cfg.groups_per_step :]:  # keep surplus complete groups for the next step
-            self._held[extra[0].trajectory.group_id] = extra
-        consumed += [r for g in used for r in g]
-        for g in used:
+            records = self._validated(await self.stream.read(), consumed)
+        consumed += [r for g in decision.train for r in g]
+        for g in decision.train:
             self._settle(g[0].trajectory.group_id, dropped=False)
-        return [[r.trajectory for r in g] for g in used], consumed
+        return [[r.trajectory for r in g] for g in decision.train], consumed
+
+    def _validated(self, records: list[TrajectoryRecord], consumed: list) -> list[TrajectoryRecord]:
+        """The records admission may see: each sample admission would keep (this contract, fresh
+        enough) must pass trainer.validation first; one that fails is refused alone, with its reason.
+        Samples of groups already settled go to `consumed` (committed as duplicates)."""
+        out = []
+        for rec in records:
+            t = rec.trajectory
+            if (
+                t.contract_fingerprint != self.fingerprint
+                or admission.staleness(self.state.version, rec) > self.max_staleness
+            ):
+                out.append(rec)  # admission drops it, counted under its own reason
+                continue
+            fed = self._fed_prompt(t.group_id)
+            if fed is None and t.group_id in self._settled_recent:
+                # Already used or dropped, and Redis forgot its idempotency key (lost writes).
+                self.state.duplicates += 1
+                consumed.append(rec)
+                continue
+            reason = check_trajectory(t, self.rules, version=self.state.version, fed_prompt=fed)
+            if reason is not None:
+                self.state.invalid += 1
+                self._reject(rec, f"invalid: {reason}")
+                self.log(f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r}: {reason}")
+                continue
+            out.append(rec)
+        return out
+
+    def _reject(self, rec: TrajectoryRecord, reason: str) -> None:
+        """Dead-lettered at the next commit (not marked used: its sample id may come again, for real)."""
+        self._rejected.append((rec, reason))
+        self.stream.forget(rec)
 
     # ------------------------------------------------------------------ the GRPO step
-    def _train_step(self, groups: list[list[Trajectory]]) -> dict:
+    def recompute_logprobs(self, groups: list[list[Trajectory]]) -> Batch:
+        """Pack the groups into one batch with advantages, and recompute its log-probs (no grad):
+        `prox` under the current weights (the PPO proximal policy) and `at_version` under each
+        sample's own version v (the quantization part of the mismatch)."""
         t0 = time.perf_counter()
-        cfg = self.cfg
         samples = [t for g in groups for t in g]
         tokens, targets, attn, mask = pack(
             [t.prompt_tokens.tolist() for t in samples], [t.completion_tokens.tolist() for t in samples], self.pad_id
         )
         behav = scatter_rows([t.behavior_logprobs for t in samples], mask)
         rewards = torch.tensor([t.reward for t in samples], dtype=torch.float32)
-        adv = grpo.group_advantages(rewards, cfg.group_size)
+        adv = grpo.group_advantages(rewards, self.cfg.group_size)
         versions = torch.tensor([t.policy_version for t in samples])
 
         with torch.no_grad():
@@ -454,19 +491,23 @@ class Trainer:
                 at_version[rows] = self.scratch.token_logprobs(
                     tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
                 )
+        return Batch(tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0)
 
-        n_tokens = int(mask.sum())
+    def optimize(self, b: Batch) -> dict:
+        """The GRPO update over `minibatches` shuffled minibatches; returns the step's metrics row."""
+        cfg = self.cfg
+        n_tokens = int(b.mask.sum())
         grad_norms, stats = [], Counter()
-        for rows in torch.randperm(len(samples)).chunk(cfg.minibatches):
+        for rows in torch.randperm(len(b.rewards)).chunk(cfg.minibatches):
             logp = self.model.token_logprobs(
-                tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
+                b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature
             )
             loss, s = grpo.policy_loss(
                 logp,
-                prox[rows],
-                behav[rows],
-                adv[rows],
-                mask[rows],
+                b.prox[rows],
+                b.behav[rows],
+                b.adv[rows],
+                b.mask[rows],
                 clip_low=cfg.clip_low,
                 clip_high=cfg.clip_high,
                 tis_cap=cfg.tis_cap,
@@ -478,22 +519,22 @@ class Trainer:
             self.optimizer.step()
             stats.update(s)
 
-        staleness = (self.state.version - versions).tolist()
+        staleness = (self.state.version - b.versions).tolist()
         row = {
-            "reward_mean": float(rewards.mean()),
+            "reward_mean": float(b.rewards.mean()),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
             "staleness_hist": dict(Counter(str(s) for s in staleness)),
             "dropped_stale": self.state.dropped_stale,
             "dropped_fingerprint": self.state.dropped_fingerprint,
             **self._drop_counters(),
-            **grpo.mismatch_metrics(prox, behav, at_version, mask),
+            **grpo.mismatch_metrics(b.prox, b.behav, b.at_version, b.mask),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "clip_frac": stats["clip_frac"] / cfg.minibatches,
             "tis_frac": stats["tis_frac"] / cfg.minibatches,
-            "samples": len(samples),
+            "samples": len(b.rewards),
             "completion_tokens": n_tokens,
-            "step_time_s": time.perf_counter() - t0,
+            "step_time_s": time.perf_counter() - b.started,
         }
         return row
 

@@ -19,6 +19,11 @@ class BF16Tensor:
         return {"values": self.values}
 
 
+def block_shape(**params) -> tuple[int, int]:
+    """(rows, cols) of one quantization block: every element alone."""
+    return 1, 1
+
+
 def quantize(x: torch.Tensor) -> BF16Tensor:
     xf = check_input(x, 1, "bf16.quantize")
     return BF16Tensor(xf.to(torch.bfloat16), tuple(xf.shape))

@@ -20,6 +20,12 @@ WEIGHT_BLOCK = (128, 128)
 ACTIVATION_BLOCK = (1, 128)
 
 
+def block_shape(*, block=WEIGHT_BLOCK, **params) -> tuple[int, int]:
+    """(rows, cols) of one quantization block: `block` (128x128 weights, 1x128 activations)."""
+    bm, bk = block
+    return int(bm), int(bk)
+
+
 @dataclass(frozen=True)
 class FP8BlockTensor:
     codes: torch.Tensor  # float8_e4m3fn [M, K]

@@ -18,6 +18,13 @@ import torch
 from ._common import amax, blocks, check_input, check_shape, fp32
 
 DEFAULT_GROUP = 32
+
+
+def block_shape(*, group_size: int = DEFAULT_GROUP, **params) -> tuple[int, int]:
+    """(rows, cols) of one quantization block: one row of `group_size` along K."""
+    return 1, int(group_size)
+
+
 PACK = 8  # int4 values per int32
 SCALE_FLOOR = 1e-5
 

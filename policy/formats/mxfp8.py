@@ -24,6 +24,11 @@ from ._common import E4M3_MAX, amax, blocks, check_input, check_shape, fp32, to_
 BLOCK = 32
 
 
+def block_shape(**params) -> tuple[int, int]:
+    """(rows, cols) of one quantization block: one row of 32 along K."""
+    return 1, BLOCK
+
+
 @dataclass(frozen=True)
 class MXFP8Tensor:
     codes: torch.Tensor  # float8_e4m3fn [M, K]

@@ -26,6 +26,13 @@ from ._common import E4M3_MAX, FLT_MAX, blocks, check_input, check_shape, fp32, 
 from ._common import amax as abs_max
 
 BLOCK = 16
+
+
+def block_shape(**params) -> tuple[int, int]:
+    """(rows, cols) of one quantization block: one row of 16 along K, whatever the scope."""
+    return 1, BLOCK
+
+
 SCOPES = ("tensor", "row")
 
 # E2M1 code -> value; codes 8..15 are the negatives of 0..7 (code 8 is -0).

@@ -37,14 +37,10 @@ def load(args: argparse.Namespace):
     if ":" not in args.target:
         raise ValueError(f"{args.target!r} is neither a file nor a host:port address")
     from broker.policy_client import PolicyClient, PolicyClientConfig
+    from broker.tls import ClientTLS
 
-    config = PolicyClientConfig(
-        address=args.target,
-        call_timeout_s=args.timeout,
-        tls_root_ca_path=args.tls_ca,
-        tls_cert_chain_path=args.tls_cert,
-        tls_private_key_path=args.tls_key,
-    )
+    tls = ClientTLS(ca=args.tls_ca or "", cert=args.tls_cert or "", key=args.tls_key or "")
+    config = PolicyClientConfig(address=args.target, call_timeout_s=args.timeout, tls=tls)
     with PolicyClient(config) as client:
         return client.get_manifest(args.version)
 

@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from policy.model import PRESETS, ModelConfig, Transformer, generate
+from policy.model import PRESETS, ModelConfig, Transformer
 from policy.qat import probe_mismatch
 from policy.recipe import BUILTINS, Recipe
+from rollout.engine import generate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

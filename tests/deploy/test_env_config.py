@@ -9,7 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.connection import parse_url
 
-from broker.health import ROLLOUT_HEALTH, TRAINER_HEALTH, HealthServer
+from broker.health import ROLLOUT_HEALTH, TRAINER_HEALTH, HealthConfig, HealthServer
+from broker.tls import ClientTLS, ServerTLS
 from rollout.config import RolloutConfig
 from tandem import config as run_config
 from tandem import services
@@ -32,17 +33,15 @@ def test_every_env_key_lands_in_its_config_field():
     cfg = _load(env)
     assert cfg.run_id == "2024"  # quoted: YAML would have made it an int
     assert cfg.redis_url == "redis://r:6379/0"
-    assert cfg.trainer.server_tls() == {
-        "tls_cert_chain_path": "/x/tandem_trainer_tls_cert",
-        "tls_private_key_path": "/x/tandem_trainer_tls_key",
-        "tls_client_ca_path": "/x/tandem_trainer_tls_client_ca",
-    }
-    assert cfg.rollout.client_tls() == {
-        "tls_root_ca_path": "/x/tandem_rollout_tls_ca",
-        "tls_cert_chain_path": "/x/tandem_rollout_tls_cert",
-        "tls_private_key_path": "/x/tandem_rollout_tls_key",
-        "tls_server_name": "trainer",
-    }
+    assert cfg.trainer.tls == ServerTLS(
+        cert="/x/tandem_trainer_tls_cert", key="/x/tandem_trainer_tls_key", client_ca="/x/tandem_trainer_tls_client_ca"
+    )
+    assert cfg.rollout.tls == ClientTLS(
+        ca="/x/tandem_rollout_tls_ca",
+        cert="/x/tandem_rollout_tls_cert",
+        key="/x/tandem_rollout_tls_key",
+        server_name="trainer",
+    )
     # Command-line overrides come after the environment and win.
     assert _load(env, ["run_id=cli"]).run_id == "cli"
     assert run_config.env_overrides({}) == []
@@ -85,26 +84,29 @@ def test_the_redis_ca_file_needs_rediss():
 def test_trainer_config_checks_advertise_and_tls():
     TrainerConfig(grpc_host="0.0.0.0", grpc_port=50051, grpc_advertise="tandem-trainer:50051")
     with pytest.raises(ValueError) as e:
-        TrainerConfig(
-            grpc_advertise="tandem-trainer", grpc_tls_cert="c.pem", grpc_tls_client_ca="ca.pem", health_port=70000
-        )
-    msg = str(e.value)
-    assert "grpc_advertise='tandem-trainer' (want host:port)" in msg
-    assert "grpc_tls_key=''" in msg and "health_port=70000" in msg
+        TrainerConfig(grpc_advertise="tandem-trainer")
+    assert "grpc_advertise='tandem-trainer' (want host:port)" in str(e.value)
+    with pytest.raises(ValueError, match=r"tls.cert='c.pem', tls.key='' \(set both or neither\)"):
+        ServerTLS(cert="c.pem", client_ca="ca.pem")
+    with pytest.raises(ValueError, match="health.port=70000"):
+        HealthConfig(port=70000)
     with pytest.raises(ValueError, match="needs a fixed grpc_port"):
         TrainerConfig(grpc_advertise="t:50051")  # grpc_port 0: the advertised port could be wrong
-    with pytest.raises(ValueError, match="mTLS needs grpc_tls_cert"):
-        TrainerConfig(grpc_tls_client_ca="ca.pem")
+    with pytest.raises(ValueError, match="mTLS needs tls.cert"):
+        ServerTLS(client_ca="ca.pem")
+    # In a run config the nested sections are keys like any other.
+    with pytest.raises(ValueError, match="mTLS needs tls.cert"):
+        run_config.load(None, ["trainer.tls.client_ca=ca.pem"])
 
 
 def test_rollout_config_checks_tls():
-    RolloutConfig(grpc_tls_ca="ca.pem")  # server-authenticated TLS, no client certificate
-    with pytest.raises(ValueError, match="need grpc_tls_ca"):
-        RolloutConfig(grpc_tls_cert="c.pem", grpc_tls_key="k.pem")
+    RolloutConfig(tls=ClientTLS(ca="ca.pem"))  # server-authenticated TLS, no client certificate
+    with pytest.raises(ValueError, match="need tls.ca"):
+        ClientTLS(cert="c.pem", key="k.pem")
     with pytest.raises(ValueError, match="set both or neither"):
-        RolloutConfig(grpc_tls_ca="ca.pem", grpc_tls_cert="c.pem")
-    with pytest.raises(ValueError, match="health_port=-2"):
-        RolloutConfig(health_port=-2)
+        ClientTLS(ca="ca.pem", cert="c.pem")
+    with pytest.raises(ValueError, match="health.port=-2"):
+        run_config.load(None, ["rollout.health.port=-2"])
 
 
 def test_health_server_reports_one_bit_for_both_names():
@@ -143,7 +145,7 @@ def _tiny_cfg(**rollout):
 
 
 def test_a_draining_rollout_worker_reports_not_serving():
-    worker = services.make_worker(_tiny_cfg(health_port=0), "w0")
+    worker = services.make_worker(_tiny_cfg(**{"health.port": 0}), "w0")
     port = worker.health.start()
     try:
         assert _check(port, ROLLOUT_HEALTH) == "NOT_SERVING"
@@ -156,5 +158,5 @@ def test_a_draining_rollout_worker_reports_not_serving():
 
 
 def test_a_rollout_worker_with_missing_tls_files_fails_at_start(tmp_path):
-    with pytest.raises(ValueError, match="tls_root_ca_path=.*is not a file"):
-        services.make_worker(_tiny_cfg(grpc_tls_ca=str(tmp_path / "missing-ca.pem")), "w0")
+    with pytest.raises(ValueError, match="tls.ca=.*is not a file"):
+        services.make_worker(_tiny_cfg(**{"tls.ca": str(tmp_path / "missing-ca.pem")}), "w0")

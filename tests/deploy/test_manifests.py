@@ -25,6 +25,7 @@ import yaml
 
 from broker.health import ROLLOUT_HEALTH, TRAINER_HEALTH
 from broker.keys import PROMPTS_GROUP, Keys
+from broker.tls import ServerTLS
 from tandem import config as run_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,11 +191,11 @@ def test_ports_and_probes_match_what_the_code_listens_on(rendered, overlay, tmp_
     trainer = get(docs, "StatefulSet", "tandem-trainer")
     c = container(trainer)
     assert cfg.grpc_host == "0.0.0.0", "a pod must bind all interfaces"
-    assert port_of(c, "grpc") == cfg.grpc_port and port_of(c, "health") == cfg.health_port
+    assert port_of(c, "grpc") == cfg.grpc_port and port_of(c, "health") == cfg.health.port
     assert port_of(c, "metrics") == cfg.metrics_port
     assert trainer["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(cfg.metrics_port)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"] == {"port": cfg.health_port, "service": TRAINER_HEALTH}, probe
+        assert c[probe]["grpc"] == {"port": cfg.health.port, "service": TRAINER_HEALTH}, probe
 
     # The advertised address is the Service, and the Service reaches the gRPC port.
     svc = get(docs, "Service", "tandem-trainer")
@@ -212,9 +213,9 @@ def test_ports_and_probes_match_what_the_code_listens_on(rendered, overlay, tmp_
 
     rcfg = loaded_config(docs, tmp_path, "tandem-rollout").rollout
     r = container(get(docs, "Deployment", "tandem-rollout"))
-    assert port_of(r, "health") == rcfg.health_port
+    assert port_of(r, "health") == rcfg.health.port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert r[probe]["grpc"] == {"port": rcfg.health_port, "service": ROLLOUT_HEALTH}, probe
+        assert r[probe]["grpc"] == {"port": rcfg.health.port, "service": ROLLOUT_HEALTH}, probe
     # A drain (NOT_SERVING) must not be killed by the liveness probe before the grace period ends.
     live = r["livenessProbe"]
     assert (
@@ -395,14 +396,12 @@ def test_overlays_differ_as_documented(rendered, tmp_path):
     assert "nvidia.com/gpu" not in str(get(cpu, "Deployment", "tandem-rollout"))
     # gpu: mutual TLS, and the config the pods then load asks for it.
     t = loaded_config(gpu, tmp_path, "tandem-trainer").trainer
-    assert t.server_tls() == {
-        "tls_cert_chain_path": "/etc/tandem-tls/tls.crt",
-        "tls_private_key_path": "/etc/tandem-tls/tls.key",
-        "tls_client_ca_path": "/etc/tandem-tls/ca.crt",
-    }
+    assert t.tls == ServerTLS(
+        cert="/etc/tandem-tls/tls.crt", key="/etc/tandem-tls/tls.key", client_ca="/etc/tandem-tls/ca.crt"
+    )
     r = loaded_config(gpu, tmp_path, "tandem-rollout").rollout
-    assert r.client_tls()["tls_root_ca_path"] == "/etc/tandem-tls/ca.crt" and r.client_tls()["tls_cert_chain_path"]
-    assert loaded_config(cpu, tmp_path, "tandem-trainer").trainer.server_tls()["tls_cert_chain_path"] is None
+    assert r.tls.ca == "/etc/tandem-tls/ca.crt" and r.tls.cert
+    assert not loaded_config(cpu, tmp_path, "tandem-trainer").trainer.tls.enabled
 
 
 def test_dockerfile_targets_and_the_manifests_agree(rendered):

@@ -117,8 +117,7 @@ def test_pod_configuration_health_advertise_mtls_and_redis_password(tmp_path, re
     grpc_port = free_port()
     cfg = {  # the run config of the ConfigMap: ports fixed, the address the Service would give
         "run_id": run_id,
-        "seed": 1,
-        "max_staleness": 1,
+        "loop": {"seed": 1, "max_staleness": 1},
         "recipe": "nvfp4_moe",
         "model": {
             "preset": "tiny",
@@ -133,12 +132,12 @@ def test_pod_configuration_health_advertise_mtls_and_redis_password(tmp_path, re
             "warmstart_steps": 1,
             "warmstart_batch": 4,
             "metrics_port": -1,
-            "health_port": 0,
+            "health": {"port": 0},
             "grpc_host": "127.0.0.1",
             "grpc_port": grpc_port,
             "grpc_advertise": f"localhost:{grpc_port}",
         },
-        "rollout": {"health_port": 0, "read_block_ms": 100, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0},
+        "rollout": {"health": {"port": 0}, "read_block_ms": 100, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0},
     }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))

@@ -42,8 +42,7 @@ def config(tmp: Path, run_id: str, redis_url: str, *, max_steps: int, workers: i
         "redis_url": redis_url,
         "run_secret_file": str(secret),
         "num_rollout_workers": workers,
-        "max_staleness": 1,
-        "seed": 5,
+        "loop": {"max_staleness": 1, "seed": 5},
         "recipe": "bf16",
         "redis_outage_s": 60.0,
         "model": {

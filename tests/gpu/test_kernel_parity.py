@@ -12,9 +12,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import policy.kernels as K  # noqa: E402
+import rollout.kernels as RK  # noqa: E402
 from policy import formats  # noqa: E402
-from policy.kernels import matmul_triton as mt  # noqa: E402
 from policy.kernels import quant_triton as qt  # noqa: E402
+from rollout.kernels import matmul_triton as mt  # noqa: E402
 
 DEV = "cuda"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -185,7 +186,7 @@ def test_backend_is_triton_on_cuda():
 def _weights(fmt: str, n: int, k: int, seed: int):
     w = random_inputs(n, k, torch.float32, seed) * 0.02
     q = formats.nvfp4.quantize(w, scope="tensor") if fmt == "nvfp4" else formats.int4.quantize(w, group_size=32)
-    return q, K.pack(K.to_device(q, DEV))
+    return q, RK.pack(K.to_device(q, DEV))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -200,7 +201,7 @@ def test_qmatmul_matches_reference_dequant_matmul(fmt):
         for m in (1, 3, 16, 17, 64):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             ref = x.float() @ wd.T
-            y = K.qmatmul(x, w)
+            y = RK.qmatmul(x, w)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
             assert torch.isfinite(y).all()
             assert _rel(y, ref) < 8e-3, (fmt, n, k, m, _rel(y, ref))
@@ -225,9 +226,9 @@ def test_nvfp4_k_not_multiple_of_128_takes_the_reference_path():
     the kernel refuses them and qmatmul uses the reference for such K."""
     q, w = _weights("nvfp4", 256, 192, seed=3)
     x = torch.randn(5, 192, device=DEV, dtype=torch.bfloat16)
-    assert K._kernel_fmt(w, x) is None
+    assert RK._kernel_fmt(w, x) is None
     ref = x.float() @ formats.nvfp4.dequantize(q).to(DEV).T
-    assert _rel(K.qmatmul(x, w), ref) < 8e-3
+    assert _rel(RK.qmatmul(x, w), ref) < 8e-3
     q, w = _weights("nvfp4", 256, 2048, seed=4)
     with pytest.raises(ValueError, match="K tile 64"):
         mt.w4a16_matmul(
@@ -249,10 +250,10 @@ def test_asm_and_plain_dequant_agree_bitwise(fmt):
 def test_qmatmul_rows_do_not_depend_on_batch(fmt):
     q, w = _weights(fmt, 512, 1024, seed=2)
     x = torch.randn(37, 1024, device=DEV, dtype=torch.bfloat16)
-    full = K.qmatmul(x, w)
+    full = RK.qmatmul(x, w)
     for i in (0, 5, 36):
-        assert torch.equal(K.qmatmul(x[i : i + 1], w)[0], full[i])
-    assert torch.equal(K.qmatmul(x[3:20], w), full[3:20])
+        assert torch.equal(RK.qmatmul(x[i : i + 1], w)[0], full[i])
+    assert torch.equal(RK.qmatmul(x[3:20], w), full[3:20])
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
@@ -261,11 +262,11 @@ def test_moe_qmatmul_matches_dense_kernel_and_reference(fmt):
     packed = []
     for i in range(e):
         packed.append(_weights(fmt, n, k, seed=100 + i)[1])
-    stack = K.pack_experts([K.unpack(p) for p in packed])
+    stack = RK.pack_experts([RK.unpack(p) for p in packed])
     for t in (1, 5, 40):
         x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(e)[:topk] for _ in range(t)]).to(DEV)
-        y = K.moe_qmatmul(x, stack, ids)
+        y = RK.moe_qmatmul(x, stack, ids)
         assert y.shape == (t, topk, n)
         # Bit-equal to the dense kernel run with the MoE launch's config (same K order; the
         # dense default splits K, so plain qmatmul may differ in the last bits).
@@ -281,7 +282,7 @@ def test_moe_qmatmul_matches_dense_kernel_and_reference(fmt):
         ref = torch.stack(
             [
                 torch.stack(
-                    [K.reference_qmatmul(x[ti : ti + 1].float(), packed[int(ids[ti, j])])[0] for j in range(topk)]
+                    [RK.reference_qmatmul(x[ti : ti + 1].float(), packed[int(ids[ti, j])])[0] for j in range(topk)]
                 )
                 for ti in range(t)
             ]
@@ -345,6 +346,6 @@ def test_fp8_block_qmatmul_close_to_reference():
     qd = K.to_device(q, DEV)
     for m in (1, 16, 33):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        y = K.qmatmul(x, qd)
-        ref = K.reference_qmatmul(x, K.pack(qd))
+        y = RK.qmatmul(x, qd)
+        ref = RK.reference_qmatmul(x, RK.pack(qd))
         assert _rel(y, ref) < 8e-3

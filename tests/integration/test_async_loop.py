@@ -34,8 +34,7 @@ def _config(tmp: Path, run_id: str, redis_url: str) -> Path:
         "run_id": run_id,
         "redis_url": redis_url,
         "num_rollout_workers": 2,
-        "max_staleness": 1,
-        "seed": 3,
+        "loop": {"max_staleness": 1, "seed": 3},
         "recipe": "nvfp4_moe",
         "model": {
             "preset": "tiny",

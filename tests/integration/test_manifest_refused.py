@@ -27,7 +27,7 @@ CFG = run_config.load(
 
 @pytest.fixture(scope="module")
 def contract_and_packed():
-    _, _, model_config, recipe = task_and_model(CFG)
+    _, model_config, recipe = task_and_model(CFG)
     model = Transformer(model_config, seed=0)
     plan = recipe.plan(model_config)
     contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
@@ -129,6 +129,7 @@ async def test_worker_keeps_its_version_and_counts_the_refusal(contract_and_pack
         assert not await worker._try_load(pointer(2))  # immutable: not fetched again, not logged again
         assert len(logs) == n
         # The worker still generates with v1.
-        prompt = np.asarray(worker.tok.encode("1+2=", bos=True), dtype=np.int32)
-        group = PromptGroup(prompt_id="p0", group_id="p0", prompt_tokens=prompt, n_samples=2, task={"answer": "3"})
+        p = worker.task.prompt(0)
+        prompt = np.asarray(p.tokens, dtype=np.int32)
+        group = PromptGroup(prompt_id="p0", group_id="p0", prompt_tokens=prompt, n_samples=2, task=p.fields)
         assert [t.policy_version for t in worker._rollout_group(group)] == [1, 1]

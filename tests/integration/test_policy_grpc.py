@@ -9,10 +9,12 @@ import threading
 import grpc
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
 from broker.policy_client import ChecksumMismatch, FingerprintMismatch, PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
+from broker.tls import ClientTLS, ServerTLS
 from policy import manifest as M
 from policy import tp
 from policy.model import ModelConfig, parameter_shapes
@@ -67,9 +69,58 @@ def policy(tensors):
     )
 
 
+class FaultyPolicyServer(PolicyServer):
+    """The real server with its FetchTensors handler wrapped: faults a test asks for are injected into
+    the stream it serves (the production class has no test hooks)."""
+
+    def __init__(self, config: PolicyServerConfig):
+        super().__init__(config)
+        self._faults = threading.Lock()
+        self._corrupt: dict[tuple[int, int, int, int], int] = {}  # (version, chunk, tp_rank, tp_size) -> times
+        self._drop_after: list[int] = []  # one entry per next stream
+
+    def corrupt_chunk(self, *, version: int, chunk_index: int, tp_rank: int = 0, tp_size: int = 1, times: int = 1):
+        """Flip the last payload byte of this chunk the next `times` times it is sent."""
+        with self._faults:
+            self._corrupt[(version, chunk_index, tp_rank, tp_size)] = times
+
+    def drop_stream_after(self, n_chunks: int) -> None:
+        """End the next FetchTensors stream with UNAVAILABLE after `n_chunks` chunks."""
+        with self._faults:
+            self._drop_after.append(n_chunks)
+
+    def _corrupted(self, msg: bytes, req) -> bytes:
+        chunk = policy_pb2.TensorChunk.FromString(msg)
+        key = (chunk.version, chunk.chunk_index, req.tp_rank, req.tp_size or 1)
+        with self._faults:
+            left = self._corrupt.get(key, 0)
+            if not left:
+                return msg
+            self._corrupt[key] = left - 1
+        return msg[:-1] + bytes([msg[-1] ^ 0xFF])
+
+    async def _fetch_tensors(self, request: bytes, context):
+        try:
+            req = policy_pb2.FetchTensorsRequest.FromString(request)
+        except DecodeError:  # malformed: the server itself answers it
+            req = None
+        with self._faults:
+            drop_after = self._drop_after.pop(0) if self._drop_after else None
+        stream = super()._fetch_tensors(request, context)
+        try:
+            sent = 0
+            async for msg in stream:
+                yield self._corrupted(msg, req) if self._corrupt and req is not None else msg
+                sent += 1
+                if drop_after is not None and sent >= drop_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "test: stream dropped")
+        finally:
+            await stream.aclose()  # the server's counters are final when the stream ends
+
+
 @pytest.fixture
 def server():
-    s = PolicyServer(
+    s = FaultyPolicyServer(
         PolicyServerConfig(keep_versions=2, max_request_bytes=64 << 10, max_receive_message_bytes=256 << 10)
     )
     s.start()
@@ -147,13 +198,13 @@ def test_corrupted_chunk_is_detected_and_fetched_again(server, policy, tensors):
     server.publish(policy)
     first = M.first_chunk_indices(policy.manifest)
     index = first["model.layers.0.mlp.experts.1.gate_up_proj.weight"] + 2
-    server.testonly_corrupt_chunk(version=1, chunk_index=index)
+    server.corrupt_chunk(version=1, chunk_index=index)
     with client(server) as c:
         fetched = c.fetch()
     assert fetched.stats.refetched_chunks == 1 and fetched.stats.streams == 2
     assert_bitwise_equal(fetched.tensors, tensors)
     # A chunk that stays corrupt is refused after a bounded number of attempts.
-    server.testonly_corrupt_chunk(version=1, chunk_index=index, times=100)
+    server.corrupt_chunk(version=1, chunk_index=index, times=100)
     with client(server, max_refetch_per_chunk=2) as c, pytest.raises(ChecksumMismatch, match=f"chunk {index}"):
         c.fetch()
 
@@ -161,7 +212,7 @@ def test_corrupted_chunk_is_detected_and_fetched_again(server, policy, tensors):
 def test_corrupted_shard_chunk_is_fetched_again(server, policy, tensors):
     server.publish(policy)
     index = M.first_chunk_indices(policy.manifest)["model.layers.1.mlp.experts.0.down_proj.weight"]
-    server.testonly_corrupt_chunk(version=1, chunk_index=index, tp_rank=1, tp_size=2)
+    server.corrupt_chunk(version=1, chunk_index=index, tp_rank=1, tp_size=2)
     with client(server) as c:
         fetched = c.fetch(tp_rank=1, tp_size=2)
     assert fetched.stats.refetched_chunks == 1
@@ -169,7 +220,7 @@ def test_corrupted_shard_chunk_is_fetched_again(server, policy, tensors):
 
 def test_dropped_stream_resumes_from_the_next_chunk(server, policy, tensors):
     server.publish(policy)
-    server.testonly_drop_stream_after(7)
+    server.drop_stream_after(7)
     with client(server) as c:
         fetched = c.fetch()
     assert fetched.stats.resumed_streams == 1 and fetched.stats.streams == 2
@@ -178,7 +229,7 @@ def test_dropped_stream_resumes_from_the_next_chunk(server, policy, tensors):
     assert server.stats()["chunks_sent"] == fetched.stats.chunks
     # Drops on every stream: the client gives up after max_attempts restarts.
     for _ in range(5):
-        server.testonly_drop_stream_after(1)
+        server.drop_stream_after(1)
     with client(server, max_attempts=3) as c, pytest.raises(grpc.RpcError) as e:
         c.fetch()
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -413,12 +464,12 @@ def _self_signed(tmp_path):
 
 def test_tls_and_mtls_round_trip(tmp_path, policy, tensors):
     key, cert = _self_signed(tmp_path)
-    cfg = PolicyServerConfig(tls_cert_chain_path=cert, tls_private_key_path=key, tls_client_ca_path=cert)
+    cfg = PolicyServerConfig(tls=ServerTLS(cert=cert, key=key, client_ca=cert))
     with PolicyServer(cfg) as s:
         s.publish(policy)
-        with client(s, tls_root_ca_path=cert, tls_cert_chain_path=cert, tls_private_key_path=key) as c:
+        with client(s, tls=ClientTLS(ca=cert, cert=cert, key=key)) as c:
             assert_bitwise_equal(c.fetch().tensors, tensors)
-        with client(s, tls_root_ca_path=cert, call_timeout_s=1) as c:  # no client certificate: refused
+        with client(s, tls=ClientTLS(ca=cert), call_timeout_s=1) as c:  # no client certificate: refused
             with pytest.raises(grpc.RpcError) as e:
                 c.get_manifest()
             assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -393,3 +393,25 @@ def test_nvfp4_given_amax_equals_quantizing_the_whole_row():
         nvfp4.quantize(x, scope="row", amax=x.abs().amax(dim=1) / 2)
     with pytest.raises(ValueError, match="shape"):
         nvfp4.quantize(x, scope="row", amax=torch.ones(1))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kwargs", "shape"),
+    [
+        ("nvfp4", {"scope": "row"}, (1, 16)),
+        ("mxfp8", {}, (1, 32)),
+        ("int4", {"group_size": 64}, (1, 64)),
+        ("fp8_block", {"block": (128, 128)}, (128, 128)),
+        ("fp8_block", {"block": (1, 128)}, (1, 128)),
+        ("bf16", {}, (1, 1)),
+    ],
+)
+def test_block_shape_is_the_grid_of_the_stored_scales(fmt, kwargs, shape):
+    """Each format module's block_shape(**quantize kwargs) is the block its scales are stored per."""
+    mod = formats.get(fmt)
+    assert mod.block_shape(**kwargs) == shape
+    x = torch.randn(256, 256)
+    q = mod.quantize(x, **kwargs)
+    scale = {"nvfp4": "block_scales", "mxfp8": "scales", "int4": "scales", "fp8_block": "scale_inv"}.get(fmt)
+    grid = (256, 256) if scale is None else tuple(getattr(q, scale).shape)
+    assert grid == (256 // shape[0], 256 // shape[1])

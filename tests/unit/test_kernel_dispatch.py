@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mixed_formats import same_parts as _same  # tests/mixed_formats.py (conftest puts tests/ on sys.path)
 
 import policy.kernels as K
 from policy import formats
-from policy.formats import fp8_block, int4, mxfp8, nvfp4
+from policy.formats import int4, nvfp4
 from policy.kernels import bitmath
-from policy.kernels.routing import BLOCK_M, moe_align
 
 KWARGS = {
     "bf16": {},
@@ -20,15 +20,6 @@ KWARGS = {
     "nvfp4": {"scope": "row"},
     "int4": {"group_size": 32},
 }
-
-
-def _same(a, b) -> bool:
-    pa, pb = a.parts(), b.parts()
-    return pa.keys() == pb.keys() and all(
-        pa[n].dtype == pb[n].dtype
-        and torch.equal(pa[n].contiguous().view(torch.uint8), pb[n].contiguous().view(torch.uint8))
-        for n in pa
-    )
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -48,12 +39,8 @@ def test_dispatch_errors_name_the_problem():
         K.quantize("fp4", torch.zeros(2, 32))
     with pytest.raises(ValueError, match="non-finite"):
         K.quantize("nvfp4", torch.tensor([[float("nan")] * 16]))
-    with pytest.raises(ValueError, match="scope='tensor'"):
-        K.pack(nvfp4.quantize(torch.randn(4, 32), scope="row"))
     with pytest.raises(ValueError, match="not a policy.formats quantized tensor"):
         K.dequantize(torch.zeros(2))
-    with pytest.raises(ValueError, match="unknown format"):
-        K.PackedLinear("fp3", (1, 1))
 
 
 # --------------------------------------------------------------------------- bit-level algorithms
@@ -159,71 +146,3 @@ def test_int4_bit_trick_is_exact():
     word = (n & 0xF) | 0x4300  # bf16 of 128 + n
     v = (word << 16).view(torch.float32)
     assert torch.equal(v - 136.0, (n - 8).float())
-
-
-# --------------------------------------------------------------------------- packing and matmul
-
-
-def test_pack_unpack_round_trip():
-    w = torch.randn(64, 256)
-    for q in (nvfp4.quantize(w, scope="tensor"), int4.quantize(w, group_size=32), int4.quantize(w, group_size=64)):
-        p = K.pack(q)
-        assert p.codes.dtype == torch.int32 and p.codes.shape == (64, 32)
-        assert _same(K.unpack(p), q)
-    # int4 words hold the compressed-tensors offset-8 nibbles.
-    q = int4.quantize(w)
-    assert torch.equal(bitmath.unrepack(K.pack(q).codes).to(torch.int16) - 8, q.codes.to(torch.int16))
-
-
-def test_reference_qmatmul_is_dequant_matmul():
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(48, 256, generator=g)
-    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
-    for q in (nvfp4.quantize(w), int4.quantize(w), mxfp8.quantize(w), formats.bf16.quantize(w)):
-        y = K.qmatmul(x, q)
-        assert y.dtype == torch.bfloat16 and y.shape == (5, 48)
-        assert torch.equal(y, (x.float() @ formats.get(K._format_name(q)).dequantize(q).T).to(torch.bfloat16))
-    # fp8_block is W8A8: x goes through 1x128 tiles first, on every backend.
-    q = fp8_block.quantize(w, block=(128, 128))
-    xq = fp8_block.dequantize(fp8_block.quantize(x, block=(1, 128)))
-    assert torch.equal(K.qmatmul(x, q), (xq @ fp8_block.dequantize(q).T).to(torch.bfloat16))
-    with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
-        K.qmatmul(x[:, :128], q)
-
-
-def test_moe_qmatmul_reference_equals_per_token_loop():
-    g = torch.Generator().manual_seed(4)
-    experts = [nvfp4.quantize(torch.randn(32, 128, generator=g)) for _ in range(6)]
-    stack = K.pack_experts(experts)
-    assert stack.num_experts == 6 and stack.codes.shape == (6, 32, 16) and stack.global_scale.shape == (6,)
-    x = torch.randn(7, 128, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(7)])
-    y = K.moe_qmatmul(x, stack, ids)
-    for t in range(7):
-        for j in range(3):
-            assert torch.equal(y[t, j], K.qmatmul(x[t : t + 1], experts[int(ids[t, j])])[0])
-    with pytest.raises(ValueError, match="expert ids"):
-        K.moe_qmatmul(x, stack, ids + 6)
-    with pytest.raises(ValueError, match="moe_qmatmul"):
-        K.qmatmul(x, stack)
-    with pytest.raises(ValueError, match="differ from expert 0"):
-        K.pack_experts([experts[0], nvfp4.quantize(torch.randn(16, 128))])
-
-
-def test_moe_align_groups_pairs_by_expert_in_blocks():
-    g = torch.Generator().manual_seed(5)
-    for t, e, topk in [(1, 128, 8), (9, 8, 2), (40, 5, 3)]:
-        ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(t)])
-        pairs, block_expert, num_blocks, max_blocks = moe_align(ids, e)
-        nb = int(num_blocks)
-        assert nb <= max_blocks and pairs.shape == (max_blocks * BLOCK_M,)
-        seen = []
-        for b in range(nb):
-            rows = pairs[b * BLOCK_M : (b + 1) * BLOCK_M]
-            valid = rows[rows >= 0]
-            assert valid.numel() > 0
-            assert bool((ids.reshape(-1)[valid.long()] == block_expert[b]).all())  # one expert per block
-            assert torch.equal(valid, torch.sort(valid).values)  # stable: pair order kept
-            seen += valid.tolist()
-        assert sorted(seen) == list(range(t * topk))  # every pair exactly once
-        assert bool((pairs[nb * BLOCK_M :] == -1).all())

@@ -129,6 +129,16 @@ def test_fingerprint_covers_the_contract_and_nothing_else(tensors):
     assert make_contract(activation_sites=mx, trainer_tp_size=2).partition_tp_size == 0
 
 
+def test_one_hasher_for_model_config_recipe_and_manifest():
+    """`tandem plan` (Recipe.fingerprint) and `tandem inspect` (the manifest's recipe_sha256) print
+    one hash for one recipe; the model config's likewise."""
+    recipe = Recipe.load("nvfp4_moe")
+    contract = M.contract_from_recipe(model_config=CFG, recipe=recipe).to_proto()
+    assert contract.recipe_sha256 == recipe.fingerprint()
+    assert contract.model_config_sha256 == CFG.fingerprint()
+    assert recipe.fingerprint() != Recipe.load("mxfp8").fingerprint()
+
+
 def test_fingerprint_mismatch_names_both(packed):
     M.check_fingerprint(packed.manifest, packed.manifest.contract_fingerprint)
     wrong = make_contract(recipe_name="something-else").fingerprint()
@@ -280,3 +290,23 @@ def test_tandem_inspect_prints_a_manifest_file(packed, tmp_path, capsys):
     path.write_bytes(b"\x0a\xff")
     assert main(["inspect", str(path)]) == 2
     assert "not a tandem.v1.Manifest" in capsys.readouterr().out
+
+
+def test_parallel_packing_equals_serial_and_published_bytes_are_immutable(tensors):
+    """build_manifest packs and hashes tensors in a thread pool: the manifest must not depend on the
+    thread count, and a blob must be a copy (a bf16 part is the caller's tensor itself) that nobody
+    can write through."""
+    kw = dict(version=5, parent_version=4, contract=make_contract(), created_unix_ns=123, chunk_bytes=4096)
+    serial = M.build_manifest(tensors=tensors, threads=1, **kw)
+    parallel = M.build_manifest(tensors=tensors, threads=4, **kw)
+    assert M.manifest_to_bytes(serial.manifest) == M.manifest_to_bytes(parallel.manifest)
+    assert all(bytes(serial.blobs[n]) == bytes(parallel.blobs[n]) for n in tensors)
+
+    w = torch.randn(4, 64)
+    packed = M.build_manifest(tensors={"w.weight": M.quantize_param(w, "bf16")}, **kw)
+    before = bytes(packed.blobs["w.weight"])
+    w.add_(1.0)  # the trainer's next optimizer step
+    assert bytes(packed.blobs["w.weight"]) == before
+    M.verify_tensor_bytes(packed.manifest.tensors[0], packed.blobs["w.weight"], 4096)
+    with pytest.raises(TypeError):
+        packed.blobs["w.weight"][0] = 1

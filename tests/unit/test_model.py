@@ -1,4 +1,4 @@
-"""policy.model: config, canonical names, MoE dispatch, KV-cache decoding, batch-invariant generation."""
+"""policy.model: config, canonical names, MoE dispatch, KV-cache decoding, batch-invariant forward."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from policy.model import (
     ModelConfig,
     Transformer,
     activation_sites,
-    generate,
     parameter_shapes,
 )
 
@@ -230,86 +229,6 @@ def test_kv_cache_decoding_equals_full_forward(model):
     assert cache.next_pos.tolist() == [3 + 5, 8 + 5, 5 + 5]
     with pytest.raises(ValueError, match="KV cache full"):
         model(cont[:, :2], cache=cache)
-
-
-# ---- generation
-
-
-def test_generation_independent_of_padding_and_batch(model):
-    prompts = [[1, 2, 3], [7] * 9, [4, 5], [9, 8, 7, 6, 5]]
-    seeds = [11, 22, 33, 44]
-    batch = generate(model, prompts, max_new_tokens=12, temperature=1.0, seeds=seeds)
-    for b in (0, 2):
-        alone = generate(model, [prompts[b]], max_new_tokens=12, temperature=1.0, seeds=[seeds[b]])
-        assert alone.tokens[0].tolist() == batch.tokens[b].tolist()
-        torch.testing.assert_close(alone.logprobs[0], batch.logprobs[b], rtol=2e-5, atol=2e-5)
-    # Reordering the batch moves rows, not results.
-    rev = generate(model, prompts[::-1], max_new_tokens=12, temperature=1.0, seeds=seeds[::-1])
-    assert rev.tokens.flip(0).tolist() == batch.tokens.tolist()
-    # Different seeds give different samples (the test can fail if seeding were ignored).
-    other = generate(model, prompts, max_new_tokens=12, temperature=1.0, seeds=[1, 2, 3, 4])
-    assert other.tokens.tolist() != batch.tokens.tolist()
-
-
-def test_generation_seeded_by_generator_is_reproducible(model):
-    a = generate(model, [[1, 2], [3]], max_new_tokens=8, generator=torch.Generator().manual_seed(7))
-    b = generate(model, [[1, 2], [3]], max_new_tokens=8, generator=torch.Generator().manual_seed(7))
-    assert a.tokens.tolist() == b.tokens.tolist() and torch.equal(a.logprobs, b.logprobs)
-
-
-def test_generation_logprobs_are_the_sampling_policy(model):
-    """Behavior log-probs equal the full forward's log_softmax(logits / T) of the sampled tokens."""
-    prompts = [[5, 6, 7], [1]]
-    for temp in (1.0, 0.6, 0.0):
-        gen = generate(model, prompts, max_new_tokens=7, temperature=temp, seeds=[3, 4])
-        for b, p in enumerate(prompts):
-            seq = torch.tensor(p + gen.tokens[b].tolist())
-            with torch.no_grad():
-                lp = model.token_logprobs(seq[None, :-1], seq[None, 1:], temperature=temp or 1.0)[0]
-            torch.testing.assert_close(gen.logprobs[b], lp[len(p) - 1 :], rtol=2e-5, atol=2e-5)
-            if temp == 0.0:
-                with torch.no_grad():
-                    greedy = model(seq[None, :-1])[0, len(p) - 1 :].argmax(-1)
-                assert greedy.tolist() == gen.tokens[b].tolist()
-
-
-def test_sampling_follows_the_distribution(model):
-    """Empirical first-token frequencies over many seeds match softmax(logits / T)."""
-    n, temp = 3000, 0.8
-    gen = generate(model, [[3, 1, 4]] * n, max_new_tokens=1, temperature=temp, seeds=range(n))
-    with torch.no_grad():
-        probs = (model(torch.tensor([[3, 1, 4]]))[0, -1] / temp).softmax(-1)
-    freq = torch.bincount(gen.tokens[:, 0], minlength=TINY.vocab_size).double() / n
-    top = probs.topk(5).indices
-    assert probs[top[0]] > 0.05  # the sharpened head makes this a real check
-    tol = 4 * (probs[top].double() * (1 - probs[top].double()) / n).sqrt() + 1e-3
-    assert ((freq[top] - probs[top].double()).abs() <= tol).all(), (freq[top], probs[top])
-    assert abs(gen.logprobs[:, 0].exp().mean().item() - (probs**2).sum().item()) < 0.02
-
-
-def test_generation_stops_at_eos_and_pads(model):
-    free = generate(model, [[2, 3], [4]], max_new_tokens=10, temperature=0.0)
-    eos = free.tokens[0, 2].item()  # greedy: row 0 will produce this token at step 2
-    out = generate(model, [[2, 3], [4]], max_new_tokens=10, temperature=0.0, eos_id=eos, pad_id=0)
-    n0 = out.lengths[0].item()
-    assert n0 == 1 + free.tokens[0, :3].tolist().index(eos) and out.stopped[0]
-    assert out.tokens[0, n0 - 1] == eos and (out.tokens[0, n0:] == 0).all() and (out.logprobs[0, n0:] == 0).all()
-    assert out.tokens[0, :n0].tolist() == free.tokens[0, :n0].tolist()
-    assert out.completions()[0] == out.tokens[0, :n0].tolist()
-    if eos not in free.tokens[1].tolist():
-        assert out.lengths[1] == 10 and not out.stopped[1]
-        assert out.tokens[1].tolist() == free.tokens[1].tolist()
-
-
-def test_generate_rejects_bad_input(model):
-    with pytest.raises(ValueError, match="empty prompt"):
-        generate(model, [[1], []], max_new_tokens=2)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        generate(model, [[1]], max_new_tokens=TINY.max_seq_len)
-    with pytest.raises(ValueError, match="vocab"):
-        generate(model, [[1, TINY.vocab_size]], max_new_tokens=2)
-    with pytest.raises(ValueError, match="seeds has 1"):
-        generate(model, [[1], [2]], max_new_tokens=2, seeds=[1])
 
 
 def test_load_weights_checks_names_and_shapes():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from policy import formats
-from policy.model import ModelConfig, Transformer, generate
+from policy.model import ModelConfig, Transformer
 from policy.qat import (
     ActivationQuantizer,
     QATHook,
@@ -23,6 +23,7 @@ from policy.qat import (
     remove_qat,
 )
 from policy.recipe import BUILTINS, Recipe
+from rollout.engine import generate
 from tandem import cli
 
 TINY = ModelConfig.preset("tiny")
@@ -91,11 +92,12 @@ def test_qat_model_trains_and_every_parameter_gets_a_gradient():
 
 
 def test_effective_weights_follow_optimizer_steps_even_fused():
-    """The cache must notice fused AdamW updates, which do not bump the autograd version counter."""
+    """The cache must notice fused AdamW updates, which do not bump the autograd version counter:
+    the optimizer given to apply_qat invalidates it after every step."""
     m = Transformer(TINY, seed=0)
-    hook = apply_qat(m, Recipe.load("int4_qat"))
     toks = torch.randint(0, TINY.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    hook = apply_qat(m, Recipe.load("int4_qat"), optimizer=opt)
     m.token_logprobs(toks, toks).sum().backward()
     name = "model.layers.0.self_attn.q_proj.weight"
     before = hook.effective(name, m.get_parameter(name)).clone()
@@ -234,3 +236,26 @@ def test_remove_qat_restores_plain_forward():
         assert not torch.equal(m(toks), plain)
         remove_qat(m)
         assert torch.equal(m(toks), plain)
+
+
+def test_qat_cache_is_refreshed_by_in_place_edits_and_feeds_the_publish():
+    """Outside a registered optimizer, an in-place edit bumps the autograd version counter and the
+    cache refreshes; the publish reuses the forward's quantized objects, which equal a fresh quantize."""
+    from policy import manifest as mf
+
+    m = Transformer(TINY, seed=0)
+    recipe = Recipe.load("int4_qat")
+    hook = apply_qat(m, recipe)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    p = m.get_parameter(name)
+    before = hook.effective(name, p).clone()
+    with torch.no_grad():
+        p.mul_(1.5)
+    assert not torch.equal(before, hook.effective(name, p))
+    cached = hook.quantized_params(m)
+    assert hook.quantized_params(m)[name] is cached[name]  # no second quantization
+    fresh = mf.quantize_params(dict(m.named_parameters()), recipe.plan(m))
+    for n, q in fresh.items():
+        assert q.format == cached[n].format and q.kwargs == cached[n].kwargs
+        for part, t in q.value.parts().items():
+            assert torch.equal(bits(t), bits(cached[n].value.parts()[part])), (n, part)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from rollout.tasks import AdditionTask, CharTokenizer
+from rollout.tasks import AdditionTask, CharTokenizer, Task, TaskConfig, make_task
 from tandem import config
 
 
 def test_demo_config_loads_and_overrides_apply():
-    cfg = config.load("demo.yaml", ["trainer.max_steps=3", "max_staleness=0", "model.overrides={n_layers: 2}"])
-    assert cfg.trainer.max_steps == 3 and cfg.max_staleness == 0 and cfg.model.overrides == {"n_layers": 2}
+    cfg = config.load("demo.yaml", ["trainer.max_steps=3", "loop.max_staleness=0", "model.overrides={n_layers: 2}"])
+    assert cfg.trainer.max_steps == 3 and cfg.loop.max_staleness == 0 and cfg.model.overrides == {"n_layers": 2}
     assert cfg.recipe == "nvfp4_moe" and cfg.num_rollout_workers == 2
     again = config.load(None, [f"{k}={v}" for k, v in [("trainer.lr", 0.001)]])
     assert again.trainer.lr == 0.001
@@ -23,8 +25,9 @@ def test_demo_config_loads_and_overrides_apply():
         ("trainer.maxsteps=3", "unknown config key.*trainer.maxsteps"),
         ("trainer.group_size=1", "group_size=1"),
         ("trainer.minibatches=3", "minibatches=3 must divide"),
-        ("max_staleness=-1", "max_staleness=-1"),
-        ("rollout.temperature=0", "temperature=0"),
+        ("loop.max_staleness=-1", "max_staleness=-1"),
+        ("loop.temperature=0", "temperature=0"),
+        ("max_staleness=0", "unknown config key.*max_staleness.*did you mean"),
         ("task.name=chess", "task.name='chess'"),
         ("run_id=a b", "run_id="),
         ("trainer.max_steps=ten", "trainer.max_steps: expected int"),
@@ -34,6 +37,35 @@ def test_demo_config_loads_and_overrides_apply():
 def test_bad_configs_name_the_problem(override, message):
     with pytest.raises(ValueError, match=message):
         config.load(None, [override])
+
+
+def test_explain_shows_attribute_docstrings_and_unknown_keys_say_what_they_meant(capsys):
+    assert config.explain("loop.max_staleness").startswith("loop.max_staleness (int, default 2): Samples more than")
+    assert "default 8): Samples per prompt" in config.explain("trainer.group_size")
+    section = config.explain("trainer.tls")
+    assert "trainer.tls.client_ca (str, default ''): PEM CA" in section
+    top = config.explain("")
+    assert "loop (section): Run-wide settings" in top and "run_id (str, default 'demo')" in top
+    with pytest.raises(ValueError, match="unknown config key 'trainer.maxsteps'; did you mean trainer.max_steps"):
+        config.explain("trainer.maxsteps")
+    with pytest.raises(ValueError, match=r"did you mean trainer.max_steps: Optimizer steps of the run"):
+        config.load(None, ["trainer.maxsteps=3"])
+    # Every field of every section is documented.
+    for cls in (config.RunConfig, config.TrainerConfig, config.RolloutConfig, config.AsyncConfig, config.TaskConfig):
+        missing = {f.name for f in dataclasses.fields(cls)} - set(config.field_docs(cls))
+        assert not missing, (cls.__name__, missing)
+    # The command: the text on stdout, exit 0; a bad key: one line on stderr, exit 2.
+    from tandem.cli import main
+
+    assert main(["run", "--explain", "loop.temperature"]) == 0
+    assert "loop.temperature (float, default 1.0)" in capsys.readouterr().out
+    assert main(["run", "--explain", "loop.temp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean loop.temperature" in err
+    # A config key that moved: one line naming where it went, exit 2, nothing started.
+    assert main(["run", "demo.yaml", "max_staleness=0", "--run-dir", "/nonexistent/never-created"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean loop.max_staleness" in err
 
 
 def test_env_overrides(monkeypatch):
@@ -51,9 +83,9 @@ def test_tokenizer_and_verifier():
     with pytest.raises(ValueError, match=r"outside the vocabulary: \['x'\]"):
         tok.encode("1x2")
     task = AdditionTask(digits=2)
-    assert task.score(tok, tok.encode("19", eos=True), "19") == 1.0
-    assert task.score(tok, tok.encode("19"), "19") == 0.0  # no <eos>: not a finished answer
-    assert task.score(tok, tok.encode("18", eos=True), "19") == 0.0
+    assert task.score(tok.encode("19", eos=True), {"answer": "19"}) == 1.0
+    assert task.score(tok.encode("19"), {"answer": "19"}) == 0.0  # no <eos>: not a finished answer
+    assert task.score(tok.encode("18", eos=True), {"answer": "19"}) == 0.0
     import random
 
     p, a = task.sample(random.Random(0))
@@ -61,3 +93,28 @@ def test_tokenizer_and_verifier():
     assert int(x) + int(y) == int(a)
     with pytest.raises(ValueError, match="digits=0"):
         AdditionTask(digits=0)
+
+
+def not_a_task(cfg, *, seed):
+    return object()
+
+
+def test_tasks_are_plugins_selected_by_name():
+    """A built-in by name and a user's module:attr factory give the same task; prompts are a pure
+    function of (seed, index) and carry what the verifier needs."""
+    built_in = make_task(TaskConfig(name="addition", digits=2), seed=3)
+    plugin = make_task(TaskConfig(name="rollout.tasks:make_addition", digits=2), seed=3)
+    assert isinstance(built_in, Task) and built_in.max_new_tokens == 4
+    p, q = built_in.prompt(7), plugin.prompt(7)
+    assert p == q and p != built_in.prompt(8)
+    assert make_task(TaskConfig(digits=2), seed=4).prompt(7) != p  # the seed matters
+    text = built_in.tokenizer.decode(p.tokens)
+    a, b = text.rstrip("=").split("+")
+    assert str(int(a) + int(b)) == p.fields["answer"]
+    assert built_in.score(p.reference, p.fields) == 1.0
+    with pytest.raises(ValueError, match="task.name='no_such_module:f': cannot load"):
+        make_task(TaskConfig(name="no_such_module:f"), seed=0)
+    with pytest.raises(ValueError, match="factory.*failed"):
+        make_task(TaskConfig(name="rollout.tasks:TaskConfig"), seed=0)
+    with pytest.raises(ValueError, match="returned object, not a Task"):
+        make_task(TaskConfig(name="test_run_config:not_a_task"), seed=0)

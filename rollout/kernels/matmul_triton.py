@@ -13,7 +13,7 @@ out in bf16) and fed to the tensor cores with x:
   subtracts 136 (exact), one bf16x2 multiply by the group scale rounds q * s to bf16 once:
   exactly `dequantize(W).to(bf16)`, as Marlin-style W4A16 kernels define it.
 
-Kernel layout (`bitmath.repack`, done once per weight by `policy.kernels.pack`): the transported
+Kernel layout (`bitmath.repack`, done once per weight by `rollout.kernels.pack`): the transported
 codes (byte j = elements 2j, 2j+1) are regrouped into int32 words, two per 16-element block;
 word h of block b holds, in nibbles j and j+4 (j = 0..3), elements 16b + 4j + 2h and
 16b + 4j + 2h + 1. One shift + mask then puts a pair of K-consecutive codes in the two 16-bit

@@ -1,0 +1,33 @@
+"""The run-wide settings of the asynchronous loop, shared by the trainer and every rollout worker.
+
+One frozen section (`loop:` in a run config) instead of keyword arguments threaded into each side:
+both must agree on these for the samples to mean what the trainer assumes (torchtitan's
+`AsyncLoopConfig` owns the staleness bound the same way). Not part of the policy-version contract
+fingerprint: a rollout of another temperature is a configuration error, not a foreign policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """The `loop:` section: settings the trainer and the rollouts must share."""
+
+    max_staleness: int = 2
+    """Samples more than this many versions behind the trainer are dropped by the trainer, and a
+    rollout never starts a group with a policy already this far behind (0 = the synchronous loop)."""
+    temperature: float = 1.0
+    """The rollouts' sampling temperature; the trainer computes its log-probs at the same one (> 0)."""
+    seed: int = 0
+    """Seeds the model initialization, the task's prompts and the warm start."""
+
+    def __post_init__(self):
+        errors = []
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            errors.append(f"max_staleness={self.max_staleness!r} (must be an int >= 0)")
+        if not self.temperature > 0:
+            errors.append(f"temperature={self.temperature} (must be > 0: behavior log-probs need sampling)")
+        if errors:
+            raise ValueError("AsyncConfig: " + "; ".join(errors))

@@ -1,0 +1,196 @@
+"""The rollout engine: sampling continuations from the policy model with a KV cache (CPU reference).
+
+The API every engine implements (this CPU one, and GPU engines beside it):
+
+    generate(model, prompts, *, n_samples=1, max_new_tokens, temperature=1.0, seeds=None,
+             generator=None, eos_id=None, stop_ids=(), pad_id=0) -> Generation
+
+    model           a `policy.model.Transformer` holding the policy version's effective weights
+                    (and its activation-quantization hook, installed by `policy.qat`)
+    prompts         B prompts, each a non-empty sequence of token ids (lengths may differ)
+    n_samples       samples per prompt; row b * n_samples + i of the result is sample i of prompt b
+    seeds           one int per output row (B * n_samples): row r draws all its randomness from a
+                    generator seeded by seeds[r], so a row's sample depends only on its prompt and
+                    its seed, never on the other rows, the padding or the batch size (up to last-bit
+                    float differences between batch shapes). Without seeds, the per-row seeds are
+                    drawn from `generator` (or torch's global generator).
+    max_new_tokens  at most this many new tokens per row (>= 1); prompt + new must fit max_seq_len
+    temperature     sampling temperature (> 0), or 0 for greedy
+    eos_id/stop_ids a row stops after producing one of these (the stop token is included)
+    pad_id          what fills a row after it stopped
+
+    Generation: tokens [R, N] long, logprobs [R, N] fp32, lengths [R] long, stopped [R] bool, on
+    the CPU, with R = B * n_samples and N = max_new_tokens. Row r produced tokens[r, :lengths[r]];
+    logprobs are the behavior log-probs, log_softmax(logits / temperature) of each sampled token
+    (temperature 0: greedy, log-probs at temperature 1).
+
+Split as gpt-fast's generate.py: `prefill` (the prompts through the model once, filling the cache),
+`decode_one_token` (one token per row through the model) and `sample` (logits -> token and its
+log-prob), so that a decode step can be captured or compiled on its own. Each prompt is prefilled
+once and its KV cache is shared by its n samples (copied into their rows, as nanochat's
+`Engine.generate` does): the prompt's forward is computed once per group, not n times.
+
+Sampling is Gumbel-max with per-row exponential noise, argmax(logp - log E) with E ~ Exp(1) drawn
+from the row's own generator over the whole vocabulary at every step: the same draw whatever the
+batch, so per-row seeding is exact.
+
+Simplified: the model's forward runs as is (weights dequantized once per version by the worker);
+GPU engines use the packed-weight matmuls of `rollout.kernels` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from policy.model import KVCache, Transformer
+
+__all__ = ["Generation", "decode_one_token", "generate", "prefill", "row_generators", "sample"]
+
+
+@dataclass
+class Generation:
+    """Result of `generate`. Row r produced `lengths[r]` tokens: tokens[r, :lengths[r]] (the stop
+    token included), with the sampling policy's log-probs in logprobs[r, :lengths[r]]; the rest is
+    pad_id / 0. `stopped[r]` is True when the row ended on a stop token, False at max_new_tokens."""
+
+    tokens: Tensor  # [R, N] long
+    logprobs: Tensor  # [R, N] fp32
+    lengths: Tensor  # [R] long
+    stopped: Tensor  # [R] bool
+
+    def completions(self) -> list[list[int]]:
+        return [self.tokens[b, :n].tolist() for b, n in enumerate(self.lengths.tolist())]
+
+    def completion_logprobs(self) -> list[list[float]]:
+        return [self.logprobs[b, :n].tolist() for b, n in enumerate(self.lengths.tolist())]
+
+
+def row_generators(rows: int, generator: torch.Generator | None, seeds: Sequence[int] | None) -> list:
+    """One CPU generator per output row, seeded by `seeds[r]` or by seeds drawn from `generator`."""
+    if seeds is not None:
+        seeds = list(seeds)
+        if len(seeds) != rows:
+            raise ValueError(f"seeds has {len(seeds)} entries for {rows} rows (prompts x n_samples)")
+        row_seeds = [int(s) for s in seeds]
+    else:
+        row_seeds = torch.randint(0, 2**62, (rows,), generator=generator).tolist()
+    return [torch.Generator().manual_seed(s) for s in row_seeds]
+
+
+def prefill(model: Transformer, tokens: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
+    """Left-padded prompts [B, L] (mask True = real token) into an empty cache -> last logits [B, V] fp32."""
+    return model(tokens, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()
+
+
+def decode_one_token(model: Transformer, tokens: Tensor, alive: Tensor, cache: KVCache) -> Tensor:
+    """One new token per row [B] (rows with alive False are padding nobody attends to) -> logits [B, V] fp32."""
+    return model(tokens[:, None], attention_mask=alive[:, None], cache=cache)[:, -1].float()
+
+
+def sample(logits: Tensor, temperature: float, gens: list | None) -> tuple[Tensor, Tensor]:
+    """(next token [B], its log-prob [B]) from logits [B, V] fp32.
+
+    temperature > 0: logp = log_softmax(logits / T), next = argmax(logp - log E_b), E_b ~ Exp(1)
+    per vocabulary entry from row b's generator (Gumbel-max: next ~ Categorical(exp(logp))).
+    temperature 0: next = argmax(logits), logp = log_softmax(logits)."""
+    if temperature > 0:
+        logp = (logits / temperature).log_softmax(dim=-1)
+        vocab = logits.shape[-1]
+        noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in gens])
+        nxt = (logp - noise.to(logits.device).clamp_min(1e-30).log()).argmax(dim=-1)
+    else:
+        logp = logits.log_softmax(dim=-1)
+        nxt = logits.argmax(dim=-1)
+    return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
+
+
+def _repeat_rows(cache: KVCache, n: int) -> None:
+    """Share each prompt's cache with its n samples: row b becomes rows b*n .. b*n + n-1."""
+    if n == 1:
+        return
+    cache.layers = [(k.repeat_interleave(n, dim=0), v.repeat_interleave(n, dim=0)) for k, v in cache.layers]
+    cache.key_valid = cache.key_valid.repeat_interleave(n, dim=0)
+    cache.next_pos = cache.next_pos.repeat_interleave(n, dim=0)
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    L = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), L, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        tokens[b, L - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[b, L - len(p) :] = True
+    return tokens, mask
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    n_samples: int = 1,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
+    eos_id: int | None = None,
+    stop_ids: Sequence[int] = (),
+    pad_id: int = 0,
+) -> Generation:
+    """Sample n_samples continuations of each prompt; the API is in the module docstring."""
+    cfg = model.cfg
+    B = len(prompts)
+    if B == 0:
+        raise ValueError("no prompts")
+    if n_samples < 1:
+        raise ValueError(f"n_samples={n_samples} must be >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not temperature >= 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature={temperature} must be finite and >= 0")
+    lens = [len(p) for p in prompts]
+    if min(lens) == 0:
+        raise ValueError(f"empty prompt(s) at index {[b for b, n in enumerate(lens) if n == 0]}")
+    L = max(lens)
+    if L + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"longest prompt {L} + max_new_tokens {max_new_tokens} > max_seq_len {cfg.max_seq_len}")
+    stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
+    for t in stop | {pad_id}:
+        if not 0 <= t < cfg.vocab_size:
+            raise ValueError(f"token id {t} (stop/eos/pad) outside vocab of size {cfg.vocab_size}")
+    tokens, mask = _left_pad(prompts, pad_id)
+    if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, vocab_size={cfg.vocab_size})")
+    R = B * n_samples
+    gens = row_generators(R, generator, seeds) if temperature > 0 else None
+
+    device = model.lm_head.weight.device
+    stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    cache = KVCache(cfg, B, L + max_new_tokens, dtype=model.lm_head.weight.dtype, device=device)
+    logits = prefill(model, tokens.to(device), mask.to(device), cache)
+    _repeat_rows(cache, n_samples)
+    logits = logits.repeat_interleave(n_samples, dim=0)
+
+    out_tokens = torch.full((R, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_logp = torch.zeros(R, max_new_tokens, dtype=torch.float32, device=device)
+    alive = torch.ones(R, dtype=torch.bool, device=device)
+    stopped = torch.zeros(R, dtype=torch.bool, device=device)
+    lengths = torch.zeros(R, dtype=torch.long, device=device)
+    for step in range(max_new_tokens):
+        nxt, lp = sample(logits, temperature, gens)
+        out_tokens[:, step] = torch.where(alive, nxt, pad_id)
+        out_logp[:, step] = torch.where(alive, lp, 0.0)
+        lengths += alive.long()
+        hit = alive & torch.isin(nxt, stop_t)
+        stopped |= hit
+        alive &= ~hit
+        if not alive.any() or step == max_new_tokens - 1:
+            break
+        # Finished rows keep stepping in lockstep, as padding nobody attends to.
+        logits = decode_one_token(model, torch.where(alive, nxt, pad_id), alive, cache)
+    return Generation(out_tokens.cpu(), out_logp.cpu(), lengths.cpu(), stopped.cpu())

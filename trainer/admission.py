@@ -1,0 +1,112 @@
+"""Admission: which trajectories a step trains on, as a pure function (no Redis, no clock, no I/O).
+
+    admit(backlog, records, *, version, max_staleness, fingerprint, groups_per_step)
+        -> Admission(train, drops, backlog)
+
+In: the backlog carried over from earlier calls (incomplete groups, and complete groups not yet
+trained), the newly read records (anything with a `.trajectory`, a `broker.codec.Trajectory`: the
+trainer passes `broker.streams.TrajectoryRecord`s), the trainer's policy version and the run's bounds.
+Out: the groups to train on now, the samples dropped with their reason, and the new backlog.
+
+Rules, in order:
+1. A backlog group whose version is now too old is dropped whole: staleness = version -
+   policy_version > max_staleness -> reason "stale".
+2. Each new record: a contract fingerprint other than the trainer's -> "fingerprint"; too old ->
+   "stale"; else it joins its group (by group_id). A group is complete when it holds group_size
+   samples; its samples are then ordered by sample_index.
+3. When at least `groups_per_step` groups are complete, the first `groups_per_step` (in the order
+   they completed, backlog first) are trained on; surplus complete groups stay in the backlog for
+   the next step. Otherwise nothing is trained and everything stays (the caller reads more).
+
+Calling again with the returned backlog and more records continues where the last call stopped;
+calling with no records re-applies rule 1 (the trainer does so at the start of every step, after
+its version moved). Which records the trainer has consumed (to commit) is: drops + trained groups.
+Record validation (well-formed samples of this run) comes before admission and drops with its own
+reasons; the reasons here are `STALE` and `FINGERPRINT`.
+
+The model: torchtitan's experiments/rl batcher, tested alone (tests/unit/test_admission.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+STALE = "stale"
+FINGERPRINT = "fingerprint"
+
+
+@dataclass(frozen=True)
+class Drop:
+    record: Any
+    reason: str  # STALE or FINGERPRINT
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """What admission holds between calls: incomplete groups by group_id, complete groups not yet trained."""
+
+    incomplete: dict[str, tuple] = field(default_factory=dict)  # group_id -> records so far, arrival order
+    complete: tuple[tuple, ...] = ()  # complete groups (sorted by sample_index), in completion order
+
+    @property
+    def num_records(self) -> int:
+        return sum(len(g) for g in self.incomplete.values()) + sum(len(g) for g in self.complete)
+
+
+@dataclass(frozen=True)
+class Admission:
+    train: list[list[Any]]  # groups to train on now: [] or exactly groups_per_step groups
+    drops: list[Drop]
+    backlog: Backlog
+
+
+def staleness(version: int, record) -> int:
+    return version - record.trajectory.policy_version
+
+
+def admit(
+    backlog: Backlog,
+    records: Sequence[Any],
+    *,
+    version: int,
+    max_staleness: int,
+    fingerprint: str,
+    groups_per_step: int,
+) -> Admission:
+    """Apply the rules of the module docstring; the inputs are not modified."""
+    if groups_per_step < 1 or max_staleness < 0:
+        raise ValueError(f"admit: groups_per_step={groups_per_step} must be >= 1, max_staleness={max_staleness} >= 0")
+    drops: list[Drop] = []
+
+    def fresh(group) -> bool:
+        if staleness(version, group[0]) > max_staleness:
+            drops.extend(Drop(r, STALE) for r in group)
+            return False
+        return True
+
+    complete = [list(g) for g in backlog.complete if fresh(g)]
+    incomplete = {gid: list(g) for gid, g in backlog.incomplete.items() if fresh(g)}
+    for rec in records:
+        t = rec.trajectory
+        if t.contract_fingerprint != fingerprint:
+            drops.append(Drop(rec, FINGERPRINT))
+            continue
+        if staleness(version, rec) > max_staleness:
+            drops.append(Drop(rec, STALE))
+            continue
+        group = incomplete.setdefault(t.group_id, [])
+        group.append(rec)
+        if len(group) == t.group_size:
+            complete.append(sorted(incomplete.pop(t.group_id), key=lambda r: r.trajectory.sample_index))
+    train, rest = (
+        (complete[:groups_per_step], complete[groups_per_step:]) if len(complete) >= groups_per_step else ([], complete)
+    )
+    return Admission(
+        train=train,
+        drops=drops,
+        backlog=Backlog(
+            incomplete={g: tuple(r) for g, r in incomplete.items()}, complete=tuple(tuple(g) for g in rest)
+        ),
+    )
