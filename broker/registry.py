@@ -89,6 +89,29 @@ def _signed_bytes(version: str, address: str, fingerprint: str, published_at: st
     return "\n".join((version, address, fingerprint, published_at)).encode()
 
 
+def parse_pointer(h: dict[bytes, bytes]) -> PolicyPointer | None:
+    """The PolicyPointer a `policy:latest` hash holds; None if it is malformed (never raises)."""
+    try:
+        return PolicyPointer(
+            version=int(h[b"version"]),
+            address=h[b"address"].decode(),
+            contract_fingerprint=h[b"contract_fingerprint"].decode(),
+            published_at=float(h[b"published_at"]),
+        )
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError, TypeError):
+        return None
+
+
+def pointer_signed(h: dict[bytes, bytes], signer: Signer) -> bool:
+    """Whether a `policy:latest` hash carries a valid signature of its fields (never raises)."""
+    try:
+        fields = (h[k].decode() for k in (b"version", b"address", b"contract_fingerprint", b"published_at"))
+        signed, tag = _signed_bytes(*fields), bytes.fromhex(h.get(b"sig", b"").decode())
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError):
+        return False
+    return signer.verify(POLICY_POINTER, signed, tag)
+
+
 class PolicyRegistry:
     """With a `signer` (broker.signing), publish() signs the pointer and latest() refuses (returns None
     for, and counts in `refused`) a pointer without a valid signature."""
@@ -96,7 +119,7 @@ class PolicyRegistry:
     def __init__(self, redis: aioredis.Redis, keys: Keys, signer: Signer | None = None):
         self.redis, self.keys, self.signer = redis, keys, signer
         self._publish = redis.register_script(_PUBLISH)
-        self.refused = 0  # unsigned or badly signed pointers seen by latest()
+        self.refused = 0  # malformed, unsigned or badly signed pointers seen by latest()
 
     async def publish(self, pointer: PolicyPointer) -> bool:
         """Point `policy:latest` at `pointer` and announce it. Returns False (and changes
@@ -131,26 +154,13 @@ class PolicyRegistry:
         h = await self.redis.hgetall(self.keys.policy_latest)
         if not h:
             return None
-        if self.signer is not None:
-            try:
-                signed = _signed_bytes(
-                    *(h[k].decode() for k in (b"version", b"address", b"contract_fingerprint", b"published_at"))
-                )
-                tag = bytes.fromhex(h.get(b"sig", b"").decode())
-            except (KeyError, ValueError, UnicodeDecodeError):
-                signed, tag = b"", None
-            if not self.signer.verify(POLICY_POINTER, signed, tag):
-                self.refused += 1
-                return None
-        try:
-            return PolicyPointer(
-                version=int(h[b"version"]),
-                address=h[b"address"].decode(),
-                contract_fingerprint=h[b"contract_fingerprint"].decode(),
-                published_at=float(h[b"published_at"]),
-            )
-        except (KeyError, ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{self.keys.policy_latest} is malformed: {e!r} in {h!r}") from None
+        if self.signer is not None and not pointer_signed(h, self.signer):
+            self.refused += 1
+            return None
+        pointer = parse_pointer(h)
+        if pointer is None:  # malformed: refused like an unsigned one, never a crash of the reader
+            self.refused += 1
+        return pointer
 
     async def watch(self, *, after_version: int = -1, poll_s: float = 2.0) -> AsyncIterator[PolicyPointer]:
         """Yield each newer `policy:latest` as it appears (versions strictly increase;

@@ -131,7 +131,9 @@ class RolloutWorker:
                 latest = await registry.latest()
                 if registry.refused > refused_logged:
                     if refused_logged == 0 or registry.refused % 100 == 0:
-                        self.log(f"{self.worker_id}: refusing policy:latest: not signed with this run's secret")
+                        self.log(
+                            f"{self.worker_id}: refusing policy:latest: malformed or not signed with this run's secret"
+                        )
                     refused_logged = registry.refused
                 if latest is not None and (self.version is None or latest.version > self.version):
                     await self._try_load(latest)  # swap between groups; on failure keep the current one

@@ -213,7 +213,11 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not key=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:  # found by bench/fuzz_inputs.py: one line, not a YAML traceback
+            raise ValueError(f"override {item[:200]!r}: the value is not YAML ({getattr(e, 'problem', e)})") from None
+        _set_dotted(data, key.strip(), value)
     return _build(RunConfig, data, "")
 
 

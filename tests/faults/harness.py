@@ -116,6 +116,16 @@ class Run:
             time.sleep(0.1)
         return time.monotonic() - t0
 
+    def wait_step_after(self, t_wall: float, timeout_s: float = 180.0) -> float:
+        """Wait for a step finished after wall time `t_wall` (a fault); the seconds from `t_wall`."""
+        while not any(m["time"] > t_wall for m in lines(self.run_dir / "metrics.jsonl")):
+            for name, p in [("trainer", self.trainer), *self.workers.items()]:
+                if p is not None and p.poll() not in (None, 0):
+                    raise AssertionError(f"{name} exited {p.returncode} after a fault:\n{self.log_tail(name)}")
+            assert time.time() - t_wall < timeout_s, f"no step {timeout_s}s after a fault:\n{self.log_tail('trainer')}"
+            time.sleep(0.1)
+        return max(0.0, min(m["time"] for m in lines(self.run_dir / "metrics.jsonl") if m["time"] > t_wall) - t_wall)
+
     def wait_trainer(self, timeout_s: float = 240.0) -> int:
         try:
             return self.trainer.wait(timeout=timeout_s)
