@@ -20,6 +20,7 @@ streams tolerate that (idempotency keys for samples, duplicate prompts give dupl
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 T = TypeVar("T")
+_depth: contextvars.ContextVar[int] = contextvars.ContextVar("outage_retry_depth", default=0)  # nested calls
 
 
 class RedisOutage(RedisConnectionError):
@@ -89,6 +91,13 @@ class OutageRetry(Retry):
         is_retryable: Callable[[Exception], bool] | None = None,
         with_failure_count: bool = False,
     ) -> T:
+        token = _depth.set(_depth.get() + 1)
+        try:
+            return await self._call(do, fail, is_retryable, with_failure_count)
+        finally:
+            _depth.reset(token)
+
+    async def _call(self, do, fail, is_retryable, with_failure_count):
         failures = 0
         while True:
             try:
@@ -117,7 +126,10 @@ class OutageRetry(Retry):
                     ) from error
                 await asyncio.sleep(min(self.backoff_s(failures), max(0.0, self.outage_s - down)))
                 continue
-            if self.down_since is not None:
+            # Only the outermost call's success ends an outage: redis-py retries connect() through this
+            # policy too, inside a command's retry, and a server that accepts connections but fails
+            # every command (a TLS client certificate refused) must still hit the bound.
+            if self.down_since is not None and _depth.get() == 1:
                 self.log(f"{self.name} back after {time.monotonic() - self.down_since:.1f}s")
                 self.down_since = None
             return result

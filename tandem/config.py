@@ -251,7 +251,7 @@ ENV_KEYS = {
     "TANDEM_TRAINER_HEALTH_HOST": "trainer.health.host",  # the pod IP (downward API status.podIP)
     "TANDEM_ROLLOUT_HEALTH_HOST": "rollout.health.host",
 }
-REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE")
+REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE", "TANDEM_REDIS_CERT_FILE", "TANDEM_REDIS_KEY_FILE")
 
 
 def env_overrides(environ: dict | None = None) -> list[str]:
@@ -271,16 +271,21 @@ def env_overrides(environ: dict | None = None) -> list[str]:
             if not value and any(env.get(n) for n in REDIS_URL_PARTS):
                 raise ValueError(f"{' / '.join(n for n in REDIS_URL_PARTS if env.get(n))} set without TANDEM_REDIS_URL")
             value = value and redis_url_with(
-                value, password=env.get("TANDEM_REDIS_PASSWORD", ""), ca_file=env.get("TANDEM_REDIS_CA_FILE", "")
+                value,
+                password=env.get("TANDEM_REDIS_PASSWORD", ""),
+                ca_file=env.get("TANDEM_REDIS_CA_FILE", ""),
+                cert_file=env.get("TANDEM_REDIS_CERT_FILE", ""),
+                key_file=env.get("TANDEM_REDIS_KEY_FILE", ""),
             )
         if value:
             out.append(f"{key}={json.dumps(value)}")  # a JSON string is a YAML string: "2024" stays text
     return out
 
 
-def redis_url_with(url: str, *, password: str = "", ca_file: str = "") -> str:
-    """`url` with `password` as its password (replacing any; the user name is kept) and `ca_file`
-    as the CA that verifies a rediss:// server (redis-py's `ssl_ca_certs` URL parameter)."""
+def redis_url_with(url: str, *, password: str = "", ca_file: str = "", cert_file: str = "", key_file: str = "") -> str:
+    """`url` with `password` as its password (replacing any; the user name is kept), `ca_file` as the
+    CA that verifies a rediss:// server (redis-py's `ssl_ca_certs` URL parameter), and `cert_file` +
+    `key_file` as the client certificate a server with `tls-auth-clients yes` requires."""
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"TANDEM_REDIS_URL has scheme {parts.scheme!r}: want redis://, rediss:// or unix://")
@@ -295,4 +300,11 @@ def redis_url_with(url: str, *, password: str = "", ca_file: str = "") -> str:
                 f"TANDEM_REDIS_CA_FILE={ca_file!r} needs a rediss:// TANDEM_REDIS_URL, not {parts.scheme}://"
             )
         query = "&".join(q for q in (query, urlencode({"ssl_ca_certs": ca_file})) if q)
+    if cert_file or key_file:
+        if parts.scheme != "rediss" or not (cert_file and key_file):
+            raise ValueError(
+                f"TANDEM_REDIS_CERT_FILE={cert_file!r}, TANDEM_REDIS_KEY_FILE={key_file!r}: set both, "
+                f"with a rediss:// TANDEM_REDIS_URL (not {parts.scheme}://)"
+            )
+        query = "&".join(q for q in (query, urlencode({"ssl_certfile": cert_file, "ssl_keyfile": key_file})) if q)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
