@@ -3,6 +3,7 @@
 # the GPU parity tests. Run on the CUDA machine from the repo root:
 #     bash bench/run_device.sh            # tests + benchmark (fixed configs)
 #     BENCH_ARGS=--tune bash bench/run_device.sh   # also search matmul configs first
+#     ENGINE_BENCH=1 bash bench/run_device.sh       # also the rollout engine (bench/bench_engine.py)
 # Logs and bench.json land in $OUT (default /tmp/tandem-bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,10 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-420}" python3 bench/bench_kernels.py ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${ENGINE_BENCH:-0}" = 1 ]; then  # the packed rollout engine (docs/benchmarks.md, bench_engine.py)
+  timeout "${ENGINE_TIMEOUT:-420}" python3 bench/bench_engine.py --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

@@ -4,8 +4,9 @@ Generation (prefill, decode, sampling) is the rollout engine's: `rollout/engine.
 
 Architecture (one layer): RMSNorm -> grouped-query attention (q/k RMSNorm per head, RoPE) -> residual
 -> RMSNorm -> MoE block (softmax router, top-k, routed SwiGLU experts with a fused gate_up projection,
-optional always-on shared expert added DeepSeek/GLM style) -> residual. Final RMSNorm and an untied LM
-head. Parameter names are the canonical ones from the policy contract (HF Qwen3-MoE style), so
+optional always-on shared expert added DeepSeek/GLM style) or a dense SwiGLU MLP (Qwen3 dense, and
+Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`) -> residual. Final RMSNorm and an LM head,
+untied unless `tie_word_embeddings` (then the logits use the embedding matrix, as HF does). Parameter names are the canonical ones from the policy contract (HF Qwen3-MoE style), so
 `model.named_parameters()` is what recipes, manifests and TP plans talk about.
 
 Quantization is not in this file. Every matmul and every non-matmul parameter goes through a
@@ -60,7 +61,11 @@ class ModelConfig:
     """Architecture of the decoder. Frozen and validated; `fingerprint()` is the manifest's model hash.
 
     `dim` need not equal `n_heads * head_dim` (Qwen3-30B-A3B: 2048 vs 32*128). `shared_expert_ffn_dim`
-    0 means no shared expert. `norm_topk_prob` renormalizes the top-k router probabilities to sum 1
+    0 means no shared expert. Layer i is an MoE layer when `n_experts > 0`, i is not in
+    `mlp_only_layers` and (i + 1) is a multiple of `decoder_sparse_step` (Qwen3-MoE's rule); every
+    other layer has a dense SwiGLU MLP of width `ffn_dim`. `n_experts` 0 is a dense model (Qwen3): then
+    `top_k` and `expert_ffn_dim` are 0 too. `tie_word_embeddings`: no `lm_head.weight`; the logits are
+    x @ embed_tokens.weight.T. `norm_topk_prob` renormalizes the top-k router probabilities to sum 1
     (Qwen3-MoE does). `max_seq_len` bounds generation (prompt + new tokens); RoPE has no table, so it
     is a guard, not an allocation.
     """
@@ -75,6 +80,10 @@ class ModelConfig:
     top_k: int
     expert_ffn_dim: int
     shared_expert_ffn_dim: int = 0
+    ffn_dim: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
     norm_topk_prob: bool = True
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
@@ -89,22 +98,26 @@ class ModelConfig:
             "n_heads",
             "n_kv_heads",
             "head_dim",
-            "n_experts",
-            "top_k",
-            "expert_ffn_dim",
+            "decoder_sparse_step",
             "max_seq_len",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 errors.append(f"{name}={value!r} must be a positive int")
-        if (
-            not isinstance(self.shared_expert_ffn_dim, int)
-            or isinstance(self.shared_expert_ffn_dim, bool)
-            or self.shared_expert_ffn_dim < 0
+        for name in ("n_experts", "top_k", "expert_ffn_dim", "shared_expert_ffn_dim", "ffn_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                errors.append(f"{name}={value!r} must be an int >= 0")
+        for name in ("norm_topk_prob", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"{name}={getattr(self, name)!r} must be a bool")
+        layers = self.mlp_only_layers
+        if not isinstance(layers, (tuple, list)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers
         ):
-            errors.append(f"shared_expert_ffn_dim={self.shared_expert_ffn_dim!r} must be an int >= 0")
-        if not isinstance(self.norm_topk_prob, bool):
-            errors.append(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
+            errors.append(f"mlp_only_layers={layers!r} must be a list of layer indices")
+        else:
+            object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(layers))))
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if (
@@ -121,6 +134,15 @@ class ModelConfig:
                 errors.append(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
             if self.top_k > self.n_experts:
                 errors.append(f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
+            if self.n_experts and not (self.top_k and self.expert_ffn_dim):
+                errors.append(f"n_experts={self.n_experts} needs top_k > 0 and expert_ffn_dim > 0")
+            if not self.n_experts and (self.top_k or self.expert_ffn_dim or self.shared_expert_ffn_dim):
+                errors.append("a dense model (n_experts=0) has top_k, expert_ffn_dim and shared_expert_ffn_dim 0")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+            if bad:
+                errors.append(f"mlp_only_layers {bad} outside 0..{self.n_layers - 1}")
+            if not all(self.is_moe_layer(i) for i in range(self.n_layers)) and not self.ffn_dim:
+                errors.append("ffn_dim must be > 0: some layers have a dense MLP")
         if errors:
             raise ValueError("invalid ModelConfig: " + "; ".join(errors))
         object.__setattr__(self, "rope_theta", float(self.rope_theta))
@@ -153,6 +175,10 @@ class ModelConfig:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_ffn_dim > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Qwen3-MoE's rule: sparse unless in mlp_only_layers or off the decoder_sparse_step grid."""
+        return self.n_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def num_parameters(self) -> int:
         return sum(math.prod(s) for s in parameter_shapes(self).values())
@@ -188,6 +214,22 @@ PRESETS: dict[str, ModelConfig] = {
         expert_ffn_dim=512,
         shared_expert_ffn_dim=1024,
         max_seq_len=8192,
+    ),
+    # Dense Qwen3-style twin of "tiny" (tied embeddings): the dense MLP and tied-head paths.
+    "tiny-dense": ModelConfig(
+        vocab_size=512,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        n_experts=0,
+        top_k=0,
+        expert_ffn_dim=0,
+        ffn_dim=512,
+        tie_word_embeddings=True,
+        rope_theta=10_000.0,
+        max_seq_len=1024,
     ),
     # Qwen/Qwen3-30B-A3B (config.json of the HF release).
     "qwen3-30b-a3b": ModelConfig(
@@ -234,6 +276,10 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.self_attn.q_norm.weight"] = (hd,)
         shapes[f"{p}.self_attn.k_norm.weight"] = (hd,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (D,)
+        if not cfg.is_moe_layer(i):
+            shapes[f"{p}.mlp.gate_up_proj.weight"] = (2 * cfg.ffn_dim, D)
+            shapes[f"{p}.mlp.down_proj.weight"] = (D, cfg.ffn_dim)
+            continue
         shapes[f"{p}.mlp.gate.weight"] = (cfg.n_experts, D)
         for e in range(cfg.n_experts):
             shapes[f"{p}.mlp.experts.{e}.gate_up_proj.weight"] = (2 * F_, D)
@@ -242,7 +288,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.mlp.shared_expert.gate_up_proj.weight"] = (2 * Fs, D)
             shapes[f"{p}.mlp.shared_expert.down_proj.weight"] = (D, Fs)
     shapes["model.norm.weight"] = (D,)
-    shapes["lm_head.weight"] = (cfg.vocab_size, D)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, D)
     return shapes
 
 
@@ -391,7 +438,7 @@ class Attention(nn.Module):
 
 
 class Expert(nn.Module):
-    """SwiGLU FFN: gate_up_proj rows [0, F) are the gate, [F, 2F) the up projection."""
+    """SwiGLU FFN: gate_up_proj rows [0, F) are the gate, [F, 2F) the up projection. Also the dense MLP."""
 
     def __init__(self, dim: int, ffn_dim: int, prefix: str):
         super().__init__()
@@ -461,7 +508,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, f"{p}.input_layernorm")
         self.self_attn = Attention(cfg, f"{p}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, f"{p}.post_attention_layernorm")
-        self.mlp = MoE(cfg, f"{p}.mlp")
+        self.mlp = MoE(cfg, f"{p}.mlp") if cfg.is_moe_layer(i) else Expert(cfg.dim, cfg.ffn_dim, f"{p}.mlp")
 
     def forward(self, x, cos, sin, mask, hook, kv, start):
         x = x + self.self_attn(self.input_layernorm(x, hook), cos, sin, mask, hook, kv, start)
@@ -488,6 +535,23 @@ class KVCache:
         self.next_pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.length = 0
         self.capacity = capacity
+
+
+class TiedHead(nn.Module):
+    """The LM head of a tied model: logits = x @ effective(embed_tokens.weight).T. It owns no parameter
+    (the embedding is held outside the module tree, so names and state_dict stay canonical); `weight`
+    is the embedding's, for code that asks the head for its device or dtype."""
+
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self._embed = (embed,)  # a tuple is not registered as a submodule
+
+    @property
+    def weight(self) -> Tensor:
+        return self._embed[0].weight
+
+    def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
+        return F.linear(x, hook.param("model.embed_tokens.weight", self.weight))
 
 
 class _Body(nn.Module):
@@ -519,15 +583,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = _Body(cfg)
-        self.lm_head = Linear(cfg.dim, cfg.vocab_size, "lm_head")
+        self.lm_head = (
+            TiedHead(self.model.embed_tokens) if cfg.tie_word_embeddings else Linear(cfg.dim, cfg.vocab_size, "lm_head")
+        )
         self.quant_hook: QuantHook | None = None
-        if self.lm_head.weight.device.type != "meta":
+        if self.model.embed_tokens.weight.device.type != "meta":
             self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = 0) -> None:
         """Normal(0, 0.02) matrices, output projections scaled by 1/sqrt(2 n_layers), unit norms."""
-        g = torch.Generator(device=self.lm_head.weight.device)
+        g = torch.Generator(device=self.model.embed_tokens.weight.device)
         g.manual_seed(0 if seed is None else seed)
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():

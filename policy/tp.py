@@ -60,7 +60,7 @@ TP_SCALE_MODES = ("shard", "global")
 MAX_TP_SIZE = 1024
 
 _LAYER = r"model\.layers\.\d+\."
-_EXPERT = r"mlp\.(?:experts\.\d+|shared_expert)\."
+_EXPERT = r"mlp\.(?:(?:experts\.\d+|shared_expert)\.)?"  # routed, shared or the dense MLP
 
 # First full match wins. Keep this the only place that says how the model is split.
 DEFAULT_RULES: tuple[tuple[str, str], ...] = (

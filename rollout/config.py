@@ -5,10 +5,13 @@ sampling temperature is the run's (`loop.temperature`), shared with the trainer.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from broker.health import HealthConfig
 from broker.tls import ClientTLS
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +34,13 @@ class RolloutConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     """grpc.health.v1 for Kubernetes probes: SERVING once a verified policy is loaded, NOT_SERVING
     before and while draining."""
+    device: str = "cpu"
+    """Where generation runs: "cpu" (rollout/engine.py on dequantized weights, the default) or
+    "cuda" / "cuda:N" (rollout/cuda_engine.py: packed 4-bit weights, CUDA graphs, on-device sampling)."""
+    max_batch: int = 64
+    """cuda only: rows per generate call (KV slots); a group's samples run in chunks of this many."""
+    kv_capacity: int = 1024
+    """cuda only: KV length of a slot (prompt + new tokens); a longer request is refused."""
     max_policy_bytes: int = 64 << 30
     """A manifest declaring more tensor bytes than this is refused (policy.manifest_check)."""
 
@@ -43,5 +53,9 @@ class RolloutConfig:
                 f"reclaim_idle_s={self.reclaim_idle_s}, fetch_timeout_s={self.fetch_timeout_s}, "
                 f"read_block_ms={self.read_block_ms} (must be > 0)"
             )
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
+        if self.max_batch < 1 or self.kv_capacity < 2:
+            errors.append(f"max_batch={self.max_batch}, kv_capacity={self.kv_capacity} (need >= 1 and >= 2)")
         if errors:
             raise ValueError("RolloutConfig: " + "; ".join(errors))

@@ -6,7 +6,8 @@ the model's vocab, so trainer and rollout build the same one). `tandem/services.
 `task.prompt(i)` and warm-starts on `task.example(rng)`; a rollout worker generates up to
 `task.max_new_tokens` tokens and scores them with `task.score`. `task.name` selects the factory: a
 built-in registered in `TASKS`, or a user's `"module:attr"` (imported at start; called as
-`factory(cfg, seed=seed)` and returning a `Task`).
+`factory(cfg, seed=seed)` and returning a `Task`). Built-ins: `addition` (below) and `jsonl`, a
+user's prompt file with exact / numeric verifiers (rollout/jsonl_task.py).
 
 The protocol (structural: any object with these members is a task):
 
@@ -115,6 +116,22 @@ class TaskConfig:
     """addition: each operand has 1..digits digits (1 = single-digit sums, the demo)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Task-specific settings for a user's factory (it reads them from cfg.options)."""
+    path: str = ""
+    """jsonl: the prompt file, one JSON object per line (rollout/jsonl_task.py)."""
+    prompt_field: str = "prompt"
+    """jsonl: the field holding the prompt text."""
+    answer_field: str = "answer"
+    """jsonl: the field holding the reference answer."""
+    tokenizer: str = ""
+    """jsonl: a Hugging Face tokenizer folder (tokenizer.json; eos/pad/bos from tokenizer_config.json)."""
+    verifier: str = "numeric"
+    """jsonl: exact (stripped text equality) or numeric (last number, within `tolerance`)."""
+    tolerance: float = 1e-6
+    """jsonl, numeric verifier: the largest accepted |completion's number - answer's number|."""
+    max_new_tokens: int = 16
+    """jsonl: the longest completion a rollout generates."""
+    chat_template: bool = False
+    """jsonl: wrap each prompt in the tokenizer's chat template (one user message)."""
 
     def __post_init__(self):
         if self.name not in TASKS and ":" not in self.name:
@@ -122,6 +139,8 @@ class TaskConfig:
                 f"task.name={self.name!r}: not a built-in task ({', '.join(sorted(TASKS))}) "
                 "and not a 'module:attr' factory"
             )
+        if self.name == "addition" and (self.path or self.tokenizer):
+            raise ValueError("task.path / task.tokenizer belong to task.name=jsonl (addition has its own)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +189,13 @@ def make_addition(cfg: TaskConfig, *, seed: int) -> AdditionTask:
     return AdditionTask(digits=cfg.digits, seed=seed)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"addition": make_addition}
+def make_jsonl(cfg: TaskConfig, *, seed: int) -> Task:
+    from rollout.jsonl_task import JsonlTask  # imports the tokenizers library only when used
+
+    return JsonlTask.from_config(cfg, seed=seed)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"addition": make_addition, "jsonl": make_jsonl}
 
 
 def make_task(cfg: TaskConfig, *, seed: int) -> Task:

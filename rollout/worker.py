@@ -11,9 +11,11 @@ Loop (one group at a time):
 SIGTERM sets a flag: the group in progress is finished and committed, then the worker exits
 (a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
 
-Simplified: generation is the CPU KV-cache engine of rollout/engine.py (the prompt prefilled
-once per group, its cache shared by the n samples) with weights dequantized once per version
-(weight-only formats are exact after dequantization; GPU engines keep them packed).
+Generation: with `rollout.device=cpu` (default) the CPU KV-cache engine of rollout/engine.py
+(the prompt prefilled once per group, its cache shared by the n samples) with weights dequantized
+once per version (weight-only formats are exact after dequantization); with `cuda` / `cuda:N` the
+packed-weight engine of rollout/cuda_engine.py, rebuilt per version from the fetched tensors (its
+KV cache and graphs never outlive the version that filled them).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from policy.loop import AsyncConfig
 from policy.manifest_check import ManifestRefused, check_manifest, expected_tensors
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
+from rollout.cuda_engine import EngineConfig, PackedEngine, resolve_device
 
 from .config import RolloutConfig
 from .engine import generate
@@ -68,7 +71,11 @@ class RolloutWorker:
         self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.task = task
         self.recipe = recipe
-        self.model = Transformer(model_config, seed=None)
+        self.device = resolve_device(cfg.device)  # ValueError naming the problem when unusable
+        self.model_config = model_config
+        # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine per version.
+        self.model = Transformer(model_config, seed=None) if self.device.type == "cpu" else None
+        self.engine: PackedEngine | None = None
         self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
         self.version: int | None = None
         self._refused: int | None = None  # last version refused for its fingerprint (logged once)
@@ -208,8 +215,12 @@ class RolloutWorker:
 
         t0 = time.perf_counter()
         fetched = await asyncio.to_thread(fetch)
-        qat.load_packed(self.model, fetched.tensors)
-        qat.install_activation_quant(self.model, self.recipe)
+        if self.model is not None:
+            qat.load_packed(self.model, fetched.tensors)
+            qat.install_activation_quant(self.model, self.recipe)
+        else:
+            self.engine = None  # free the previous version's weights, KV cache and graphs first
+            self.engine = await asyncio.to_thread(self._build_engine, fetched.tensors)
         self.version = fetched.version
         self.health.set_serving(not self.stop.is_set())
         self.log(
@@ -220,23 +231,50 @@ class RolloutWorker:
     def _check_manifest(self, manifest) -> None:
         check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
 
-    def _rollout_group(self, group: PromptGroup) -> list[Trajectory]:
-        n = group.n_samples
-        sample_ids = [sample_id_for(group.group_id, i) for i in range(n)]
-        prompt = group.prompt_tokens.tolist()
-        gen = generate(
-            self.model,
-            [prompt],
-            n_samples=n,
+    def _build_engine(self, tensors: dict) -> PackedEngine:
+        import torch
+
+        engine = PackedEngine(
+            self.model_config,
+            self.recipe.plan(self.model_config),
+            tensors,
+            device=self.device,
+            engine=EngineConfig(
+                max_batch=self.cfg.max_batch, max_seq_len=min(self.cfg.kv_capacity, self.model_config.max_seq_len)
+            ),
+        )
+        engine.capture()
+        torch.cuda.synchronize(self.device)
+        return engine
+
+    def _generate(self, prompt: list[int], seeds: list[int]) -> tuple[list, list]:
+        """Completions and behavior log-probs of one prompt, one sample per seed."""
+        kw = dict(
             max_new_tokens=self.task.max_new_tokens,
             temperature=self.loop.temperature,
             eos_id=self.task.tokenizer.eos_id,
             pad_id=self.task.tokenizer.pad_id,
-            seeds=[zlib.crc32(s.encode()) for s in sample_ids],
         )
+        if self.engine is None:
+            gen = generate(self.model, [prompt], n_samples=len(seeds), seeds=seeds, **kw)
+            return gen.completions(), gen.completion_logprobs()
+        completions, logps = [], []
+        step = self.cfg.max_batch
+        for i in range(0, len(seeds), step):  # a row's sample depends only on its seed: chunking is free
+            chunk = seeds[i : i + step]
+            gen = self.engine.generate([prompt], n_samples=len(chunk), seeds=chunk, **kw)
+            completions += gen.completions()
+            logps += gen.completion_logprobs()
+        return completions, logps
+
+    def _rollout_group(self, group: PromptGroup) -> list[Trajectory]:
+        n = group.n_samples
+        sample_ids = [sample_id_for(group.group_id, i) for i in range(n)]
+        prompt = group.prompt_tokens.tolist()
+        completions, logprobs = self._generate(prompt, [zlib.crc32(s.encode()) for s in sample_ids])
         now = time.time()
         out = []
-        for i, (completion, logps) in enumerate(zip(gen.completions(), gen.completion_logprobs())):
+        for i, (completion, logps) in enumerate(zip(completions, logprobs)):
             out.append(
                 Trajectory(
                     sample_id=sample_ids[i],

@@ -33,12 +33,18 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSection:
-    """The model preset plus field overrides (e.g. {"n_layers": 2}); vocab comes from the task."""
+    """The model: a preset plus field overrides (e.g. {"n_layers": 2}; vocab comes from the task), or a
+    Hugging Face checkpoint folder whose config.json gives the architecture and whose weights start
+    training (then only `max_seq_len` may be overridden, and a preset, if given, must agree with it)."""
 
-    preset: str = "tiny"
-    """A `policy.model.PRESETS` name."""
+    preset: str = ""
+    """A `policy.model.PRESETS` name; empty means "tiny" (without a checkpoint)."""
     overrides: dict[str, Any] = field(default_factory=dict)
-    """ModelConfig fields that replace the preset's (vocab_size always comes from the task)."""
+    """ModelConfig fields that replace the preset's (vocab_size always comes from the task); with a
+    checkpoint, only max_seq_len."""
+    checkpoint: str = ""
+    """A Hugging Face folder (config.json + safetensors; qwen3 or qwen3_moe): its config.json is the
+    model, its weights the trainer's start (policy/checkpoint.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ callables, a rollout worker the task itself."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import signal
 import sys
@@ -24,13 +25,51 @@ from rollout.tasks import Task, make_task
 from rollout.worker import RolloutWorker
 from trainer.service import Trainer
 
-from .config import RunConfig
+from .config import ModelSection, RunConfig
+
+
+def model_config_for(model: ModelSection, vocab_size: int) -> ModelConfig:
+    """The run's model: the preset (vocab = the tokenizer's), or the checkpoint's config.json."""
+    if not model.checkpoint:
+        overrides = {"max_seq_len": 64, **model.overrides, "vocab_size": vocab_size}
+        return ModelConfig.preset(model.preset or "tiny", **overrides)
+    from policy.checkpoint import read_config
+
+    arch = sorted(set(model.overrides) - {"max_seq_len"})
+    if arch:
+        raise ValueError(
+            f"model.overrides {arch}: with model.checkpoint the architecture comes from its config.json "
+            "(only max_seq_len may be overridden)"
+        )
+    cfg = dataclasses.replace(read_config(model.checkpoint), **model.overrides)
+    if model.preset:
+        preset = ModelConfig.preset(model.preset, **model.overrides)
+        diff = [
+            f"{k}: preset {v!r}, checkpoint {cfg.to_dict()[k]!r}"
+            for k, v in preset.to_dict().items()
+            if v != cfg.to_dict()[k]
+        ]
+        if diff:
+            raise ValueError(f"model.preset={model.preset!r} disagrees with model.checkpoint: " + "; ".join(diff))
+    if vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {vocab_size} tokens, more than the checkpoint's vocab_size {cfg.vocab_size}"
+        )
+    return cfg
 
 
 def task_and_model(cfg: RunConfig) -> tuple[Task, ModelConfig, Recipe]:
     task = make_task(cfg.task, seed=cfg.loop.seed)
-    overrides = {"max_seq_len": 64, **cfg.model.overrides, "vocab_size": task.tokenizer.vocab_size}
-    return task, ModelConfig.preset(cfg.model.preset, **overrides), Recipe.load(cfg.recipe)
+    return task, model_config_for(cfg.model, task.tokenizer.vocab_size), Recipe.load(cfg.recipe)
+
+
+def initial_weights(cfg: RunConfig):
+    """What the trainer starts from when it has no checkpoint of its own: the HF weights, or None (init)."""
+    if not cfg.model.checkpoint:
+        return None
+    from policy.checkpoint import load_hf_into
+
+    return lambda model: load_hf_into(model, cfg.model.checkpoint)
 
 
 def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
@@ -67,6 +106,7 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         make_prompt=make_prompt,
         warm_start_example=example,
         pad_id=task.tokenizer.pad_id,
+        init_weights=initial_weights(cfg),
         max_completion_tokens=task.max_new_tokens,
         log=lambda s: print(f"[trainer] {s}", flush=True),
     )

@@ -105,6 +105,7 @@ class Trainer:
         warm_start_example: Callable[[], tuple[list[int], list[int]]],
         pad_id: int,
         max_completion_tokens: int = 64,
+        init_weights: Callable[[Transformer], None] | None = None,
         log: Callable[[str], None] = print,
     ):
         self.cfg, self.loop, self.log = cfg, loop, log
@@ -116,6 +117,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.ckpt_path = self.run_dir / "checkpoints" / "trainer.pt"
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
+        self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
         self.model = Transformer(model_config, seed=seed)
@@ -248,6 +250,9 @@ class Trainer:
                 _truncate_jsonl(self.run_dir / name, self.state.step)
             self.log(f"resumed from {self.ckpt_path}: step {self.state.step}, version {self.state.version}")
             return
+        if self.init_weights is not None:
+            self.init_weights(self.model)
+            self.log("initial weights loaded")
         if self.cfg.warmstart_steps:
             warm_start(
                 self.model,

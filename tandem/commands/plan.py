@@ -1,7 +1,7 @@
-"""`tandem plan RECIPE --model PRESET [--json]`: the format and scope of every parameter and site.
+"""`tandem plan RECIPE --model PRESET|HF_DIR [--json]`: the format and scope of every parameter and site.
 
-Nothing is allocated: the plan is computed from the model config, so the 30B and 235B presets plan
-in well under a second. The text output groups names that differ only in layer or expert index;
+Nothing is allocated: the plan is computed from the model config (a preset, or the config.json of a
+Hugging Face folder), so the 30B and 235B presets plan in well under a second. The text output groups names that differ only in layer or expert index;
 --json prints every parameter and activation site individually.
 """
 
@@ -12,6 +12,7 @@ import json
 import re
 import warnings
 from collections import defaultdict
+from pathlib import Path
 
 from policy.model import PRESETS, ModelConfig
 from policy.recipe import BUILTINS, Recipe
@@ -19,7 +20,9 @@ from policy.recipe import BUILTINS, Recipe
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help=f"built-in ({', '.join(BUILTINS)}) or a YAML file")
-    p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument(
+        "--model", default="tiny", help=f"model preset ({', '.join(PRESETS)}; default tiny) or a Hugging Face folder"
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -53,24 +56,53 @@ def _grouped(entries) -> list[tuple[str, str, str, int, int, str]]:
     return rows
 
 
+def model_config(model: str) -> ModelConfig:
+    """A preset by name, or the config of a Hugging Face folder (config.json only)."""
+    if model not in PRESETS and Path(model).is_dir():
+        from policy.checkpoint import read_config
+
+        return read_config(model)
+    return ModelConfig.preset(model)
+
+
+def make_plan(recipe_name: str, cfg: ModelConfig):
+    recipe = Recipe.load(recipe_name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reported in the output, once
+        return recipe, recipe.plan(cfg)
+
+
+def all_bf16_note(plan) -> str | None:
+    """Why a recipe with rules quantizes nothing in this model (say so rather than look broken)."""
+    if not plan.recipe.rules or any(e.format != "bf16" for e in plan.params):
+        return None
+    moe = any(plan.config.is_moe_layer(i) for i in range(plan.config.n_layers))
+    why = "" if moe else " (a dense model: it has no routed experts, the only weights some recipes quantize)"
+    return f"note: recipe {plan.recipe.name} leaves every parameter of this model in bf16{why}"
+
+
 def main(args) -> int:
     try:
-        recipe = Recipe.load(args.recipe)
-        cfg = ModelConfig.preset(args.model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # reported below, once, in the output
-            plan = recipe.plan(cfg)
+        cfg = model_config(args.model)
+        recipe, plan = make_plan(args.recipe, cfg)
     except ValueError as e:
         print(f"tandem plan: {e}")
         return 2
+    render(recipe, plan, args.model, args.json)
+    return 0
+
+
+def render(recipe, plan, model_name: str, as_json: bool) -> None:
+    cfg = plan.config
     total = sum(e.numel for e in plan.params)
-    if args.json:
+    note = all_bf16_note(plan)
+    if as_json:
         print(
             json.dumps(
                 {
                     "recipe": recipe.name,
                     "recipe_fingerprint": recipe.fingerprint(),
-                    "model": args.model,
+                    "model": model_name,
                     "model_fingerprint": cfg.fingerprint(),
                     "bf16_layers": list(plan.bf16_layers),
                     "summary": {
@@ -94,15 +126,15 @@ def main(args) -> int:
                         {"name": e.name, "format": e.format, "scope": e.scope, **e.to_dict()["kwargs"]}
                         for e in plan.activations
                     ],
-                    "warnings": list(plan.warnings),
+                    "warnings": list(plan.warnings) + ([note] if note else []),
                 },
                 indent=1,
             )
         )
-        return 0
+        return
 
     print(
-        f"recipe {recipe.name} ({recipe.fingerprint()[:12]}) on {args.model} "
+        f"recipe {recipe.name} ({recipe.fingerprint()[:12]}) on {model_name} "
         f"({cfg.n_layers} layers, {total:,} parameters, model {cfg.fingerprint()[:12]})"
     )
     kept = plan.bf16_layers
@@ -126,4 +158,5 @@ def main(args) -> int:
         print(f"{pattern:<58}{fmt:<11}{scope:<8}{count:>7}{numel:>16,}  {layers}")
     for w in plan.warnings:
         print(f"warning: {w}")
-    return 0
+    if note:
+        print(note)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 
 def add_arguments(p) -> None:
@@ -17,7 +18,13 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    from rollout.cuda_engine import resolve_device
     from tandem import config, services
 
-    cfg = config.load(args.config, config.env_overrides() + args.overrides)
+    try:
+        cfg = config.load(args.config, config.env_overrides() + args.overrides)
+        resolve_device(cfg.rollout.device)  # e.g. rollout.device=cuda on a machine without CUDA
+    except ValueError as e:
+        print(f"tandem rollout: {e}", file=sys.stderr)
+        return 2
     return services.serve_rollout(cfg, args.worker_id)

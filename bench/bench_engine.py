@@ -1,0 +1,316 @@
+"""The packed GPU rollout engine (rollout/cuda_engine.py) on one CUDA device: decode, prefill, mismatch.
+
+For each recipe (bf16, nvfp4_moe, int4_qat; the same random-init model) in one run:
+- decode tokens/s and ms/step at each batch size, greedy and at temperature 1 (CUDA-graph replays
+  timed with CUDA events, no host sync inside the timed steps; early stop disabled);
+- GPU-busy fraction of a decode step: kernel time summed by the profiler over 8 replays / their
+  wall time; and one eager (no graph) step at batch 64 for comparison;
+- the HBM roofline: the bytes a step must read (every dense weight, the routed experts a batch of
+  this size touches under uniform routing: E * (1 - (1 - k/E)^B) per layer, the live KV) over the
+  device-to-device copy bandwidth measured in the same run; the engine's % of it;
+- sampling cost at batch 64 (the fused sampler alone, as a % of the T=1 step);
+- prefill tokens/s (all rows of the largest batch, one forward);
+- logp_abs_diff_quant: |engine behavior log-prob - the trainer's QAT recompute| (policy.qat on the
+  same GPU, same sequences) per completion token, median and mean; the bf16 recipe's is float noise.
+
+Targets (issue 16) are printed met/missed at the end.
+
+    python3 bench/bench_engine.py [--layers 6] [--batches 1,16,64,256] [--steps 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from policy import qat
+from policy.model import ModelConfig, Transformer
+from policy.recipe import Recipe
+from rollout import sampling
+from rollout.cuda_engine import EngineConfig, PackedEngine
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s read + written by a 1 GiB device-to-device copy (median of 20)."""
+    a = torch.empty(2**29, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for i in range(23):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        if i >= 3:
+            times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * a.numel() * 2 / statistics.median(times)
+
+
+def events_ms(fn, repeats: int = 1) -> float:
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    e0.record()
+    for _ in range(repeats):
+        fn()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / repeats
+
+
+def kernel_ms(fn, by_name: dict | None = None) -> float:
+    """Summed device time of the CUDA kernels (and memcpy/memset) fn launches, by the profiler;
+    with `by_name`, also {kernel name: [count, microseconds]}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for evt in prof.events():  # device-side events (kernels, memcpy, memset): their own intervals
+        if str(getattr(evt, "device_type", "")).endswith("CUDA"):
+            us = evt.time_range.elapsed_us()
+            total_us += us
+            if by_name is not None:
+                c = by_name.setdefault(evt.name[:90], [0, 0.0])
+                c[0] += 1
+                c[1] += us
+    return total_us / 1e3
+
+
+def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
+    """Bytes one decode step must read at this batch: dense weights, touched experts, live KV."""
+    cfg = eng.cfg
+
+    def nbytes(*ts):
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def lin_bytes(lin):
+        if lin.weight is not None:
+            return nbytes(lin.weight)
+        p = lin.packed
+        return nbytes(p.codes, p.scales, p.global_scale)
+
+    total = nbytes(eng.norm) + lin_bytes(eng.lm_head) + batch * cfg.dim * eng.embed.element_size()
+    touched = cfg.n_experts * (1 - (1 - cfg.top_k / cfg.n_experts) ** batch)
+    for L in eng.layers:
+        total += nbytes(L.ln1, L.ln2, L.q_norm, L.k_norm)
+        total += sum(lin_bytes(x) for x in (L.q, L.k, L.v, L.o, L.gate))
+        ex = L.experts
+        if ex.kernel is not None:
+            per = (nbytes(ex.gu.codes, ex.gu.scales, ex.gu.global_scale) + nbytes(ex.dn.codes, ex.dn.scales)) / (
+                cfg.n_experts
+            )
+        else:
+            per = nbytes(ex.w_gu, ex.w_dn) / cfg.n_experts
+        total += touched * per
+        if L.shared is not None:
+            total += sum(lin_bytes(x) for x in L.shared)
+    kv = batch * ctx * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * eng.k_cache[0].element_size()
+    return total + kv
+
+
+def run_recipe(name, model, cfg, args, bw, gen) -> dict:
+    dev = model.lm_head.weight.device
+    plan = Recipe.load(name).plan(model)
+    t0 = time.perf_counter()
+    packed = qat.quantize_weights(model, plan)
+    t_quant = time.perf_counter() - t0
+    batches = [int(b) for b in args.batches.split(",")]
+    cap = args.prompt_len + args.steps + 24
+    ecfg = EngineConfig(
+        max_batch=max(batches),
+        max_seq_len=cap,
+        graph_buckets=tuple(batches),
+        fuse=not args.no_fuse,
+        attention=args.attention,
+    )
+    t0 = time.perf_counter()
+    eng = PackedEngine(cfg, plan, packed, device=dev, engine=ecfg)
+    del packed
+    torch.cuda.synchronize()
+    t_load = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng.capture()
+    t_capture = time.perf_counter() - t0
+    out = {"recipe": name, "quantize_s": t_quant, "load_s": t_load, "capture_s": t_capture, "decode": []}
+
+    def prompts(B):
+        return torch.randint(0, cfg.vocab_size, (B, args.prompt_len), generator=gen).tolist()
+
+    for B in batches:
+        for T in (0.0, 1.0):
+            n = eng.prefill(prompts(B), seeds=list(range(B)), temperature=T, stop=set(), pad_id=0)
+            eng.decode(n, 2, check_every=2)  # settle
+            ms = events_ms(lambda n=n: eng.decode(n, args.steps, check_every=args.steps)) / args.steps
+            row = {"batch": B, "temperature": T, "ms_step": ms, "tok_s": B * 1e3 / ms}
+            if T == 1.0:
+                wall = events_ms(lambda n=n: eng.decode(n, 8, check_every=8)) / 8
+                names: dict = {}
+                busy = kernel_ms(lambda n=n: eng.decode(n, 8, check_every=8), names) / 8
+                row["gpu_busy"] = busy / wall
+                row["kernels_per_step"] = sum(c for c, _ in names.values()) / 8
+                if B == args.profile_batch:
+                    top = sorted(names.items(), key=lambda kv: -kv[1][1])[: args.profile_top]
+                    row["top_kernels"] = [(k, c / 8, us / 8) for k, (c, us) in top]
+                    print(f"    {row['kernels_per_step']:.0f} kernels/step; top by time (count/step, us/step):")
+                    for k, c, us in row["top_kernels"]:
+                        print(f"      {us:8.1f} us {c:5.0f}x  {k}")
+                ctx = args.prompt_len + args.steps / 2
+                row["roofline_ms"] = step_bytes(eng, B, ctx) / bw * 1e3
+                row["pct_roofline"] = row["roofline_ms"] / ms
+            out["decode"].append(row)
+            print(
+                f"  {name:10s} B={B:4d} T={T:.0f}: {ms:8.3f} ms/step {row['tok_s']:9.0f} tok/s"
+                + (
+                    f"  busy {row['gpu_busy']:.0%}  roofline {row['roofline_ms']:.3f} ms ({row['pct_roofline']:.0%})"
+                    if T == 1.0
+                    else ""
+                ),
+                flush=True,
+            )
+    # One eager step (no graph) at batch 64 (or the largest <= 64), for the graphs' effect.
+    Be = max([b for b in batches if b <= 64] or batches[:1])
+    n = eng.prefill(prompts(Be), seeds=list(range(Be)), temperature=1.0, stop=set(), pad_id=0)
+    eng.decode(n, 2, check_every=2, graphs=False)
+    wall = events_ms(lambda: eng.decode(n, 8, check_every=8, graphs=False)) / 8
+    busy = kernel_ms(lambda: eng.decode(n, 4, check_every=4, graphs=False)) / 4
+    out["eager"] = {"batch": Be, "ms_step": wall, "gpu_busy": busy / wall}
+    print(f"  {name:10s} eager B={Be}: {wall:.3f} ms/step, busy {busy / wall:.0%}", flush=True)
+    # Sampling alone at batch 64.
+    logits = torch.randn(Be, cfg.vocab_size, device=dev) * 3
+    seeds = torch.arange(Be, device=dev)
+    step = torch.zeros(1, dtype=torch.int64, device=dev)
+    temp = torch.ones(1, device=dev)
+    sampling.sample(logits, seeds, step, temp)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()  # timed as in the decode graph: replays, no launch overhead
+    with torch.cuda.graph(g):
+        sampling.sample(logits, seeds, step, temp)
+    t_s = events_ms(g.replay, repeats=50)
+    ms64 = next(r["ms_step"] for r in out["decode"] if r["batch"] == Be and r["temperature"] == 1.0)
+    out["sampling"] = {"batch": Be, "ms": t_s, "pct_step": t_s / ms64}
+    print(f"  {name:10s} sampling B={Be}: {t_s * 1e3:.1f} us ({t_s / ms64:.1%} of a T=1 step)", flush=True)
+    # Prefill: the largest batch, prompt_len tokens each, one forward.
+    Bp = max(batches)
+    pp = prompts(Bp)
+    eng.prefill(pp, seeds=list(range(Bp)), temperature=1.0, stop=set(), pad_id=0)
+    ms = events_ms(lambda: eng.prefill(pp, seeds=list(range(Bp)), temperature=1.0, stop=set(), pad_id=0))
+    out["prefill"] = {"batch": Bp, "tokens": Bp * args.prompt_len, "ms": ms, "tok_s": Bp * args.prompt_len / ms * 1e3}
+    print(f"  {name:10s} prefill {Bp}x{args.prompt_len}: {ms:.1f} ms, {out['prefill']['tok_s']:.0f} tok/s", flush=True)
+    # Mismatch against the trainer's QAT recompute of the same sequences.
+    Bm, new = args.mismatch_batch, args.mismatch_tokens
+    pm = torch.randint(0, cfg.vocab_size, (Bm, args.prompt_len), generator=gen).tolist()
+    g = eng.generate(pm, max_new_tokens=new, temperature=1.0, seeds=list(range(1000, 1000 + Bm)))
+    eng = None  # free its weights and KV cache before the QAT recompute
+    torch.cuda.empty_cache()
+    seq = torch.cat([torch.tensor(pm), g.tokens], dim=1).to(dev)
+    hook = qat.apply_qat(model, plan)
+    with torch.no_grad():
+        lp = model.token_logprobs(seq[:, :-1], seq[:, 1:])[:, args.prompt_len - 1 :].float().cpu()
+    qat.remove_qat(model)
+    hook.invalidate()
+    del hook
+    torch.cuda.empty_cache()
+    diff = (lp - g.logprobs).abs().flatten()
+    out["logp_abs_diff_quant"] = {"median": diff.median().item(), "mean": diff.mean().item(), "max": diff.max().item()}
+    print(
+        f"  {name:10s} logp_abs_diff_quant vs QAT recompute: median {diff.median().item():.2e} "
+        f"mean {diff.mean().item():.2e} max {diff.max().item():.2e}",
+        flush=True,
+    )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--recipes", default="bf16,nvfp4_moe,int4_qat")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--mismatch-batch", type=int, default=16)
+    ap.add_argument("--mismatch-tokens", type=int, default=32)
+    ap.add_argument("--profile-batch", type=int, default=64, help="print the top kernels at this batch")
+    ap.add_argument("--profile-top", type=int, default=14)
+    ap.add_argument("--no-fuse", action="store_true", help="decode glue unfused (EngineConfig.fuse=False)")
+    ap.add_argument("--attention", default="auto", help="EngineConfig.attention: auto | triton | torch")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cfg = ModelConfig.preset(args.preset, n_layers=args.layers)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.preset} x{args.layers} layers", flush=True)
+    bw = copy_bandwidth(dev)
+    print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s", flush=True)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = Transformer(cfg, seed=0)
+    torch.set_default_dtype(torch.float32)
+    model.requires_grad_(False)
+    print(f"model: {cfg.num_parameters() / 1e9:.2f}B parameters (bf16, random init)", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "args": vars(args), "recipes": []}
+    for name in args.recipes.split(","):
+        results["recipes"].append(run_recipe(name, model, cfg, args, bw, gen))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    report(results)
+
+
+def report(results: dict) -> None:
+    by = {r["recipe"]: r for r in results["recipes"]}
+
+    def tok(recipe, B, T):
+        return next(
+            (d["tok_s"] for d in by[recipe]["decode"] if d["batch"] == B and d["temperature"] == T), float("nan")
+        )
+
+    print("\nrecipe      batch  greedy tok/s   T=1 tok/s  ms/step(T=1)  busy  roofline%")
+    for name, r in by.items():
+        for d in r["decode"]:
+            if d["temperature"] == 1.0:
+                print(
+                    f"{name:10s} {d['batch']:6d} {tok(name, d['batch'], 0.0):13.0f} {d['tok_s']:11.0f} "
+                    f"{d['ms_step']:13.3f} {d['gpu_busy']:5.0%} {d['pct_roofline']:9.0%}"
+                )
+    print("\ntargets:")
+    busy = [d["gpu_busy"] for r in by.values() for d in r["decode"] if d["temperature"] == 1.0 and d["batch"] >= 16]
+    if busy:
+        print(f"  GPU-busy >= 80% at batch >= 16: min {min(busy):.0%} -> {'met' if min(busy) >= 0.8 else 'missed'}")
+    if "bf16" in by:
+        for q in ("nvfp4_moe", "int4_qat"):
+            if q in by:
+                for B in (16, 64):
+                    s = tok(q, B, 1.0) / tok("bf16", B, 1.0)
+                    if not math.isnan(s):
+                        print(f"  {q} vs bf16 at B={B}, T=1: {s:.2f}x (>= 2.0) -> {'met' if s >= 2.0 else 'missed'}")
+    for name, r in by.items():
+        d64 = [d for d in r["decode"] if d["batch"] == 64 and d["temperature"] == 1.0]
+        if d64:
+            p = d64[0]["pct_roofline"]
+            print(f"  {name} roofline at B=64: {p:.0%} (>= 25%) -> {'met' if p >= 0.25 else 'missed'}")
+    if "bf16" in by:
+        base = by["bf16"]["logp_abs_diff_quant"]["median"]
+        for q in ("nvfp4_moe", "int4_qat"):
+            if q in by:
+                m = by[q]["logp_abs_diff_quant"]["median"]
+                ok = m <= 1.5 * base
+                print(
+                    f"  {q} median logp_abs_diff_quant {m:.2e} vs 1.5 x bf16's {base:.2e} -> {'met' if ok else 'missed'}"
+                )
+    for name, r in by.items():
+        s = r["sampling"]["pct_step"]
+        print(
+            f"  {name} sampling at B={r['sampling']['batch']}: {s:.1%} of a step (<= 5%) -> {'met' if s <= 0.05 else 'missed'}"
+        )
+
+
+if __name__ == "__main__":
+    main()

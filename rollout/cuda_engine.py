@@ -1,0 +1,771 @@
+"""The rollout engine for a GPU: packed weights, a preallocated KV cache, CUDA graphs, on-device sampling.
+
+`PackedEngine(cfg, plan, tensors, device=..., engine=EngineConfig(...))` serves one policy from its
+published tensors (the quantized objects a worker fetched) without dequantizing the 4-bit ones:
+
+- routed experts in nvfp4 / int4: one `moe_w4a16_matmul` launch per projection over all routed
+  experts (gate_up, then down), tokens grouped by expert on the device (`moe_align_fast`);
+  bf16 routed experts: `torch._grouped_mm` over the expert-sorted tokens (the fair bf16 baseline);
+- other quantized linears in nvfp4 / int4: `w4a16_matmul`; every other format is multiplied as
+  its dequantization (bf16: the published bf16 weight itself);
+- activation sites the recipe quantizes get the same per-token fake quantization QAT uses
+  (`policy.kernels.quantize` + `dequantize`, bitwise the trainer's x̂), without the host-side
+  finite check: each quantizer's status word is folded into one device flag that `generate`
+  reads once, after the sequences are done (NaN/Inf anywhere -> ValueError);
+- the decode step (embedding -> layers -> LM head -> sampling -> stop bookkeeping) has no host
+  synchronization and is captured in a CUDA graph per batch bucket (`EngineConfig.graph_buckets`);
+  a batch runs in the smallest bucket that holds it, the spare rows as dead padding;
+- the KV cache is slotted: [max_batch, n_kv_heads, max_seq_len, head_dim] per layer, allocated
+  once; a request that does not fit (too many rows, prompt + max_new_tokens over capacity) is
+  refused with a ValueError naming the numbers;
+- sampling is `rollout.sampling` (counter-based RNG keyed by (row seed, step), Gumbel-max,
+  temperature, optional top-k / top-p), log-probs in fp32 from the same logits.
+
+Numerics follow `policy.model.Transformer` op for op (fp32 RMSNorm statistics, fp32 RoPE, bf16
+SwiGLU and expert-weighted sum, fp32 softmax router), so the trainer's QAT recompute of a sequence
+differs from the engine's behavior log-probs only by accumulation order and, for nvfp4 weights, by
+where the fp32 global scale is applied (the kernels scale the accumulator, QAT rounds
+e2m1 x sf x S_dec to bf16 first: DESIGN.md's Compute contract, not yet in policy/qat.py).
+
+Decode attention reads the whole slot (capacity keys, masked past each row's position): fixed
+shapes for the graphs, at the cost of reading capacity rather than length; FlashInfer's paged
+decode kernels would read only the live keys (not used: see docs/benchmarks.md).
+
+The same code runs on the CPU (reference matmuls, torch sampling, no graphs), which is how the
+unit tests check its logic against `policy.model.generate`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import policy.kernels as PK
+from policy.formats import nvfp4 as _nvfp4
+from policy.model import ModelConfig
+from policy.recipe import Plan
+from rollout import kernels as RK
+from rollout import sampling
+from rollout.engine import Generation
+
+__all__ = ["EngineConfig", "PackedEngine", "resolve_device"]
+
+
+def _matmul_triton():
+    """The Triton decode matmuls, imported on first use (CPU runs never import Triton)."""
+    return importlib.import_module("rollout.kernels.matmul_triton")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """'cpu', 'cuda' or 'cuda:N' -> torch.device; ValueError with the reason when unusable."""
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "cuda" or (spec.startswith("cuda:") and spec[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ValueError(f"rollout.device={spec!r}: no CUDA device is available here")
+        dev = torch.device(spec)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"rollout.device={spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
+        return dev
+    raise ValueError(f"rollout.device={spec!r}: expected 'cpu', 'cuda' or 'cuda:N'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """max_batch: rows per generate call (KV slots). max_seq_len: KV capacity per slot (prompt +
+    new tokens). graph_buckets: batch sizes with a captured decode graph (CUDA only; buckets above
+    max_batch are dropped, max_batch itself is always one). use_graphs: False runs the step eagerly.
+    top_k (0 = off) and top_p (1 = off): truncation before sampling. check_every: decode steps
+    between the host's looks at "are all rows finished" (one sync each). fuse: on CUDA, compile the
+    elementwise glue of the decode step (norms, RoPE, attention softmax, routing, SwiGLU, the expert
+    sum, nvfp4 dequantization) with torch.compile so each piece is one or two kernels; falls back
+    to plain torch (with a warning) where compilation fails. attention: decode attention "triton"
+    (rollout.kernels.attention_triton: KV write + attention over the live keys in one kernel per
+    layer), "torch" (two batched matmuls over the whole slot, masked), or "auto" (triton on CUDA)."""
+
+    max_batch: int = 64
+    max_seq_len: int = 1024
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    use_graphs: bool = True
+    top_k: int = 0
+    top_p: float = 1.0
+    check_every: int = 16
+    fuse: bool = True
+    attention: str = "auto"
+
+    def __post_init__(self):
+        errors = []
+        if self.max_batch < 1 or self.max_seq_len < 2 or self.check_every < 1:
+            errors.append(
+                f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, check_every={self.check_every} "
+                "(need >= 1, >= 2, >= 1)"
+            )
+        if self.attention not in ("auto", "triton", "torch"):
+            errors.append(f"attention={self.attention!r} (want 'auto', 'triton' or 'torch')")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            errors.append(f"top_k={self.top_k}, top_p={self.top_p} (need top_k >= 0, 0 < top_p <= 1)")
+        if errors:
+            raise ValueError("EngineConfig: " + "; ".join(errors))
+
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(sorted({b for b in self.graph_buckets if 0 < b < self.max_batch} | {self.max_batch}))
+
+
+# --------------------------------------------------------------------------------------------------
+# The decode step's glue: pure functions (the same arithmetic as policy.model), fused on CUDA
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    xf = x.float()  # fp32 statistics per row, as policy.model.RMSNorm
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * w.float()).to(x.dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps):
+    return _rope(_rms(q, q_norm, eps), cos, sin), _rope(_rms(k, k_norm, eps), cos, sin)
+
+
+def _attn_decode(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """q [n, Hkv, G, hd], k / v [n, Hkv, S, hd], bias [n, 1, 1, S] (0 or -inf) -> [n, Hkv, G, hd]."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+    return torch.matmul(s.softmax(dim=-1).to(q.dtype), v)
+
+
+def _add_rms(x: Tensor, y: Tensor, w: Tensor, eps: float):
+    x = x + y
+    return x, _rms(x, w, eps)
+
+
+def _route(logits: Tensor, k: int, norm: bool):
+    probs = logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _swiglu(gu: Tensor, ffn: int) -> Tensor:
+    gate, up = gu.split(ffn, dim=-1)
+    return F.silu(gate) * up
+
+
+def _combine(h: Tensor, weights: Tensor) -> Tensor:
+    n, k = weights.shape
+    return (h.view(n, k, -1) * weights.unsqueeze(-1).to(h.dtype)).sum(dim=1)
+
+
+def _nvfp4_dequant(codes: Tensor, block_scales: Tensor, global_scale: Tensor, table: Tensor, row: bool, dtype):
+    """policy.formats.nvfp4.dequantize(...).to(dtype), with its value table on the device."""
+    m = codes.shape[0]
+    nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).view(m, -1)
+    values = table[nib.long()].view(m, -1, _nvfp4.BLOCK)
+    gs = global_scale.view(-1, 1) if row else global_scale
+    scale = block_scales.to(torch.float32) * gs
+    return (values * scale.unsqueeze(-1)).view(m, -1).to(dtype)
+
+
+_OPS = ("rms", "qk_norm_rope", "attn_decode", "add_rms", "route", "swiglu", "combine", "nvfp4_dequant")
+
+
+class _Fused:
+    """torch.compile(fn) (static shapes, one graph), falling back to fn for good on the first error."""
+
+    def __init__(self, fn):
+        # One compiled variant per batch bucket (static shapes): room for every bucket of a few engines.
+        dynamo = torch._dynamo.config
+        for key in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo, key):
+                setattr(dynamo, key, max(getattr(dynamo, key), 64))
+        self.fn, self.compiled, self.failed = fn, torch.compile(fn, dynamic=False, fullgraph=True), False
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: run the plain function
+                self.failed = True
+                warnings.warn(
+                    f"cuda_engine: torch.compile of {self.fn.__name__} failed, running it unfused: {e}", stacklevel=2
+                )
+        return self.fn(*args)
+
+
+class _Ops:
+    """The glue functions, fused (torch.compile) or plain."""
+
+    def __init__(self, fuse: bool):
+        for name in _OPS:
+            fn = globals()["_" + name]
+            setattr(self, name, _Fused(fn) if fuse else fn)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights
+
+
+class _ActQuant:
+    """Per-token activation fake quantization at one site: bitwise QAT's x̂ (policy.kernels.quantize,
+    then the nvfp4 / other format's dequantize). No host-side finite check: a NaN or Inf in the
+    residual stream reaches the logits, whose finite flag `generate` reads once per call."""
+
+    def __init__(self, fmt: str, kwargs: dict, engine: PackedEngine):
+        self.fmt, self.kwargs, self.engine = fmt, dict(kwargs), engine
+
+    def __call__(self, x: Tensor, ops) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        fast = x2.device.type == "cuda" and PK.backend(x2) == "triton"
+        q = PK.quantize(self.fmt, x2, check_finite=not fast, **self.kwargs)
+        if self.fmt == "nvfp4":
+            out = ops.nvfp4_dequant(
+                q.codes, q.block_scales, q.global_scale, self.engine.e2m1, q.scope == "row", x.dtype
+            )
+            return out.view(x.shape)
+        return PK.dequantize(q).to(x.dtype).view(x.shape)
+
+
+class _Linear:
+    """y = x̂ @ W.T for one weight: a PackedLinear for the 4-bit kernels, else a dense tensor."""
+
+    def __init__(self, q, act, device, dtype):
+        self.act = act
+        self.packed = None
+        self.weight = None
+        if PK.formats.format_of(q) in ("nvfp4", "int4") and device.type == "cuda":
+            p = RK.pack(PK.to_device(q, device))
+            if RK._kernel_fmt(p, torch.empty(1, p.shape[1], dtype=torch.bfloat16, device=device)) is not None:
+                self.packed = p
+        if self.packed is None:
+            self.weight = PK.dequantize(PK.to_device(q, device)).to(dtype)
+
+    def __call__(self, x: Tensor, ops) -> Tensor:
+        if self.act is not None:
+            x = self.act(x, ops)
+        if self.weight is not None:
+            return F.linear(x, self.weight)
+        p = self.packed
+        mt = _matmul_triton()
+        fmt = mt.FMT_NVFP4 if p.fmt == "nvfp4" else mt.FMT_INT4
+        return mt.w4a16_matmul(x.reshape(-1, x.shape[-1]), p.codes, p.scales, p.global_scale, fmt, p.group_size).view(
+            *x.shape[:-1], p.shape[0]
+        )
+
+
+class _Experts:
+    """The routed experts of one layer: gate_up [E, 2F, D] and down [E, D, F], packed or dense."""
+
+    def __init__(self, gate_up: list, down: list, act_gu, act_dn, device, dtype):
+        self.act_gu, self.act_dn = act_gu, act_dn
+        fmts = {PK.formats.format_of(q) for q in gate_up + down}
+        self.kernel = None
+        if device.type == "cuda" and fmts <= {"nvfp4", "int4"} and len(fmts) == 1:
+            gu = RK.pack_experts([PK.to_device(q, device) for q in gate_up])
+            dn = RK.pack_experts([PK.to_device(q, device) for q in down])
+            probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
+            ok_gu = RK._kernel_fmt(gu, probe.expand(1, gu.shape[1])) is not None
+            if ok_gu and RK._kernel_fmt(dn, probe.expand(1, dn.shape[1])) is not None:
+                mt = _matmul_triton()
+                self.kernel = mt.FMT_NVFP4 if gu.fmt == "nvfp4" else mt.FMT_INT4
+                self.gu, self.dn = gu, dn
+        if self.kernel is None:
+            # [E, N, K] dense; grouped_mm reads it as [E, K, N] through a transposed view.
+            self.w_gu = torch.stack([PK.dequantize(PK.to_device(q, device)).to(dtype) for q in gate_up])
+            self.w_dn = torch.stack([PK.dequantize(PK.to_device(q, device)).to(dtype) for q in down])
+        self.n_experts = len(gate_up)
+        self.ffn = (self.gu.shape if self.kernel is not None else self.w_gu.shape[1:])[0] // 2
+
+    def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, ops) -> Tensor:
+        """x [N, D], ids / weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) in x.dtype."""
+        if self.kernel is not None:
+            h = self._kernel(x, ids, ops)
+        elif x.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+            h = self._grouped(x, ids, ops)
+        else:
+            h = self._loop(x, ids, ops)
+        return ops.combine(h, weights)
+
+    def _kernel(self, x: Tensor, ids: Tensor, ops) -> Tensor:
+        mt = _matmul_triton()
+        N, k = ids.shape
+        align = mt.moe_align_fast(ids, self.n_experts)
+        xq = x if self.act_gu is None else self.act_gu(x, ops)
+        gu, dn = self.gu, self.dn
+        h = mt.moe_w4a16_matmul(xq, gu.codes, gu.scales, gu.global_scale, ids, self.kernel, gu.group_size, align=align)
+        a = ops.swiglu(h.view(N * k, -1), self.ffn)
+        if self.act_dn is not None:
+            a = self.act_dn(a, ops)
+        y = mt.moe_w4a16_matmul(
+            a, dn.codes, dn.scales, dn.global_scale, ids.reshape(-1, 1), self.kernel, dn.group_size, align=align
+        )
+        return y.view(N * k, -1)
+
+    def _grouped(self, x: Tensor, ids: Tensor, ops) -> Tensor:
+        N, k = ids.shape
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
+        xs = x.index_select(0, order // k)
+        if self.act_gu is not None:
+            xs = self.act_gu(xs, ops)
+        a = ops.swiglu(torch._grouped_mm(xs, self.w_gu.transpose(1, 2), offs=offs), self.ffn)
+        if self.act_dn is not None:
+            a = self.act_dn(a, ops)
+        ys = torch._grouped_mm(a, self.w_dn.transpose(1, 2), offs=offs)
+        return torch.empty_like(ys).index_copy_(0, order, ys)
+
+    def _loop(self, x: Tensor, ids: Tensor, ops) -> Tensor:
+        N, k = ids.shape
+        flat = ids.reshape(-1)
+        xs = x.index_select(0, torch.arange(N * k, device=x.device) // k)
+        if self.act_gu is not None:
+            xs = self.act_gu(xs, ops)
+        out = torch.empty(N * k, self.w_dn.shape[1], dtype=x.dtype, device=x.device)
+        for e in torch.unique(flat).tolist():
+            rows = (flat == e).nonzero().squeeze(-1)
+            a = ops.swiglu(F.linear(xs[rows], self.w_gu[e]), self.ffn)
+            if self.act_dn is not None:
+                a = self.act_dn(a, ops)
+            out[rows] = F.linear(a, self.w_dn[e])
+        return out
+
+
+class _Layer:
+    pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Engine
+
+
+class PackedEngine:
+    """One policy version on one device; `generate` has the signature of `policy.model.generate`."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        plan: Plan,
+        tensors: dict,
+        *,
+        device: torch.device | str = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
+        engine: EngineConfig | None = None,
+    ):
+        if plan.config != cfg:
+            raise ValueError("PackedEngine: the plan was made for a different model config")
+        self.cfg, self.plan = cfg, plan
+        self.device = torch.device(device) if isinstance(device, str) else device
+        self.dtype = dtype
+        self.ecfg = engine or EngineConfig()
+        if self.ecfg.max_seq_len > cfg.max_seq_len:
+            raise ValueError(f"EngineConfig.max_seq_len={self.ecfg.max_seq_len} > model max_seq_len={cfg.max_seq_len}")
+        self._finite_bad = torch.zeros(1, dtype=torch.int32, device=self.device)  # 1: NaN/Inf logits seen
+        self.e2m1 = _nvfp4.E2M1_VALUES.to(self.device)
+        self.ops = _Ops(self.ecfg.fuse and self.device.type == "cuda")  # decode step (fixed shapes)
+        self.plain = _Ops(False)  # prefill (shapes vary per call)
+        hd = cfg.head_dim
+        self.triton_attention = (
+            self.device.type == "cuda" and self.ecfg.attention != "torch" and hd & (hd - 1) == 0 and hd >= 16
+        )
+        self._load(tensors)
+        self._alloc_state()
+        self._graphs: dict = {}
+        self._pool = None
+
+    # ---------------------------------------------------------------- loading
+
+    def _act(self, site: str):
+        e = self.plan[site]
+        return None if e.format == "bf16" else _ActQuant(e.format, e.kwargs, self)
+
+    def _dense(self, tensors, name: str) -> Tensor:
+        return PK.dequantize(PK.to_device(tensors[name], self.device)).to(self.dtype).reshape(self.plan[name].shape)
+
+    def _load(self, tensors: dict) -> None:
+        cfg, dev, dt = self.cfg, self.device, self.dtype
+        missing = sorted(set(self.plan._index) - set(tensors) - {e.name for e in self.plan.activations})
+        if missing:
+            raise ValueError(f"PackedEngine: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        self.embed = self._dense(tensors, "model.embed_tokens.weight")
+        self.norm = self._dense(tensors, "model.norm.weight")
+        self.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
+        self.layers = []
+        for i in range(cfg.n_layers):
+            p = f"model.layers.{i}"
+            L = _Layer()
+            L.ln1 = self._dense(tensors, f"{p}.input_layernorm.weight")
+            L.ln2 = self._dense(tensors, f"{p}.post_attention_layernorm.weight")
+            L.q_norm = self._dense(tensors, f"{p}.self_attn.q_norm.weight")
+            L.k_norm = self._dense(tensors, f"{p}.self_attn.k_norm.weight")
+            L.q, L.k, L.v, L.o = (
+                _Linear(tensors[f"{p}.self_attn.{n}_proj.weight"], self._act(f"{p}.self_attn.{n}_proj.input"), dev, dt)
+                for n in "qkvo"
+            )
+            if all(x.weight is not None and x.act is None for x in (L.q, L.k, L.v)):  # one matmul for q, k, v
+                L.qkv = torch.cat([L.q.weight, L.k.weight, L.v.weight])
+            else:
+                L.qkv = None
+            L.gate = _Linear(tensors[f"{p}.mlp.gate.weight"], self._act(f"{p}.mlp.gate.input"), dev, dt)
+            E = range(cfg.n_experts)
+            L.experts = _Experts(
+                [tensors[f"{p}.mlp.experts.{e}.gate_up_proj.weight"] for e in E],
+                [tensors[f"{p}.mlp.experts.{e}.down_proj.weight"] for e in E],
+                self._act(f"{p}.mlp.experts.0.gate_up_proj.input"),
+                self._act(f"{p}.mlp.experts.0.down_proj.input"),
+                dev,
+                dt,
+            )
+            L.shared = None
+            if cfg.has_shared_expert:
+                s = f"{p}.mlp.shared_expert"
+                L.shared = (
+                    _Linear(tensors[f"{s}.gate_up_proj.weight"], self._act(f"{s}.gate_up_proj.input"), dev, dt),
+                    _Linear(tensors[f"{s}.down_proj.weight"], self._act(f"{s}.down_proj.input"), dev, dt),
+                )
+            self.layers.append(L)
+        hd = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
+
+    def _alloc_state(self) -> None:
+        cfg, e, dev = self.cfg, self.ecfg, self.device
+        shape = (e.max_batch, cfg.n_kv_heads, e.max_seq_len, cfg.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(cfg.n_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(cfg.n_layers)]
+        B, S = e.max_batch, e.max_seq_len
+        self.cur_tok = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.seeds = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.alive = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.lengths = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.out_tok = torch.zeros(B, S, dtype=torch.int64, device=dev)
+        self.out_logp = torch.zeros(B, S, dtype=torch.float32, device=dev)
+        self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.temperature = torch.ones(1, dtype=torch.float32, device=dev)
+        self._temp_value = 1.0
+        self.stop_ids = torch.full((8,), -1, dtype=torch.int64, device=dev)
+        self.pad = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.slots = torch.arange(B, device=dev)
+        self.key_index = torch.arange(S, device=dev)
+
+    # ---------------------------------------------------------------- forward pieces
+
+    def _qkv(self, L, h: Tensor, ops):
+        if L.qkv is not None:
+            cfg = self.cfg
+            q, k, v = F.linear(h, L.qkv).split(
+                [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim], dim=-1
+            )
+            return q, k, v
+        return L.q(h, ops), L.k(h, ops), L.v(h, ops)
+
+    def _moe(self, L, x: Tensor, ops) -> Tensor:
+        cfg = self.cfg
+        weights, ids = ops.route(L.gate(x, ops), cfg.top_k, cfg.norm_topk_prob)
+        out = L.experts(x, ids, weights, ops)
+        if L.shared is not None:
+            out = out + L.shared[1](ops.swiglu(L.shared[0](x, ops), cfg.shared_expert_ffn_dim), ops)
+        return out
+
+    def _next_norm(self, i: int) -> Tensor:
+        return self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm
+
+    def _decode_forward(self, n: int) -> Tensor:
+        """Logits [n, V] (model dtype) for rows 0..n-1: token cur_tok[b] at position pos[b] (also its KV slot)."""
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.norm_eps
+        H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        pos, rows = self.pos[:n], self.slots[:n]
+        angles = pos.float()[:, None] * self.inv_freq
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # [n, 1, hd/2]
+        if not self.triton_attention:
+            mask = self.key_index[None, :] <= pos[:, None]  # [n, S]
+            bias = torch.zeros(mask.shape, dtype=torch.float32, device=self.device).masked_fill_(~mask, float("-inf"))
+            bias = bias[:, None, None, :]
+        x = F.embedding(self.cur_tok[:n], self.embed)
+        h = ops.rms(x, self.layers[0].ln1, eps)
+        scale = 1.0 / math.sqrt(hd)
+        for i, L in enumerate(self.layers):
+            q, k, v = self._qkv(L, h, ops)
+            q, k = ops.qk_norm_rope(q.view(n, H, hd), k.view(n, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            if self.triton_attention:
+                from rollout.kernels import attention_triton
+
+                o = attention_triton.decode_attention(q, k, v.view(n, Hk, hd), kc, vc, pos, scale).view(n, H * hd)
+            else:
+                kc[rows, :, pos] = k
+                vc[rows, :, pos] = v.view(n, Hk, hd)
+                o = ops.attn_decode(q.view(n, Hk, H // Hk, hd), kc[:n], vc[:n], bias, scale).reshape(n, H * hd)
+            x, h = ops.add_rms(x, L.o(o, ops), L.ln2, eps)
+            x, h = ops.add_rms(x, self._moe(L, h, ops), self._next_norm(i), eps)
+        return self.lm_head(h, ops)  # the sampler reads them as fp32
+
+    def _prefill_forward(self, tokens: Tensor, lens: Tensor, n_samples: int = 1) -> Tensor:
+        """Right-padded prompts [n, T] -> logits [n, V] at each row's last real token; writes KV
+        0..T-1 of rows b * n_samples + i (each prompt computed once, its KV copied to its samples)."""
+        cfg, ops, eps = self.cfg, self.plain, self.cfg.norm_eps
+        n, T = tokens.shape
+        H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        positions = torch.arange(T, device=self.device)
+        angles = positions.float()[None, :, None] * self.inv_freq  # [1, T, hd/2]
+        cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+        x = F.embedding(tokens, self.embed)
+        h = ops.rms(x, self.layers[0].ln1, eps)
+        for i, L in enumerate(self.layers):
+            q, k, v = self._qkv(L, h, ops)
+            q, k = ops.qk_norm_rope(q.view(n, T, H, hd), k.view(n, T, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(n, T, Hk, hd).transpose(1, 2)
+            R = n * n_samples
+            self.k_cache[i][:R, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
+            self.v_cache[i][:R, :, :T] = v if n_samples == 1 else v.repeat_interleave(n_samples, 0)
+            # Right padding: a real token's causal window holds only real tokens.
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hk)
+            x, h = ops.add_rms(x, L.o(o.transpose(1, 2).reshape(n, T, H * hd), ops), L.ln2, eps)
+            m = self._moe(L, h.reshape(n * T, -1), ops).view(n, T, -1)
+            x, h = ops.add_rms(x, m, self._next_norm(i), eps)
+        last = h[torch.arange(n, device=self.device), lens - 1]
+        return self.lm_head(last, ops)
+
+    # ---------------------------------------------------------------- sampling + bookkeeping
+
+    def _sample_update(self, logits: Tensor, n: int) -> None:
+        """Sample token `step` of rows 0..n-1, record it, stop rows that hit a stop id; no host sync."""
+        e = self.ecfg
+        temp = self._temp_value if (e.top_k > 0 or e.top_p < 1.0) else self.temperature
+        tok, lp = sampling.sample(
+            logits, self.seeds[:n], self.step, temp, top_k=e.top_k, top_p=e.top_p, nonfinite=self._finite_bad
+        )
+        alive = self.alive[:n]
+        idx = self.step.expand(n)[:, None]
+        self.out_tok[:n].scatter_(1, idx, torch.where(alive, tok, self.pad)[:, None])
+        self.out_logp[:n].scatter_(1, idx, torch.where(alive, lp, 0.0)[:, None])
+        self.lengths[:n] += alive.long()
+        hit = alive & (tok[:, None] == self.stop_ids[None, :]).any(dim=1)
+        self.stopped[:n] |= hit
+        alive &= ~hit
+        self.cur_tok[:n] = torch.where(alive, tok, self.pad)
+        self.step += 1
+
+    def _decode_step(self, n: int) -> None:
+        logits = self._decode_forward(n)
+        self._sample_update(logits, n)
+        self.pos[:n] += 1
+
+    def _graph(self, n: int):
+        key = (n, self._temp_key())
+        g = self._graphs.get(key)
+        if g is None:
+            # Warm-up steps run for real: keep the state of the batch in flight (KV included).
+            saved = [t.clone() for t in self._state()]
+            if not self._graphs:
+                self._capture_all()
+            else:
+                self._graphs[key] = self._capture(n)
+            for t, v in zip(self._state(), saved):
+                t.copy_(v)
+            g = self._graphs[key]
+        return g
+
+    def _state(self) -> list[Tensor]:
+        return [
+            *self.k_cache,
+            *self.v_cache,
+            self.cur_tok,
+            self.pos,
+            self.seeds,
+            self.alive,
+            self.stopped,
+            self.lengths,
+            self.out_tok,
+            self.out_logp,
+            self.step,
+            self._finite_bad,
+        ]
+
+    def _temp_key(self):
+        e = self.ecfg
+        return self._temp_value if (e.top_k > 0 or e.top_p < 1.0) else None
+
+    def _capture_all(self) -> None:
+        """Warm every bucket up (largest first, so the kernels' shared workspaces reach their final
+        size before any graph records their addresses), then capture each."""
+        buckets = sorted(self.ecfg.buckets(), reverse=True)
+        for n in buckets:
+            self._warm(n)
+        for n in buckets:
+            self._graphs[(n, self._temp_key())] = self._capture(n)
+        # The graphs hold the addresses of the matmuls' split-K workspaces: keep those tensors alive
+        # even if a later (larger) eager call replaces them in the kernels' cache.
+        self._workspaces = dict(getattr(_matmul_triton(), "_WORKSPACE", {}))
+
+    def _warm(self, n: int) -> None:
+        self.step.zero_()  # warm-up steps index the output buffers and the KV slots: keep them in range
+        self.pos.zero_()
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._decode_step(n)
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        torch.cuda.synchronize(self.device)
+
+    def _capture(self, n: int):
+        self._warm(n)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            self._decode_step(n)
+        torch.cuda.synchronize(self.device)
+        return g
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture the decode graphs now (otherwise the first decode does)."""
+        if self.device.type == "cuda" and self.ecfg.use_graphs and not self._graphs:
+            self._graph(self.ecfg.max_batch)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.ecfg.buckets() if b >= n)
+
+    # ---------------------------------------------------------------- public
+
+    @torch.no_grad()
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], *, seeds, temperature: float, stop, pad_id: int, n_samples: int = 1
+    ) -> int:
+        """Reset the state, prefill the prompts (each once) into slots 0..B*n_samples-1 (row
+        b * n_samples + i: sample i of prompt b) and sample their first token. Returns the bucket
+        the batch decodes in."""
+        P = len(prompts)
+        B = P * n_samples
+        n = self.bucket(B)
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        tokens = torch.full((P, T), pad_id, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+        row_lens = [x for x in lens for _ in range(n_samples)]
+        lens_t = torch.tensor(row_lens + [1] * (n - B), dtype=torch.int64)
+        dev = self.device
+        self._temp_value = float(temperature)
+        self.temperature.fill_(float(temperature))
+        self.stop_ids.fill_(-1)
+        self.stop_ids[: len(stop)] = torch.tensor(sorted(stop), dtype=torch.int64)
+        self.pad.fill_(pad_id)
+        self.seeds.zero_()
+        self.seeds[:B] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64)
+        self.alive.zero_()
+        self.alive[:B] = True
+        self.stopped.zero_()
+        self.lengths.zero_()
+        self.out_tok.fill_(pad_id)
+        self.out_logp.zero_()
+        self.step.zero_()
+        self._finite_bad.zero_()
+        logits = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev), n_samples)
+        if n_samples > 1:
+            logits = logits.repeat_interleave(n_samples, 0)
+        if n > B:  # spare rows of the bucket: dead padding
+            logits = torch.cat([logits, logits.new_zeros(n - B, logits.shape[1])])
+        self._sample_update(logits, n)
+        self.pos[:n] = lens_t.to(dev)
+        return n
+
+    @torch.no_grad()
+    def decode(self, n: int, steps: int, *, check_every: int | None = None, graphs: bool | None = None) -> int:
+        """Up to `steps` decode steps of bucket n (graph replays on CUDA unless graphs=False or the
+        config says so); stops early, checked every `check_every` steps, once no row is alive.
+        Returns the steps run."""
+        every = check_every or self.ecfg.check_every
+        use = self.ecfg.use_graphs if graphs is None else graphs
+        graph = self._graph(n) if self.device.type == "cuda" and use else None
+        done = 0
+        while done < steps:
+            chunk = min(every, steps - done)
+            for _ in range(chunk):
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._decode_step(n)
+            done += chunk
+            if done < steps and not bool(self.alive[:n].any()):
+                break
+        return done
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n_samples: int = 1,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        seeds: Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
+        eos_id: int | None = None,
+        stop_ids: Sequence[int] = (),
+        pad_id: int = 0,
+    ) -> Generation:
+        """As `rollout.engine.generate` (same arguments and result, row b * n_samples + i is sample i
+        of prompt b), on this engine."""
+        cfg, e = self.cfg, self.ecfg
+        if len(prompts) == 0:
+            raise ValueError("no prompts")
+        if n_samples < 1:
+            raise ValueError(f"n_samples={n_samples} must be >= 1")
+        B = len(prompts) * n_samples
+        if B > e.max_batch:
+            raise ValueError(
+                f"{B} rows ({len(prompts)} prompts x {n_samples} samples) > engine max_batch={e.max_batch}"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if not temperature >= 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature={temperature} must be finite and >= 0")
+        lens = [len(p) for p in prompts]
+        if min(lens) == 0:
+            raise ValueError(f"empty prompt(s) at index {[b for b, n in enumerate(lens) if n == 0]}")
+        if max(lens) + max_new_tokens > e.max_seq_len:
+            raise ValueError(
+                f"longest prompt {max(lens)} + max_new_tokens {max_new_tokens} > KV capacity "
+                f"max_seq_len={e.max_seq_len} per slot"
+            )
+        stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
+        if len(stop) > self.stop_ids.numel():
+            raise ValueError(f"{len(stop)} stop ids; the engine takes at most {self.stop_ids.numel()}")
+        for t in stop | {pad_id}:
+            if not 0 <= t < cfg.vocab_size:
+                raise ValueError(f"token id {t} (stop/eos/pad) outside vocab of size {cfg.vocab_size}")
+        for b, p in enumerate(prompts):
+            if min(p) < 0 or max(p) >= cfg.vocab_size:
+                raise ValueError(f"prompt {b}: token ids must be in [0, vocab_size={cfg.vocab_size})")
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (B,), generator=generator).tolist()
+        elif len(seeds) != B:
+            raise ValueError(f"seeds has {len(seeds)} entries for {B} rows")
+        n = self.prefill(prompts, seeds=seeds, temperature=temperature, stop=stop, pad_id=pad_id, n_samples=n_samples)
+        if max_new_tokens > 1:
+            self.decode(n, max_new_tokens - 1)
+        if bool(self._finite_bad):
+            raise ValueError("PackedEngine: non-finite activations or logits (NaN/Inf) in this batch")
+        N = max_new_tokens
+        # copy=True: on the CPU .cpu() would alias the engine's buffers, which the next call reuses.
+        return Generation(
+            *(
+                t.to("cpu", copy=True)
+                for t in (self.out_tok[:B, :N], self.out_logp[:B, :N], self.lengths[:B], self.stopped[:B])
+            )
+        )

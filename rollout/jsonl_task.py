@@ -1,0 +1,162 @@
+"""Task `jsonl`: RL on a user's prompt file, one JSON object per line, with a built-in verifier.
+
+    task:
+      name: jsonl
+      path: configs/data/arith.jsonl      # relative paths are relative to the working directory
+      prompt_field: question              # the prompt text
+      answer_field: answer                # the reference answer
+      tokenizer: configs/data/arith_tokenizer   # a Hugging Face tokenizer folder (rollout/hf_tokenizer.py)
+      verifier: numeric                   # exact | numeric
+      tolerance: 1.0e-6                   # numeric: |last number in completion - answer's number| <= tolerance
+      max_new_tokens: 16
+      chat_template: false                # true: wrap each prompt in the tokenizer's chat template
+
+Verifiers, on the completion decoded up to the first eos (a completion that never ends gets 0):
+  exact    1.0 if the completion, stripped of surrounding whitespace, equals the answer (stripped).
+  numeric  1.0 if the last number in the completion is within `tolerance` of the answer's number,
+           which is the last number in the answer field (so GSM8K's "... #### 42" works as is).
+           Numbers: optional sign, digits with optional thousands commas, optional decimals.
+Custom verifiers: a `module:attr` task factory (rollout.tasks), which may wrap `JsonlTask`.
+
+Prompt i (what the trainer feeds) is row `perm_e[i mod n]` of epoch e = i // n, where `perm_e` is a
+shuffle of the n rows seeded by (seed, e): a pure function of (seed, i), every row once per epoch. The
+warm-start example is a random row with its answer as the reference completion. The whole file is
+read and checked at start (every line an object with both fields; errors name the line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .hf_tokenizer import HFTokenizer
+from .tasks import Prompt
+
+__all__ = ["VERIFIERS", "JsonlTask", "last_number", "read_rows"]
+
+VERIFIERS = ("exact", "numeric")
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in `text` ("1,234.5" -> 1234.5), or None."""
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def read_rows(path: Path, prompt_field: str, answer_field: str) -> list[tuple[str, str]]:
+    if not path.is_file():
+        raise ValueError(f"task.path={str(path)!r}: no such file")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            for key in (prompt_field, answer_field):
+                if key not in obj:
+                    raise ValueError(f"{path}:{n}: no field {key!r} (has {sorted(obj)[:8]})")
+            prompt, answer = obj[prompt_field], obj[answer_field]
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{path}:{n}: field {prompt_field!r} must be a non-empty string")
+            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+                raise ValueError(f"{path}:{n}: field {answer_field!r} must be a string or a number")
+            rows.append((prompt, str(answer)))
+    if not rows:
+        raise ValueError(f"task.path={str(path)!r}: the file has no rows")
+    return rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonlTask:
+    """Prompts and answers from a JSONL file, scored by a built-in verifier (see the module docstring)."""
+
+    rows: tuple[tuple[str, str], ...]
+    tokenizer: HFTokenizer = field(compare=False)
+    verifier: str = "numeric"
+    tolerance: float = 1e-6
+    max_new_tokens: int = 16
+    chat_template: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        errors = []
+        if self.verifier not in VERIFIERS:
+            errors.append(f"task.verifier={self.verifier!r} must be one of {VERIFIERS}")
+        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or not self.tolerance >= 0:
+            errors.append(f"task.tolerance={self.tolerance!r} must be a number >= 0")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            errors.append(f"task.max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        if self.chat_template and self.tokenizer.chat_template is None:
+            errors.append("task.chat_template is true but the tokenizer has no chat_template")
+        if self.verifier == "numeric":
+            bad = [i for i, (_, a) in enumerate(self.rows) if last_number(a) is None]
+            if bad:
+                errors.append(
+                    f"verifier numeric: {len(bad)} answers have no number (row {bad[0] + 1}: {self.rows[bad[0]][1]!r})"
+                )
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @classmethod
+    def from_config(cls, cfg, *, seed: int) -> JsonlTask:
+        """From the run's task section (rollout.tasks.TaskConfig: path, prompt_field, answer_field,
+        tokenizer, verifier, tolerance, max_new_tokens, chat_template)."""
+        if not cfg.path:
+            raise ValueError("task.name=jsonl needs task.path (a JSONL file)")
+        if not cfg.tokenizer:
+            raise ValueError("task.name=jsonl needs task.tokenizer (a folder with tokenizer.json)")
+        return cls(
+            rows=tuple(read_rows(Path(cfg.path), cfg.prompt_field, cfg.answer_field)),
+            tokenizer=HFTokenizer.load(cfg.tokenizer),
+            verifier=cfg.verifier,
+            tolerance=float(cfg.tolerance),
+            max_new_tokens=cfg.max_new_tokens,
+            chat_template=cfg.chat_template,
+            seed=seed,
+        )
+
+    def _prompt(self, row: int) -> Prompt:
+        text, answer = self.rows[row]
+        tok = self.tokenizer
+        if self.chat_template:
+            tokens = tok.encode(tok.chat_prompt(text))
+        else:
+            tokens = tok.encode(text, bos=True)
+        return Prompt(tokens=tokens, fields={"answer": answer}, reference=tok.encode(answer, eos=True))
+
+    def row_of(self, index: int) -> int:
+        n = len(self.rows)
+        epoch, i = divmod(index, n)
+        order = list(range(n))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order[i]
+
+    def prompt(self, index: int) -> Prompt:
+        return self._prompt(self.row_of(index))
+
+    def example(self, rng: random.Random) -> Prompt:
+        return self._prompt(rng.randrange(len(self.rows)))
+
+    def reward(self, completion: str, answer: str) -> float:
+        if self.verifier == "exact":
+            return 1.0 if completion.strip() == answer.strip() else 0.0
+        got, want = last_number(completion), last_number(answer)
+        return 1.0 if got is not None and math.isfinite(got) and abs(got - want) <= self.tolerance else 0.0
+
+    def score(self, completion_ids: Sequence[int], fields: dict[str, Any]) -> float:
+        ids = list(completion_ids)
+        if self.tokenizer.eos_id not in ids:
+            return 0.0
+        return self.reward(self.tokenizer.decode(ids), str(fields["answer"]))

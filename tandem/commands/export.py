@@ -1,0 +1,97 @@
+"""`tandem export (RUN_DIR | HOST:PORT) [--version V] --format FMT --out DIR`: a published version as a
+Hugging Face folder for transformers / vLLM / SGLang (formats: policy/export.py).
+
+RUN_DIR: a run folder (`tandem run`); version V is re-quantized from the trainer checkpoint's master
+weights of that version (the checkpoint keeps the last max_staleness + 1 versions), which gives the
+published bytes exactly (the quantizers are pure functions of the weights). HOST:PORT: a trainer's
+policy server; the version's packed tensors are fetched and verified like a rollout worker does.
+Default version: the newest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from policy.export import EXPORT_FORMATS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="run folder, or host:port of a trainer's policy server")
+    p.add_argument("--version", type=int, default=None, help="policy version (default: the newest)")
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="output format")
+    p.add_argument("--out", required=True, help="output folder (created; must be empty if it exists)")
+    p.add_argument("--timeout", type=float, default=600.0, help="server fetch deadline, seconds")
+    p.add_argument("--tls-ca", default=None, help="CA certificate: connect with TLS")
+    p.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
+    p.add_argument("--tls-key", default=None, help="client private key (mTLS)")
+
+
+def from_run_dir(run_dir: Path, version: int | None):
+    """(model config, {name: quantized}, recipe name, fingerprint, version) from a run folder."""
+    import torch
+
+    from policy import manifest as mf
+    from tandem import config as run_config
+    from tandem.services import task_and_model
+
+    cfg_file, ckpt = run_dir / "config.yaml", run_dir / "checkpoints" / "trainer.pt"
+    if not cfg_file.is_file() or not ckpt.is_file():
+        raise ValueError(f"{run_dir} is not a run folder (needs config.yaml and checkpoints/trainer.pt)")
+    _, model_config, recipe = task_and_model(run_config.load(cfg_file))
+    fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
+    ck = torch.load(ckpt, map_location="cpu", weights_only=True)  # tensors and plain types only
+    if ck["fingerprint"] != fingerprint:
+        raise ValueError(f"{ckpt} has contract {ck['fingerprint'][:12]}, the run's config gives {fingerprint[:12]}")
+    snapshots = {int(k): v for k, v in ck["snapshots"].items()}
+    newest = int(ck["state"]["version"])
+    version = newest if version is None else version
+    if version not in snapshots:
+        raise ValueError(f"version {version} is not in {ckpt}: it keeps versions {sorted(snapshots)}")
+    packed = mf.quantize_params(snapshots[version], recipe.plan(model_config))
+    return model_config, {n: q.value for n, q in packed.items()}, recipe.name, fingerprint, version
+
+
+def from_server(args):
+    from broker.policy_client import PolicyClient, PolicyClientConfig
+    from broker.tls import ClientTLS
+    from policy.model import ModelConfig
+
+    tls = ClientTLS(ca=args.tls_ca or "", cert=args.tls_cert or "", key=args.tls_key or "")
+    config = PolicyClientConfig(address=args.source, fetch_timeout_s=args.timeout, tls=tls)
+    with PolicyClient(config) as client:
+        policy = client.fetch(args.version)
+    m = policy.manifest
+    model_config = ModelConfig.from_dict(json.loads(m.contract.model_config_json))
+    return model_config, policy.tensors, m.contract.recipe_name, m.contract_fingerprint, m.version
+
+
+def main(args) -> int:
+    import grpc
+
+    from policy.export import export_policy
+
+    out = Path(args.out)
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"--out {out} exists and is not an empty folder")
+        source = Path(args.source)
+        if source.is_dir():
+            cfg, tensors, recipe, fingerprint, version = from_run_dir(source, args.version)
+        elif ":" in args.source:
+            cfg, tensors, recipe, fingerprint, version = from_server(args)
+        else:
+            raise ValueError(f"{args.source!r} is neither a run folder nor a host:port address")
+        summary = export_policy(out, cfg, tensors, args.format, recipe=recipe, fingerprint=fingerprint, version=version)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"tandem export: {e}")
+        return 2
+    except grpc.RpcError as e:
+        print(f"tandem export: {args.source}: {e.code().name}: {e.details()}")
+        return 2
+    print(
+        f"exported version {version} ({recipe}, contract {fingerprint[:12]}) as {args.format} to {out}: "
+        f"{summary['quantized']} quantized tensors, {summary['bf16']} bf16"
+    )
+    return 0

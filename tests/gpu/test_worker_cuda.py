@@ -1,0 +1,64 @@
+"""`rollout.device=cuda` end to end, minus Redis: a trainer-side manifest served by a real gRPC
+PolicyServer on loopback, fetched and verified by the worker, which builds its PackedEngine from the
+packed bytes and rolls out a prompt group. Device machine only (bench/run_device.sh)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (run via bench/run_device.sh)", allow_module_level=True)
+pytest.importorskip("triton")
+pytest.importorskip("redis")  # the worker module imports the Redis streams client
+pytest.importorskip("grpc_health")
+
+from broker.codec import PromptGroup  # noqa: E402
+from broker.policy_server import PolicyServer, PolicyServerConfig  # noqa: E402
+from broker.registry import PolicyPointer  # noqa: E402
+from policy import manifest as mf  # noqa: E402
+from policy import qat  # noqa: E402
+from policy.model import Transformer  # noqa: E402
+from tandem import config, services  # noqa: E402
+
+
+def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
+    cfg = config.load("configs/demo.yaml", ["rollout.device=cuda", "rollout.max_batch=4"])
+    task, model_config, recipe = services.task_and_model(cfg)
+    worker = services.make_worker(cfg, "gpu-worker")
+    assert worker.model is None  # no CPU copy of the model on the CUDA path
+    model = Transformer(model_config, seed=0)
+    plan = recipe.plan(model_config)
+    tensors = mf.quantize_params(dict(model.named_parameters()), plan)
+    contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
+    packed = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
+    with PolicyServer(PolicyServerConfig(port=0)) as server:
+        server.publish(packed)
+        pointer = PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)
+        asyncio.run(worker._load(pointer))
+    eng = worker.engine
+    assert worker.version == 1 and eng is not None and eng.device.type == "cuda"
+    assert any(L.experts.kernel is not None for L in eng.layers)  # the routed experts stay packed
+    p = task.prompt(0)
+    group = PromptGroup(
+        prompt_id="p0", group_id="g0", prompt_tokens=np.asarray(p.tokens, dtype=np.int32), n_samples=8, task=p.fields
+    )
+    trajs = worker._rollout_group(group)  # 8 samples in chunks of max_batch=4
+    assert len(trajs) == 8
+    assert all(t.policy_version == 1 and t.contract_fingerprint == worker.fingerprint for t in trajs)
+    again = worker._rollout_group(group)
+    for a, b in zip(trajs, again):  # per-sample seeds: the same group gives the same samples
+        assert np.array_equal(a.completion_tokens, b.completion_tokens)
+    # Behavior log-probs against the trainer's QAT recompute (CPU, fp32) of the same sequences.
+    qat.apply_qat(model, plan)
+    diffs = []
+    with torch.no_grad():
+        for t in trajs:
+            seq = torch.tensor([list(t.prompt_tokens) + list(t.completion_tokens)])
+            lp = model.token_logprobs(seq[:, :-1], seq[:, 1:], temperature=cfg.loop.temperature)
+            diffs.append((lp[0, len(t.prompt_tokens) - 1 :] - torch.from_numpy(t.behavior_logprobs)).abs())
+    d = torch.cat(diffs)
+    assert d.median().item() < 0.05 and d.max().item() < 1.0, d
