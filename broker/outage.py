@@ -133,3 +133,9 @@ class OutageRetry(Retry):
                 self.log(f"{self.name} back after {time.monotonic() - self.down_since:.1f}s")
                 self.down_since = None
             return result
+
+
+async def run_script(redis: Any, script: str, *, keys: list, args: list) -> Any:
+    """EVAL `script` (its text every time, not EVALSHA): a restarted or failed-over Redis has an empty
+    script cache, and redis-py's NOSCRIPT reload can race a second restart; the scripts are small."""
+    return await redis.eval(script, len(keys), *keys, *args)

@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.keys import Keys, check_name
+from broker.outage import run_script
 from broker.signing import POLICY_POINTER, Signer
 
 _MAX_EXACT_VERSION = 2**53  # Lua compares versions as doubles
@@ -118,7 +119,6 @@ class PolicyRegistry:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, signer: Signer | None = None):
         self.redis, self.keys, self.signer = redis, keys, signer
-        self._publish = redis.register_script(_PUBLISH)
         self.refused = 0  # malformed, unsigned or badly signed pointers seen by latest()
 
     async def publish(self, pointer: PolicyPointer) -> bool:
@@ -140,7 +140,9 @@ class PolicyRegistry:
         )
         sig = "" if self.signer is None else self.signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex()
         try:
-            ok = await self._publish(
+            ok = await run_script(
+                self.redis,
+                _PUBLISH,
                 keys=[self.keys.policy_latest],
                 args=[*fields, self.keys.announce, pointer.to_json(), sig],
             )

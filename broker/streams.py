@@ -52,7 +52,7 @@ from broker.codec import (
     encode_trajectory,
 )
 from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys, check_name
-from broker.outage import OutageRetry
+from broker.outage import OutageRetry, run_script
 from broker.signing import TRAJECTORY, Signer
 
 DATA_FIELD = b"d"
@@ -704,7 +704,6 @@ class TrajectoryStream(_TypedStream):
             signer=signer,
         )
         self._held_samples: dict[str, str] = {}  # sample_id -> stream_id, read but not committed
-        self._commit_script = redis.register_script(_COMMIT)
 
     async def add(self, trajectories: Sequence[Trajectory]) -> list[str]:
         return await add_entries(
@@ -762,7 +761,9 @@ class TrajectoryStream(_TypedStream):
         for i in range(0, len(pairs), _COMMIT_CHUNK):
             chunk = pairs[i : i + _COMMIT_CHUNK]
             marked += int(
-                await self._commit_script(
+                await run_script(
+                    self.redis,
+                    _COMMIT,
                     keys=[self.keys.trajectories] + [self.keys.idempotency(self.SCOPE, s) for _, s in chunk],
                     args=[TRAJECTORIES_GROUP, self.config.idempotency_ttl_s] + [sid for sid, _ in chunk],
                 )

@@ -460,7 +460,10 @@ class Trainer:
             if reason is not None:
                 self.state.invalid += 1
                 self._reject(rec, f"invalid: {reason}")
-                self.log(f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r}: {reason}")
+                if self.state.invalid <= 10 or self.state.invalid % 1000 == 0:  # a flood is not a log flood
+                    self.log(
+                        f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r} (#{self.state.invalid}): {reason}"
+                    )
                 continue
             out.append(rec)
         return out

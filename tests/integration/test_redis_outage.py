@@ -61,7 +61,7 @@ async def test_every_kind_of_call_survives_a_restart(tmp_path, down_s):
             await add_entries(r, "s", [b"x"])
             got = await asyncio.wait_for(blocked, 30)
             assert [e.fields[b"d"] for e in got] == [b"x"]
-            # Lua scripts (NOSCRIPT after a restart is reloaded), pipelines and transactions.
+            # Lua scripts (EVAL: no script cache to lose), pipelines and transactions.
             (rec,) = await stream.read(block_ms=10)
             assert await stream.commit([rec]) == 1
             assert await registry.publish(PolicyPointer(version=2, address="h:1", contract_fingerprint="f" * 64))
