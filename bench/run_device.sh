@@ -4,6 +4,7 @@
 #     bash bench/run_device.sh            # tests + benchmark (fixed configs)
 #     BENCH_ARGS=--tune bash bench/run_device.sh   # also search matmul configs first
 #     ENGINE_BENCH=1 bash bench/run_device.sh       # also the rollout engine (bench/bench_engine.py)
+#     TRAINER_BENCH=1 bash bench/run_device.sh      # also the trainer step and publish (bench_trainer/bench_publish)
 # Logs and bench.json land in $OUT (default /tmp/tandem-bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,12 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 fi
 if [ "${ENGINE_BENCH:-0}" = 1 ]; then  # the packed rollout engine (docs/benchmarks.md, bench_engine.py)
   timeout "${ENGINE_TIMEOUT:-420}" python3 bench/bench_engine.py --json "$OUT/engine.json" 2>&1 | tee "$OUT/engine.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${TRAINER_BENCH:-0}" = 1 ]; then  # the trainer step and publish (bench_trainer.py, bench_publish.py)
+  timeout "${TRAINER_TIMEOUT:-300}" python3 bench/bench_trainer.py ${TRAINER_ARGS:-} 2>&1 | tee "$OUT/trainer.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout "${PUBLISH_TIMEOUT:-200}" python3 bench/bench_publish.py ${PUBLISH_ARGS:---bytes 8e9} 2>&1 | tee "$OUT/publish.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

@@ -39,6 +39,15 @@ class TrainerConfig:
     """Truncated importance weight cap C on prox / behavior."""
     backward: str = "hp"
     """QAT straight-through mode: "hp" (master weights) or "dequant" (effective operands)."""
+    device: str = "cpu"
+    """Where the trainer computes: "cpu" or "cuda" (the first visible GPU of this process)."""
+    backend: str = "torch"
+    """Trainer model implementation: "torch" (policy.model.Transformer) or "megatron" (a megatron-core
+    GPTModel of the same architecture, trainer/megatron_backend.py; needs device "cuda" and the
+    `megatron` extra)."""
+    dtype: str = "bfloat16"
+    """Compute dtype on CUDA: "bfloat16" (autocast; master weights and AdamW state stay fp32) or
+    "float32". The CPU always computes in fp32 (bf16 matmuls there are slow and gain nothing)."""
     # publishing (the staleness bound is the run's: loop.max_staleness, shared with the rollouts)
     publish_every: int = 1
     """Publish a new policy version every this many optimizer steps."""
@@ -92,6 +101,16 @@ class TrainerConfig:
             errors.append(f"tis_cap={self.tis_cap} (must be >= 1)")
         if self.backward not in ("hp", "dequant"):
             errors.append(f"backward={self.backward!r} (hp or dequant)")
+        if self.device not in ("cpu", "cuda"):
+            errors.append(f"device={self.device!r} (cpu or cuda)")
+        if self.dtype not in ("bfloat16", "float32"):
+            errors.append(f"dtype={self.dtype!r} (bfloat16 or float32)")
+        if self.backend not in ("torch", "megatron"):
+            errors.append(f"backend={self.backend!r} (torch or megatron)")
+        elif self.backend == "megatron" and self.device != "cuda":
+            errors.append(
+                f"backend='megatron' needs device='cuda' (got {self.device!r}): its GPTModel runs on CUDA only"
+            )
         if self.warmstart_steps < 0:
             errors.append(f"warmstart_steps={self.warmstart_steps} (must be >= 0)")
         if self.grpc_advertise:

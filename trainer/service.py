@@ -120,7 +120,16 @@ class Trainer:
         self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
-        self.model = Transformer(model_config, seed=seed)
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("trainer.device='cuda' but torch sees no CUDA device")
+        # bf16 autocast on CUDA: the effective operands of every quantized format are exact in bf16
+        # (DESIGN.md "Compute contract"); master weights and optimizer state stay fp32.
+        self.autocast = torch.autocast(
+            "cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda" and cfg.dtype == "bfloat16"
+        )
+        with self.device:
+            self.model = Transformer(model_config, seed=seed)
         self.plan = recipe.plan(model_config)
         self.contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
         self.fingerprint = self.contract.fingerprint()
@@ -135,11 +144,16 @@ class Trainer:
         self._dropped_groups: list[str] = []  # settled without training since the last audit line
         self._settled_recent: dict[str, None] = {}  # recently settled group ids (insertion-ordered, capped)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+            self.model.parameters(),
+            lr=cfg.lr,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda",
         )
         self.state = State()
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> master weights at publish
-        self.scratch = Transformer(model_config, seed=seed)  # evaluates older versions' log-probs
+        with self.device:
+            self.scratch = Transformer(model_config, seed=seed)  # evaluates older versions' log-probs
         self._scratch_version: int | None = None
         self.server = PolicyServer(
             PolicyServerConfig(
@@ -281,7 +295,10 @@ class Trainer:
             f.write(json.dumps(line) + "\n")
 
     def _snapshot(self) -> None:
-        self.snapshots[self.state.version] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        # On the CPU: a GPU keeps its memory for the model (older versions are loaded into `scratch` on demand).
+        self.snapshots[self.state.version] = {
+            n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()
+        }
         for v in [v for v in self.snapshots if v < self.state.version - self.max_staleness]:
             del self.snapshots[v]
 
@@ -487,8 +504,11 @@ class Trainer:
         rewards = torch.tensor([t.reward for t in samples], dtype=torch.float32)
         adv = grpo.group_advantages(rewards, self.cfg.group_size)
         versions = torch.tensor([t.policy_version for t in samples])
+        tokens, targets, attn, mask, behav, rewards, adv = (
+            t.to(self.device) for t in (tokens, targets, attn, mask, behav, rewards, adv)
+        )
 
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast:
             prox = self.model.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
             at_version = prox.clone()
             for v in sorted(set(versions.tolist())):
@@ -507,9 +527,11 @@ class Trainer:
         n_tokens = int(b.mask.sum())
         grad_norms, stats = [], Counter()
         for rows in torch.randperm(len(b.rewards)).chunk(cfg.minibatches):
-            logp = self.model.token_logprobs(
-                b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature
-            )
+            rows = rows.to(self.device)
+            with self.autocast:
+                logp = self.model.token_logprobs(
+                    b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature
+                )
             loss, s = grpo.policy_loss(
                 logp,
                 b.prox[rows],

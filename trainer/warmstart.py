@@ -31,12 +31,13 @@ def warm_start(
 ) -> list[float]:
     """Train `model` in place; returns the loss of every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    device = next(model.parameters()).device
     losses = []
     t0 = time.time()
     model.train()
     for step in range(steps):
         prompts, answers = zip(*(sample() for _ in range(batch)))
-        tokens, targets, attn, mask = pack(prompts, answers, pad_id)
+        tokens, targets, attn, mask = (t.to(device) for t in pack(prompts, answers, pad_id))
         logp = model.token_logprobs(tokens, targets, attention_mask=attn)
         loss = -(logp * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
