@@ -53,6 +53,8 @@ def test_random_sigkills_of_workers_and_trainer(tmp_path, redis_server, run_id):
                 break  # no step left to recover into (each fault costs one step or more)
             kind = rng.choice(["worker", "trainer", "both"])
             time.sleep(rng.uniform(0.0, 1.5))  # anywhere in a step: collect, train, checkpoint, commit
+            if run.steps() >= max_steps - 1:
+                break
             t_fault = time.time()
             if kind in ("worker", "both"):
                 w = rng.choice(sorted(run.workers))
