@@ -43,18 +43,18 @@ def test_random_sigkills_of_workers_and_trainer(tmp_path, redis_server, run_id):
     """FAULT_TRIALS kills, each of a random worker, the trainer, or both, at a random moment; the
     killed ones restart on the same names and run folder."""
     rng = random.Random(int(time.time()))
-    max_steps = 3 + 3 * TRIALS
+    max_steps = 6 + 4 * TRIALS
     run = _start(tmp_path, run_id, redis_server.url, max_steps=max_steps)
     recovery, kinds = [], []
     try:
         run.wait_steps(1)
-        for _ in range(TRIALS):
-            if run.steps() >= max_steps - 1:
-                break  # no step left to recover into (each fault costs one step or more)
+        for trial in range(TRIALS):
+            run.wait_steps(1 + 4 * trial)  # spread over the run, whatever the machine's speed
             kind = rng.choice(["worker", "trainer", "both"])
-            time.sleep(rng.uniform(0.0, 1.5))  # anywhere in a step: collect, train, checkpoint, commit
+            step_s = lines(run.run_dir / "metrics.jsonl")[-1]["step_time_s"]
+            time.sleep(rng.uniform(0.0, 2 * step_s))  # anywhere in a step: collect, train, checkpoint, commit
             if run.steps() >= max_steps - 1:
-                break
+                break  # no step left to recover into
             t_fault = time.time()
             if kind in ("worker", "both"):
                 w = rng.choice(sorted(run.workers))
@@ -69,7 +69,7 @@ def test_random_sigkills_of_workers_and_trainer(tmp_path, redis_server, run_id):
     finally:
         run.close()
     figures = audit(run.run_dir, max_steps)
-    assert len(kinds) >= min(TRIALS, 2), kinds
+    assert kinds, "no fault was injected"
     report("random_sigkill", trials=len(kinds), faults=kinds, recovery_s_p50=statistics.median(recovery),
            recovery_s_max=max(recovery), **figures)  # fmt: skip
 
