@@ -10,8 +10,7 @@ may require TLS or client certificates, and a rollout worker has no gRPC server 
 gRPC's own threads, so probes are answered while the owner's event loop is busy (a rollout worker
 generating a group). The status is one bit, reported for the whole server ("") and for `service`.
 
-Binding follows trainer.metrics.MetricsSink: port 0 = a free port on 127.0.0.1 (tests), any other
-port = 0.0.0.0 (a pod, where kubelet probes the pod IP).
+Binding: `host` (loopback by default; in a pod its IP, where kubelet probes), port 0 = a free port.
 """
 
 from __future__ import annotations
@@ -29,13 +28,13 @@ _STATUS = {True: health_pb2.HealthCheckResponse.SERVING, False: health_pb2.Healt
 
 
 class HealthServer:
-    def __init__(self, *, port: int, service: str):
+    def __init__(self, *, port: int, service: str, host: str = "127.0.0.1"):
         if isinstance(port, bool) or not isinstance(port, int) or not -1 <= port <= 65535:
             raise ValueError(f"HealthServer: port={port!r} (want -1 = off, 0 = free, or a port)")
         if not service:
             raise ValueError("HealthServer: service must be a non-empty name")
         self.enabled = port >= 0
-        self.host = "127.0.0.1" if port == 0 else "0.0.0.0"
+        self.host = host
         self.port = port
         self.service = service
         self.serving = False
@@ -84,8 +83,10 @@ class HealthConfig:
     """The `health:` section of the trainer and of a rollout worker."""
 
     port: int = -1
-    """Plaintext grpc.health.v1 for Kubernetes probes: -1 = off, 0 = a free port on 127.0.0.1,
-    else that port on 0.0.0.0."""
+    """Plaintext grpc.health.v1 for Kubernetes probes: -1 = off, 0 = a free port, else that port."""
+    host: str = "127.0.0.1"
+    """Address the probe port binds: loopback by default; in a pod its IP (the downward API's
+    status.podIP, through TANDEM_TRAINER_HEALTH_HOST / TANDEM_ROLLOUT_HEALTH_HOST)."""
 
     def __post_init__(self):
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not -1 <= self.port <= 65535:

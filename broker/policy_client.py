@@ -24,7 +24,7 @@ import concurrent.futures
 import hashlib
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,10 +246,19 @@ class PolicyClient:
     # -- fetching ---------------------------------------------------------------------------------
 
     def fetch(
-        self, version: int | None = None, *, names: Sequence[str] | None = None, tp_rank: int = 0, tp_size: int = 1
+        self,
+        version: int | None = None,
+        *,
+        names: Sequence[str] | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        check: Callable[[manifest_pb2.Manifest], None] | None = None,
     ) -> FetchedPolicy:
-        """Manifest + tensors of `version` (latest if None), all verified, rebuilt via from_parts."""
+        """Manifest + tensors of `version` (latest if None), all verified, rebuilt via from_parts.
+        `check(manifest)` runs before anything is allocated (e.g. policy.manifest_check)."""
         manifest = self.get_manifest(version)
+        if check is not None:
+            check(manifest)
         raw, layouts, stats = self.fetch_bytes(manifest, names=names, tp_rank=tp_rank, tp_size=tp_size)
         entries = {t.name: t for t in manifest.tensors}
         tensors = {n: rebuild(entries[n], layouts[n], data) for n, data in raw.items()}
@@ -302,7 +311,10 @@ class PolicyClient:
                 start_chunk=next_index,
             )
             stats.streams += 1
-            call = self._fetch(req, timeout=self.config.fetch_timeout_s, wait_for_ready=True)
+            # Not wait_for_ready: the manifest just came from this server, so if it is gone now (a trainer
+            # that died mid-fetch; its successor listens elsewhere) fail fast instead of waiting out
+            # fetch_timeout_s on every one of max_attempts restarts.
+            call = self._fetch(req, timeout=self.config.fetch_timeout_s, wait_for_ready=False)
             bad_index = None
             try:
                 for chunk in call:

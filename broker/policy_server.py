@@ -85,6 +85,14 @@ class PolicyServerConfig:
     reflection: bool = False  # gRPC server reflection (grpcurl-style tools can list the services)
     start_timeout_s: float = 30.0
     stop_grace_s: float = 2.0
+    # Abuse limits: concurrent streams per connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS) and in
+    # all (RESOURCE_EXHAUSTED beyond); keepalive pings enforced (a client pinging more often than
+    # every min_ping_interval_s is disconnected); idle connections closed after idle_s.
+    max_streams_per_connection: int = 16
+    max_concurrent_rpcs: int = 256
+    keepalive_s: float = 60.0
+    min_ping_interval_s: float = 10.0
+    idle_s: float = 600.0
 
     def __post_init__(self) -> None:
         bad = []
@@ -95,6 +103,8 @@ class PolicyServerConfig:
             "max_send_message_bytes",
             "max_tensor_names",
             "shard_layouts_per_version",
+            "max_streams_per_connection",
+            "max_concurrent_rpcs",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -115,7 +125,7 @@ class PolicyServerConfig:
         if isinstance(self.max_send_message_bytes, int) and self.max_send_message_bytes < (2 << 20):
             bad.append(f"max_send_message_bytes={self.max_send_message_bytes} must be >= 2 MiB (1 MiB chunks)")
         bad += self.tls.missing_files()
-        for name in ("start_timeout_s", "stop_grace_s"):
+        for name in ("start_timeout_s", "stop_grace_s", "keepalive_s", "min_ping_interval_s", "idle_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 bad.append(f"{name}={v!r} must be a number > 0")
@@ -364,7 +374,14 @@ class PolicyServer:
                 ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_send_message_bytes),
                 ("grpc.so_reuseport", 0),
-            ]
+                ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
+                ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", 20_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", int(cfg.min_ping_interval_s * 1000)),
+                ("grpc.http2.max_ping_strikes", 2),
+                ("grpc.max_connection_idle_ms", int(cfg.idle_s * 1000)),
+            ],
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
         )
         server.add_generic_rpc_handlers(
             (
@@ -517,6 +534,11 @@ class PolicyServer:
         """Positions in `layout` of the requested chunks, rising."""
         if not req.tensor_names:
             ranges = [(0, len(layout.messages))]
+        elif len(req.tensor_names) > len(layout.ranges):  # bounded work: no more names than tensors
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(req.tensor_names)} tensor names for a version of {len(layout.ranges)} tensors",
+            )
         else:
             unknown = sorted({n for n in req.tensor_names if n not in layout.ranges})
             if unknown:

@@ -29,6 +29,8 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker.keys import Keys, check_name
+from broker.outage import run_script
+from broker.signing import POLICY_POINTER, Signer
 
 _MAX_EXACT_VERSION = 2**53  # Lua compares versions as doubles
 _MAX_INFO_BYTES = 4096
@@ -43,7 +45,7 @@ if cur then
   end
 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'address', ARGV[2], 'contract_fingerprint', ARGV[3],
-           'published_at', ARGV[4])
+           'published_at', ARGV[4], 'sig', ARGV[7])
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
 """
@@ -84,10 +86,40 @@ class PolicyPointer:
         )
 
 
+def _signed_bytes(version: str, address: str, fingerprint: str, published_at: str) -> bytes:
+    return "\n".join((version, address, fingerprint, published_at)).encode()
+
+
+def parse_pointer(h: dict[bytes, bytes]) -> PolicyPointer | None:
+    """The PolicyPointer a `policy:latest` hash holds; None if it is malformed (never raises)."""
+    try:
+        return PolicyPointer(
+            version=int(h[b"version"]),
+            address=h[b"address"].decode(),
+            contract_fingerprint=h[b"contract_fingerprint"].decode(),
+            published_at=float(h[b"published_at"]),
+        )
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError, TypeError):
+        return None
+
+
+def pointer_signed(h: dict[bytes, bytes], signer: Signer) -> bool:
+    """Whether a `policy:latest` hash carries a valid signature of its fields (never raises)."""
+    try:
+        fields = (h[k].decode() for k in (b"version", b"address", b"contract_fingerprint", b"published_at"))
+        signed, tag = _signed_bytes(*fields), bytes.fromhex(h.get(b"sig", b"").decode())
+    except (KeyError, ValueError, UnicodeDecodeError, AttributeError):
+        return False
+    return signer.verify(POLICY_POINTER, signed, tag)
+
+
 class PolicyRegistry:
-    def __init__(self, redis: aioredis.Redis, keys: Keys):
-        self.redis, self.keys = redis, keys
-        self._publish = redis.register_script(_PUBLISH)
+    """With a `signer` (broker.signing), publish() signs the pointer and latest() refuses (returns None
+    for, and counts in `refused`) a pointer without a valid signature."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, signer: Signer | None = None):
+        self.redis, self.keys, self.signer = redis, keys, signer
+        self.refused = 0  # malformed, unsigned or badly signed pointers seen by latest()
 
     async def publish(self, pointer: PolicyPointer) -> bool:
         """Point `policy:latest` at `pointer` and announce it. Returns False (and changes
@@ -100,17 +132,19 @@ class PolicyRegistry:
                 contract_fingerprint=pointer.contract_fingerprint,
                 published_at=time.time(),
             )
+        fields = (
+            str(pointer.version),
+            pointer.address,
+            pointer.contract_fingerprint,
+            repr(float(pointer.published_at)),
+        )
+        sig = "" if self.signer is None else self.signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex()
         try:
-            ok = await self._publish(
+            ok = await run_script(
+                self.redis,
+                _PUBLISH,
                 keys=[self.keys.policy_latest],
-                args=[
-                    str(pointer.version),
-                    pointer.address,
-                    pointer.contract_fingerprint,
-                    repr(float(pointer.published_at)),
-                    self.keys.announce,
-                    pointer.to_json(),
-                ],
+                args=[*fields, self.keys.announce, pointer.to_json(), sig],
             )
         except ResponseError as e:
             if "another contract fingerprint" in str(e):
@@ -122,15 +156,13 @@ class PolicyRegistry:
         h = await self.redis.hgetall(self.keys.policy_latest)
         if not h:
             return None
-        try:
-            return PolicyPointer(
-                version=int(h[b"version"]),
-                address=h[b"address"].decode(),
-                contract_fingerprint=h[b"contract_fingerprint"].decode(),
-                published_at=float(h[b"published_at"]),
-            )
-        except (KeyError, ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{self.keys.policy_latest} is malformed: {e!r} in {h!r}") from None
+        if self.signer is not None and not pointer_signed(h, self.signer):
+            self.refused += 1
+            return None
+        pointer = parse_pointer(h)
+        if pointer is None:  # malformed: refused like an unsigned one, never a crash of the reader
+            self.refused += 1
+        return pointer
 
     async def watch(self, *, after_version: int = -1, poll_s: float = 2.0) -> AsyncIterator[PolicyPointer]:
         """Yield each newer `policy:latest` as it appears (versions strictly increase;

@@ -33,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -52,8 +52,11 @@ from broker.codec import (
     encode_trajectory,
 )
 from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys, check_name
+from broker.outage import OutageRetry, run_script
+from broker.signing import TRAJECTORY, Signer
 
 DATA_FIELD = b"d"
+SIG_FIELD = b"s"  # HMAC of DATA_FIELD (broker.signing), on trajectory entries when the run has a secret
 _DL_PREFIX = "orig:"
 
 
@@ -66,10 +69,14 @@ def run_async(main: Awaitable[Any]) -> Any:
     return uvloop.run(main)
 
 
-def connect(url: str, *, timeout_s: float = 35.0) -> aioredis.Redis:
-    """An asyncio Redis client with bounded socket timeouts.
+def connect(
+    url: str, *, timeout_s: float = 35.0, outage_s: float = 60.0, log: Callable[[str], None] = print
+) -> aioredis.Redis:
+    """An asyncio Redis client with bounded socket timeouts that rides out Redis outages.
 
-    `timeout_s` must exceed the longest XREADGROUP BLOCK (StreamConfig caps it at 30 s).
+    `timeout_s` must exceed the longest XREADGROUP BLOCK (StreamConfig caps it at 30 s). Every
+    command retries through a restart or failover for up to `outage_s` seconds (broker.outage),
+    then raises `RedisOutage`.
     """
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"url={url!r}: want redis://, rediss:// or unix://")
@@ -80,6 +87,7 @@ def connect(url: str, *, timeout_s: float = 35.0) -> aioredis.Redis:
         socket_timeout=timeout_s,
         socket_connect_timeout=min(timeout_s, 5.0),
         health_check_interval=30,
+        retry=OutageRetry(outage_s=outage_s, log=log),
     )
 
 
@@ -92,7 +100,16 @@ class StreamConfig:
     janitor_every_s: float = 5.0  # read() runs the janitor this often; 0 = never
     janitor_count: int = 256  # pending entries examined per janitor pass
     trim: bool = True  # janitor trims entries every group has acked
-    deadletter_maxlen: int = 100_000  # approximate cap of the dead-letter stream
+    deadletter_maxlen: int = 100_000  # approximate cap of the dead-letter stream (entries)
+    # A dead letter keeps an entry's fields up to this many bytes each; a larger field is replaced by a
+    # reference (its size and first bytes), so the dead-letter stream holds at most about
+    # deadletter_max_bytes (its length is capped at deadletter_max_bytes // (inline + 1 KiB) too).
+    deadletter_inline_bytes: int = 16 << 10
+    deadletter_max_bytes: int = 64 << 20
+    # What one read() may pull: count is cut to max_read_bytes // max_entry_bytes (Redis returns
+    # whole entries; the codec refuses anything above its 4 MiB limit only after the read).
+    max_entry_bytes: int = DEFAULT_LIMITS.max_message_bytes + (4 << 10)
+    max_read_bytes: int = 256 << 20
     idempotency_ttl_s: int = 7 * 24 * 3600  # lifetime of "sample already used" markers
 
     def __post_init__(self) -> None:
@@ -115,8 +132,25 @@ class StreamConfig:
         want(isinstance(self.trim, bool), "trim", "bool")
         want(is_int("deadletter_maxlen") and self.deadletter_maxlen >= 1, "deadletter_maxlen", ">= 1")
         want(is_int("idempotency_ttl_s") and self.idempotency_ttl_s >= 1, "idempotency_ttl_s", ">= 1")
+        for name in ("deadletter_inline_bytes", "deadletter_max_bytes", "max_entry_bytes"):
+            want(is_int(name) and getattr(self, name) >= 1, name, ">= 1")
+        want(
+            is_int("max_read_bytes") and self.max_read_bytes >= self.max_entry_bytes,
+            "max_read_bytes",
+            ">= max_entry_bytes",
+        )
         if errors:
             raise ValueError("StreamConfig: " + "; ".join(errors))
+
+    @property
+    def max_read_count(self) -> int:
+        """Entries one read may return: at most max_read_bytes of them at max_entry_bytes each."""
+        return max(1, self.max_read_bytes // self.max_entry_bytes)
+
+    @property
+    def deadletter_cap(self) -> int:
+        """Length cap of the dead-letter stream: by count, and by bytes at the inline size per entry."""
+        return max(1, min(self.deadletter_maxlen, self.deadletter_max_bytes // (self.deadletter_inline_bytes + 1024)))
 
 
 @dataclass(frozen=True)
@@ -144,7 +178,8 @@ class DeadLetter:
     deliveries: int
     reason: str
     at: float
-    fields: dict[bytes, bytes]  # the original entry's fields
+    fields: dict[bytes, bytes]  # the original entry's fields (those up to deadletter_inline_bytes)
+    oversized: dict[bytes, tuple[int, bytes]] = field(default_factory=dict)  # the others: (size, first bytes)
 
 
 def _s(value: bytes | str) -> str:
@@ -161,13 +196,22 @@ def _id_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
-async def add_entries(redis: aioredis.Redis, stream: str, payloads: Sequence[bytes]) -> list[str]:
-    """XADD each payload as `{d: payload}` in one pipelined round trip; returns the ids."""
+def _trajectory_fields(payload: bytes, signer: Signer | None) -> dict[bytes, bytes]:
+    if signer is None:
+        return {DATA_FIELD: payload}
+    return {DATA_FIELD: payload, SIG_FIELD: signer.sign(TRAJECTORY, payload)}
+
+
+async def add_entries(
+    redis: aioredis.Redis, stream: str, payloads: Sequence[bytes], signer: Signer | None = None
+) -> list[str]:
+    """XADD each payload as `{d: payload}` (plus `s`, its HMAC, with a signer) in one pipelined
+    round trip; returns the ids."""
     if not payloads:
         return []
     async with redis.pipeline(transaction=False) as pipe:
         for payload in payloads:
-            pipe.xadd(stream, {DATA_FIELD: payload})
+            pipe.xadd(stream, _trajectory_fields(payload, signer))
         return [_s(i) for i in await pipe.execute()]
 
 
@@ -195,13 +239,26 @@ async def stream_stats(redis: aioredis.Redis, stream: str) -> dict[str, Any]:
         "groups": {
             _s(g["name"]): {
                 "pending": int(g["pending"]),
-                "lag": None if g.get("lag") is None else int(g["lag"]),
+                "lag": await _lag(redis, stream, g),
                 "consumers": int(g["consumers"]),
                 "last_delivered": _s(g["last-delivered-id"]),
             }
             for g in groups
         },
     }
+
+
+LAG_COUNT_CAP = 10_000  # where Redis does not know a group's lag, count at most this many entries
+
+
+async def _lag(redis: aioredis.Redis, stream: str, group: dict) -> int:
+    """Entries never delivered to the group. Redis 7.0 reports lag None when it cannot tell (after
+    reloading from AOF it forgets the group's entries-read): then count the entries after its last
+    delivered id, up to LAG_COUNT_CAP (a lower bound past that, still enough for backpressure)."""
+    if group.get("lag") is not None:
+        return int(group["lag"])
+    after = "(" + _s(group["last-delivered-id"])
+    return len(await redis.xrange(stream, min=after, max="+", count=LAG_COUNT_CAP))
 
 
 async def read_deadletter(redis: aioredis.Redis, keys: Keys, count: int = 100, start: str = "-") -> list[DeadLetter]:
@@ -220,6 +277,11 @@ async def read_deadletter(redis: aioredis.Redis, keys: Keys, count: int = 100, s
                 reason=_s(meta.get("reason", b"")),
                 at=float(meta.get("at", b"0")),
                 fields={k[len(_DL_PREFIX) :]: v for k, v in f.items() if _s(k).startswith(_DL_PREFIX)},
+                oversized={
+                    k[len("size:") :].encode(): (int(v), meta.get("prefix:" + k[len("size:") :], b""))
+                    for k, v in meta.items()
+                    if k.startswith("size:")
+                },
             )
         )
     return out
@@ -250,6 +312,7 @@ class GroupConsumer:
         self._scan_from = "-"  # janitor's XPENDING position, wraps around
         self._last_janitor = float("-inf")
         self._group_ready = False
+        self.counters = Counters()
 
     async def ensure_group(self) -> None:
         await ensure_group(self.redis, self.stream, self.group)
@@ -266,8 +329,22 @@ class GroupConsumer:
         block_ms = cfg.block_ms if block_ms is None else block_ms
         if not 1 <= count <= 10_000:
             raise ValueError(f"count={count}: want 1..10000")
+        count = min(count, cfg.max_read_count)
         if not 0 <= block_ms <= 30_000:
             raise ValueError(f"block_ms={block_ms}: want 0..30000")
+        try:
+            return await self._read(count, block_ms)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # Redis lost the stream or the group (a failover to an empty replica, a wipe): make them
+            # again and start over from this consumer's (now empty) pending list.
+            self._group_ready, self._backlog_cursor, self._scan_from = False, "0", "-"
+            await self.ensure_group()
+            return []
+
+    async def _read(self, count: int, block_ms: int) -> list[Entry]:
+        cfg = self.config
         if not self._group_ready:
             await self.ensure_group()
         if cfg.janitor_every_s and time.monotonic() - self._last_janitor >= cfg.janitor_every_s:
@@ -306,6 +383,7 @@ class GroupConsumer:
                 continue
             entry = Entry(sid, fields, deliveries.get(sid, 1))
             if entry.deliveries > self.config.max_deliveries:
+                self.counters.dead_lettered += 1
                 await self._dead_letter(entry, self._too_many(entry))
                 continue
             self._held.add(sid)
@@ -354,9 +432,16 @@ class GroupConsumer:
             "reason": reason[:2000],
             "at": repr(time.time()),
         }
-        record.update({_DL_PREFIX + _s(k): v for k, v in entry.fields.items()})
+        inline = self.config.deadletter_inline_bytes
+        for k, v in entry.fields.items():
+            v = v if isinstance(v, bytes) else str(v).encode()
+            if len(v) <= inline:
+                record[_DL_PREFIX + _s(k)] = v
+            else:  # a reference, not the payload: an oversized entry must not be copied
+                record[f"size:{_s(k)}"] = len(v)
+                record[f"prefix:{_s(k)}"] = v[:256]
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.deadletter_stream, record, maxlen=self.config.deadletter_maxlen, approximate=True)
+            pipe.xadd(self.deadletter_stream, record, maxlen=self.config.deadletter_cap, approximate=True)
             pipe.xack(self.stream, self.group, entry.id)
             await pipe.execute()
         self._held.discard(entry.id)
@@ -416,6 +501,7 @@ class GroupConsumer:
                     continue
                 entry = Entry(sid, fields, prior[sid] + 1)
                 if entry.deliveries > cfg.max_deliveries:
+                    self.counters.dead_lettered += 1
                     await self._dead_letter(entry, self._too_many(entry))
                     dead += 1
                 else:
@@ -467,7 +553,9 @@ class Counters:
     """What a typed queue dropped on its own (for metrics)."""
 
     malformed: int = 0  # undecodable entries sent to the dead-letter stream
+    unsigned: int = 0  # trajectory entries without a valid signature (the run has a secret), dead-lettered
     duplicates: int = 0  # samples already committed or already held, acked and dropped
+    dead_lettered: int = 0  # entries delivered more than max_deliveries times, dead-lettered
 
 
 class _TypedStream:
@@ -484,8 +572,9 @@ class _TypedStream:
         consumer: str | None,
         config: StreamConfig,
         limits: CodecLimits,
+        signer: Signer | None = None,
     ):
-        self.redis, self.keys, self.limits, self.config = redis, keys, limits, config
+        self.redis, self.keys, self.limits, self.config, self.signer = redis, keys, limits, config, signer
         self.stream, self.group = stream, group
         self.consumer = (
             None
@@ -494,7 +583,7 @@ class _TypedStream:
                 redis, stream=stream, group=group, consumer=consumer, deadletter=keys.deadletter, config=config
             )
         )
-        self.counters = Counters()
+        self.counters = Counters() if self.consumer is None else self.consumer.counters
 
     def _need_consumer(self) -> GroupConsumer:
         if self.consumer is None:
@@ -527,8 +616,11 @@ class PromptQueue(_TypedStream):
         consumer: str | None = None,
         config: StreamConfig = StreamConfig(),
         limits: CodecLimits = DEFAULT_LIMITS,
+        signer: Signer | None = None,  # signs the trajectories complete() adds
     ):
-        super().__init__(redis, keys, keys.prompts, PROMPTS_GROUP, consumer=consumer, config=config, limits=limits)
+        super().__init__(
+            redis, keys, keys.prompts, PROMPTS_GROUP, consumer=consumer, config=config, limits=limits, signer=signer
+        )
 
     async def add(self, groups: Sequence[PromptGroup]) -> list[str]:
         return await add_entries(self.redis, self.keys.prompts, [encode_prompt_group(g, self.limits) for g in groups])
@@ -550,7 +642,7 @@ class PromptQueue(_TypedStream):
         payloads = [encode_trajectory(t, self.limits) for t in trajectories]
         async with self.redis.pipeline(transaction=True) as pipe:
             for p in payloads:
-                pipe.xadd(self.keys.trajectories, {DATA_FIELD: p})
+                pipe.xadd(self.keys.trajectories, _trajectory_fields(p, self.signer))
             pipe.xack(self.keys.prompts, PROMPTS_GROUP, record.stream_id)
             result = await pipe.execute()
         c.release([record.stream_id])
@@ -599,16 +691,23 @@ class TrajectoryStream(_TypedStream):
         consumer: str | None = None,
         config: StreamConfig = StreamConfig(),
         limits: CodecLimits = DEFAULT_LIMITS,
+        signer: Signer | None = None,  # signs what add() adds; read() refuses entries without a valid tag
     ):
         super().__init__(
-            redis, keys, keys.trajectories, TRAJECTORIES_GROUP, consumer=consumer, config=config, limits=limits
+            redis,
+            keys,
+            keys.trajectories,
+            TRAJECTORIES_GROUP,
+            consumer=consumer,
+            config=config,
+            limits=limits,
+            signer=signer,
         )
         self._held_samples: dict[str, str] = {}  # sample_id -> stream_id, read but not committed
-        self._commit_script = redis.register_script(_COMMIT)
 
     async def add(self, trajectories: Sequence[Trajectory]) -> list[str]:
         return await add_entries(
-            self.redis, self.keys.trajectories, [encode_trajectory(t, self.limits) for t in trajectories]
+            self.redis, self.keys.trajectories, [encode_trajectory(t, self.limits) for t in trajectories], self.signer
         )
 
     async def read(self, count: int | None = None, block_ms: int | None = None) -> list[TrajectoryRecord]:
@@ -619,8 +718,16 @@ class TrajectoryStream(_TypedStream):
         duplicates: list[str] = []
         batch_samples: set[str] = set()
         for e in await c.read(count, block_ms):
+            payload = e.fields.get(DATA_FIELD)
+            if self.signer is not None and not (
+                isinstance(payload, bytes) and self.signer.verify(TRAJECTORY, payload, e.fields.get(SIG_FIELD))
+            ):
+                self.counters.unsigned += 1
+                why = "unsigned" if SIG_FIELD not in e.fields else "bad signature"
+                await c.dead_letter(e, f"{why}: not signed with this run's secret")
+                continue
             try:
-                t = decode_trajectory(e.fields.get(DATA_FIELD), self.limits)
+                t = decode_trajectory(payload, self.limits)
             except CodecError as err:
                 self.counters.malformed += 1
                 await c.dead_letter(e, f"decode: {err}")
@@ -654,7 +761,9 @@ class TrajectoryStream(_TypedStream):
         for i in range(0, len(pairs), _COMMIT_CHUNK):
             chunk = pairs[i : i + _COMMIT_CHUNK]
             marked += int(
-                await self._commit_script(
+                await run_script(
+                    self.redis,
+                    _COMMIT,
                     keys=[self.keys.trajectories] + [self.keys.idempotency(self.SCOPE, s) for _, s in chunk],
                     args=[TRAJECTORIES_GROUP, self.config.idempotency_ttl_s] + [sid for sid, _ in chunk],
                 )
@@ -665,12 +774,17 @@ class TrajectoryStream(_TypedStream):
             self.consumer.release(sid for sid, _ in pairs)
         return marked
 
+    def forget(self, record: TrajectoryRecord) -> None:
+        """Stop treating `record`'s sample id as held (it was refused; a later copy may be the real one)."""
+        if self._held_samples.get(record.trajectory.sample_id) == record.stream_id:
+            del self._held_samples[record.trajectory.sample_id]
+
     def _seen_key(self, record: TrajectoryRecord) -> str:
         return self.keys.idempotency(self.SCOPE, record.trajectory.sample_id)
 
     async def dead_letter(self, record: TrajectoryRecord, reason: str) -> None:
         """Reject a sample for good (e.g. a contract fingerprint mismatch), with the reason."""
         c = self._need_consumer()
-        fields = {DATA_FIELD: encode_trajectory(record.trajectory, self.limits)}
+        fields = _trajectory_fields(encode_trajectory(record.trajectory, self.limits), self.signer)
         await c.dead_letter(Entry(record.stream_id, fields, record.deliveries), reason)
-        self._held_samples.pop(record.trajectory.sample_id, None)
+        self.forget(record)  # only if that id is still this entry's (a real copy may be held under it)

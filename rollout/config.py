@@ -43,6 +43,8 @@ class RolloutConfig:
     """cuda only: rows per generate call (KV slots); a group's samples run in chunks of this many."""
     kv_capacity: int = 1024
     """cuda only: KV length of a slot (prompt + new tokens); a longer request is refused."""
+    max_policy_bytes: int = 64 << 30
+    """A manifest declaring more tensor bytes than this is refused (policy.manifest_check)."""
 
     def __post_init__(self):
         errors = []

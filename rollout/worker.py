@@ -38,10 +38,12 @@ from broker.keys import Keys
 from broker.metrics import MetricsEndpoint
 from broker.policy_client import PolicyClient, PolicyClientConfig, check_reachable
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
+from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
 from policy.loop import AsyncConfig
+from policy.manifest_check import ManifestRefused, check_manifest, expected_tensors
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout.cuda_engine import EngineConfig, PackedEngine, resolve_device
@@ -111,12 +113,14 @@ class RolloutWorker:
         recipe: Recipe,
         loop: AsyncConfig,
         task: Task,
+        redis_outage_s: float = 60.0,
+        signer: Signer | None = None,
         log: Callable[[str], None] = print,
     ):
         self.cfg, self.worker_id, self.loop, self.log = cfg, worker_id, loop, log
         self.max_staleness = loop.max_staleness
         self.keys = Keys(run_id=run_id)
-        self.redis_url = redis_url
+        self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.task = task
         self.recipe = recipe
         self.device = resolve_device(cfg.device)  # ValueError naming the problem when unusable
@@ -127,10 +131,14 @@ class RolloutWorker:
         self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
         self.version: int | None = None
         self._refused: int | None = None  # last version refused for its fingerprint (logged once)
+        # What a loadable manifest declares (checked before anything is allocated), and the versions
+        # refused for not matching it: immutable, so never fetched again.
+        self.expected = expected_tensors(recipe.plan(model_config))
+        self.refused_versions: set[int] = set()
         self.groups_done = 0
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
-        self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH)
+        self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH, host=cfg.health.host)
         self.metrics = WorkerMetrics(cfg.metrics_port)
         if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
             PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
@@ -149,11 +157,12 @@ class RolloutWorker:
             self.log(f"{self.worker_id}: health (grpc.health.v1) on {self.health.host}:{self.health.port}")
         if self.metrics.port is not None:
             self.log(f"{self.worker_id}: metrics (Prometheus) on port {self.metrics.port}")
-        self.redis = connect(self.redis_url)
-        registry = PolicyRegistry(self.redis, self.keys)
+        self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
+        registry = PolicyRegistry(self.redis, self.keys, signer=self.signer)  # refuses unsigned pointers
         queue = PromptQueue(
             self.redis,
             self.keys,
+            signer=self.signer,
             consumer=self.worker_id,
             config=StreamConfig(
                 read_count=1,
@@ -170,24 +179,43 @@ class RolloutWorker:
                 stop=self.stop,
                 interval_s=self.cfg.heartbeat_s,
                 ttl_s=self.cfg.heartbeat_ttl_s,
-                info=lambda: {"version": self.version, "groups": self.groups_done},
+                info=lambda: {
+                    "version": self.version,
+                    "groups": self.groups_done,
+                    "refused_versions": len(self.refused_versions),
+                },
             )
         )
+        carried: list = []  # prompt records read but not started (the newest policy was unreachable)
+        refused_logged = 0
         try:
             while not self.stop.is_set():
                 latest = await registry.latest()
+                if registry.refused > refused_logged:
+                    if refused_logged == 0 or registry.refused % 100 == 0:
+                        self.log(
+                            f"{self.worker_id}: refusing policy:latest: malformed or not signed with this run's secret"
+                        )
+                    refused_logged = registry.refused
                 if latest is not None and (self.version is None or latest.version > self.version):
                     await self._try_load(latest)  # swap between groups; on failure keep the current one
                 if self.version is None:
                     await asyncio.sleep(0.5)
                     continue
-                for rec in await queue.read():
+                records, carried = (carried, []) if carried else (await queue.read(), [])
+                for i, rec in enumerate(records):
                     # Never start a group with a policy already more than max_staleness behind; if the
-                    # newest cannot be fetched now, the entry stays pending here and is retried.
+                    # newest cannot be fetched now, keep the entry and retry it (re-reading the pointer:
+                    # a restarted trainer publishes a new address).
                     latest = await registry.latest()
-                    if latest.version - self.version > self.max_staleness and not await self._try_load(latest):
+                    stale = latest is not None and latest.version - self.version > self.max_staleness
+                    if stale and not await self._try_load(latest):
+                        carried = records[i:]
+                        await queue.keep_alive(carried)  # still ours: no other janitor claims them
+                        await asyncio.sleep(0.5)
                         break
-                    self.metrics.staleness.set(latest.version - self.version)
+                    if latest is not None:
+                        self.metrics.staleness.set(latest.version - self.version)
                     t0 = time.perf_counter()
                     trajectories = self._rollout_group(rec.group)
                     n_tokens = sum(len(t.completion_tokens) for t in trajectories)
@@ -208,7 +236,7 @@ class RolloutWorker:
     async def _try_load(self, pointer: PolicyPointer | None) -> bool:
         """Load `pointer`'s version; False (logged) when it is not for our contract or not reachable
         now, e.g. a trainer that restarted and has not republished yet."""
-        if pointer is None:
+        if pointer is None or pointer.version in self.refused_versions:
             return False
         if pointer.contract_fingerprint != self.fingerprint:
             if pointer.version != self._refused:
@@ -222,6 +250,14 @@ class RolloutWorker:
         try:
             await self._load(pointer)
             return True
+        except ManifestRefused as e:
+            self.refused_versions.add(pointer.version)
+            self.metrics.refused.inc()
+            self.log(
+                f"{self.worker_id}: {str(e)[:400]}; keeping v{self.version} "
+                f"({len(self.refused_versions)} version(s) refused)"
+            )
+            return False
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
             self.metrics.fetch_failures.inc()
             self.log(
@@ -243,7 +279,7 @@ class RolloutWorker:
                 tls=self.cfg.tls,
             )
             with PolicyClient(cfg) as client:
-                return client.fetch(pointer.version)
+                return client.fetch(pointer.version, check=self._check_manifest)
 
         t0 = time.perf_counter()
         fetched = await asyncio.to_thread(fetch)
@@ -262,6 +298,9 @@ class RolloutWorker:
             f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
             f"{time.perf_counter() - t0:.2f}s)"
         )
+
+    def _check_manifest(self, manifest) -> None:
+        check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
 
     def _build_engine(self, tensors: dict) -> PackedEngine:
         import torch

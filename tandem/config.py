@@ -88,6 +88,12 @@ class RunConfig:
     """Overrides of the recipe's whole-layer bf16 choice (for `recipe` and `rollout_recipe`)."""
     loop: AsyncConfig = field(default_factory=AsyncConfig)
     """Run-wide settings both sides share: max_staleness, temperature, seed."""
+    redis_outage_s: float = 60.0
+    """Services ride out a Redis restart or failover this long (retrying with backoff), then exit
+    non-zero (code 3) for the orchestrator to restart them (broker.outage)."""
+    run_secret_file: str = ""
+    """The run secret that signs trajectories and the policy pointer (broker.signing): a file of 64
+    hex characters; "" = $TANDEM_RUN_SECRET if set, else unsigned. `tandem run` makes one per run."""
     model: ModelSection = field(default_factory=ModelSection)
     """The policy model."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -103,6 +109,8 @@ class RunConfig:
             errors.append(f"run_id={self.run_id!r} (letters, digits, '-', '_' and '.' only)")
         if not 0 <= self.num_rollout_workers <= 64:
             errors.append(f"num_rollout_workers={self.num_rollout_workers} (want 0..64)")
+        if not 0 <= self.redis_outage_s <= 3600:
+            errors.append(f"redis_outage_s={self.redis_outage_s} (want 0..3600 seconds)")
         if errors:
             raise ValueError("RunConfig: " + "; ".join(errors))
 
@@ -335,6 +343,7 @@ def dump(cfg: RunConfig) -> str:
 ENV_KEYS = {
     "TANDEM_RUN_ID": "run_id",
     "TANDEM_REDIS_URL": "redis_url",  # plus TANDEM_REDIS_PASSWORD / TANDEM_REDIS_CA_FILE, merged in
+    "TANDEM_RUN_SECRET_FILE": "run_secret_file",  # a mounted Secret (or TANDEM_RUN_SECRET, read directly)
     "TANDEM_TRAINER_TLS_CERT": "trainer.tls.cert",
     "TANDEM_TRAINER_TLS_KEY": "trainer.tls.key",
     "TANDEM_TRAINER_TLS_CLIENT_CA": "trainer.tls.client_ca",
@@ -342,8 +351,10 @@ ENV_KEYS = {
     "TANDEM_ROLLOUT_TLS_CERT": "rollout.tls.cert",
     "TANDEM_ROLLOUT_TLS_KEY": "rollout.tls.key",
     "TANDEM_ROLLOUT_TLS_SERVER_NAME": "rollout.tls.server_name",
+    "TANDEM_TRAINER_HEALTH_HOST": "trainer.health.host",  # the pod IP (downward API status.podIP)
+    "TANDEM_ROLLOUT_HEALTH_HOST": "rollout.health.host",
 }
-REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE")
+REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE", "TANDEM_REDIS_CERT_FILE", "TANDEM_REDIS_KEY_FILE")
 
 
 def env_overrides(environ: dict | None = None) -> list[str]:
@@ -361,16 +372,21 @@ def env_overrides(environ: dict | None = None) -> list[str]:
             if not value and any(env.get(n) for n in REDIS_URL_PARTS):
                 raise ValueError(f"{' / '.join(n for n in REDIS_URL_PARTS if env.get(n))} set without TANDEM_REDIS_URL")
             value = value and redis_url_with(
-                value, password=env.get("TANDEM_REDIS_PASSWORD", ""), ca_file=env.get("TANDEM_REDIS_CA_FILE", "")
+                value,
+                password=env.get("TANDEM_REDIS_PASSWORD", ""),
+                ca_file=env.get("TANDEM_REDIS_CA_FILE", ""),
+                cert_file=env.get("TANDEM_REDIS_CERT_FILE", ""),
+                key_file=env.get("TANDEM_REDIS_KEY_FILE", ""),
             )
         if value:
             out.append(f"{key}={json.dumps(value)}")  # a JSON string is a YAML string: "2024" stays text
     return out
 
 
-def redis_url_with(url: str, *, password: str = "", ca_file: str = "") -> str:
-    """`url` with `password` as its password (replacing any; the user name is kept) and `ca_file`
-    as the CA that verifies a rediss:// server (redis-py's `ssl_ca_certs` URL parameter)."""
+def redis_url_with(url: str, *, password: str = "", ca_file: str = "", cert_file: str = "", key_file: str = "") -> str:
+    """`url` with `password` as its password (replacing any; the user name is kept), `ca_file` as the
+    CA that verifies a rediss:// server (redis-py's `ssl_ca_certs` URL parameter), and `cert_file` +
+    `key_file` as the client certificate a server with `tls-auth-clients yes` requires."""
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"TANDEM_REDIS_URL has scheme {parts.scheme!r}: want redis://, rediss:// or unix://")
@@ -385,6 +401,13 @@ def redis_url_with(url: str, *, password: str = "", ca_file: str = "") -> str:
                 f"TANDEM_REDIS_CA_FILE={ca_file!r} needs a rediss:// TANDEM_REDIS_URL, not {parts.scheme}://"
             )
         query = "&".join(q for q in (query, urlencode({"ssl_ca_certs": ca_file})) if q)
+    if cert_file or key_file:
+        if parts.scheme != "rediss" or not (cert_file and key_file):
+            raise ValueError(
+                f"TANDEM_REDIS_CERT_FILE={cert_file!r}, TANDEM_REDIS_KEY_FILE={key_file!r}: set both, "
+                f"with a rediss:// TANDEM_REDIS_URL (not {parts.scheme}://)"
+            )
+        query = "&".join(q for q in (query, urlencode({"ssl_certfile": cert_file, "ssl_keyfile": key_file})) if q)
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 

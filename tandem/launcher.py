@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from broker.local_redis import LocalRedis, LocalRedisConfig
+from broker.signing import SECRET_ENV, write_secret_file
 
 from . import config as run_config
 from . import services
@@ -115,6 +116,11 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
             redis = LocalRedis(LocalRedisConfig(workdir=run_dir / "redis", appendonly=True))
             cfg = dataclasses.replace(cfg, redis_url=redis.start())
             print(f"[tandem] private redis-server at {cfg.redis_url} (append-only file in {run_dir / 'redis'})")
+        if not cfg.run_secret_file and not os.environ.get(SECRET_ENV):
+            secret = run_dir / "run.secret"  # kept on resume: the run's samples stay verifiable
+            cfg = dataclasses.replace(
+                cfg, run_secret_file=str(secret if secret.exists() else write_secret_file(secret))
+            )
         resolved = run_dir / "config.yaml"
         resolved.write_text(run_config.dump(cfg))  # the Redis password masked: the services get it below
         print(f"[tandem] run folder {run_dir}")

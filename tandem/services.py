@@ -9,11 +9,15 @@ import asyncio
 import dataclasses
 import random
 import signal
+import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from broker.codec import PromptGroup
+from broker.outage import RedisOutage
+from broker.signing import load_signer
 from broker.streams import run_async
 from policy.model import ModelConfig
 from policy.recipe import Recipe
@@ -123,11 +127,14 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         recipe=recipe,
         rollout_recipe=rollout_recipe(cfg, recipe),
         loop=cfg.loop,
+        redis_outage_s=cfg.redis_outage_s,
+        signer=load_signer(cfg.run_secret_file),
         run_dir=run_dir,
         make_prompt=make_prompt,
         warm_start_example=example,
         pad_id=task.tokenizer.pad_id,
         init_weights=initial_weights(cfg),
+        max_completion_tokens=task.max_new_tokens,
         log=lambda s: print(f"[trainer] {s}", flush=True),
     )
 
@@ -142,6 +149,8 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
         model_config=model_config,
         recipe=rollout_recipe(cfg, recipe),
         loop=cfg.loop,
+        redis_outage_s=cfg.redis_outage_s,
+        signer=load_signer(cfg.run_secret_file),
         task=task,
         log=lambda s: print(f"[rollout] {s}", flush=True),
     )
@@ -156,7 +165,7 @@ def serve_trainer(cfg: RunConfig, run_dir) -> int:
             loop.add_signal_handler(sig, trainer.request_stop)
         return await trainer.run()
 
-    return run_async(main())
+    return _exit_on_outage(lambda: run_async(main()), "trainer")
 
 
 def serve_rollout(cfg: RunConfig, worker_id: str) -> int:
@@ -166,4 +175,16 @@ def serve_rollout(cfg: RunConfig, worker_id: str) -> int:
         worker.install_signal_handlers()
         return await worker.run()
 
-    return run_async(main())
+    return _exit_on_outage(lambda: run_async(main()), f"rollout {worker_id}")
+
+
+REDIS_OUTAGE_EXIT = 3
+
+
+def _exit_on_outage(run: Callable[[], int], who: str) -> int:
+    """Run a service; past `redis_outage_s` of Redis outage: one line, exit code 3 (restart me)."""
+    try:
+        return run()
+    except RedisOutage as e:
+        print(f"[{who}] giving up: {e}", file=sys.stderr, flush=True)
+        return REDIS_OUTAGE_EXIT

@@ -86,6 +86,8 @@ class TrainerConfig:
     `tandem run`, off in the Kubernetes overlays."""
     collect_timeout_s: float = 300.0
     """Give up waiting for trajectories after this long (seconds)."""
+    max_abs_reward: float = 1e3
+    """Samples with |reward| above this are refused (trainer.validation)."""
 
     def __post_init__(self):
         errors = []

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from broker.codec import PromptGroup, Trajectory
@@ -36,6 +37,7 @@ from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer, PolicyRegistry
+from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect
 from policy import manifest as mf
 from policy import qat
@@ -47,6 +49,7 @@ from . import admission, grpo
 from .config import TrainerConfig
 from .metrics import MetricsSink
 from .sequences import pack, scatter_rows
+from .validation import TrajectoryRules, check_trajectory
 from .warmstart import warm_start
 
 
@@ -65,6 +68,18 @@ class State:
     dropped_fingerprint: int = 0
     # (stream_id, sample_id) of every sample consumed since the previous checkpoint
     pending_commit: list = field(default_factory=list)
+    # Exactly-once without trusting Redis: the next prompt index to feed, and every group fed and
+    # not yet used or dropped (group_id -> prompt index). A sample of any other group is refused,
+    # and after Redis lost the queue (its prompt_seq marker is gone) these are fed again.
+    prompt_seq: int = 0
+    outstanding: dict = field(default_factory=dict)
+    # Totals over the whole run (persisted: a restart does not reset them).
+    invalid: int = 0  # samples refused by trainer.validation, dead-lettered with the reason
+    malformed: int = 0  # undecodable trajectory entries, dead-lettered
+    duplicates: int = 0  # samples already used or already held, acked and dropped
+    dead_lettered: int = 0  # entries dead-lettered after more than max_deliveries deliveries
+    refed: int = 0  # prompts fed again after Redis lost them
+    unsigned: int = 0  # trajectory entries without a valid run-secret signature, dead-lettered
 
 
 @dataclass
@@ -97,10 +112,13 @@ class Trainer:
         recipe: Recipe,
         rollout_recipe: Recipe | None = None,
         loop: AsyncConfig,
+        redis_outage_s: float = 60.0,
+        signer: Signer | None = None,
         run_dir: str | Path,
         make_prompt: Callable[[int], PromptGroup],
         warm_start_example: Callable[[], tuple[list[int], list[int]]],
         pad_id: int,
+        max_completion_tokens: int = 64,
         init_weights: Callable[[Transformer], None] | None = None,
         log: Callable[[str], None] = print,
     ):
@@ -109,7 +127,7 @@ class Trainer:
         self.temperature = loop.temperature  # the rollouts' sampling temperature: log-probs must match it
         seed = loop.seed
         self.keys = Keys(run_id=run_id)
-        self.redis_url = redis_url
+        self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self._ckpt_step = -1  # the step of the newest checkpoint on disk
@@ -139,6 +157,16 @@ class Trainer:
         self.publish_contract = mf.contract_from_recipe(model_config=model_config, recipe=self.rollout_recipe)
         self.accepted_fingerprint = self.publish_contract.fingerprint()
         self.contract_breaking = self.accepted_fingerprint != self.fingerprint
+        self.rules = TrajectoryRules(
+            group_size=cfg.group_size,
+            vocab_size=model_config.vocab_size,
+            max_seq_len=model_config.max_seq_len,
+            max_completion_tokens=max_completion_tokens,
+            max_abs_reward=cfg.max_abs_reward,
+        )
+        self._fed_tokens: dict[str, np.ndarray] = {}  # group_id -> prompt tokens, of outstanding groups
+        self._dropped_groups: list[str] = []  # settled without training since the last audit line
+        self._settled_recent: dict[str, None] = {}  # recently settled group ids (insertion-ordered, capped)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=cfg.lr,
@@ -160,13 +188,16 @@ class Trainer:
                 tls=cfg.tls,
             )
         )
-        self.health = HealthServer(port=cfg.health.port, service=TRAINER_HEALTH)  # Kubernetes probes
+        self.health = HealthServer(
+            port=cfg.health.port, service=TRAINER_HEALTH, host=cfg.health.host
+        )  # Kubernetes probes
         self.metrics = MetricsSink(
             self.run_dir / "metrics.jsonl", port=cfg.metrics_port, state=lambda: vars(self.state)
         )
         self._stop = asyncio.Event()
         self._backlog = admission.Backlog()  # incomplete groups and surplus complete ones, between steps
-        self._foreign: list[TrajectoryRecord] = []  # wrong fingerprint: dead-lettered at the next commit
+        # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
+        self._rejected: list[tuple[TrajectoryRecord, str]] = []
         self._consumed: list[TrajectoryRecord] = []  # consumed by the _collect in progress
 
     # ------------------------------------------------------------------ lifecycle
@@ -175,11 +206,17 @@ class Trainer:
         self._stop.set()
 
     async def run(self) -> int:
-        self.redis = connect(self.redis_url)
-        self.registry = PolicyRegistry(self.redis, self.keys)
+        self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
+        self.registry = PolicyRegistry(self.redis, self.keys, signer=self.signer)
         self.prompts = PromptQueue(self.redis, self.keys)
         self.stream = TrajectoryStream(
-            self.redis, self.keys, consumer="trainer", config=StreamConfig(read_count=256, block_ms=500)
+            self.redis,
+            self.keys,
+            consumer="trainer",
+            # The trainer is the only consumer: its own restarts (not poison: trainer.validation refuses
+            # that) are what re-deliver entries, so allow many before dead-lettering an innocent sample.
+            config=StreamConfig(read_count=256, block_ms=500, max_deliveries=100),
+            signer=self.signer,
         )
         await self.prompts.setup()
         await self.stream.setup()
@@ -197,6 +234,7 @@ class Trainer:
             )
         try:
             await self._restore_or_warm_start()
+            await self._reconcile_prompts()
             await self._publish()
             while self.state.step < self.cfg.max_steps and not self._stop.is_set():
                 await self._feed_prompts()
@@ -249,14 +287,10 @@ class Trainer:
         await self._commit()
 
     async def _commit(self) -> None:
-        """After a checkpoint: dead-letter the foreign samples, mark every consumed sample used."""
-        for rec in self._foreign:
-            await self.stream.dead_letter(
-                rec,
-                f"contract fingerprint {rec.trajectory.contract_fingerprint[:12]} != trainer's "
-                f"{self.accepted_fingerprint[:12]}",
-            )
-        self._foreign = []
+        """After a checkpoint: dead-letter the refused samples, mark every consumed sample used."""
+        for rec, reason in self._rejected:
+            await self.stream.dead_letter(rec, reason)
+        self._rejected = []
         await self.stream.commit_ids(self.state.pending_commit)
         self.state.pending_commit = []
 
@@ -316,7 +350,9 @@ class Trainer:
             "step": self.state.step,
             "version": self.state.version,
             "groups": [[g[0].group_id, g[0].policy_version, g[0].worker_id] for g in groups],
+            "dropped": self._dropped_groups,
         }
+        self._dropped_groups = []
         with open(self.run_dir / "audit.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -373,29 +409,89 @@ class Trainer:
         )
         self.server.publish(packed)
         self.state.versions_published += 1
+        await self._point_registry()
+        self.health.set_serving(not self._stop.is_set())
+
+    async def _point_registry(self) -> None:
         await self.registry.publish(
             PolicyPointer(
-                version=v,
+                version=self.state.version,
                 address=self.cfg.grpc_advertise or self.server.address,
                 contract_fingerprint=self.accepted_fingerprint,
                 published_at=time.time(),
             )
         )
-        self.health.set_serving(not self._stop.is_set())
+
+    @property
+    def _seq_key(self) -> str:
+        return self.keys.prefix + "prompt_seq"  # Redis's copy of State.prompt_seq: gone = Redis lost data
+
+    async def _reconcile_prompts(self) -> None:
+        """At start: prompts fed after the checkpoint and still queued in Redis are ours too; if Redis
+        lost prompts we fed (its prompt_seq marker is missing or behind), feed the outstanding again."""
+        raw = await self.redis.get(self._seq_key)
+        marker = None if raw is None else int(raw)
+        if marker is not None and marker >= self.state.prompt_seq:
+            for i in range(self.state.prompt_seq, marker):
+                self.state.outstanding[self.make_prompt(i).group_id] = i
+            self.state.prompt_seq = marker
+        elif self.state.prompt_seq > 0:
+            await self._refeed(f"prompt_seq in Redis is {marker}, the checkpoint's {self.state.prompt_seq}")
+
+    async def _refeed(self, why: str) -> None:
+        groups = [self.make_prompt(i) for i in sorted(self.state.outstanding.values())]
+        await self.prompts.add(groups)
+        await self.redis.set(self._seq_key, self.state.prompt_seq)
+        self.state.refed += len(groups)
+        self.log(f"Redis lost prompts ({why}): fed the {len(groups)} outstanding groups again")
+        await self._point_registry()  # policy:latest may be gone too
+
+    def _fed_prompt(self, group_id: str) -> np.ndarray | None:
+        """The prompt tokens fed as `group_id`, while it is outstanding (fed, not yet used or dropped)."""
+        if group_id not in self.state.outstanding:
+            return None
+        if group_id not in self._fed_tokens:
+            self._fed_tokens[group_id] = self.make_prompt(self.state.outstanding[group_id]).prompt_tokens
+        return self._fed_tokens[group_id]
+
+    def _settle(self, group_id: str, *, dropped: bool) -> None:
+        """The group was used or dropped (listed in the next audit line): any later sample of it is refused."""
+        if self.state.outstanding.pop(group_id, None) is not None and dropped:
+            self._dropped_groups.append(group_id)
+        self._fed_tokens.pop(group_id, None)
+        self._settled_recent[group_id] = None
+        while len(self._settled_recent) > 100_000:
+            del self._settled_recent[next(iter(self._settled_recent))]
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
-        # Samples already consumed stay pending in the stream until the next checkpoint commits
-        # them: they are not queued any more.
-        consumed = len(self.state.pending_commit) + len(self._consumed)
+        if self.state.prompt_seq > 0:
+            raw = await self.redis.get(self._seq_key)  # only this trainer writes it: it must be ours
+            if raw is None or int(raw) != self.state.prompt_seq:
+                await self._refeed(f"its prompt_seq is {raw and int(raw)}, ours {self.state.prompt_seq}")
+        # Samples already consumed or refused stay pending in the stream until the next checkpoint
+        # commits them: they are not queued any more.
+        consumed = len(self.state.pending_commit) + len(self._consumed) + len(self._rejected)
         unconsumed = _group_backlog(await self.stream.stats(), self.stream.group) - consumed
         queued = (
             _group_backlog(await self.prompts.stats(), self.prompts.group) + max(0, unconsumed) // self.cfg.group_size
         )
-        want = self.cfg.queued_groups(self.max_staleness) - queued
+        q = self.cfg.queued_groups(self.max_staleness)
+        want = q - queued
         if want > 0:
-            first = await self.redis.incrby(self.keys.prefix + "prompt_seq", want) - want
-            await self.prompts.add([self.make_prompt(i) for i in range(first, first + want)])
+            first = self.state.prompt_seq
+            groups = [self.make_prompt(i) for i in range(first, first + want)]
+            self.state.outstanding.update((g.group_id, i) for i, g in zip(range(first, first + want), groups))
+            self.state.prompt_seq = first + want
+            await self.prompts.add(groups)
+            await self.redis.set(self._seq_key, self.state.prompt_seq)
+            # Prompts lost on the way (e.g. dead-lettered by the workers) would stay outstanding forever.
+            cap = 20 * q + 100
+            if len(self.state.outstanding) > cap:
+                for gid, _ in sorted(self.state.outstanding.items(), key=lambda kv: kv[1])[
+                    : len(self.state.outstanding) - cap
+                ]:
+                    self._settle(gid, dropped=True)
 
     # ------------------------------------------------------------------ collect
     async def _collect(self) -> tuple[list[list[Trajectory]] | None, list[TrajectoryRecord]]:
@@ -414,14 +510,19 @@ class Trainer:
                 groups_per_step=self.cfg.groups_per_step,
             )
             self._backlog = decision.backlog
+            held = set(self._backlog.incomplete) | {g[0].trajectory.group_id for g in self._backlog.complete}
             for drop in decision.drops:
-                consumed.append(drop.record)
+                t = drop.record.trajectory
                 if drop.reason == admission.FINGERPRINT:
                     # Counted now, dead-lettered after the next checkpoint (so a crash recounts it once).
                     self.state.dropped_fingerprint += 1
-                    self._foreign.append(drop.record)
+                    self._reject(drop.record, f"contract fingerprint {t.contract_fingerprint[:12]} != trainer's "
+                                 f"{self.accepted_fingerprint[:12]}")  # fmt: skip
                 else:
                     self.state.dropped_stale += 1
+                    consumed.append(drop.record)
+                    if t.group_id not in held:
+                        self._settle(t.group_id, dropped=True)
             if records is not None:  # after every read, as in the read loop
                 await self._feed_prompts()
             if decision.train:
@@ -432,10 +533,48 @@ class Trainer:
                 raise TimeoutError(
                     f"no complete trajectory group for {self.cfg.collect_timeout_s}s: are rollout workers running?"
                 )
-            records = await self.stream.read()
+            records = self._validated(await self.stream.read(), consumed)
         consumed += [r for g in decision.train for r in g]
         self._consumed = []  # the caller adds them to pending_commit
+        for g in decision.train:
+            self._settle(g[0].trajectory.group_id, dropped=False)
         return [[r.trajectory for r in g] for g in decision.train], consumed
+
+    def _validated(self, records: list[TrajectoryRecord], consumed: list) -> list[TrajectoryRecord]:
+        """The records admission may see: each sample admission would keep (this contract, fresh
+        enough) must pass trainer.validation first; one that fails is refused alone, with its reason.
+        Samples of groups already settled go to `consumed` (committed as duplicates)."""
+        out = []
+        for rec in records:
+            t = rec.trajectory
+            if (
+                t.contract_fingerprint != self.accepted_fingerprint
+                or admission.staleness(self.state.version, rec) > self.max_staleness
+            ):
+                out.append(rec)  # admission drops it, counted under its own reason
+                continue
+            fed = self._fed_prompt(t.group_id)
+            if fed is None and t.group_id in self._settled_recent:
+                # Already used or dropped, and Redis forgot its idempotency key (lost writes).
+                self.state.duplicates += 1
+                consumed.append(rec)
+                continue
+            reason = check_trajectory(t, self.rules, version=self.state.version, fed_prompt=fed)
+            if reason is not None:
+                self.state.invalid += 1
+                self._reject(rec, f"invalid: {reason}")
+                if self.state.invalid <= 10 or self.state.invalid % 1000 == 0:  # a flood is not a log flood
+                    self.log(
+                        f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r} (#{self.state.invalid}): {reason}"
+                    )
+                continue
+            out.append(rec)
+        return out
+
+    def _reject(self, rec: TrajectoryRecord, reason: str) -> None:
+        """Dead-lettered at the next commit (not marked used: its sample id may come again, for real)."""
+        self._rejected.append((rec, reason))
+        self.stream.forget(rec)
 
     # ------------------------------------------------------------------ the GRPO step
     def recompute_logprobs(self, groups: list[list[Trajectory]]) -> Batch:
@@ -508,7 +647,7 @@ class Trainer:
             "staleness_hist": dict(Counter(str(s) for s in staleness)),
             "dropped_stale": self.state.dropped_stale,
             "dropped_fingerprint": self.state.dropped_fingerprint,
-            "duplicates": self.stream.counters.duplicates,
+            **self._drop_counters(),
             **grpo.mismatch_metrics(b.prox, b.behav, b.at_version, b.mask, version_known=b.known),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "clip_frac": stats["clip_frac"] / cfg.minibatches,
@@ -520,6 +659,14 @@ class Trainer:
             "contract_breaking": self.contract_breaking,
         }
         return row
+
+    def _drop_counters(self) -> dict:
+        """Run totals of everything dropped (also persisted in the checkpoint)."""
+        c, s = self.stream.counters, self.state
+        for name in ("duplicates", "malformed", "dead_lettered", "unsigned"):
+            setattr(s, name, getattr(s, name) + getattr(c, name))
+            setattr(c, name, 0)
+        return {k: getattr(s, k) for k in ("duplicates", "malformed", "invalid", "dead_lettered", "unsigned", "refed")}
 
     def _load_scratch(self, version: int) -> None:
         if self._scratch_version != version:
@@ -570,4 +717,4 @@ def _truncate_jsonl(path: Path, max_step: int) -> None:
 def _group_backlog(stats: dict, group: str) -> int:
     """Entries of `group` not yet acked: never delivered (lag) plus delivered and pending."""
     g = stats["groups"].get(group)
-    return 0 if g is None else (g["lag"] or 0) + g["pending"]
+    return 0 if g is None else g["lag"] + g["pending"]

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trainer.service import checkpoints
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 3
@@ -82,7 +84,7 @@ def test_study_runs_resumes_and_reports(tmp_path):
     proc = _tandem_study(cfg, out)
     deadline = time.monotonic() + 240
     # The second run's warm-start checkpoint is written before its rollout worker is up: stop then.
-    while not (first / "done.json").exists() or not (second / "checkpoints" / "trainer.pt").exists():
+    while not (first / "done.json").exists() or not checkpoints(second / "checkpoints"):
         assert proc.poll() is None, (tmp_path / "study.log").read_text()[-3000:]
         assert time.monotonic() < deadline, (tmp_path / "study.log").read_text()[-3000:]
         time.sleep(0.2)
@@ -90,7 +92,7 @@ def test_study_runs_resumes_and_reports(tmp_path):
     assert proc.wait(timeout=120) == 130
     log = (tmp_path / "study.log").read_text()
     assert f"start {first.name} (new)" in log and f"start {second.name} (new)" in log
-    assert not (second / "done.json").exists() and (second / "checkpoints" / "trainer.pt").exists()
+    assert not (second / "done.json").exists() and checkpoints(second / "checkpoints")
     done_before = (first / "done.json").read_text()
 
     # 2. Resume: the first run is skipped, the second resumes from its checkpoint, the rest run.

@@ -34,6 +34,17 @@ def _activation() -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
+def _to_bytes(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], bytes]:
+    """A tensor as plain bytes for the queue: torch tensors travel as shared file descriptors, which
+    a child that exits before the parent reads them takes along (ConnectionResetError under load)."""
+    return t.dtype, tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(item: tuple[torch.dtype, tuple[int, ...], bytes]) -> torch.Tensor:
+    dtype, shape, data = item
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
 def _worker(rank: int, port: int, out: mp.Queue) -> None:
     try:
         import torch.distributed as dist
@@ -76,7 +87,7 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
                 )
                 and torch.equal(q.global_scale, ref.global_scale)
             )
-            result[("parts", tps)] = {k: v.clone() for k, v in q.parts().items()}
+            result[("parts", tps)] = {k: _to_bytes(v) for k, v in q.parts().items()}
             s = quantize_activation(
                 xl, fmt="nvfp4", scope="row", tp_scale_mode="shard", group=group, partition_tp_size=tps
             )
@@ -129,6 +140,8 @@ def test_global_scales_are_bitwise_tp_invariant_and_shard_mismatch_is_refused(fr
         for _ in range(WORLD):
             rank, result, error = out.get(timeout=TIMEOUT_S)
             assert error is None, f"rank {rank} failed:\n{error}"
+            for key in [k for k in result if k[0] == "parts"]:
+                result[key] = {name: _from_bytes(v) for name, v in result[key].items()}
             results[rank] = result
     except queue.Empty:
         pytest.fail(f"TP workers did not report within {TIMEOUT_S} s (got ranks {sorted(results)})")
