@@ -64,6 +64,9 @@ COUNTER_HELP = {
     "invalid": "well-formed but invalid trajectories dead-lettered (samples)",
     "duplicates": "trajectories delivered again after being used, acked without training (samples)",
     "versions_published": "policy versions published (versions)",
+    "unsigned": "trajectory entries without a valid run-secret signature, dead-lettered (entries)",
+    "refed": "prompt groups fed again because Redis lost them (groups)",
+    "prompt_seq": "prompt groups fed since the run began: the prompt sequence position (groups)",
 }
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
