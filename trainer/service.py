@@ -137,6 +137,11 @@ class Trainer:
         self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
+        if cfg.backend != "torch":
+            raise ValueError(
+                f"trainer.backend={cfg.backend!r}: the trainer service runs the torch backend only so far "
+                "(trainer/megatron_backend.py builds, maps and fake-quantizes the megatron model, unwired)"
+            )
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("trainer.device='cuda' but torch sees no CUDA device")
