@@ -56,7 +56,7 @@ from policy.model import ModelConfig
 from policy.recipe import Plan
 from rollout import kernels as RK
 from rollout import sampling
-from rollout.engine import Generation
+from rollout.engine import Generation, check_request
 
 __all__ = ["EngineConfig", "PackedEngine", "resolve_device"]
 
@@ -737,22 +737,12 @@ class PackedEngine:
         """As `rollout.engine.generate` (same arguments and result, row b * n_samples + i is sample i
         of prompt b), on this engine."""
         cfg, e = self.cfg, self.ecfg
-        if len(prompts) == 0:
-            raise ValueError("no prompts")
-        if n_samples < 1:
-            raise ValueError(f"n_samples={n_samples} must be >= 1")
+        lens = check_request(prompts, n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature)
         B = len(prompts) * n_samples
         if B > e.max_batch:
             raise ValueError(
                 f"{B} rows ({len(prompts)} prompts x {n_samples} samples) > engine max_batch={e.max_batch}"
             )
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        if not temperature >= 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature={temperature} must be finite and >= 0")
-        lens = [len(p) for p in prompts]
-        if min(lens) == 0:
-            raise ValueError(f"empty prompt(s) at index {[b for b, n in enumerate(lens) if n == 0]}")
         if max(lens) + max_new_tokens > e.max_seq_len:
             raise ValueError(
                 f"longest prompt {max(lens)} + max_new_tokens {max_new_tokens} > KV capacity "

@@ -129,6 +129,22 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Te
 
 
 @torch.no_grad()
+def check_request(prompts: Sequence, *, n_samples: int, max_new_tokens: int, temperature: float) -> list[int]:
+    """The checks every engine makes on a request (one line naming what is wrong); the prompt lengths."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts")
+    if n_samples < 1:
+        raise ValueError(f"n_samples={n_samples} must be >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not temperature >= 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature={temperature} must be finite and >= 0")
+    lens = [len(p) for p in prompts]
+    if min(lens) == 0:
+        raise ValueError(f"empty prompt(s) at index {[b for b, n in enumerate(lens) if n == 0]}")
+    return lens
+
+
 def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -145,18 +161,7 @@ def generate(
     """Sample n_samples continuations of each prompt; the API is in the module docstring."""
     cfg = model.cfg
     B = len(prompts)
-    if B == 0:
-        raise ValueError("no prompts")
-    if n_samples < 1:
-        raise ValueError(f"n_samples={n_samples} must be >= 1")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if not temperature >= 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature={temperature} must be finite and >= 0")
-    lens = [len(p) for p in prompts]
-    if min(lens) == 0:
-        raise ValueError(f"empty prompt(s) at index {[b for b, n in enumerate(lens) if n == 0]}")
-    L = max(lens)
+    L = max(check_request(prompts, n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature))
     if L + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"longest prompt {L} + max_new_tokens {max_new_tokens} > max_seq_len {cfg.max_seq_len}")
     stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
