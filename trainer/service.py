@@ -152,7 +152,6 @@ class Trainer:
         )
         with self.device:
             self.model = Transformer(model_config, seed=seed)
-        self.plan = recipe.plan(model_config)
         self.contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
         self.fingerprint = self.contract.fingerprint()
         # The rollout_recipe ablation knob (None = `recipe`): publish under the rollouts' recipe and accept
