@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 EXPERT_SHAPES = (("gate_up_proj", (1536, 2048)), ("down_proj", (2048, 768)))
 
 
-def synthetic_policy(total_bytes: int, seed: int, version: int = 1):
-    """A PackedPolicy of nvfp4 expert tensors adding up to about `total_bytes` packed bytes."""
+def synthetic_experts(total_bytes: int, seed: int) -> dict:
+    """nvfp4 QuantizedParams of routed experts with random codes, about `total_bytes` packed bytes."""
     import numpy as np
     import torch
 
@@ -55,8 +55,16 @@ def synthetic_policy(total_bytes: int, seed: int, version: int = 1):
             tensors[f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"] = M.QuantizedParam(
                 "nvfp4", {"scope": "tensor"}, q
             )
+    return tensors
+
+
+def synthetic_policy(total_bytes: int, seed: int, version: int = 1):
+    """A PackedPolicy of nvfp4 expert tensors adding up to about `total_bytes` packed bytes."""
+    from policy import manifest as M
+
+    tensors = synthetic_experts(total_bytes, seed)
     contract = M.Contract(
-        model_config={"preset": "qwen3-30b-a3b", "n_experts_benched": n_experts},
+        model_config={"preset": "qwen3-30b-a3b", "n_experts_benched": len(tensors) // len(EXPERT_SHAPES)},
         recipe_name="nvfp4_moe",
         recipe_rules={"rules": "experts -> nvfp4"},
     )

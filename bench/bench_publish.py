@@ -27,36 +27,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-EXPERT_SHAPES = (("gate_up_proj", (1536, 2048)), ("down_proj", (2048, 768)))  # Qwen3-30B-A3B widths
+from bench_grpc import EXPERT_SHAPES, synthetic_experts  # noqa: E402  (bench/ is the script's folder)
 
 
 def expert_tensors(total_bytes: int, device: str, seed: int):
-    """nvfp4 QuantizedParams of routed experts adding up to about `total_bytes` packed bytes."""
+    """nvfp4 QuantizedParams of routed experts adding up to about `total_bytes` packed bytes:
+    quantized from random bf16 weights on the GPU, random codes on the CPU (bench_grpc's)."""
+    if device != "cuda":
+        return synthetic_experts(total_bytes, seed)
     import torch
 
-    from policy import formats
     from policy import manifest as M
 
     per_expert = sum(m * k // 2 + m * k // 16 + 4 for _, (m, k) in EXPERT_SHAPES)
-    n_experts = max(1, round(total_bytes / per_expert))
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
-    for e in range(n_experts):
+    for e in range(max(1, round(total_bytes / per_expert))):
         layer, expert = divmod(e, 128)
         for proj, (m, k) in EXPERT_SHAPES:
-            name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-            if device == "cuda":
-                w = torch.randn(m, k, generator=g, device=device, dtype=torch.bfloat16)
-                out[name] = M.quantize_param(w, "nvfp4", scope="tensor")
-            else:
-                codes = torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8)
-                scales = torch.full((m, k // 16), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn)
-                parts = {"codes": codes, "block_scales": scales, "global_scale": torch.ones(1)}
-                out[name] = M.QuantizedParam(
-                    "nvfp4", {"scope": "tensor"}, formats.nvfp4.from_parts(parts, (m, k), scope="tensor")
-                )
-    if device == "cuda":
-        torch.cuda.synchronize()
+            w = torch.randn(m, k, generator=g, device=device, dtype=torch.bfloat16)
+            out[f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"] = M.quantize_param(
+                w, "nvfp4", scope="tensor"
+            )
+    torch.cuda.synchronize()
     return out
 
 
