@@ -6,6 +6,7 @@ and the same URL without the client certificate is refused."""
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import time
 
@@ -42,7 +43,15 @@ def tls_redis(tmp_path):
          "--tls-ca-cert-file", "ca.crt", "--tls-auth-clients", "yes"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # listening (a TCP accept; the TLS handshake is the test's)
+    while True:
+        assert proc.poll() is None, f"redis-server exited with {proc.returncode}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"redis-server not listening on {port} after 30 s"
+            time.sleep(0.05)
     yield tmp_path, f"rediss://127.0.0.1:{port}/0"
     proc.kill()
     proc.wait()
