@@ -165,3 +165,13 @@ def test_tasks_are_plugins_selected_by_name():
         make_task(TaskConfig(name="rollout.tasks:TaskConfig"), seed=0)
     with pytest.raises(ValueError, match="returned object, not a Task"):
         make_task(TaskConfig(name="test_run_config:not_a_task"), seed=0)
+
+
+def test_the_trainer_refuses_a_backend_it_does_not_run(tmp_path):
+    """trainer.backend=megatron is a valid setting (trainer/megatron_backend.py exists) that the
+    trainer service does not run yet: it must say so, not silently train the torch model."""
+    from tandem.services import make_trainer
+
+    cfg = config.load("configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cuda"])
+    with pytest.raises(ValueError, match="trainer.backend='megatron': the trainer service runs the torch backend"):
+        make_trainer(cfg, tmp_path)
