@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from policy.hashing import sha256_json
@@ -588,6 +589,7 @@ class Transformer(nn.Module):
             TiedHead(self.model.embed_tokens) if cfg.tie_word_embeddings else Linear(cfg.dim, cfg.vocab_size, "lm_head")
         )
         self.quant_hook: QuantHook | None = None
+        self.activation_checkpointing = False  # recompute each layer in the backward (training only)
         if self.model.embed_tokens.weight.device.type != "meta":
             self.init_weights(seed)
 
@@ -680,7 +682,11 @@ class Transformer(nn.Module):
 
         emb = hook.param("model.embed_tokens.weight", self.model.embed_tokens.weight)
         x = F.embedding(tokens, emb)
+        ckpt = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
+            if ckpt:  # non-reentrant: autocast and the hook replay as they ran
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, hook, None, start, use_reentrant=False)
+                continue
             x = layer(x, cos, sin, mask, hook, None if cache is None else cache.layers[i], start)
         if cache is not None:
             cache.length = S

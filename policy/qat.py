@@ -39,7 +39,7 @@ from torch import Tensor
 
 from policy import formats, kernels
 from policy.manifest import QuantizedParam, quantize_param
-from policy.model import QuantHook, Transformer
+from policy.model import QuantHook, Transformer, parameter_shapes
 from policy.recipe import Plan, Recipe
 
 __all__ = [
@@ -119,6 +119,7 @@ class _QATLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, x_hat, w_hat, hp: bool):
         ctx.save_for_backward(x if hp else x_hat, w if hp else w_hat)
+        ctx.w_dtype = w.dtype  # the cache may hold w_hat in bf16: the gradient is the master's dtype
         return F.linear(x_hat, w_hat)
 
     @staticmethod
@@ -129,7 +130,7 @@ class _QATLinear(torch.autograd.Function):
             grad_x = grad.matmul(ws.to(grad.dtype))
         if ctx.needs_input_grad[1]:
             g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2.t().matmul(xs.reshape(-1, xs.shape[-1]).to(grad.dtype)).to(ws.dtype)
+            grad_w = g2.t().matmul(xs.reshape(-1, xs.shape[-1]).to(grad.dtype)).to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None
 
 
@@ -148,11 +149,17 @@ class _StraightThrough(torch.autograd.Function):
 class QATHook(QuantHook):
     """The QAT `QuantHook`: fake-quantized weights (cached) and activations, straight-through backward."""
 
-    def __init__(self, plan: Plan, backward: str = "hp"):
+    def __init__(self, plan: Plan, backward: str = "hp", cache_dtype: torch.dtype | None = None):
         if backward not in BACKWARD_MODES:
             raise ValueError(f"backward={backward!r}; expected one of {BACKWARD_MODES}")
         self.plan = plan
         self.backward = backward
+        # cache_dtype (e.g. bf16 under bf16 autocast): the dtype matmul weights' effective values are
+        # kept in (None: the parameter's); embeddings and norms keep the parameter's dtype.
+        self.cache_dtype = cache_dtype
+        self._matmul = {n for n, s in parameter_shapes(plan.config).items() if len(s) == 2} - {
+            "model.embed_tokens.weight"
+        }
         self.act_quant = ActivationQuantizer(plan)
         self._params = {e.name: e for e in plan.params}
         self._sites: dict[str, tuple[str, str]] = {}
@@ -169,7 +176,12 @@ class QATHook(QuantHook):
             return hit
         with torch.no_grad():
             q = quantize_param(p, self._params[name].format, **self._params[name].kwargs)
-            hit = self._cache[name] = (p._version, q, kernels.dequantize(q.value).view(p.shape).to(p.dtype))
+            dtype = self.cache_dtype if self.cache_dtype is not None and name in self._matmul else p.dtype
+            if q.format == "bf16" and dtype == torch.bfloat16:
+                w_hat = q.value.values.view(p.shape)  # the published part itself: no second copy
+            else:
+                w_hat = kernels.dequantize(q.value).view(p.shape).to(dtype)
+            hit = self._cache[name] = (p._version, q, w_hat)
         return hit
 
     def effective(self, name: str, p: Tensor) -> Tensor:
@@ -198,6 +210,8 @@ class QATHook(QuantHook):
         w_hat = self.effective(names[0], weight)
         if x_hat is None:
             x_hat = self.act_quant(names[1], x)
+        if w_hat.dtype != x_hat.dtype and not torch.is_autocast_enabled(x.device.type):
+            w_hat = w_hat.to(x_hat.dtype)  # a bf16 cache outside autocast: computes as before
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _QATLinear.apply(x, weight, x_hat, w_hat, self.backward == "hp")
         return F.linear(x_hat, w_hat)
@@ -210,10 +224,16 @@ class QATHook(QuantHook):
 
 
 def apply_qat(
-    model: Transformer, recipe: Recipe | Plan, backward: str = "hp", *, optimizer: torch.optim.Optimizer | None = None
+    model: Transformer,
+    recipe: Recipe | Plan,
+    backward: str = "hp",
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> QATHook:
-    """Install QAT on `model` (in place) and return the hook; `optimizer`'s steps refresh its cache."""
-    hook = QATHook(_as_plan(model, recipe), backward)
+    """Install QAT on `model` (in place) and return the hook; `optimizer`'s steps refresh its cache.
+    `cache_dtype`: see QATHook (bf16 halves the cache under bf16 autocast, bitwise the same forward)."""
+    hook = QATHook(_as_plan(model, recipe), backward, cache_dtype)
     model.quant_hook = hook
     if optimizer is not None:
         optimizer.register_step_post_hook(hook.invalidate)

@@ -48,6 +48,9 @@ class TrainerConfig:
     dtype: str = "bfloat16"
     """Compute dtype on CUDA: "bfloat16" (autocast; master weights and AdamW state stay fp32) or
     "float32". The CPU always computes in fp32 (bf16 matmuls there are slow and gain nothing)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input for the backward and recompute the layer there: less
+    activation memory (long sequences, big batches) for about one more forward per update."""
     # publishing (the staleness bound is the run's: loop.max_staleness, shared with the rollouts)
     publish_every: int = 1
     """Publish a new policy version every this many optimizer steps."""

@@ -63,6 +63,7 @@ __all__ = [
     "apply_qat",
     "build_gpt_model",
     "canonical_state",
+    "checkpoint_layers",
     "from_megatron",
     "fuse_qkv",
     "init_parallel",
@@ -210,6 +211,21 @@ def _fix_router_gating(model: nn.Module) -> None:
     for mod in model.modules():
         if isinstance(mod, TopKRouter):
             mod.gating = lambda input, _m=mod: F.linear(input, _m.weight)
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Activation checkpointing: each decoder layer keeps only its input for the backward and runs
+    its forward again there (torch.utils.checkpoint, non-reentrant: autocast and the QAT hooks are
+    replayed as they ran; the QAT cache is not refilled, the weights did not move)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from torch.utils.checkpoint import checkpoint
+
+    for mod in model.modules():
+        if isinstance(mod, TransformerLayer):
+            forward = mod.forward
+            mod.forward = lambda *a, _f=forward, **k: (
+                checkpoint(_f, *a, use_reentrant=False, **k) if torch.is_grad_enabled() else _f(*a, **k)
+            )
 
 
 def logits(model, tokens: Tensor) -> Tensor:
@@ -500,8 +516,8 @@ class MegatronQATHook(QATHook):
     the fused parameter's version and dropped by `invalidate` like every other cached weight. Its
     activation site is q_proj's (apply_qat checks that q, k and v inputs share one spec)."""
 
-    def __init__(self, plan: Plan, backward: str = "hp"):
-        super().__init__(plan, backward)
+    def __init__(self, plan: Plan, backward: str = "hp", cache_dtype: torch.dtype | None = None):
+        super().__init__(plan, backward, cache_dtype)
         self.cfg = plan.config
         self._fused: dict[str, tuple[int, Tensor]] = {}
 
@@ -607,12 +623,13 @@ def apply_qat(
     backward: str = "hp",
     *,
     optimizer: torch.optim.Optimizer | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> MegatronQATHook:
     """Install QAT on a GPTModel of `cfg` (in place; TP=1, any EP) and return its hook.
 
     A torch `optimizer` gets a step post-hook that refreshes the cache; with megatron's own optimizer
-    (it writes the bf16 parameters through .data, which no version counter sees) the trainer calls
-    `hook.invalidate()` after each step."""
+    (it writes the parameters through .data, which no version counter sees) the trainer calls
+    `hook.invalidate()` after each step. `cache_dtype`: as policy.qat.QATHook's."""
     plan = recipe if isinstance(recipe, Plan) else recipe.plan(cfg)
     if plan.config != cfg:
         raise ValueError("apply_qat: the plan was made for a different model config")
@@ -625,7 +642,7 @@ def apply_qat(
         if specs[1:] != specs[:-1]:
             raise ValueError(f"megatron QAT: layer {i} quantizes q/k/v inputs differently; linear_qkv fuses them")
     remove_qat(model)
-    hook = MegatronQATHook(plan, backward)
+    hook = MegatronQATHook(plan, backward, cache_dtype)
     for mod, (attr, fn) in _qat_forwards(model, hook, ep_rank * (cfg.n_experts // ep)).items():
         mod._tandem_qat = (attr, mod.__dict__.get(attr))  # what remove_qat restores
         setattr(mod, attr, fn)

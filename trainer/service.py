@@ -46,6 +46,7 @@ from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
 from . import admission, grpo
+from .backends import make_backend
 from .config import TrainerConfig
 from .metrics import MetricsSink
 from .sequences import pack, scatter_rows
@@ -137,21 +138,14 @@ class Trainer:
         self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
-        if cfg.backend != "torch":
-            raise ValueError(
-                f"trainer.backend={cfg.backend!r}: the trainer service runs the torch backend only so far "
-                "(trainer/megatron_backend.py builds, maps and fake-quantizes the megatron model, unwired)"
-            )
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("trainer.device='cuda' but torch sees no CUDA device")
-        # bf16 autocast on CUDA: the effective operands of every quantized format are exact in bf16
-        # (DESIGN.md "Compute contract"); master weights and optimizer state stay fp32.
-        self.autocast = torch.autocast(
-            "cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda" and cfg.dtype == "bfloat16"
-        )
-        with self.device:
-            self.model = Transformer(model_config, seed=seed)
+        # The model, its optimizer and QAT (trainer/backends.py): fp32 master weights and AdamW state,
+        # bf16 autocast on CUDA (the effective operands of every quantized format are exact in bf16,
+        # DESIGN.md "Compute contract").
+        self.backend = make_backend(cfg, model_config, recipe, seed=seed)
+        self.autocast = self.backend.autocast()
         self.contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
         self.fingerprint = self.contract.fingerprint()
         # The rollout_recipe ablation knob (None = `recipe`): publish under the rollouts' recipe and accept
@@ -171,17 +165,11 @@ class Trainer:
         self._fed_tokens: dict[str, np.ndarray] = {}  # group_id -> prompt tokens, of outstanding groups
         self._dropped_groups: list[str] = []  # settled without training since the last audit line
         self._settled_recent: dict[str, None] = {}  # recently settled group ids (insertion-ordered, capped)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=cfg.lr,
-            betas=cfg.betas,
-            weight_decay=cfg.weight_decay,
-            fused=self.device.type == "cuda",
-        )
         self.state = State()
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> master weights at publish
-        with self.device:
-            self.scratch = Transformer(model_config, seed=seed)  # evaluates older versions' log-probs
+        # Evaluates older versions' log-probs (a policy.model.Transformer with either backend), built
+        # when first needed.
+        self.scratch: Transformer | None = None
         self._scratch_version: int | None = None
         self.server = PolicyServer(
             PolicyServerConfig(
@@ -310,8 +298,7 @@ class Trainer:
                     f"checkpoint {path} has contract fingerprint {ck['fingerprint'][:12]}, "
                     f"this run's is {self.fingerprint[:12]}: different model/recipe"
                 )
-            self.model.load_state_dict(ck["model"])
-            self.optimizer.load_state_dict(ck["optimizer"])
+            self.backend.load_state_dict(ck)
             self.state = State(**{**vars(State()), **ck["state"]})  # fields added since: their defaults
             # The checkpoint includes these samples: mark them used before reading anything.
             await self.stream.commit_ids([tuple(p) for p in self.state.pending_commit])
@@ -331,11 +318,11 @@ class Trainer:
             self.log(f"resumed from {path}: step {self.state.step}, version {self.state.version}")
             return
         if self.init_weights is not None:
-            self.init_weights(self.model)
+            self.backend.init_weights(self.init_weights)
             self.log("initial weights loaded")
         if self.cfg.warmstart_steps:
             warm_start(
-                self.model,
+                self.backend,
                 self.warm_start_example,
                 steps=self.cfg.warmstart_steps,
                 batch=self.cfg.warmstart_batch,
@@ -346,7 +333,7 @@ class Trainer:
         self.state.version = self._weights_version = 1
         self._snapshot()
         self._save_checkpoint()
-        qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
+        self.backend.apply_qat()
 
     def _audit(self, groups: list[list[Trajectory]]) -> None:
         """audit.jsonl: which groups each step used, from which version and worker (one line per step)."""
@@ -363,7 +350,7 @@ class Trainer:
     def _snapshot(self) -> None:
         # On the CPU: a GPU keeps its memory for the model (older versions are loaded into `scratch` on demand).
         self.snapshots[self.state.version] = {
-            n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()
+            n: p.detach().to("cpu", copy=True) for n, p in self.backend.canonical().items()
         }
         for v in [v for v in self.snapshots if v < self.state.version - self.max_staleness]:
             del self.snapshots[v]
@@ -379,8 +366,7 @@ class Trainer:
         with open(tmp, "wb") as f:
             torch.save(
                 {
-                    "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
+                    **self.backend.state_dict(),  # model (canonical names), optimizer, backend
                     "state": vars(self.state),
                     "fingerprint": self.fingerprint,
                     "weights_version": self._weights_version,
@@ -401,13 +387,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> None:
-        if self.model.quant_hook is None:
-            qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
+        if self.backend.qat_hook is None:
+            self.backend.apply_qat()
         v = self.state.version
         if self.contract_breaking:  # the rollout_recipe ablation: quantized as the rollouts' recipe says
-            tensors = mf.quantize_params(dict(self.model.named_parameters()), self.publish_plan)
+            tensors = mf.quantize_params(self.backend.canonical(), self.publish_plan)
         else:
-            tensors = self.model.quant_hook.quantized_params(self.model)  # the QAT forward's own quantized parts
+            tensors = self.backend.quantized_params()  # the QAT forward's own quantized parts
         packed = mf.build_manifest(
             version=v, parent_version=v - 1 if v > 1 else None, contract=self.publish_contract, tensors=tensors
         )
@@ -599,7 +585,7 @@ class Trainer:
         )
 
         with torch.no_grad(), self.autocast:
-            prox = self.model.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
+            prox = self.backend.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
             at_version = prox.clone()
             known = torch.ones(len(samples), dtype=torch.bool)  # rows whose version's weights we hold
             for v in sorted(set(versions.tolist())):
@@ -623,7 +609,7 @@ class Trainer:
         for rows in torch.randperm(len(b.rewards)).chunk(cfg.minibatches):
             rows = rows.to(self.device)
             with self.autocast:
-                logp = self.model.token_logprobs(
+                logp = self.backend.token_logprobs(
                     b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature
                 )
             loss, s = grpo.policy_loss(
@@ -637,10 +623,7 @@ class Trainer:
                 tis_cap=cfg.tis_cap,
                 n_tokens=n_tokens,
             )
-            self.optimizer.zero_grad(set_to_none=True)
-            (loss * cfg.minibatches).backward()  # n_tokens is the whole step's: rescale per update
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)))
-            self.optimizer.step()
+            grad_norms.append(self.backend.update(loss * cfg.minibatches))  # n_tokens is the step's: rescale
             stats.update(s)
 
         staleness = (self.state.version - b.versions).tolist()
@@ -673,10 +656,15 @@ class Trainer:
         return {k: getattr(s, k) for k in ("duplicates", "malformed", "invalid", "dead_lettered", "unsigned", "refed")}
 
     def _load_scratch(self, version: int) -> None:
+        if self.scratch is None:
+            with self.device:
+                self.scratch = Transformer(self.model_config, seed=None)
         if self._scratch_version != version:
             self.scratch.load_weights(self.snapshots[version])
             if self.scratch.quant_hook is None:
-                qat.apply_qat(self.scratch, self.recipe, backward=self.cfg.backward)
+                qat.apply_qat(
+                    self.scratch, self.recipe, backward=self.cfg.backward, cache_dtype=self.backend._cache_dtype
+                )
             self._scratch_version = version
 
 

@@ -167,11 +167,17 @@ def test_tasks_are_plugins_selected_by_name():
         make_task(TaskConfig(name="test_run_config:not_a_task"), seed=0)
 
 
-def test_the_trainer_refuses_a_backend_it_does_not_run(tmp_path):
-    """trainer.backend=megatron is a valid setting (trainer/megatron_backend.py exists) that the
-    trainer service does not run yet: it must say so, not silently train the torch model."""
+def test_the_megatron_backend_is_refused_without_cuda(tmp_path):
+    """megatron's GPTModel runs on CUDA only: on the CPU the setting is refused with one line naming
+    the field (the config), and device=cuda on a machine without a GPU is refused by the trainer."""
+    import torch
+
     from tandem.services import make_trainer
 
+    with pytest.raises(ValueError, match="backend='megatron' needs device='cuda'"):
+        config.load("configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cpu"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
     cfg = config.load("configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cuda"])
-    with pytest.raises(ValueError, match="trainer.backend='megatron': the trainer service runs the torch backend"):
+    with pytest.raises(ValueError, match="trainer.device='cuda' but torch sees no CUDA device"):
         make_trainer(cfg, tmp_path)

@@ -1,0 +1,114 @@
+"""trainer/backends.py on CPU (the torch backend; megatron's needs CUDA: tests/gpu/test_trainer_gpu.py)
+and the QAT cache's bf16 storage and activation checkpointing it relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policy import qat
+from policy.model import ModelConfig, Transformer
+from policy.qat import bits
+from policy.recipe import Recipe
+from trainer import grpo
+from trainer.backends import TorchBackend, make_backend
+from trainer.config import TrainerConfig
+from trainer.sequences import pack
+
+CFG = ModelConfig.preset("tiny", n_layers=2)
+
+
+def _batch(seed=0, B=4):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, CFG.vocab_size, (3 + b,), generator=g).tolist() for b in range(B)]
+    completions = [torch.randint(0, CFG.vocab_size, (5 + 2 * b,), generator=g).tolist() for b in range(B)]
+    return pack(prompts, completions, pad_id=0)  # right-padded, rows of different lengths
+
+
+def _loss(backend, batch):
+    tokens, targets, attn, mask = batch
+    logp = backend.token_logprobs(tokens, targets, attention_mask=attn)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    loss, _ = grpo.policy_loss(
+        logp, logp.detach(), logp.detach(), adv, mask, clip_low=0.2, clip_high=0.28, tis_cap=2.0, n_tokens=int(mask.sum())
+    )
+    return loss
+
+
+def test_update_steps_and_refreshes_the_qat_cache():
+    backend = make_backend(TrainerConfig(lr=1e-2), CFG, Recipe.load("nvfp4_moe"), seed=1)
+    assert isinstance(backend, TorchBackend)
+    backend.apply_qat()
+    before = {n: t.clone() for n, t in backend.canonical().items()}
+    cached = backend.quantized_params()
+    norm = backend.update(_loss(backend, _batch()))
+    assert norm > 0
+    assert any(not torch.equal(before[n], t) for n, t in backend.canonical().items())
+    after = backend.quantized_params()
+    assert all(after[n] is not cached[n] for n in cached)  # requantized from the moved master weights
+    fresh = qat.quantize_weights(backend.model, backend.recipe)
+    n = "model.layers.0.mlp.experts.3.down_proj.weight"
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(after[n].value.parts().values(), fresh[n].parts().values()))
+
+
+def test_checkpoint_state_round_trips_and_names_the_backend():
+    a = make_backend(TrainerConfig(), CFG, Recipe.load("bf16"), seed=2)
+    a.apply_qat()
+    a.update(_loss(a, _batch()))
+    ck = a.state_dict()
+    assert ck["backend"] == "torch" and set(ck["model"]) == {n for n, _ in a.model.named_parameters()}
+    b = make_backend(TrainerConfig(), CFG, Recipe.load("bf16"), seed=3)
+    b.load_state_dict(ck)
+    assert all(torch.equal(bits(t), bits(b.canonical()[n])) for n, t in a.canonical().items())
+    assert b.optimizer.state_dict()["state"][0]["exp_avg"].equal(a.optimizer.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(ValueError, match="written by trainer.backend='megatron', this run has 'torch'"):
+        b.load_state_dict({**ck, "backend": "megatron"})
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    grads = []
+    for ckpt in (False, True):
+        backend = make_backend(TrainerConfig(activation_checkpointing=ckpt), CFG, Recipe.load("nvfp4_moe"), seed=4)
+        backend.apply_qat()
+        _loss(backend, _batch(seed=1)).backward()
+        grads.append({n: p.grad.clone() for n, p in backend.model.named_parameters()})
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("recipe_name", ["nvfp4_moe", "int4_qat", "mxfp8", "fp8_block"])
+def test_a_bf16_cache_computes_the_same_bits_under_bf16_autocast(recipe_name):
+    """Under bf16 autocast every matmul casts its weight to bf16: keeping the effective weight in bf16
+    is the same forward bit for bit, at half the cache (CPU autocast here; CUDA on the device)."""
+    model = Transformer(CFG, seed=5)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    out = []
+    for dtype in (None, torch.bfloat16):
+        hook = qat.apply_qat(model, Recipe.load(recipe_name), cache_dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out.append(model(tokens))
+        w = hook.effective("model.layers.0.mlp.experts.0.down_proj.weight", model.get_parameter(
+            "model.layers.0.mlp.experts.0.down_proj.weight"))  # fmt: skip
+        assert w.dtype == (dtype or torch.float32)
+    assert torch.equal(bits(out[0]), bits(out[1]))
+    # bf16-format matmul weights (the last layer's, say) are the published part itself: one copy, not two
+    shared = [
+        hook.effective(n, p).data_ptr() == q.value.values.data_ptr()
+        for n, p in model.named_parameters()
+        if (q := hook.quantized_params(model)[n]).format == "bf16" and n in hook._matmul
+    ]
+    assert shared and all(shared)
+    # embeddings and norms keep the parameter's dtype (the residual stream stays fp32)
+    emb = "model.embed_tokens.weight"
+    assert hook.effective(emb, model.get_parameter(emb)).dtype == torch.float32
+
+
+def test_a_bf16_cache_outside_autocast_and_in_the_dequant_backward():
+    """Without autocast the bf16 cache is cast to the input's dtype; in dequant mode the weight
+    gradient comes back in the master weight's dtype."""
+    model = Transformer(CFG, seed=6)
+    qat.apply_qat(model, Recipe.load("nvfp4_moe"), "dequant", cache_dtype=torch.bfloat16)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(4))
+    model(tokens).float().logsumexp(-1).mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(grads) > 10 and all(g.dtype == torch.float32 for g in grads)
