@@ -1,14 +1,16 @@
-"""Trainer step and publish on one GPU: plain bf16 vs QAT (nvfp4_moe, int4_qat), same model, same batch.
+"""Trainer step and publish on one GPU: plain bf16 vs QAT (nvfp4_moe, int4_qat), torch vs megatron-core
+backend, same model, same batch.
 
     python bench/bench_trainer.py                          # Qwen3-30B-A3B widths, 6 layers (~4.4B), 8 x 1024 tokens
-    python bench/bench_trainer.py --layers 2 --batch 2     # smaller
-    python bench/bench_trainer.py --device cpu --preset tiny --batch 8 --seq 64   # CPU smoke run
+    python bench/bench_trainer.py --layers 2 --batch 2 --backends torch,megatron
+    python bench/bench_trainer.py --device cpu --preset tiny --batch 8 --seq 64   # CPU smoke run (torch)
 
-Each configuration builds the same model (fp32 master weights, AdamW, bf16 autocast on CUDA),
-takes `--warmup` untimed steps (Triton compiles, the allocator settles), then `--steps` timed ones:
-forward + backward of the GRPO-shaped loss (a token log-prob sum), clip, optimizer step. Under QAT
-the optimizer's step post-hook invalidates the effective-weight cache, so every timed step pays
-one quantization of every weight (what the trainer pays), inside the step, on the GPU.
+Each configuration builds the trainer's own backend (trainer/backends.py: fp32 master weights,
+AdamW, bf16 autocast on CUDA, the QAT cache in bf16 there; `--ckpt` turns activation checkpointing
+on), takes `--warmup` untimed steps (Triton compiles, the allocator settles), then `--steps` timed
+ones: forward + backward of a token log-prob loss, clip, optimizer step (`backend.update`, the
+trainer's). Under QAT the update invalidates the cache, so every timed step pays one quantization
+of every weight (what the trainer pays), inside the step, on the GPU.
 Printed per configuration: ms per step, tokens/s, the ratio to plain (issue 17's target: QAT
 <= 1.3x plain, goal 1.1x), peak memory and its excess over plain (target: <= one copy of the
 quantized weights), and a publish of the current version: the quantized parts from the QAT cache
@@ -18,6 +20,7 @@ quantized weights), and a publish of the current version: the quantized parts fr
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -37,13 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--recipes", default="bf16,nvfp4_moe,int4_qat", help="bf16 = plain (no QAT)")
+    parser.add_argument("--backends", default="torch", help="torch and/or megatron (CUDA, megatron-core)")
+    parser.add_argument("--ckpt", action="store_true", help="trainer.activation_checkpointing")
+    parser.add_argument("--no-publish", action="store_true", help="time the steps only")
     args = parser.parse_args(argv)
 
     from broker.policy_server import PolicyServer, PolicyServerConfig
     from policy import manifest as mf
-    from policy import qat
-    from policy.model import ModelConfig, Transformer
+    from policy.model import ModelConfig
     from policy.recipe import Recipe
+    from trainer.backends import make_backend
+    from trainer.config import TrainerConfig
 
     cuda = args.device.startswith("cuda")
     cfg = ModelConfig.preset(args.preset, n_layers=args.layers, max_seq_len=max(args.seq, 64))
@@ -56,67 +63,77 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
     results = {}
-    for name in args.recipes.split(","):
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        with torch.device(args.device):
-            model = Transformer(cfg, seed=0)
-        params = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
-        recipe = Recipe.load(name)
-        if name != "bf16":
-            qat.apply_qat(model, recipe, optimizer=opt)
+    for backend_name in args.backends.split(","):
+        for name in args.recipes.split(","):
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            tcfg = TrainerConfig(
+                device="cuda" if cuda else "cpu", backend=backend_name, lr=1e-5, activation_checkpointing=args.ckpt
+            )
+            recipe = Recipe.load(name)
+            backend = make_backend(tcfg, cfg, recipe, seed=0)
+            params = sum(p.numel() for p in backend.parameters())
+            if name != "bf16":
+                backend.apply_qat()
 
-        def step(model=model, opt=opt):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                logp = model.token_logprobs(tokens[:, :-1], tokens[:, 1:])
-            opt.zero_grad(set_to_none=True)
-            (-logp.mean()).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            def step(backend=backend):
+                with backend.autocast():
+                    logp = backend.token_logprobs(tokens[:, :-1], tokens[:, 1:])
+                backend.update(-logp.mean())
 
-        for _ in range(args.warmup):
-            step()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        sync()
-        step_s = (time.perf_counter() - t0) / args.steps
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-
-        # Publish the current version: the quantized parts QAT already holds (plain: quantize now).
-        sync()
-        t0 = time.perf_counter()
-        if model.quant_hook is None:
-            tensors = mf.quantize_params(dict(model.named_parameters()), recipe.plan(cfg))
-        else:
-            tensors = model.quant_hook.quantized_params(model)
-        sync()
-        quant_s = time.perf_counter() - t0
-        contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
-        t0 = time.perf_counter()
-        packed = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
-        build_s = time.perf_counter() - t0
-        server = PolicyServer(PolicyServerConfig())
-        server.start()
-        t0 = time.perf_counter()
-        server.publish(packed)
-        serve_s = time.perf_counter() - t0
-        server.stop()
-        gb = packed.manifest.total_bytes / 1e9
-        results[name] = (step_s, peak)
-        base_s, base_peak = results.get("bf16", (step_s, peak))
-        print(
-            f"{name:<10} {params / 1e9:.2f}B params  step {step_s * 1e3:8.1f} ms  {n_tokens / step_s:9.0f} tok/s"
-            f"  {step_s / base_s:5.2f}x plain  peak {peak:6.1f} GiB (+{peak - base_peak:5.1f})"
-            f"  publish {gb:.2f} GB: quantize/cache {quant_s:.2f}s manifest {build_s:.2f}s servable {serve_s:.2f}s"
-            f" = {gb / (quant_s + build_s + serve_s):.2f} GB/s",
-            flush=True,
-        )
-        del model, opt, tensors, packed, server
+            for _ in range(args.warmup):
+                step()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            sync()
+            step_s = (time.perf_counter() - t0) / args.steps
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+            results[backend_name, name] = (step_s, peak)
+            base_s, base_peak = results.get((backend_name, "bf16"), (step_s, peak))
+            line = (
+                f"{backend_name:<8} {name:<10} {params / 1e9:.2f}B params  step {step_s * 1e3:8.1f} ms"
+                f"  {n_tokens / step_s:9.0f} tok/s  {step_s / base_s:5.2f}x plain"
+                f"  peak {peak:6.1f} GiB (+{peak - base_peak:5.1f})"
+            )
+            if backend_name != "torch" and ("torch", name) in results:
+                line += f"  {results['torch', name][0] / step_s:4.2f}x torch's tok/s"
+            if not args.no_publish:
+                line += "  " + _publish(backend, cfg, recipe, sync, mf, PolicyServer, PolicyServerConfig)
+            print(line, flush=True)
+            del backend, step
+            gc.collect()  # megatron's modules hold reference cycles: free this model before the next
     return 0
+
+
+def _publish(backend, cfg, recipe, sync, mf, PolicyServer, PolicyServerConfig) -> str:
+    """Publish the current version: the quantized parts QAT already holds (plain: quantize now)."""
+
+    sync()
+    t0 = time.perf_counter()
+    if backend.qat_hook is None:
+        tensors = mf.quantize_params(backend.canonical(), recipe.plan(cfg))
+    else:
+        tensors = backend.quantized_params()
+    sync()
+    quant_s = time.perf_counter() - t0
+    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
+    t0 = time.perf_counter()
+    packed = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
+    build_s = time.perf_counter() - t0
+    server = PolicyServer(PolicyServerConfig())
+    server.start()
+    t0 = time.perf_counter()
+    server.publish(packed)
+    serve_s = time.perf_counter() - t0
+    server.stop()
+    gb = packed.manifest.total_bytes / 1e9
+    return (
+        f"publish {gb:.2f} GB: quantize/cache {quant_s:.2f}s manifest {build_s:.2f}s servable {serve_s:.2f}s"
+        f" = {gb / (quant_s + build_s + serve_s):.2f} GB/s"
+    )
 
 
 if __name__ == "__main__":

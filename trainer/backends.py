@@ -160,8 +160,11 @@ class MegatronBackend(_Backend):
             mb.init_parallel(seed=seed)
         self.world = torch.distributed.get_world_size()
         gpt = mb.build_gpt_model(model_config, dtype=torch.float32).to("cuda")
-        # The same initial weights as the torch backend's for this seed (built on the CPU, copied in).
-        mb.load_canonical(gpt, model_config, dict(Transformer(model_config, seed=seed).named_parameters()))
+        # The same initial weights as the torch backend's for this seed (its init, on the same device).
+        with torch.device("cuda"):
+            init = Transformer(model_config, seed=seed)
+        mb.load_canonical(gpt, model_config, dict(init.named_parameters()))
+        del init
         if cfg.activation_checkpointing:
             mb.checkpoint_layers(gpt)
         self.gpt = gpt

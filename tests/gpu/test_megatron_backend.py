@@ -123,30 +123,48 @@ def test_qat_logits_effective_weights_and_published_bytes(models):
 
 @pytest.mark.parametrize("qat", [False, True])
 def test_straight_through_gradients_agree(models, qat):
-    ref, _, gpt = models
+    """Gradients of megatron (bf16) and torch (bf16) against the torch backend in fp32: megatron's
+    error must stay within a small multiple of torch's own bf16 error, measured, per tensor.
+
+    A fixed cosine bound does not hold for the router under nvfp4 QAT: a bf16 rounding of an expert
+    input flips some of its nvfp4 codes, and the router's gradient (sum over tokens of
+    <dL/dy, y_e>, small: |g| ~ 1e-2) moves with them. Measured on CPU (tiny, 3 layers, 4 x 128 tokens,
+    layer 1's router): torch bf16 vs torch fp32 cosine 0.981, megatron bf16 vs torch fp32 0.981,
+    megatron fp32 vs torch fp32 1.000000 (hp and dequant). So the 0.987 once seen here is bf16 noise,
+    not a backend difference; tests/unit/test_megatron_backend.py checks the fp32 gradients equal."""
+    ref, f32, gpt = models
     gpt.train()
     if qat:
         torch_apply_qat(ref, Recipe.load("nvfp4_moe"))
+        torch_apply_qat(f32, Recipe.load("nvfp4_moe"))
         mb.apply_qat(gpt, CFG, Recipe.load("nvfp4_moe"))
     try:
         tokens = _tokens(seed=2)
-        for lg in (ref(tokens), mb.logits(gpt, tokens)):
+        for lg in (ref(tokens), f32(tokens), mb.logits(gpt, tokens)):
             loss = F.cross_entropy(lg[:, :-1].float().reshape(-1, CFG.vocab_size), tokens[:, 1:].reshape(-1))
             loss.backward()
         grads_t = {n: p.grad for n, p in ref.named_parameters()}
+        grads_r = {n: p.grad for n, p in f32.named_parameters()}
         grads_m = mb.from_megatron(CFG, {n: p.grad for n, p in gpt.named_parameters()})
         for name in (
             "lm_head.weight",
             "model.layers.0.self_attn.q_proj.weight",
             "model.layers.0.self_attn.v_proj.weight",
             "model.layers.0.mlp.shared_expert.gate_up_proj.weight",
+            "model.layers.0.mlp.gate.weight",
             "model.layers.1.mlp.gate.weight",
             "model.embed_tokens.weight",
         ):
-            cos = F.cosine_similarity(grads_t[name].float().flatten(), grads_m[name].float().flatten(), dim=0)
-            assert cos > 0.99, (name, cos.item())
+
+            def cos(a, b, name=name):
+                return F.cosine_similarity(a[name].float().flatten(), b[name].float().flatten(), dim=0).item()
+
+            noise, err = 1 - cos(grads_t, grads_r), 1 - cos(grads_m, grads_r)
+            print(f"{'qat' if qat else 'plain'} {name}: 1-cos torch-bf16 {noise:.1e}, megatron-bf16 {err:.1e}")
+            assert err <= 3 * noise + 2e-3, (name, noise, err)
+            assert cos(grads_m, grads_r) > 0.95, name
     finally:
         mb.remove_qat(gpt)
-        ref.quant_hook = None
-        ref.zero_grad(set_to_none=True)
-        gpt.zero_grad(set_to_none=True)
+        ref.quant_hook = f32.quant_hook = None
+        for m in (ref, f32, gpt):
+            m.zero_grad(set_to_none=True)

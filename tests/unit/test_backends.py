@@ -30,7 +30,15 @@ def _loss(backend, batch):
     logp = backend.token_logprobs(tokens, targets, attention_mask=attn)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     loss, _ = grpo.policy_loss(
-        logp, logp.detach(), logp.detach(), adv, mask, clip_low=0.2, clip_high=0.28, tis_cap=2.0, n_tokens=int(mask.sum())
+        logp,
+        logp.detach(),
+        logp.detach(),
+        adv,
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        tis_cap=2.0,
+        n_tokens=int(mask.sum()),
     )
     return loss
 
@@ -48,7 +56,9 @@ def test_update_steps_and_refreshes_the_qat_cache():
     assert all(after[n] is not cached[n] for n in cached)  # requantized from the moved master weights
     fresh = qat.quantize_weights(backend.model, backend.recipe)
     n = "model.layers.0.mlp.experts.3.down_proj.weight"
-    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(after[n].value.parts().values(), fresh[n].parts().values()))
+    assert all(
+        torch.equal(bits(a), bits(b)) for a, b in zip(after[n].value.parts().values(), fresh[n].parts().values())
+    )
 
 
 def test_checkpoint_state_round_trips_and_names_the_backend():
