@@ -92,11 +92,19 @@ def main(argv: list[str] | None = None) -> int:
             step_s = (time.perf_counter() - t0) / args.steps
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
             results[backend_name, name] = (step_s, peak)
+            requant = ""
+            if backend.qat_hook is not None:  # what one refill of the QAT cache costs (in every step)
+                backend.qat_hook.invalidate()
+                sync()
+                t0 = time.perf_counter()
+                backend.qat_hook.effective_weights(getattr(backend, "gpt", backend.module))
+                sync()
+                requant = f"  (cache refill {(time.perf_counter() - t0) * 1e3:.0f} ms)"
             base_s, base_peak = results.get((backend_name, "bf16"), (step_s, peak))
             line = (
                 f"{backend_name:<8} {name:<10} {params / 1e9:.2f}B params  step {step_s * 1e3:8.1f} ms"
                 f"  {n_tokens / step_s:9.0f} tok/s  {step_s / base_s:5.2f}x plain"
-                f"  peak {peak:6.1f} GiB (+{peak - base_peak:5.1f})"
+                f"  peak {peak:6.1f} GiB (+{peak - base_peak:5.1f}){requant}"
             )
             if backend_name != "torch" and ("torch", name) in results:
                 line += f"  {results['torch', name][0] / step_s:4.2f}x torch's tok/s"

@@ -248,13 +248,16 @@ class QuantizedParam:
     value: Any  # a policy.formats object: .parts(), .shape
 
 
-def quantize_param(x: torch.Tensor, fmt: str, **kwargs) -> QuantizedParam:
+def quantize_param(x: torch.Tensor, fmt: str, *, check_finite: bool = True, **kwargs) -> QuantizedParam:
     """Quantize a weight with format `fmt` (kwargs as for quantize(), e.g. scope="tensor"); a 1-D
     parameter (a norm weight) is quantized and published as [1, D]. Through policy.kernels: the
-    GPU kernels on CUDA tensors, the reference elsewhere, the same bytes either way."""
+    GPU kernels on CUDA tensors, the reference elsewhere, the same bytes either way.
+    check_finite=False skips the GPU path's NaN/Inf check (a host sync per tensor) where the caller
+    checks the weights itself."""
     x = x.detach()
     x2 = x.reshape(1, -1) if x.dim() == 1 else x
-    return QuantizedParam(fmt, dict(kwargs), kernels.quantize(fmt, x2, **from_parts_kwargs(fmt, kwargs)))
+    q = kernels.quantize(fmt, x2, check_finite=check_finite, **from_parts_kwargs(fmt, kwargs))
+    return QuantizedParam(fmt, dict(kwargs), q)
 
 
 def quantize_params(weights: Mapping[str, torch.Tensor], plan) -> dict[str, QuantizedParam]:

@@ -175,7 +175,9 @@ class QATHook(QuantHook):
         if hit is not None and hit[0] == p._version and hit[2].device == p.device:
             return hit
         with torch.no_grad():
-            q = quantize_param(p, self._params[name].format, **self._params[name].kwargs)
+            # No NaN/Inf check here (a host sync per weight, every step): the trainer checks the
+            # master weights once per publish (trainer.backends), a NaN forward shows in the loss.
+            q = quantize_param(p, self._params[name].format, check_finite=False, **self._params[name].kwargs)
             dtype = self.cache_dtype if self.cache_dtype is not None and name in self._matmul else p.dtype
             if q.format == "bf16" and dtype == torch.bfloat16:
                 w_hat = q.value.values.view(p.shape)  # the published part itself: no second copy

@@ -95,7 +95,17 @@ class _Backend:
         return norm
 
     def quantized_params(self) -> dict:
+        self._check_finite()
         return self.qat_hook.quantized_params(self.module)
+
+    def _check_finite(self) -> None:
+        """ValueError naming the first master weight with a NaN or Inf (one host sync for all: the
+        QAT cache quantizes without the per-tensor check, see policy.qat)."""
+        tensors = self.canonical()
+        ok = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()
+        bad = [n for n, good in zip(tensors, ok) if not good]
+        if bad:
+            raise ValueError(f"non-finite master weights, not published: {', '.join(bad[:3])}")
 
     def state_dict(self) -> dict:
         return {"model": self.canonical(), "optimizer": self.optimizer.state_dict(), "backend": self.name}
@@ -236,6 +246,7 @@ class MegatronBackend(_Backend):
         )
 
     def quantized_params(self) -> dict:
+        self._check_finite()
         return self.qat_hook.quantized_params(self.gpt)
 
 

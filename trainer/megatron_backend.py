@@ -199,15 +199,13 @@ def _expert_forward(mlp: nn.Module, hidden_states: Tensor, per_token_scale: Tens
 
 
 def _fix_router_gating(model: nn.Module) -> None:
-    """megatron-core 0.16 without TransformerEngine: its router_gating_linear reads the name
-    te_general_gemm, which it only defines when TE imports (NameError; 0.19 defines it as None).
-    There, each router computes its logits as a plain F.linear in the input dtype instead, which
-    is what megatron's own fallback computes with moe_router_dtype unset."""
-    from megatron.core.transformer.moe import moe_utils
+    """Each router computes its logits as a plain F.linear in the input dtype, which is what
+    megatron's own router_gating_linear computes with moe_router_dtype unset, but (a) megatron-core
+    0.16 without TransformerEngine raises NameError there (te_general_gemm is defined only when TE
+    imports), and (b) 0.19's backward multiplies a bf16 gradient by the fp32 weight under autocast
+    (fp32 parameters, bf16 compute: what the trainer runs), which torch refuses. F.linear autocasts."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    if hasattr(moe_utils, "te_general_gemm"):
-        return
     for mod in model.modules():
         if isinstance(mod, TopKRouter):
             mod.gating = lambda input, _m=mod: F.linear(input, _m.weight)

@@ -122,3 +122,17 @@ def test_a_bf16_cache_outside_autocast_and_in_the_dequant_backward():
     model(tokens).float().logsumexp(-1).mean().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert len(grads) > 10 and all(g.dtype == torch.float32 for g in grads)
+
+
+def test_publishing_refuses_non_finite_master_weights():
+    """The QAT cache quantizes without the per-tensor NaN check (a host sync each on the GPU): the
+    backend checks the master weights once per publish instead."""
+    backend = make_backend(TrainerConfig(), CFG, Recipe.load("nvfp4_moe"), seed=7)
+    backend.apply_qat()
+    assert len(backend.quantized_params()) == len(backend.canonical())
+    with torch.no_grad():
+        backend.model.get_parameter("model.layers.1.mlp.experts.2.down_proj.weight")[0, 0] = float("nan")
+    with pytest.raises(
+        ValueError, match=r"non-finite master weights, not published: model\.layers\.1\.mlp\.experts\.2"
+    ):
+        backend.quantized_params()
