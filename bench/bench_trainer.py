@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="torch", help="torch and/or megatron (CUDA, megatron-core)")
     parser.add_argument("--ckpt", action="store_true", help="trainer.activation_checkpointing")
     parser.add_argument("--no-publish", action="store_true", help="time the steps only")
+    parser.add_argument("--profile", default="", help="recipes to profile one step of (torch.profiler table)")
     args = parser.parse_args(argv)
 
     from broker.policy_server import PolicyServer, PolicyServerConfig
@@ -108,6 +109,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             if backend_name != "torch" and ("torch", name) in results:
                 line += f"  {results['torch', name][0] / step_s:4.2f}x torch's tok/s"
+            if name in args.profile.split(","):
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=acts) as prof:
+                    step()
+                    sync()
+                key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+                print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=50), flush=True)
             if not args.no_publish:
                 line += "  " + _publish(backend, cfg, recipe, sync, mf, PolicyServer, PolicyServerConfig)
             print(line, flush=True)
