@@ -42,7 +42,10 @@ def test_demo_config_loads_and_overrides_apply():
         ("trainer.lr=[1,2", r"override trainer.lr: YAML syntax error .*line 1"),
         ("trainer.lr=" + "[" * 3000, "override trainer.lr: YAML nested too deeply"),
         ("model.overrides={a: {b: {c: {d: {e: {f: {g: {h: {i: {j: 1}}}}}}}}}}", "nested deeper than 8"),
-        ("trainer.checkpoint_every=0", r"checkpoint_every=0 \(must be >= 1\)"),
+        ("trainer.checkpoint_every=-1", r"checkpoint_every=-1 \(must be >= 0; 0 = never\)"),
+        ("trainer.memory_fraction=1.5", r"memory_fraction=1.5 \(want 0 < f <= 1, or 0 = no cap\)"),
+        ("rollout.memory_fraction=-0.1", r"memory_fraction=-0.1"),
+        ("trainer.device=gpu", r"device='gpu' \(cpu, cuda or cuda:N\)"),
         ("rollout.metrics_port=70000", "metrics_port=70000"),
     ],
 )
