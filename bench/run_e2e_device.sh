@@ -20,8 +20,9 @@
 # Writes the HF folder (bench/make_e2e_model.py: random init + a short warm start; reused when up to
 # date), runs each of $RUNS into $E2E_DIR/<run>, samples the GPU (nvidia-smi: utilization every
 # 200 ms, memory per process every 2 s), then bench/e2e_report.py. $OUT gets report.md,
-# report.json and e2e.tar.gz (every run's metrics.jsonl, audit.jsonl, config.yaml, plots, logs and
-# GPU samples); the device tool brings back only a few files, hence the archive.
+# report.json and <run>.tar.gz per run (its metrics.jsonl, audit.jsonl, config.yaml, plots, logs,
+# GPU samples and the model's tandem_e2e.json), written as each run ends; the device tool brings
+# back only a few files, hence the archives.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -30,7 +31,9 @@ OUT=${OUT:-/tmp/tandem-e2e-out}
 E2E_DIR=${E2E_DIR:-/tmp/tandem-e2e}
 E2E_PKGS=${E2E_PKGS:-../.extra18}
 RUNS=${RUNS:-async sync bf16}
-RUN_TIMEOUT=${RUN_TIMEOUT:-420}
+RUN_TIMEOUT=${RUN_TIMEOUT:-420}   # seconds per run at most
+BUDGET_S=${BUDGET_S:-0}           # > 0: the whole script's seconds; runs are cut (SIGINT) to end within it
+T0=$(date +%s)
 mkdir -p "$OUT" "$E2E_DIR"
 CONFIG=configs/gpu-h200.yaml
 if [ "${E2E_SMALL:-0}" = 1 ]; then  # the same launch path on the CPU with a tiny model
@@ -91,6 +94,12 @@ for run in $RUNS; do
     *) echo "run_e2e_device: unknown run $run (async, sync, bf16)" >&2; exit 2 ;;
   esac
   dir=$E2E_DIR/$run
+  limit=$RUN_TIMEOUT
+  if [ "$BUDGET_S" -gt 0 ]; then
+    left=$(( BUDGET_S - ($(date +%s) - T0) - 25 ))  # 25 s for the report and the archives
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 60 ]; then echo "=== $run: skipped, ${left}s of BUDGET_S left"; continue; fi
+  fi
   rm -rf "$dir" && mkdir -p "$dir"
   samplers=()
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -102,19 +111,19 @@ for run in $RUNS; do
   fi
   echo "=== $run: tandem run $CONFIG trainer.max_steps=$STEPS ${extra[*]} ${DEVICE_ARGS[*]}"
   start=$(date +%s)
-  timeout -s INT "$RUN_TIMEOUT" "$PYTHON" -m tandem.cli run "$CONFIG" --run-dir "$dir" model.checkpoint="$MODEL" \
+  timeout -s INT -k 60 "$limit" "$PYTHON" -m tandem.cli run "$CONFIG" --run-dir "$dir" model.checkpoint="$MODEL" \
     trainer.max_steps="$STEPS" "${extra[@]}" "${DEVICE_ARGS[@]}" 2>&1 | tee "$dir/launcher.log"
   rc=${PIPESTATUS[0]}
   for p in "${samplers[@]}"; do kill "$p" 2>/dev/null; done  # nvidia-smi then ends on its closed pipe
-  echo "=== $run: exit $rc after $(( $(date +%s) - start )) s"
+  echo "=== $run: exit $rc after $(( $(date +%s) - start )) s (limit ${limit} s)"
   [ "$rc" = 0 ] || status=1
+  cp "$MODEL/tandem_e2e.json" "$dir/model.json"
+  # shellcheck disable=SC2086
+  tar -czf "$OUT/$run.tar.gz" -C "$E2E_DIR" --exclude=redis --exclude=checkpoints --exclude=run.secret "$run"
 done
 
 # --- report ---------------------------------------------------------------------------------------
 dirs=()
-for run in $RUNS; do dirs+=("$E2E_DIR/$run"); done
+for run in $RUNS; do [ -d "$E2E_DIR/$run" ] && dirs+=("$E2E_DIR/$run"); done
 "$PYTHON" bench/e2e_report.py "${dirs[@]}" --sync sync --json "$OUT/report.json" | tee "$OUT/report.md"
-mkdir -p "$E2E_DIR/model" && cp "$MODEL/config.json" "$MODEL/tandem_e2e.json" "$E2E_DIR/model/"
-# shellcheck disable=SC2086
-tar -czf "$OUT/e2e.tar.gz" -C "$E2E_DIR" --exclude=redis --exclude=checkpoints --exclude=run.secret model $RUNS
 exit $status

@@ -44,9 +44,9 @@ def test_run_e2e_script_small_on_cpu(tmp_path):
     assert report["publish_to_live_median_s"] is not None and report["publish_to_live_median_s"] >= 0
     assert report["train_per_step_s"] >= report["step_time_s"] > 0
     assert 0 <= report["logp_abs_diff_quant"] < 1e-3  # the contract: QAT and packed weights agree
-    with tarfile.open(tmp_path / "out" / "e2e.tar.gz") as tar:
+    with tarfile.open(tmp_path / "out" / "async.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"async/metrics.jsonl", "async/logs/trainer.log", "async/reward.png", "model/tandem_e2e.json"} <= names
+    assert {"async/metrics.jsonl", "async/logs/trainer.log", "async/reward.png", "async/model.json"} <= names
     assert not any("run.secret" in n or "/redis" in n for n in names)  # no secret, no AOF in the archive
     row = json.loads((tmp_path / "runs" / "async" / "metrics.jsonl").read_text().splitlines()[-1])
     assert {"collect_s", "publish_s", "snapshot_s", "recompute_s"} <= set(row)
