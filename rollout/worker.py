@@ -132,7 +132,7 @@ class RolloutWorker:
         if self.device.type == "cuda" and cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
             import torch
 
-            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device)
+            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device.index or 0)
         self.model_config = model_config
         # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine per version.
         self.model = Transformer(model_config, seed=None) if self.device.type == "cpu" else None

@@ -147,7 +147,7 @@ class Trainer:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("trainer.device='cuda' but torch sees no CUDA device")
         if self.device.type == "cuda" and cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
-            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device)
+            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device.index or 0)
         # bf16 autocast on CUDA: the effective operands of every quantized format are exact in bf16
         # (DESIGN.md "Compute contract"); master weights and optimizer state stay fp32.
         self.autocast = torch.autocast(
