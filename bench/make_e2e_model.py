@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--override", action="append", default=[], metavar="FIELD=INT",
                     help="a ModelConfig field (e.g. dim=128 for a CPU dry run); repeatable")  # fmt: skip
-    ap.add_argument("--warmstart-steps", type=int, default=40)
+    ap.add_argument("--warmstart-steps", type=int, default=120)
     ap.add_argument("--warmstart-batch", type=int, default=64)
     ap.add_argument("--warmstart-lr", type=float, default=5e-4)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -90,7 +90,7 @@ for run in $RUNS; do
   case $run in
     async) extra=() ;;
     sync) extra=(loop.max_staleness=0) ;;
-    bf16) extra=(recipe=bf16 trainer.memory_fraction=0.72 rollout.memory_fraction=0.12) ;;
+    bf16) extra=(recipe=bf16) ;;
     *) echo "run_e2e_device: unknown run $run (async, sync, bf16)" >&2; exit 2 ;;
   esac
   dir=$E2E_DIR/$run

@@ -178,3 +178,15 @@ def test_the_trainer_refuses_a_backend_it_does_not_run(tmp_path):
     cfg = config.load("configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cuda"])
     with pytest.raises(ValueError, match="trainer.backend='megatron': the trainer service runs the torch backend"):
         make_trainer(cfg, tmp_path)
+
+
+def test_gpu_h200_config_loads_and_shares_one_gpu():
+    # configs/gpu-h200.yaml: trainer and 2 workers on one GPU, their memory caps leaving room for
+    # three CUDA contexts; no checkpoints (52 GB each at this size), no reflection (not on the image).
+    cfg = config.load("configs/gpu-h200.yaml")
+    assert cfg.trainer.device == "cuda" and cfg.rollout.device == "cuda" and cfg.num_rollout_workers == 2
+    total = cfg.trainer.memory_fraction + cfg.num_rollout_workers * cfg.rollout.memory_fraction
+    assert 0 < cfg.rollout.memory_fraction and 0.9 <= total <= 0.97
+    assert cfg.trainer.checkpoint_every == 0 and cfg.trainer.grpc_reflection is False
+    assert cfg.model.checkpoint and cfg.recipe == "nvfp4_moe" and cfg.task.name == "jsonl"
+    assert cfg.rollout.max_batch == cfg.trainer.group_size  # one group per generate call, one graph
