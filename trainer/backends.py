@@ -62,7 +62,11 @@ class _Backend:
     def _adamw(self) -> torch.optim.Optimizer:
         c = self.cfg
         return torch.optim.AdamW(
-            self.module.parameters(), lr=c.lr, betas=c.betas, weight_decay=c.weight_decay, fused=c.device == "cuda"
+            self.module.parameters(),
+            lr=c.lr,
+            betas=c.betas,
+            weight_decay=c.weight_decay,
+            fused=c.device.startswith("cuda"),
         )
 
     @property
@@ -70,7 +74,7 @@ class _Backend:
         """The QAT cache keeps matmul operands in bf16 when the matmuls compute in bf16 (autocast on
         CUDA): bf16(effective) is what autocast feeds the GEMM anyway, so this is bitwise the same
         forward at half the cache's memory."""
-        return torch.bfloat16 if self.cfg.device == "cuda" and self.cfg.dtype == "bfloat16" else None
+        return torch.bfloat16 if self.cfg.device.startswith("cuda") and self.cfg.dtype == "bfloat16" else None
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._cache_dtype is not None)
@@ -160,18 +164,21 @@ class MegatronBackend(_Backend):
     def __init__(self, cfg: TrainerConfig, model_config: ModelConfig, recipe: Recipe, *, seed: int):
         from . import megatron_backend as mb
 
-        if cfg.device != "cuda":  # TrainerConfig refuses it too; this guards direct use
+        if not cfg.device.startswith("cuda"):  # TrainerConfig refuses it too; this guards direct use
             raise ValueError("trainer.backend='megatron' needs trainer.device='cuda': its GPTModel runs on CUDA only")
         self.cfg, self.model_config, self.recipe, self.mb = cfg, model_config, recipe, mb
+        if "WORLD_SIZE" not in os.environ and torch.device(cfg.device).index is not None:
+            torch.cuda.set_device(torch.device(cfg.device))  # "cuda:N": megatron uses the current device
         _init_distributed()
         from megatron.core import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
             mb.init_parallel(seed=seed)
         self.world = torch.distributed.get_world_size()
-        gpt = mb.build_gpt_model(model_config, dtype=torch.float32).to("cuda")
+        device = torch.device("cuda", torch.cuda.current_device())
+        gpt = mb.build_gpt_model(model_config, dtype=torch.float32).to(device)
         # The same initial weights as the torch backend's for this seed (its init, on the same device).
-        with torch.device("cuda"):
+        with device:
             init = Transformer(model_config, seed=seed)
         mb.load_canonical(gpt, model_config, dict(init.named_parameters()))
         del init
