@@ -18,6 +18,10 @@ published tensors (the quantized objects a worker fetched) without dequantizing 
   elementwise glue is fused by torch.compile (`EngineConfig.fuse`) and its attention is one Triton
   kernel per layer that also writes the new K/V (`rollout.kernels.attention_triton`, live keys only);
 - `generate(prompts, n_samples=...)`: each prompt is prefilled once, its KV copied to its samples;
+- continuous batching (`rollout.batching.PackedBackend` with `rollout.scheduler`): `begin`, then
+  `prefixes` (prompts prefilled once per group) and `admit` (a prefix copied into free slots, those
+  rows started) between graph replays, while the other rows keep decoding; every row samples at
+  its own token index (`lengths`) and stops at its own `max_new`, so rows may join at any step;
 - the KV cache is slotted: [max_batch, n_kv_heads, max_seq_len, head_dim] per layer, allocated
   once; a request that does not fit (too many rows, prompt + max_new_tokens over capacity) is
   refused with a ValueError naming the numbers;
@@ -30,8 +34,7 @@ differs from the engine's behavior log-probs only by accumulation order and, for
 where the fp32 global scale is applied (the kernels scale the accumulator, QAT rounds
 e2m1 x sf x S_dec to bf16 first: DESIGN.md's Compute contract, not yet in policy/qat.py).
 
-Not here: continuous batching across prompt groups (one generate call is one batch, run to its
-end), FlashInfer (prefill uses SDPA; decode uses the Triton kernel), a prefill GEMM for the 4-bit
+Not here: FlashInfer (prefill uses SDPA; decode uses the Triton kernel), a prefill GEMM for the 4-bit
 weights (prefill runs the decode matmul, 16 tokens per tile).
 
 The same code runs on the CPU (reference matmuls, torch sampling, torch attention, no graphs),
@@ -465,7 +468,7 @@ class PackedEngine:
         self.lengths = torch.zeros(B, dtype=torch.int64, device=dev)
         self.out_tok = torch.zeros(B, S, dtype=torch.int64, device=dev)
         self.out_logp = torch.zeros(B, S, dtype=torch.float32, device=dev)
-        self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.max_new = torch.zeros(B, dtype=torch.int64, device=dev)  # a row stops after this many tokens
         self.temperature = torch.ones(1, dtype=torch.float32, device=dev)
         self._temp_value = 1.0
         self.stop_ids = torch.full((8,), -1, dtype=torch.int64, device=dev)
@@ -527,9 +530,9 @@ class PackedEngine:
             x, h = ops.add_rms(x, self._moe(L, h, ops), self._next_norm(i), eps)
         return self.lm_head(h, ops)  # the sampler reads them as fp32
 
-    def _prefill_forward(self, tokens: Tensor, lens: Tensor, n_samples: int = 1) -> Tensor:
-        """Right-padded prompts [n, T] -> logits [n, V] at each row's last real token; writes KV
-        0..T-1 of rows b * n_samples + i (each prompt computed once, its KV copied to its samples)."""
+    def _prefill_forward(self, tokens: Tensor, lens: Tensor) -> tuple[Tensor, list]:
+        """Right-padded prompts [n, T] -> (logits [n, V] at each row's last real token, per layer
+        (k, v) [n, Hkv, T, hd]: the prompts' KV, for the caller to place in slots)."""
         cfg, ops, eps = self.cfg, self.plain, self.cfg.norm_eps
         n, T = tokens.shape
         H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -538,45 +541,49 @@ class PackedEngine:
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
         x = F.embedding(tokens, self.embed)
         h = ops.rms(x, self.layers[0].ln1, eps)
+        kvs = []
         for i, L in enumerate(self.layers):
             q, k, v = self._qkv(L, h, ops)
             q, k = ops.qk_norm_rope(q.view(n, T, H, hd), k.view(n, T, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(n, T, Hk, hd).transpose(1, 2)
-            R = n * n_samples
-            self.k_cache[i][:R, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
-            self.v_cache[i][:R, :, :T] = v if n_samples == 1 else v.repeat_interleave(n_samples, 0)
+            kvs.append((k, v))
             # Right padding: a real token's causal window holds only real tokens.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hk)
             x, h = ops.add_rms(x, L.o(o.transpose(1, 2).reshape(n, T, H * hd), ops), L.ln2, eps)
             m = self._moe(L, h.reshape(n * T, -1), ops).view(n, T, -1)
             x, h = ops.add_rms(x, m, self._next_norm(i), eps)
         last = h[torch.arange(n, device=self.device), lens - 1]
-        return self.lm_head(last, ops)
+        return self.lm_head(last, ops), kvs
 
     # ---------------------------------------------------------------- sampling + bookkeeping
 
-    def _sample_update(self, logits: Tensor, n: int) -> None:
-        """Sample token `step` of rows 0..n-1, record it, stop rows that hit a stop id; no host sync."""
+    def _sample_update(self, logits: Tensor, rows: slice | Tensor) -> None:
+        """Sample the next token of `rows` (a slice of slots, or slot indices), each at its own token
+        index (`lengths`: the RNG counter and the output column, so a row's draws do not depend on
+        when it joined the batch), record it, stop rows on a stop id or at their max_new; no host sync."""
         e = self.ecfg
         temp = self._temp_value if (e.top_k > 0 or e.top_p < 1.0) else self.temperature
+        index = self.lengths[rows]
         tok, lp = sampling.sample(
-            logits, self.seeds[:n], self.step, temp, top_k=e.top_k, top_p=e.top_p, nonfinite=self._finite_bad
+            logits, self.seeds[rows], index, temp, top_k=e.top_k, top_p=e.top_p, nonfinite=self._finite_bad
         )
-        alive = self.alive[:n]
-        idx = self.step.expand(n)[:, None]
-        self.out_tok[:n].scatter_(1, idx, torch.where(alive, tok, self.pad)[:, None])
-        self.out_logp[:n].scatter_(1, idx, torch.where(alive, lp, 0.0)[:, None])
-        self.lengths[:n] += alive.long()
+        alive = self.alive[rows]
+        slots = self.slots[rows] if isinstance(rows, slice) else rows
+        col = index.clamp(max=self.out_tok.shape[1] - 1)
+        self.out_tok.index_put_((slots, col), torch.where(alive, tok, self.pad))
+        self.out_logp.index_put_((slots, col), torch.where(alive, lp, 0.0))
+        count = index + alive.long()
         hit = alive & (tok[:, None] == self.stop_ids[None, :]).any(dim=1)
-        self.stopped[:n] |= hit
-        alive &= ~hit
-        self.cur_tok[:n] = torch.where(alive, tok, self.pad)
-        self.step += 1
+        self.stopped[rows] = self.stopped[rows] | hit
+        alive = alive & ~hit & (count < self.max_new[rows])
+        self.lengths[rows] = count
+        self.alive[rows] = alive
+        self.cur_tok[rows] = torch.where(alive, tok, self.pad)
 
     def _decode_step(self, n: int) -> None:
         logits = self._decode_forward(n)
-        self._sample_update(logits, n)
-        self.pos[:n] += 1
+        self._sample_update(logits, slice(0, n))
+        self.pos[:n] += self.alive[:n].long()  # a finished row stays put: its (free) slot keeps in range
 
     def _graph(self, n: int):
         key = (n, self._temp_key())
@@ -605,7 +612,7 @@ class PackedEngine:
             self.lengths,
             self.out_tok,
             self.out_logp,
-            self.step,
+            self.max_new,
             self._finite_bad,
         ]
 
@@ -626,7 +633,7 @@ class PackedEngine:
         self._workspaces = dict(getattr(_matmul_triton(), "_WORKSPACE", {}))
 
     def _warm(self, n: int) -> None:
-        self.step.zero_()  # warm-up steps index the output buffers and the KV slots: keep them in range
+        self.lengths.zero_()  # warm-up steps index the output buffers and the KV slots: keep them in range
         self.pos.zero_()
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
@@ -659,11 +666,19 @@ class PackedEngine:
 
     @torch.no_grad()
     def prefill(
-        self, prompts: Sequence[Sequence[int]], *, seeds, temperature: float, stop, pad_id: int, n_samples: int = 1
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        seeds,
+        temperature: float,
+        stop,
+        pad_id: int,
+        n_samples: int = 1,
+        max_new_tokens: int | None = None,
     ) -> int:
         """Reset the state, prefill the prompts (each once) into slots 0..B*n_samples-1 (row
-        b * n_samples + i: sample i of prompt b) and sample their first token. Returns the bucket
-        the batch decodes in."""
+        b * n_samples + i: sample i of prompt b) and sample their first token; rows stop after
+        max_new_tokens (default: what fits the slot). Returns the bucket the batch decodes in."""
         P = len(prompts)
         B = P * n_samples
         n = self.bucket(B)
@@ -675,29 +690,82 @@ class PackedEngine:
         row_lens = [x for x in lens for _ in range(n_samples)]
         lens_t = torch.tensor(row_lens + [1] * (n - B), dtype=torch.int64)
         dev = self.device
+        self.begin(temperature=temperature, stop=stop, pad_id=pad_id)
+        self.seeds[:B] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64)
+        self.alive[:B] = True
+        self.max_new[:B] = self.ecfg.max_seq_len - T if max_new_tokens is None else max_new_tokens
+        logits, kvs = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev))
+        for i, (k, v) in enumerate(kvs):  # each prompt's KV copied to its samples' slots
+            self.k_cache[i][:B, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
+            self.v_cache[i][:B, :, :T] = v if n_samples == 1 else v.repeat_interleave(n_samples, 0)
+        if n_samples > 1:
+            logits = logits.repeat_interleave(n_samples, 0)
+        if n > B:  # spare rows of the bucket: dead padding
+            logits = torch.cat([logits, logits.new_zeros(n - B, logits.shape[1])])
+        self._sample_update(logits, slice(0, n))
+        self.pos[:n] = lens_t.to(dev)
+        return n
+
+    # ---------------------------------------------------------------- continuous batching (rollout.batching)
+
+    @torch.no_grad()
+    def begin(self, *, temperature: float, stop, pad_id: int) -> None:
+        """Every slot free (dead), these sampling settings for every row from now on."""
         self._temp_value = float(temperature)
         self.temperature.fill_(float(temperature))
         self.stop_ids.fill_(-1)
         self.stop_ids[: len(stop)] = torch.tensor(sorted(stop), dtype=torch.int64)
         self.pad.fill_(pad_id)
-        self.seeds.zero_()
-        self.seeds[:B] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64)
-        self.alive.zero_()
-        self.alive[:B] = True
-        self.stopped.zero_()
-        self.lengths.zero_()
+        for t in (self.seeds, self.alive, self.stopped, self.lengths, self.out_logp, self.max_new, self.pos):
+            t.zero_()
         self.out_tok.fill_(pad_id)
-        self.out_logp.zero_()
-        self.step.zero_()
         self._finite_bad.zero_()
-        logits = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev), n_samples)
-        if n_samples > 1:
-            logits = logits.repeat_interleave(n_samples, 0)
-        if n > B:  # spare rows of the bucket: dead padding
-            logits = torch.cat([logits, logits.new_zeros(n - B, logits.shape[1])])
-        self._sample_update(logits, n)
-        self.pos[:n] = lens_t.to(dev)
-        return n
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len + max_new_tokens > self.ecfg.max_seq_len:
+            raise ValueError(
+                f"prompt {prompt_len} + max_new_tokens {max_new_tokens} > KV capacity "
+                f"max_seq_len={self.ecfg.max_seq_len} per slot"
+            )
+
+    @torch.no_grad()
+    def prefixes(self, prompts: Sequence[Sequence[int]]) -> list:
+        """Each prompt through the model once (one batched prefill): per prompt (its KV per layer
+        [Hkv, len, hd] as k and v lists, its last logits [V]), to `admit` into slots."""
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        tokens = torch.full((len(prompts), T), int(self.pad.item()), dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+        logits, kvs = self._prefill_forward(tokens.to(self.device), torch.tensor(lens, device=self.device))
+        return [
+            (
+                [k[b, :, :n].clone() for k, _ in kvs],
+                [v[b, :, :n].clone() for _, v in kvs],
+                logits[b].clone(),
+            )
+            for b, n in enumerate(lens)
+        ]
+
+    @torch.no_grad()
+    def admit(self, prefix, slots: Sequence[int], seeds: Sequence[int], max_new_tokens: int) -> None:
+        """Start rows in `slots` (free ones) from a prefix of `prefixes`: its KV copied into each
+        slot, each row's first token sampled with its own seed; the other rows are untouched."""
+        ks, vs, logits = prefix
+        T, r = ks[0].shape[1], len(slots)
+        rows = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        for i in range(len(ks)):
+            self.k_cache[i][rows, :, :T] = ks[i][None].expand(r, -1, -1, -1)
+            self.v_cache[i][rows, :, :T] = vs[i][None].expand(r, -1, -1, -1)
+        self.seeds[rows] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64, device=self.device)
+        self.lengths[rows] = 0
+        self.stopped[rows] = False
+        self.alive[rows] = True
+        self.max_new[rows] = max_new_tokens
+        self.out_tok[rows] = self.pad
+        self.out_logp[rows] = 0.0
+        self._sample_update(logits[None].expand(r, -1), rows)
+        self.pos[rows] = T
 
     @torch.no_grad()
     def decode(self, n: int, steps: int, *, check_every: int | None = None, graphs: bool | None = None) -> int:
@@ -743,11 +811,7 @@ class PackedEngine:
             raise ValueError(
                 f"{B} rows ({len(prompts)} prompts x {n_samples} samples) > engine max_batch={e.max_batch}"
             )
-        if max(lens) + max_new_tokens > e.max_seq_len:
-            raise ValueError(
-                f"longest prompt {max(lens)} + max_new_tokens {max_new_tokens} > KV capacity "
-                f"max_seq_len={e.max_seq_len} per slot"
-            )
+        self.check_fits(max(lens), max_new_tokens)
         stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
         if len(stop) > self.stop_ids.numel():
             raise ValueError(f"{len(stop)} stop ids; the engine takes at most {self.stop_ids.numel()}")
@@ -761,7 +825,15 @@ class PackedEngine:
             seeds = torch.randint(0, 2**62, (B,), generator=generator).tolist()
         elif len(seeds) != B:
             raise ValueError(f"seeds has {len(seeds)} entries for {B} rows")
-        n = self.prefill(prompts, seeds=seeds, temperature=temperature, stop=stop, pad_id=pad_id, n_samples=n_samples)
+        n = self.prefill(
+            prompts,
+            seeds=seeds,
+            temperature=temperature,
+            stop=stop,
+            pad_id=pad_id,
+            n_samples=n_samples,
+            max_new_tokens=max_new_tokens,
+        )
         if max_new_tokens > 1:
             self.decode(n, max_new_tokens - 1)
         if bool(self._finite_bad):
