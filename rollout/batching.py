@@ -1,7 +1,7 @@
 """Continuous batching across prompt groups: `rollout.scheduler` driving an engine's KV slots.
 
     b = ContinuousBatcher(backend, max_inflight_groups=G, version=v)
-    b.submit(key, prompt, seeds, max_new_tokens=N)     while b.can_submit()
+    b.submit(key, prompt, seeds, max_new_tokens=N)     while b.can_submit() (N: one, or one per sample)
     for g in b.step(): ...                             GroupResult: a finished group, all n samples
     b.request_swap(); ... b.step() until b.drained; b.swap(v')   a new policy version
 
@@ -21,7 +21,8 @@ engine's prefill / decode_one_token / sample (rollout/engine.py), and `PackedBac
     slots                          KV slots (rows decoded at once)
     check(prompt_len, max_new)     ValueError if such a request can never fit a slot
     prefill(prompts) -> prefixes   each prompt through the model once (its KV + last logits)
-    admit(prefix, slots, seeds, max_new)   copy the prefix into those slots, start those rows
+    admit(prefix, slots, seeds, max_new)   copy the prefix into those slots, start those rows (max_new:
+                                   one budget per row)
     advance() -> [slot]            run live rows; the busy slots whose row has finished
     result(slot) -> (tokens, logprobs, stopped)
     release(slot)                  the slot is free (its row's state is dropped)
@@ -59,7 +60,7 @@ class GroupResult:
 class _Pending:
     prompt: list[int]
     seeds: list[int]
-    max_new: int
+    max_new: list
     tokens: list
     logprobs: list
     stopped: list
@@ -90,15 +91,27 @@ class ContinuousBatcher:
     def drained(self) -> bool:
         return self.sched.drained
 
-    def submit(self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int], *, max_new_tokens: int) -> None:
-        """Queue a group of len(seeds) samples of `prompt` (ValueError if it can never fit, or if
-        max_inflight_groups are already in flight)."""
-        if len(prompt) == 0 or max_new_tokens < 1:
-            raise ValueError(f"group {key!r}: empty prompt or max_new_tokens={max_new_tokens} < 1")
-        self.backend.check(len(prompt), max_new_tokens)
-        self.sched.submit(key, len(seeds))
+    @property
+    def draining(self) -> bool:
+        """A swap was requested: no group starts until `swap` or `cancel_swap`."""
+        return self.sched.draining
+
+    def submit(
+        self, key: Hashable, prompt: Sequence[int], seeds: Sequence[int], *, max_new_tokens: int | Sequence[int]
+    ) -> None:
+        """Queue a group of len(seeds) samples of `prompt`, each stopping after max_new_tokens (one
+        number, or one per sample) unless a stop token comes first; ValueError if it can never fit,
+        or if max_inflight_groups are already in flight."""
         n = len(seeds)
-        self._groups[key] = _Pending(list(prompt), list(seeds), max_new_tokens, [None] * n, [None] * n, [None] * n)
+        budget = [max_new_tokens] * n if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
+        if len(prompt) == 0 or len(budget) != n or min(budget, default=1) < 1:
+            raise ValueError(
+                f"group {key!r}: prompt of {len(prompt)} tokens, max_new_tokens={max_new_tokens} for {n} samples "
+                "(need a prompt, and >= 1 per sample)"
+            )
+        self.backend.check(len(prompt), max(budget, default=1))
+        self.sched.submit(key, n)
+        self._groups[key] = _Pending(list(prompt), list(seeds), budget, [None] * n, [None] * n, [None] * n)
 
     def step(self) -> list[GroupResult]:
         admits = self.sched.admit()
@@ -117,7 +130,10 @@ class ContinuousBatcher:
             g = self._groups[key]
             batch = admits[i:j]
             self.backend.admit(
-                self.prefixes[key], [a.slot for a in batch], [g.seeds[a.sample] for a in batch], g.max_new
+                self.prefixes[key],
+                [a.slot for a in batch],
+                [g.seeds[a.sample] for a in batch],
+                [g.max_new[a.sample] for a in batch],
             )
             if batch[-1].frees_prefix:
                 del self.prefixes[key]  # its last reader has its own copy: free it
@@ -152,7 +168,7 @@ class ContinuousBatcher:
         """Install a new version (and the backend that serves it, for engines built per version)
         once drained; ValueError before."""
         self.sched.swap(version)
-        assert not self.prefixes and self.backend.live == 0, "drained, yet prefix or slot state survives"
+        assert not self.prefixes and (self.backend is None or self.backend.live == 0), "state survives a drain"
         if backend is not None:
             if backend.slots != self.sched.slots:
                 raise ValueError(f"swap: the new backend has {backend.slots} slots, not {self.sched.slots}")
@@ -219,14 +235,14 @@ class CpuBackend:
             for b, p in enumerate(prompts)
         ]
 
-    def admit(self, prefix: _CpuPrefix, slots: list[int], seeds: list[int], max_new: int) -> None:
+    def admit(self, prefix: _CpuPrefix, slots: list[int], seeds: list[int], max_new: list[int]) -> None:
         n = len(slots)
         for s in slots:
             self.out[s] = [[], [], False]
-        self._rebuild(list(range(len(self.rows))), (prefix, n, max_new))
+        self._rebuild(list(range(len(self.rows))), (prefix, n, max(max_new)))
         self.rows += slots
         self.gens += [torch.Generator().manual_seed(int(s)) for s in seeds] if self.temperature > 0 else [None] * n
-        self.remaining += [max_new] * n
+        self.remaining += list(max_new)
         add = prefix.logits[None].expand(n, -1)
         self.logits = add.clone() if self.logits is None else torch.cat([self.logits, add])
 
@@ -293,7 +309,14 @@ class CpuBackend:
             prefix, n, max_new = add
             T = prefix.k[0].shape[1]
             full = torch.full((n,), T, dtype=torch.long)
-            blocks.append(([k[None].expand(n, -1, -1, -1) for k in prefix.k], [v[None].expand(n, -1, -1, -1) for v in prefix.v], full, full))
+            blocks.append(
+                (
+                    [k[None].expand(n, -1, -1, -1) for k in prefix.k],
+                    [v[None].expand(n, -1, -1, -1) for v in prefix.v],
+                    full,
+                    full,
+                )
+            )
             longest = max(longest, max_new)
         if not blocks:
             self.cache = None
@@ -343,7 +366,7 @@ class PackedBackend:
     def prefill(self, prompts: list) -> list:
         return self.engine.prefixes(prompts)
 
-    def admit(self, prefix, slots: list[int], seeds: list[int], max_new: int) -> None:
+    def admit(self, prefix, slots: list[int], seeds: list[int], max_new: list[int]) -> None:
         self.engine.admit(prefix, slots, seeds, max_new)
         self.busy.update(slots)
 

@@ -674,11 +674,11 @@ class PackedEngine:
         stop,
         pad_id: int,
         n_samples: int = 1,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | Sequence[int] | None = None,
     ) -> int:
         """Reset the state, prefill the prompts (each once) into slots 0..B*n_samples-1 (row
         b * n_samples + i: sample i of prompt b) and sample their first token; rows stop after
-        max_new_tokens (default: what fits the slot). Returns the bucket the batch decodes in."""
+        max_new_tokens (one for all rows or one per row; default: what fits the slot). Returns the bucket the batch decodes in."""
         P = len(prompts)
         B = P * n_samples
         n = self.bucket(B)
@@ -693,7 +693,10 @@ class PackedEngine:
         self.begin(temperature=temperature, stop=stop, pad_id=pad_id)
         self.seeds[:B] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64)
         self.alive[:B] = True
-        self.max_new[:B] = self.ecfg.max_seq_len - T if max_new_tokens is None else max_new_tokens
+        if max_new_tokens is None or isinstance(max_new_tokens, int):
+            self.max_new[:B] = self.ecfg.max_seq_len - T if max_new_tokens is None else max_new_tokens
+        else:
+            self.max_new[:B] = torch.tensor(list(max_new_tokens), dtype=torch.int64)
         logits, kvs = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev))
         for i, (k, v) in enumerate(kvs):  # each prompt's KV copied to its samples' slots
             self.k_cache[i][:B, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
@@ -748,9 +751,10 @@ class PackedEngine:
         ]
 
     @torch.no_grad()
-    def admit(self, prefix, slots: Sequence[int], seeds: Sequence[int], max_new_tokens: int) -> None:
+    def admit(self, prefix, slots: Sequence[int], seeds: Sequence[int], max_new_tokens: Sequence[int]) -> None:
         """Start rows in `slots` (free ones) from a prefix of `prefixes`: its KV copied into each
-        slot, each row's first token sampled with its own seed; the other rows are untouched."""
+        slot, each row's first token sampled with its own seed, each stopping after its
+        max_new_tokens; the other rows are untouched."""
         ks, vs, logits = prefix
         T, r = ks[0].shape[1], len(slots)
         rows = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
@@ -761,7 +765,7 @@ class PackedEngine:
         self.lengths[rows] = 0
         self.stopped[rows] = False
         self.alive[rows] = True
-        self.max_new[rows] = max_new_tokens
+        self.max_new[rows] = torch.tensor(list(max_new_tokens), dtype=torch.int64, device=self.device)
         self.out_tok[rows] = self.pad
         self.out_logp[rows] = 0.0
         self._sample_update(logits[None].expand(r, -1), rows)

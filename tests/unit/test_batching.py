@@ -163,7 +163,9 @@ def test_prefix_is_held_for_waiting_samples_and_freed_at_the_last_admission():
 
 def test_versions_swap_only_when_drained_and_every_group_carries_its_version():
     v1, v2 = sharp(1), sharp(2)
-    b = ContinuousBatcher(CpuBackend(v1, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=3, version=1)
+    b = ContinuousBatcher(
+        CpuBackend(v1, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=3, version=1
+    )
     b.submit("a", [1, 2, 3], [1, 2, 3], max_new_tokens=6)  # 3 samples, 2 slots: one waits
     b.submit("b", [4, 5], [4], max_new_tokens=6)
     done = b.step()
@@ -185,7 +187,9 @@ def test_versions_swap_only_when_drained_and_every_group_carries_its_version():
 
 def test_capacity_errors_are_one_clear_line():
     model = sharp(1)
-    b = ContinuousBatcher(CpuBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=1, version=1)
+    b = ContinuousBatcher(
+        CpuBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=1, version=1
+    )
     with pytest.raises(ValueError, match=r"max_seq_len"):
         b.submit("x", [1] * TINY.max_seq_len, [1], max_new_tokens=1)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
@@ -197,3 +201,26 @@ def test_capacity_errors_are_one_clear_line():
     pb = ContinuousBatcher(PackedBackend(eng, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=1, version=1)
     with pytest.raises(ValueError, match="KV capacity max_seq_len=32 per slot"):
         pb.submit("x", [1] * 30, [1], max_new_tokens=3)
+
+
+@pytest.mark.parametrize("engine", ["cpu", "packed"])
+def test_per_sample_budgets(engine):
+    """max_new_tokens per sample: each sample stops at its own budget, as if generated alone with it."""
+    budgets, seeds, prompt = [2, 7, 4], [5, 6, 7], [1, 2, 3]
+    if engine == "cpu":
+        model = sharp(1)
+        backend = CpuBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0)
+        alone = [
+            generate(model, [prompt], max_new_tokens=m, seeds=[s]).completions()[0] for m, s in zip(budgets, seeds)
+        ]
+    else:
+        eng = _engine("bf16", max_batch=2)
+        backend = PackedBackend(eng, temperature=1.0, stop=set(), pad_id=0, check_every=3)
+        ref = _engine("bf16")
+        alone = [ref.generate([prompt], max_new_tokens=m, seeds=[s]).completions()[0] for m, s in zip(budgets, seeds)]
+    b = ContinuousBatcher(backend, max_inflight_groups=1, version=1)
+    b.submit("a", prompt, seeds, max_new_tokens=budgets)
+    (r,) = b.run()
+    assert [len(t) for t in r.tokens] == budgets and r.tokens == alone
+    with pytest.raises(ValueError, match=r"max_new_tokens=\[1, 0\] for 2 samples"):
+        b.submit("b", prompt, [1, 2], max_new_tokens=[1, 0])
