@@ -16,6 +16,18 @@ For each recipe (bf16, nvfp4_moe, int4_qat; the same random-init model) in one r
 Targets (issue 16) are printed met/missed at the end.
 
     python3 bench/bench_engine.py [--layers 6] [--batches 1,16,64,256] [--steps 64] [--json out.json]
+
+`--continuous`: instead, continuous batching (rollout/batching.py) against static batching on the
+same engine and the same work, at temperature 1: --groups groups of --group-size samples, prompts
+of 16..2*prompt_len tokens, each sample's length drawn from [--min-new, --max-new] (a per-sample
+token budget standing in for EOS at varied points), --max-inflight-groups groups in flight in
+group_size * max_inflight_groups KV slots. Static: `generate`-style batches of 1 group (the
+worker before continuous batching) and of max_inflight_groups groups (as many rows as the slots),
+each decoding until its longest sample ends. Completion tokens/s over wall time (host clock
+around the whole run, CUDA synchronized), GPU busy (profiler kernel time of a second, identical
+run over that wall time), and the full-slot decode rate (graph replays at batch = slots) for scale.
+
+    python3 bench/bench_engine.py --continuous [--recipes nvfp4_moe] [--groups 32 --group-size 8]
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from policy import qat
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout import sampling
+from rollout.batching import ContinuousBatcher, PackedBackend
 from rollout.cuda_engine import EngineConfig, PackedEngine
 
 
@@ -231,6 +244,87 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
     return out
 
 
+def run_continuous(name, model, cfg, args, gen) -> dict:
+    """Continuous vs static batching on one engine (module docstring, `--continuous`)."""
+    dev = model.lm_head.weight.device
+    plan = Recipe.load(name).plan(model)
+    packed = qat.quantize_weights(model, plan)
+    n, G, inflight = args.group_size, args.groups, args.max_inflight_groups
+    slots = n * inflight
+    work = []
+    for _ in range(G):
+        plen = int(torch.randint(16, 2 * args.prompt_len + 1, (1,), generator=gen))
+        prompt = torch.randint(0, cfg.vocab_size, (plen,), generator=gen).tolist()
+        work.append((prompt, torch.randint(args.min_new, args.max_new + 1, (n,), generator=gen).tolist()))
+    cap = max(len(p) for p, _ in work) + args.max_new + 1
+    buckets = tuple(b for b in (8, 16, 32, 64, 128, 256) if n <= b < slots) + (slots,)
+    eng = PackedEngine(
+        cfg, plan, packed, device=dev, engine=EngineConfig(max_batch=slots, max_seq_len=cap, graph_buckets=buckets)
+    )
+    del packed
+    eng.capture()
+
+    def seeds(g):
+        return [1000 * g + i for i in range(n)]
+
+    def continuous() -> int:
+        b = ContinuousBatcher(
+            PackedBackend(eng, temperature=1.0, stop=set(), pad_id=0, check_every=args.check_every),
+            max_inflight_groups=inflight,
+            version=0,
+        )
+        todo, tokens = list(range(G)), 0
+        while todo or not b.idle:
+            while todo and b.can_submit():
+                g = todo.pop(0)
+                b.submit(g, work[g][0], seeds(g), max_new_tokens=work[g][1])
+            for r in b.step():
+                tokens += sum(len(t) for t in r.tokens)
+        return tokens
+
+    def static(k: int) -> int:
+        tokens = 0
+        for g0 in range(0, G, k):
+            chunk = range(g0, min(G, g0 + k))
+            budgets = [m for g in chunk for m in work[g][1]]
+            nb = eng.prefill(
+                [work[g][0] for g in chunk],
+                seeds=[s for g in chunk for s in seeds(g)],
+                temperature=1.0,
+                stop=set(),
+                pad_id=0,
+                n_samples=n,
+                max_new_tokens=budgets,
+            )
+            eng.decode(nb, max(budgets) - 1)
+            tokens += int(eng.lengths[: len(budgets)].sum())
+        return tokens
+
+    out = {"recipe": name, "groups": G, "group_size": n, "max_inflight_groups": inflight, "slots": slots, "modes": {}}
+    for mode, fn in (("continuous", continuous), ("static_1_group", lambda: static(1)),
+                     (f"static_{inflight}_groups", lambda: static(inflight))):  # fmt: skip
+        if mode == "continuous":
+            fn()  # warm: Triton kernels for the prefill shapes, allocator (the static runs reuse them)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tokens = fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        busy = kernel_ms(fn) / 1e3 / wall
+        out["modes"][mode] = {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "gpu_busy": busy}
+        print(f"  {name:10s} {mode:18s} {tokens:7d} tokens {wall:7.3f} s {tokens / wall:9.0f} tok/s busy {busy:.0%}",
+              flush=True)  # fmt: skip
+    nb = eng.prefill([work[0][0]] * slots, seeds=list(range(slots)), temperature=1.0, stop=set(), pad_id=0)
+    eng.decode(nb, 2, check_every=2)
+    ms = events_ms(lambda: eng.decode(nb, 32, check_every=32)) / 32
+    out["full_slots_decode"] = {"batch": slots, "ms_step": ms, "tok_s": slots * 1e3 / ms}
+    c = out["modes"]["continuous"]["tok_s"]
+    print(f"  {name:10s} decode at batch {slots} (graph replays): {slots * 1e3 / ms:9.0f} tok/s; continuous is "
+          f"{c / (slots * 1e3 / ms):.0%} of it, {c / out['modes']['static_1_group']['tok_s']:.2f}x static per group, "
+          f"{c / out['modes'][f'static_{inflight}_groups']['tok_s']:.2f}x static {inflight} groups", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -247,6 +341,13 @@ def main() -> None:
     ap.add_argument("--no-fuse", action="store_true", help="decode glue unfused (EngineConfig.fuse=False)")
     ap.add_argument("--attention", default="auto", help="EngineConfig.attention: auto | triton | torch")
     ap.add_argument("--json", default="")
+    ap.add_argument("--continuous", action="store_true", help="continuous vs static batching instead (docstring)")
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-inflight-groups", type=int, default=8)
+    ap.add_argument("--min-new", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--check-every", type=int, default=8, help="continuous: decode steps between host looks")
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.dense:  # Qwen3-8B widths (HF config.json), cut to --layers layers
@@ -278,11 +379,15 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "args": vars(args), "recipes": []}
     for name in args.recipes.split(","):
-        results["recipes"].append(run_recipe(name, model, cfg, args, bw, gen))
+        if args.continuous:
+            results["recipes"].append(run_continuous(name, model, cfg, args, gen))
+        else:
+            results["recipes"].append(run_recipe(name, model, cfg, args, bw, gen))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
-    report(results)
+    if not args.continuous:
+        report(results)
 
 
 def report(results: dict) -> None:
