@@ -333,7 +333,11 @@ class RolloutWorker:
             self.engine = None  # free the previous version's weights, KV cache and graphs first
             if self.batcher is not None:
                 self.batcher.backend = None
-            self.engine = await asyncio.to_thread(self._build_engine, fetched.tensors)
+            try:
+                self.engine = await asyncio.to_thread(self._build_engine, fetched.tensors)
+            except BaseException:
+                self.version = None  # the old engine is gone: serve nothing until a version loads
+                raise
         backend = self._backend()
         if self.batcher is None:
             self.batcher = ContinuousBatcher(
