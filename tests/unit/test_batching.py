@@ -224,3 +224,11 @@ def test_per_sample_budgets(engine):
     assert [len(t) for t in r.tokens] == budgets and r.tokens == alone
     with pytest.raises(ValueError, match=r"max_new_tokens=\[1, 0\] for 2 samples"):
         b.submit("b", prompt, [1, 2], max_new_tokens=[1, 0])
+
+
+def test_max_inflight_groups_is_validated():
+    from rollout.config import RolloutConfig
+
+    assert RolloutConfig().max_inflight_groups == 1  # today's configs: one group at a time
+    with pytest.raises(ValueError, match="max_inflight_groups=0"):
+        RolloutConfig(max_inflight_groups=0)
