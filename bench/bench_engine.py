@@ -21,8 +21,10 @@ Targets (issue 16) are printed met/missed at the end.
 same engine and the same work, at temperature 1: --groups groups of --group-size samples, prompts
 of 16..2*prompt_len tokens, each sample's length drawn from [--min-new, --max-new] (a per-sample
 token budget standing in for EOS at varied points), --max-inflight-groups groups in flight in
-group_size * max_inflight_groups KV slots. Static: `generate`-style batches of 1 group (the
-worker before continuous batching) and of max_inflight_groups groups (as many rows as the slots),
+--slots KV slots (default group_size * max_inflight_groups: then no queued sample can take a slot
+freed early, since a group stays in flight until its longest sample ends; more groups than
+slots / group_size let freed slots be refilled). Static: `generate`-style batches of 1 group (the
+worker before continuous batching) and of slots / group_size groups (as many rows as the slots),
 each decoding until its longest sample ends. Completion tokens/s over wall time (host clock
 around the whole run, CUDA synchronized), GPU busy (profiler kernel time of a second, identical
 run over that wall time), and the full-slot decode rate (graph replays at batch = slots) for scale.
@@ -250,7 +252,7 @@ def run_continuous(name, model, cfg, args, gen) -> dict:
     plan = Recipe.load(name).plan(model)
     packed = qat.quantize_weights(model, plan)
     n, G, inflight = args.group_size, args.groups, args.max_inflight_groups
-    slots = n * inflight
+    slots = args.slots or n * inflight
     work = []
     for _ in range(G):
         plen = int(torch.randint(16, 2 * args.prompt_len + 1, (1,), generator=gen))
@@ -301,8 +303,9 @@ def run_continuous(name, model, cfg, args, gen) -> dict:
         return tokens
 
     out = {"recipe": name, "groups": G, "group_size": n, "max_inflight_groups": inflight, "slots": slots, "modes": {}}
-    for mode, fn in (("continuous", continuous), ("static_1_group", lambda: static(1)),
-                     (f"static_{inflight}_groups", lambda: static(inflight))):  # fmt: skip
+    ks = max(1, slots // n)  # static batches of as many whole groups as the slots hold
+    for mode, fn in (("continuous", continuous), (f"static_{ks}_groups", lambda: static(ks)),
+                     ("static_1_group", lambda: static(1))):  # fmt: skip
         if mode == "continuous":
             fn()  # warm: Triton kernels for the prefill shapes, allocator (the static runs reuse them)
         torch.cuda.synchronize()
@@ -321,7 +324,7 @@ def run_continuous(name, model, cfg, args, gen) -> dict:
     c = out["modes"]["continuous"]["tok_s"]
     print(f"  {name:10s} decode at batch {slots} (graph replays): {slots * 1e3 / ms:9.0f} tok/s; continuous is "
           f"{c / (slots * 1e3 / ms):.0%} of it, {c / out['modes']['static_1_group']['tok_s']:.2f}x static per group, "
-          f"{c / out['modes'][f'static_{inflight}_groups']['tok_s']:.2f}x static {inflight} groups", flush=True)  # fmt: skip
+          f"{c / out['modes'][f'static_{ks}_groups']['tok_s']:.2f}x static {ks} groups", flush=True)  # fmt: skip
     return out
 
 
@@ -348,6 +351,7 @@ def main() -> None:
     ap.add_argument("--min-new", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--check-every", type=int, default=8, help="continuous: decode steps between host looks")
+    ap.add_argument("--slots", type=int, default=0, help="continuous: KV slots (0: group_size * max_inflight_groups)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.dense:  # Qwen3-8B widths (HF config.json), cut to --layers layers
