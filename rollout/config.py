@@ -48,7 +48,9 @@ class RolloutConfig:
     """Prompt groups a worker holds and generates at once (continuous batching, rollout/batching.py):
     their samples share the KV slots (max_batch of them), a new sample is admitted into a slot as
     soon as another finishes, and a group is committed when all its samples are done. 1 = one group
-    at a time (its samples still run in up to max_batch slots)."""
+    at a time (its samples still run in up to max_batch slots). A group holds its place until its
+    longest sample ends, so slots freed by short samples are refilled only from groups already in
+    flight: more than max_batch / n_samples keeps the slots full (docs/benchmarks.md)."""
     max_policy_bytes: int = 64 << 30
     """A manifest declaring more tensor bytes than this is refused (policy.manifest_check)."""
 
