@@ -91,9 +91,14 @@ def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
     def nbytes(*ts):
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
+    def op_bytes(o):
+        return nbytes(o.values, o.scale, o.block_scale)
+
     def lin_bytes(lin):
         if lin.weight is not None:
             return nbytes(lin.weight)
+        if lin.packed is None:
+            return op_bytes(lin.w)
         p = lin.packed
         return nbytes(p.codes, p.scales, p.global_scale)
 
@@ -111,8 +116,10 @@ def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
             per = (nbytes(ex.gu.codes, ex.gu.scales, ex.gu.global_scale) + nbytes(ex.dn.codes, ex.dn.scales)) / (
                 cfg.n_experts
             )
-        else:
+        elif ex.plain:
             per = nbytes(ex.w_gu, ex.w_dn) / cfg.n_experts
+        else:
+            per = sum(op_bytes(o) for o in ex.op_gu + ex.op_dn) / cfg.n_experts
         total += touched * per
         if L.shared is not None:
             total += sum(lin_bytes(x) for x in L.shared)
