@@ -3,7 +3,7 @@
 One step, as a short loop (slime-style):
     feed prompts -> collect `groups_per_step` admissible groups -> GRPO step(s) -> version += 1
     -> every `checkpoint_every` steps: checkpoint, then commit the samples consumed since the last
-       one (idempotency keys + XACK) -> publish
+       one (idempotency keys + XACK) -> publish (in the background: trainer.publisher)
 Commit-after-checkpoint means a crash re-delivers exactly the samples whose effect was lost (the
 checkpoint lists the samples it includes, and a restart commits them first). A restarted trainer
 republishes the checkpoint's version, or, when its weights moved since that publish or the lost
@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from broker import frames
 from broker.codec import PromptGroup, Trajectory
 from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
@@ -48,6 +49,7 @@ from policy.recipe import Recipe
 from . import admission, grpo
 from .config import TrainerConfig
 from .metrics import MetricsSink
+from .publisher import Publisher
 from .sequences import pack, scatter_rows
 from .validation import TrajectoryRules, check_trajectory
 from .warmstart import warm_start
@@ -192,6 +194,9 @@ class Trainer:
                 tls=cfg.tls,
             )
         )
+        # Versions are framed into reusable page-locked host buffers and published off the step.
+        self.buffers = frames.BufferPool(pin=self.device.type == "cuda")
+        self.publisher = Publisher(log=self.log)
         self.health = HealthServer(
             port=cfg.health.port, service=TRAINER_HEALTH, host=cfg.health.host
         )  # Kubernetes probes
@@ -253,6 +258,8 @@ class Trainer:
                 self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in records]
                 last = self.state.step == self.cfg.max_steps
                 publish = self.state.step % self.cfg.publish_every == 0 or last
+                # Back-pressure: the previous version must be out before this one starts (time measured).
+                row["publish_blocked_s"] = await self.publisher.idle() if publish else 0.0
                 self.state.version += publish
                 self._weights_version = self.state.version if publish else None
                 row.update(step=self.state.step, policy_version=self.state.version, time=time.time())
@@ -267,14 +274,17 @@ class Trainer:
                     self._snapshot()
                     await self._publish()
                 self.log(self._progress_line(row))
+            await self.publisher.idle()  # the last version announced (or its failure raised)
             if self.state.step > self._ckpt_step or self.state.pending_commit:  # keep what was done
                 await self._checkpoint_and_commit()
             if self._stop.is_set():
                 self.log(f"stopped at step {self.state.step} (checkpoint step-{self._ckpt_step:06d}.pt)")
             return 0
         finally:
+            await self.publisher.settle()  # its thread writes into our buffers and server
             self.health.stop()
             self.server.stop()
+            self.buffers.close()
             self.metrics.close()
             await self.redis.aclose()
 
@@ -401,6 +411,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> None:
+        """Start publishing the current version (trainer.publisher): its quantized parts are taken and
+        described here; framing, hashing and installing run in a thread while the next step trains,
+        and policy:latest names the version once it is servable. The caller awaited `publisher.idle()`."""
         if self.model.quant_hook is None:
             qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
         v = self.state.version
@@ -408,18 +421,31 @@ class Trainer:
             tensors = mf.quantize_params(dict(self.model.named_parameters()), self.publish_plan)
         else:
             tensors = self.model.quant_hook.quantized_params(self.model)  # the QAT forward's own quantized parts
-        packed = mf.build_manifest(
-            version=v, parent_version=v - 1 if v > 1 else None, contract=self.publish_contract, tensors=tensors
+        staged = frames.stage(
+            version=v,
+            parent_version=v - 1 if v > 1 else None,
+            contract=self.publish_contract,
+            tensors=tensors,
+            pool=self.buffers,
+            live=list(self.model.parameters()),
         )
-        self.server.publish(packed)
-        self.state.versions_published += 1
-        await self._point_registry()
-        self.health.set_serving(not self._stop.is_set())
 
-    async def _point_registry(self) -> None:
+        async def announce() -> None:
+            self.state.versions_published += 1
+            await self._point_registry(v)
+            self.health.set_serving(not self._stop.is_set())
+
+        await self.publisher.idle()  # no-op after the step's own wait; the first publish has none
+        self.publisher.start(v, lambda: self.server.publish(staged.run()), announce)
+
+    async def _point_registry(self, version: int | None = None) -> None:
+        """Point policy:latest at `version` (default: the newest version the server holds; none yet: nothing)."""
+        version = version or max(self.server.versions(), default=0)
+        if not version:
+            return
         await self.registry.publish(
             PolicyPointer(
-                version=self.state.version,
+                version=version,
                 address=self.cfg.grpc_advertise or self.server.address,
                 contract_fingerprint=self.accepted_fingerprint,
                 published_at=time.time(),
