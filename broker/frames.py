@@ -37,6 +37,7 @@ until their copies are done.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -286,7 +287,7 @@ def fill(
 
     workers = threads or min(32, os.cpu_count() or 1)
     results: dict[int, object] = {}
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frame") as pool:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frame") as pool, _drained(stream):
         for i in order:
             event = None
             parts = flat[i]
@@ -300,6 +301,16 @@ def fill(
             results[i] = pool.submit(work, i, event)
         out = [results[i].result() for i in range(len(flat))]
     return out  # `flat` (and the parts it holds) lives until every copy is done
+
+
+@contextlib.contextmanager
+def _drained(stream):
+    """On the way out (an error included), no copy into the buffer is still in flight."""
+    try:
+        yield
+    finally:
+        if stream is not None:
+            stream.synchronize()
 
 
 @dataclass
