@@ -17,8 +17,10 @@ messages, checksums in a thread pool) -> PolicyServer.publish, in seconds and GB
 
 Then publishing off the step, as the trainer does it (trainer.publisher): `--publish-steps` more steps,
 each followed by a publish of its version in the background while the next step runs; printed: the
-step time meanwhile (vs the timed steps above) and `publish_blocked_s`, the time a step waited for
-the previous publish before starting its own (back-pressure: at most one publish in flight).
+step time meanwhile (vs the timed steps above) and `publish_blocked_s`, the time the step's thread
+spent on publishing: waiting for the previous publish (back-pressure: at most one in flight) plus
+describing the quantized parts (`broker.frames.stage`); not the QAT cache refill, which the next
+step's forward would do anyway.
 """
 
 from __future__ import annotations
@@ -133,13 +135,16 @@ def main(argv: list[str] | None = None) -> int:
                 step()
                 sync()
                 times.append(time.perf_counter() - t0)
-                blocked.append(await publisher.idle())
-                v = i + 2
+                waited = await publisher.idle()
+                v, tensors = i + 2, quantized()  # the QAT cache refill the next forward would do anyway
+                sync()
+                t0 = time.perf_counter()
                 staged = frames.stage(
-                    version=v, parent_version=v - 1, contract=contract, tensors=quantized(), pool=pool,
+                    version=v, parent_version=v - 1, contract=contract, tensors=tensors, pool=pool,
                     live=list(model.parameters()),
                 )  # fmt: skip
                 publisher.start(v, lambda staged=staged: server.publish(staged.run()), announce)
+                blocked.append((waited + time.perf_counter() - t0, waited))
                 await asyncio.sleep(0)  # the trainer's next await (collecting) starts the thread
             t0 = time.perf_counter()
             await publisher.idle()
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:<10} publishing off the step, {len(times)} steps: step {statistics.median(times) * 1e3:8.1f} ms"
                 f" (median; {statistics.median(times) / step_s:.2f}x the steps above), publish_blocked_s per step "
-                + ", ".join(f"{b:.3f}" for b in blocked)
+                + ", ".join(f"{b:.3f} (wait {w:.3f})" for b, w in blocked)
                 + f" (the first waits for none); last publish done {tail_s:.3f} s after the last step",
                 flush=True,
             )

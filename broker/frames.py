@@ -231,20 +231,26 @@ def _pieces(frames: TensorFrames, part_sizes: Sequence[int]):
     return out
 
 
-def _seal(data: np.ndarray, frames: TensorFrames) -> tuple[list[int], bytes]:
-    """xxh3 of every chunk and sha256 of the tensor, computed in the buffer and written into their slots."""
+def _xxh3_into(data: np.ndarray, frames: TensorFrames) -> list[int]:
+    """xxh3 of every chunk, computed in the buffer and written into the chunks' slots."""
     mv = memoryview(data)
-    sha = hashlib.sha256()
     digests = []
     for (start, stop), at in zip(frames.data, frames.xxh3_at):
-        piece = mv[start:stop]
-        d = xxhash.xxh3_64_intdigest(piece)
-        sha.update(piece)
+        d = xxhash.xxh3_64_intdigest(mv[start:stop])
         struct.pack_into("<Q", mv, at, d)
         digests.append(d)
+    return digests
+
+
+def _sha256_into(data: np.ndarray, frames: TensorFrames) -> bytes:
+    """sha256 of the tensor (its chunks' data in order), written into the last chunk's slot."""
+    mv = memoryview(data)
+    sha = hashlib.sha256()
+    for start, stop in frames.data:
+        sha.update(mv[start:stop])
     digest = sha.digest()
     mv[frames.sha256_at : frames.sha256_at + 32] = digest
-    return digests, digest
+    return digest
 
 
 def fill(
@@ -260,7 +266,9 @@ def fill(
 
     CUDA parts are copied on a side stream (after `after`, an event on the producing stream; else
     after the current stream's work so far), largest tensors first, one event per tensor; the
-    hashing threads wait for their tensor's event. CPU parts are copied by the hashing threads."""
+    hashing threads wait for their tensor's event; a tensor's xxh3s and its sha256 are two tasks (the
+    sha256 of the largest tensor, sequential by nature, is the critical path). CPU parts are copied
+    by the hashing threads."""
     mv = memoryview(data)
     for pos, head in layout.heads:
         mv[pos : pos + len(head)] = head
@@ -276,14 +284,18 @@ def fill(
         else:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
 
-    def work(i: int, event) -> tuple[list[int], bytes]:
+    def work(i: int, event, what: str):
         frames, parts = layout.tensors[i], flat[i]
         if event is not None:
             event.synchronize()  # releases the GIL
+        if what == "xxh3":
+            return _xxh3_into(data, frames)
+        if what == "sha256":
+            return _sha256_into(data, frames)
         for part, src, dst, n in _pieces(frames, [len(t) for t in parts]):
             if not _on_cuda(parts[part]):
                 np.copyto(data[dst : dst + n], parts[part][src : src + n])
-        return _seal(data, frames)
+        return _xxh3_into(data, frames), _sha256_into(data, frames)
 
     workers = threads or min(32, os.cpu_count() or 1)
     results: dict[int, object] = {}
@@ -298,9 +310,12 @@ def fill(
                             host[dst : dst + n].copy_(parts[part][src : src + n], non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
-            results[i] = pool.submit(work, i, event)
-        out = [results[i].result() for i in range(len(flat))]
-    return out  # `flat` (and the parts it holds) lives until every copy is done
+            if event is not None and all(_on_cuda(t) for t in parts):
+                results[i] = (pool.submit(work, i, event, "xxh3"), pool.submit(work, i, event, "sha256"))
+            else:
+                results[i] = (pool.submit(work, i, event, "all"),)
+        out = [tuple(f.result() for f in results[i]) for i in range(len(flat))]
+    return [r if len(r) == 2 else r[0] for r in out]  # `flat` (and the parts it holds) lives until every copy is done
 
 
 @contextlib.contextmanager

@@ -353,7 +353,8 @@ def describe_tensors(
     manifest order (sorted by name). Validates names, formats, dtypes and, under a pinned TP
     partition, that every shard is cut at block boundaries."""
     plan = contract.tp_plan
-    entries, all_parts = [], []
+    pinned = contract.partition_tp_size  # once: it scans every activation site
+    entries, all_parts, scales = [], [], []
     for name in sorted(tensors):
         param = tensors[name]
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
@@ -387,14 +388,17 @@ def describe_tensors(
         )
         gs = param.value.parts().get("global_scale")
         if param.format == "nvfp4" and gs is not None and gs.numel() == 1:
-            entry.global_scale = float(gs.reshape(-1)[0])
-        if contract.partition_tp_size > 1:
-            errors = plan.shard_errors(
-                name, fmt=param.format, kwargs=param.kwargs, shape=shape, tp_size=contract.partition_tp_size
-            )
+            scales.append((entry, gs.reshape(1)))
+        if pinned > 1:
+            errors = plan.shard_errors(name, fmt=param.format, kwargs=param.kwargs, shape=shape, tp_size=pinned)
             if errors:
                 raise ValueError("build_manifest: " + "; ".join(errors))
         entries.append(entry)
+    # The fp32 global scales, read in one transfer per device (not one host sync per tensor).
+    for device in {t.device for _, t in scales}:
+        picked = [(e, t) for e, t in scales if t.device == device]
+        for (entry, _), value in zip(picked, torch.cat([t.float() for _, t in picked]).tolist()):
+            entry.global_scale = value
     return entries, all_parts
 
 

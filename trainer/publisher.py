@@ -11,7 +11,8 @@ never names a version that is not servable. The loop is busy during a step's tor
 announce lands at the step's next await (collecting trajectories), right after `prepare` finishes.
 
 Back-pressure: `idle()` waits for the publish in flight and returns how long it waited (the trainer
-logs it per step as `publish_blocked_s`: zero while publishing is faster than a step). Failures are
+logs that wait plus its own staging of the version per step as `publish_blocked_s`: only the staging
+while publishing is faster than a step). Failures are
 never lost: a failed prepare or announce is logged when it happens and raised as PublishError by the
 next `idle()` (so at the latest before the next publish and at shutdown); the trainer then exits
 non-zero and its restart republishes the checkpoint's version.

@@ -258,11 +258,15 @@ class Trainer:
                 self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in records]
                 last = self.state.step == self.cfg.max_steps
                 publish = self.state.step % self.cfg.publish_every == 0 or last
-                # Back-pressure: the previous version must be out before this one starts (time measured).
-                row["publish_blocked_s"] = await self.publisher.idle() if publish else 0.0
                 self.state.version += publish
                 self._weights_version = self.state.version if publish else None
                 row.update(step=self.state.step, policy_version=self.state.version, time=time.time())
+                # Publishing runs off the step (trainer.publisher); what the step still waits for is logged.
+                # Starting it before the checkpoint is safe: a restart from an older checkpoint numbers its
+                # weights above any version announced since (see _restore_or_warm_start).
+                if publish:
+                    self._snapshot()
+                row["publish_blocked_s"] = await self._publish() if publish else 0.0
                 if self._resumed_from is not None:  # the plots mark where the run resumed
                     row["resumed_from"], self._resumed_from = self._resumed_from, None
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
@@ -270,9 +274,6 @@ class Trainer:
                 self._audit(groups)
                 if self.state.step % self.cfg.checkpoint_every == 0 or last:
                     await self._checkpoint_and_commit()
-                if publish:
-                    self._snapshot()
-                    await self._publish()
                 self.log(self._progress_line(row))
             await self.publisher.idle()  # the last version announced (or its failure raised)
             if self.state.step > self._ckpt_step or self.state.pending_commit:  # keep what was done
@@ -410,10 +411,13 @@ class Trainer:
             old.unlink()
 
     # ------------------------------------------------------------------ publish / feed
-    async def _publish(self) -> None:
-        """Start publishing the current version (trainer.publisher): its quantized parts are taken and
-        described here; framing, hashing and installing run in a thread while the next step trains,
-        and policy:latest names the version once it is servable. The caller awaited `publisher.idle()`."""
+    async def _publish(self) -> float:
+        """Start publishing the current version (trainer.publisher): wait for the previous publish
+        (back-pressure), take and describe the quantized parts here; framing, hashing and installing
+        run in a thread while the next step trains, and policy:latest names the version once it is
+        servable. Returns the seconds this took on the training thread (`publish_blocked_s`): the wait
+        and the staging, not the QAT cache refill that the next forward would otherwise do."""
+        blocked = await self.publisher.idle()  # at most one publish in flight; raises if the previous one failed
         if self.model.quant_hook is None:
             qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
         v = self.state.version
@@ -421,6 +425,7 @@ class Trainer:
             tensors = mf.quantize_params(dict(self.model.named_parameters()), self.publish_plan)
         else:
             tensors = self.model.quant_hook.quantized_params(self.model)  # the QAT forward's own quantized parts
+        t0 = time.perf_counter()
         staged = frames.stage(
             version=v,
             parent_version=v - 1 if v > 1 else None,
@@ -435,8 +440,8 @@ class Trainer:
             await self._point_registry(v)
             self.health.set_serving(not self._stop.is_set())
 
-        await self.publisher.idle()  # no-op after the step's own wait; the first publish has none
         self.publisher.start(v, lambda: self.server.publish(staged.run()), announce)
+        return blocked + time.perf_counter() - t0
 
     async def _point_registry(self, version: int | None = None) -> None:
         """Point policy:latest at `version` (default: the newest version the server holds; none yet: nothing)."""
