@@ -11,7 +11,8 @@ For each recipe (bf16, nvfp4_moe, int4_qat; the same random-init model) in one r
 - sampling cost at batch 64 (the fused sampler alone, as a % of the T=1 step);
 - prefill tokens/s (all rows of the largest batch, one forward);
 - logp_abs_diff_quant: |engine behavior log-prob - the trainer's QAT recompute| (policy.qat on the
-  same GPU, same sequences) per completion token, median and mean; the bf16 recipe's is float noise.
+  same GPU, same sequences; the same prompts and seeds for every recipe) per completion token,
+  median and mean; the bf16 recipe's is float noise.
 
 Targets (issue 16) are printed met/missed at the end.
 
@@ -105,9 +106,14 @@ def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
     def nbytes(*ts):
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
+    def op_bytes(o):
+        return nbytes(o.values, o.scale, o.block_scale)
+
     def lin_bytes(lin):
         if lin.weight is not None:
             return nbytes(lin.weight)
+        if lin.packed is None:
+            return op_bytes(lin.w)
         p = lin.packed
         return nbytes(p.codes, p.scales, p.global_scale)
 
@@ -125,8 +131,10 @@ def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
             per = (nbytes(ex.gu.codes, ex.gu.scales, ex.gu.global_scale) + nbytes(ex.dn.codes, ex.dn.scales)) / (
                 cfg.n_experts
             )
-        else:
+        elif ex.plain:
             per = nbytes(ex.w_gu, ex.w_dn) / cfg.n_experts
+        else:
+            per = sum(op_bytes(o) for o in ex.op_gu + ex.op_dn) / cfg.n_experts
         total += touched * per
         if L.shared is not None:
             total += sum(lin_bytes(x) for x in L.shared)
@@ -222,9 +230,10 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
     ms = events_ms(lambda: eng.prefill(pp, seeds=list(range(Bp)), temperature=1.0, stop=set(), pad_id=0))
     out["prefill"] = {"batch": Bp, "tokens": Bp * args.prompt_len, "ms": ms, "tok_s": Bp * args.prompt_len / ms * 1e3}
     print(f"  {name:10s} prefill {Bp}x{args.prompt_len}: {ms:.1f} ms, {out['prefill']['tok_s']:.0f} tok/s", flush=True)
-    # Mismatch against the trainer's QAT recompute of the same sequences.
+    # Mismatch against the trainer's QAT recompute of the same sequences: every recipe gets the same
+    # prompts and seeds (its own generator), so the recipes' medians compare like with like.
     Bm, new = args.mismatch_batch, args.mismatch_tokens
-    pm = torch.randint(0, cfg.vocab_size, (Bm, args.prompt_len), generator=gen).tolist()
+    pm = torch.randint(0, cfg.vocab_size, (Bm, args.prompt_len), generator=torch.Generator().manual_seed(7)).tolist()
     g = eng.generate(pm, max_new_tokens=new, temperature=1.0, seeds=list(range(1000, 1000 + Bm)))
     eng = None  # free its weights and KV cache before the QAT recompute
     torch.cuda.empty_cache()

@@ -8,10 +8,14 @@ published tensors (the quantized objects a worker fetched) without dequantizing 
   bf16 routed experts: `torch._grouped_mm` over the expert-sorted tokens (the fair bf16 baseline);
 - other quantized linears in nvfp4 / int4: `w4a16_matmul`; every other format is multiplied as
   its dequantization (bf16: the published bf16 weight itself);
-- activation sites the recipe quantizes get the same per-token fake quantization QAT uses
-  (`policy.kernels.quantize` + `dequantize`, bitwise the trainer's x̂), without the host-side
-  finite check: the sampler flags NaN/Inf logits (where any NaN/Inf in the residual stream ends
-  up) in one device word that `generate` reads once, after the sequences are done (-> ValueError);
+- every matmul follows DESIGN.md's Compute contract: its operands are `policy.formats.operand` of
+  the published weights (the kernels read the same values from the packed codes: tests/gpu checks
+  them bitwise) and of the per-token quantized activations at the sites the recipe quantizes
+  (`policy.kernels.quantize`, bitwise QAT's), nvfp4 global scales applied to the fp32 accumulator
+  (`acc * S_dec_x[row] * S_dec_w`, in the kernels' epilogue); formats without a kernel go through
+  `policy.compute.matmul`. Activation quantization skips the host-side finite check: the sampler
+  flags NaN/Inf logits (where any NaN/Inf in the residual stream ends up) in one device word that
+  `generate` reads once, after the sequences are done (-> ValueError);
 - the decode step (embedding -> layers -> LM head -> sampling -> stop bookkeeping) has no host
   synchronization and is captured in a CUDA graph per batch bucket (`EngineConfig.graph_buckets`);
   a batch runs in the smallest bucket that holds it, the spare rows as dead padding; its
@@ -29,10 +33,9 @@ published tensors (the quantized objects a worker fetched) without dequantizing 
   temperature, optional top-k / top-p), log-probs in fp32 from the same logits.
 
 Numerics follow `policy.model.Transformer` op for op (fp32 RMSNorm statistics, fp32 RoPE, bf16
-SwiGLU and expert-weighted sum, fp32 softmax router), so the trainer's QAT recompute of a sequence
-differs from the engine's behavior log-probs only by accumulation order and, for nvfp4 weights, by
-where the fp32 global scale is applied (the kernels scale the accumulator, QAT rounds
-e2m1 x sf x S_dec to bf16 first: DESIGN.md's Compute contract, not yet in policy/qat.py).
+SwiGLU and expert-weighted sum, fp32 softmax router), and its matmuls consume the operands QAT's
+do (policy.qat follows the same Compute contract), so the trainer's QAT recompute of a sequence
+differs from the engine's behavior log-probs only by accumulation order (and what it flips).
 
 Not here: FlashInfer (prefill uses SDPA; decode uses the Triton kernel), a prefill GEMM for the 4-bit
 weights (prefill runs the decode matmul, 16 tokens per tile).
@@ -54,6 +57,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import policy.kernels as PK
+from policy import compute
+from policy.formats import Operand
 from policy.formats import nvfp4 as _nvfp4
 from policy.model import ModelConfig
 from policy.recipe import Plan
@@ -172,17 +177,12 @@ def _combine(h: Tensor, weights: Tensor) -> Tensor:
     return (h.view(n, k, -1) * weights.unsqueeze(-1).to(h.dtype)).sum(dim=1)
 
 
-def _nvfp4_dequant(codes: Tensor, block_scales: Tensor, global_scale: Tensor, table: Tensor, row: bool, dtype):
-    """policy.formats.nvfp4.dequantize(...).to(dtype), with its value table on the device."""
-    m = codes.shape[0]
-    nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).view(m, -1)
-    values = table[nib.long()].view(m, -1, _nvfp4.BLOCK)
-    gs = global_scale.view(-1, 1) if row else global_scale
-    scale = block_scales.to(torch.float32) * gs
-    return (values * scale.unsqueeze(-1)).view(m, -1).to(dtype)
+def _nvfp4_operand(codes: Tensor, block_scales: Tensor) -> Tensor:
+    """policy.formats.nvfp4.operand_values: e2m1 x sf in bf16 (the activation operand's values)."""
+    return _nvfp4.operand_values(codes, block_scales)
 
 
-_OPS = ("rms", "qk_norm_rope", "attn_decode", "add_rms", "route", "swiglu", "combine", "nvfp4_dequant")
+_OPS = ("rms", "qk_norm_rope", "attn_decode", "add_rms", "route", "swiglu", "combine", "nvfp4_operand")
 
 
 class _Fused:
@@ -222,60 +222,78 @@ class _Ops:
 
 
 class _ActQuant:
-    """Per-token activation fake quantization at one site: bitwise QAT's x̂ (policy.kernels.quantize,
-    then the nvfp4 / other format's dequantize). No host-side finite check: a NaN or Inf in the
-    residual stream reaches the logits, whose finite flag `generate` reads once per call."""
+    """Per-token activation quantization at one site -> its Compute-contract operand, bitwise QAT's
+    (policy.kernels.quantize, then policy.formats' operand; nvfp4's values fused on CUDA). No
+    host-side finite check: a NaN or Inf in the residual stream reaches the logits, whose finite
+    flag `generate` reads once per call."""
 
-    def __init__(self, fmt: str, kwargs: dict, engine: PackedEngine):
-        self.fmt, self.kwargs, self.engine = fmt, dict(kwargs), engine
+    def __init__(self, fmt: str, kwargs: dict):
+        self.fmt, self.kwargs = fmt, dict(kwargs)
+        self.scaled = fmt in ("nvfp4", "fp8_block")  # operands with scales (not a plain matmul)
 
-    def __call__(self, x: Tensor, ops) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
+    def __call__(self, x2: Tensor, ops) -> Operand:
         fast = x2.device.type == "cuda" and PK.backend(x2) == "triton"
         q = PK.quantize(self.fmt, x2, check_finite=not fast, **self.kwargs)
         if self.fmt == "nvfp4":
-            out = ops.nvfp4_dequant(
-                q.codes, q.block_scales, q.global_scale, self.engine.e2m1, q.scope == "row", x.dtype
-            )
-            return out.view(x.shape)
-        return PK.dequantize(q).to(x.dtype).view(x.shape)
+            return Operand(ops.nvfp4_operand(q.codes, q.block_scales), scale=q.global_scale)
+        return PK.formats.operand(q)
+
+
+def _kernel_act(*acts) -> bool:
+    """Whether the 4-bit kernels can take these sites' activation operands (no per-K-block scales)."""
+    return all(a is None or a.fmt != "fp8_block" for a in acts)
+
+
+def _x_operand(act, x2: Tensor, ops) -> Operand:
+    """The activation operand of x2 [M, K] at a site: quantized, or x2 itself."""
+    return compute.plain(x2) if act is None else act(x2, ops)
 
 
 class _Linear:
-    """y = x̂ @ W.T for one weight: a PackedLinear for the 4-bit kernels, else a dense tensor."""
+    """y = matmul(x̂, Ŵ) for one weight: a PackedLinear for the 4-bit kernels, else its operand
+    (`weight`: the operand's values in the engine dtype when it has no scales, for plain matmuls)."""
 
     def __init__(self, q, act, device, dtype):
         self.act = act
         self.packed = None
         self.weight = None
-        if PK.formats.format_of(q) in ("nvfp4", "int4") and device.type == "cuda":
+        self.w = None
+        # The kernels take per-row activation scales (nvfp4), not per-K-block ones (fp8_block).
+        if PK.formats.format_of(q) in ("nvfp4", "int4") and device.type == "cuda" and _kernel_act(act):
             p = RK.pack(PK.to_device(q, device))
             if RK._kernel_fmt(p, torch.empty(1, p.shape[1], dtype=torch.bfloat16, device=device)) is not None:
                 self.packed = p
         if self.packed is None:
-            self.weight = PK.dequantize(PK.to_device(q, device)).to(dtype)
+            self.w = PK.formats.operand(PK.to_device(q, device))
+            if self.w.scale is None and self.w.block_scale is None:
+                self.weight = self.w.values.to(dtype)
 
     def __call__(self, x: Tensor, ops) -> Tensor:
-        if self.act is not None:
-            x = self.act(x, ops)
-        if self.weight is not None:
-            return F.linear(x, self.weight)
-        p = self.packed
-        mt = _matmul_triton()
-        fmt = mt.FMT_NVFP4 if p.fmt == "nvfp4" else mt.FMT_INT4
-        return mt.w4a16_matmul(x.reshape(-1, x.shape[-1]), p.codes, p.scales, p.global_scale, fmt, p.group_size).view(
-            *x.shape[:-1], p.shape[0]
-        )
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.weight is not None and (self.act is None or not self.act.scaled):
+            y = F.linear(_x_operand(self.act, x2, ops).values.to(x.dtype), self.weight)  # = compute.matmul
+        elif self.packed is None:
+            y = compute.matmul(_x_operand(self.act, x2, ops), self.w, x.dtype)
+        else:
+            p = self.packed
+            mt = _matmul_triton()
+            fmt = mt.FMT_NVFP4 if p.fmt == "nvfp4" else mt.FMT_INT4
+            xo = _x_operand(self.act, x2, ops)
+            y = mt.w4a16_matmul(
+                xo.values.to(x.dtype), p.codes, p.scales, p.global_scale, fmt, p.group_size, x_scale=xo.scale
+            )
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class _Experts:
     """The routed experts of one layer: gate_up [E, 2F, D] and down [E, D, F], packed or dense."""
 
     def __init__(self, gate_up: list, down: list, act_gu, act_dn, device, dtype):
-        self.act_gu, self.act_dn = act_gu, act_dn
+        self.act_gu, self.act_dn, self.dtype = act_gu, act_dn, dtype
         fmts = {PK.formats.format_of(q) for q in gate_up + down}
         self.kernel = None
-        if device.type == "cuda" and fmts <= {"nvfp4", "int4"} and len(fmts) == 1:
+        self.plain = False
+        if device.type == "cuda" and fmts <= {"nvfp4", "int4"} and len(fmts) == 1 and _kernel_act(act_gu, act_dn):
             gu = RK.pack_experts([PK.to_device(q, device) for q in gate_up])
             dn = RK.pack_experts([PK.to_device(q, device) for q in down])
             probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
@@ -285,17 +303,23 @@ class _Experts:
                 self.kernel = mt.FMT_NVFP4 if gu.fmt == "nvfp4" else mt.FMT_INT4
                 self.gu, self.dn = gu, dn
         if self.kernel is None:
-            # [E, N, K] dense; grouped_mm reads it as [E, K, N] through a transposed view.
-            self.w_gu = torch.stack([PK.dequantize(PK.to_device(q, device)).to(dtype) for q in gate_up])
-            self.w_dn = torch.stack([PK.dequantize(PK.to_device(q, device)).to(dtype) for q in down])
+            self.op_gu = [PK.formats.operand(PK.to_device(q, device)) for q in gate_up]
+            self.op_dn = [PK.formats.operand(PK.to_device(q, device)) for q in down]
+            acts = [a for a in (act_gu, act_dn) if a is not None]
+            self.plain = all(o.scale is None and o.block_scale is None for o in self.op_gu + self.op_dn)
+            self.plain = self.plain and not any(a.scaled for a in acts)
+            if self.plain:  # [E, N, K] values; grouped_mm reads them as [E, K, N] through a transposed view
+                self.w_gu = torch.stack([o.values.to(dtype) for o in self.op_gu])
+                self.w_dn = torch.stack([o.values.to(dtype) for o in self.op_dn])
+                del self.op_gu, self.op_dn
         self.n_experts = len(gate_up)
-        self.ffn = (self.gu.shape if self.kernel is not None else self.w_gu.shape[1:])[0] // 2
+        self.ffn, self.dim = gate_up[0].shape[0] // 2, down[0].shape[0]
 
     def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, ops) -> Tensor:
         """x [N, D], ids / weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) in x.dtype."""
         if self.kernel is not None:
             h = self._kernel(x, ids, ops)
-        elif x.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        elif self.plain and x.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
             h = self._grouped(x, ids, ops)
         else:
             h = self._loop(x, ids, ops)
@@ -305,14 +329,30 @@ class _Experts:
         mt = _matmul_triton()
         N, k = ids.shape
         align = mt.moe_align_fast(ids, self.n_experts)
-        xq = x if self.act_gu is None else self.act_gu(x, ops)
+        xq = _x_operand(self.act_gu, x, ops)
         gu, dn = self.gu, self.dn
-        h = mt.moe_w4a16_matmul(xq, gu.codes, gu.scales, gu.global_scale, ids, self.kernel, gu.group_size, align=align)
-        a = ops.swiglu(h.view(N * k, -1), self.ffn)
-        if self.act_dn is not None:
-            a = self.act_dn(a, ops)
+        h = mt.moe_w4a16_matmul(
+            xq.values.to(x.dtype),
+            gu.codes,
+            gu.scales,
+            gu.global_scale,
+            ids,
+            self.kernel,
+            gu.group_size,
+            align=align,
+            x_scale=xq.scale,
+        )
+        a = _x_operand(self.act_dn, ops.swiglu(h.view(N * k, -1), self.ffn), ops)
         y = mt.moe_w4a16_matmul(
-            a, dn.codes, dn.scales, dn.global_scale, ids.reshape(-1, 1), self.kernel, dn.group_size, align=align
+            a.values.to(x.dtype),
+            dn.codes,
+            dn.scales,
+            dn.global_scale,
+            ids.reshape(-1, 1),
+            self.kernel,
+            dn.group_size,
+            align=align,
+            x_scale=a.scale,
         )
         return y.view(N * k, -1)
 
@@ -323,28 +363,26 @@ class _Experts:
         counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)
-        xs = x.index_select(0, order // k)
-        if self.act_gu is not None:
-            xs = self.act_gu(xs, ops)
+        xs = _x_operand(self.act_gu, x.index_select(0, order // k), ops).values.to(x.dtype)
         a = ops.swiglu(torch._grouped_mm(xs, self.w_gu.transpose(1, 2), offs=offs), self.ffn)
-        if self.act_dn is not None:
-            a = self.act_dn(a, ops)
+        a = _x_operand(self.act_dn, a, ops).values.to(x.dtype)
         ys = torch._grouped_mm(a, self.w_dn.transpose(1, 2), offs=offs)
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
     def _loop(self, x: Tensor, ids: Tensor, ops) -> Tensor:
+        """One expert at a time (rows are quantized independently: per-expert chunks give the same bits)."""
         N, k = ids.shape
         flat = ids.reshape(-1)
         xs = x.index_select(0, torch.arange(N * k, device=x.device) // k)
-        if self.act_gu is not None:
-            xs = self.act_gu(xs, ops)
-        out = torch.empty(N * k, self.w_dn.shape[1], dtype=x.dtype, device=x.device)
+        out = torch.empty(N * k, self.dim, dtype=x.dtype, device=x.device)
         for e in torch.unique(flat).tolist():
             rows = (flat == e).nonzero().squeeze(-1)
-            a = ops.swiglu(F.linear(xs[rows], self.w_gu[e]), self.ffn)
-            if self.act_dn is not None:
-                a = self.act_dn(a, ops)
-            out[rows] = F.linear(a, self.w_dn[e])
+            if self.plain:
+                w_gu, w_dn = compute.plain(self.w_gu[e]), compute.plain(self.w_dn[e])
+            else:
+                w_gu, w_dn = self.op_gu[e], self.op_dn[e]
+            a = ops.swiglu(compute.matmul(_x_operand(self.act_gu, xs[rows], ops), w_gu, x.dtype), self.ffn)
+            out[rows] = compute.matmul(_x_operand(self.act_dn, a, ops), w_dn, x.dtype)
         return out
 
 
@@ -378,7 +416,6 @@ class PackedEngine:
         if self.ecfg.max_seq_len > cfg.max_seq_len:
             raise ValueError(f"EngineConfig.max_seq_len={self.ecfg.max_seq_len} > model max_seq_len={cfg.max_seq_len}")
         self._finite_bad = torch.zeros(1, dtype=torch.int32, device=self.device)  # 1: NaN/Inf logits seen
-        self.e2m1 = _nvfp4.E2M1_VALUES.to(self.device)
         self.ops = _Ops(self.ecfg.fuse and self.device.type == "cuda")  # decode step (fixed shapes)
         self.plain = _Ops(False)  # prefill (shapes vary per call)
         hd = cfg.head_dim
@@ -394,7 +431,7 @@ class PackedEngine:
 
     def _act(self, site: str):
         e = self.plan[site]
-        return None if e.format == "bf16" else _ActQuant(e.format, e.kwargs, self)
+        return None if e.format == "bf16" else _ActQuant(e.format, e.kwargs)
 
     def _dense(self, tensors, name: str) -> Tensor:
         return PK.dequantize(PK.to_device(tensors[name], self.device)).to(self.dtype).reshape(self.plan[name].shape)

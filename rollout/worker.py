@@ -340,8 +340,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         fetched = await asyncio.to_thread(fetch)
         if self.model is not None:
-            qat.load_packed(self.model, fetched.tensors)
-            qat.install_activation_quant(self.model, self.recipe)
+            qat.install_packed(self.model, self.recipe, fetched.tensors)
         else:
             self.engine = None  # free the previous version's weights, KV cache and graphs first
             if self.batcher is not None:

@@ -189,6 +189,8 @@ def test_async_loop_with_faults(tmp_path, redis_url, run_id):
     assert versions == sorted(versions) and versions[-1] > versions[0] >= 2
     assert rows[-1]["dropped_stale"] >= 1 and rows[-1]["dropped_fingerprint"] >= 1
     assert steps_before >= 3
+    # Publishing runs off the step: each step logs how long it waited for the previous publish.
+    assert all(r["publish_blocked_s"] >= 0 for r in rows)
 
     # No sample used twice, across the restart and the dead worker's reclaimed prompts.
     audit = _lines(run_dir / "audit.jsonl")
