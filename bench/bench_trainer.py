@@ -6,7 +6,7 @@ backend, same model, same batch.
     python bench/bench_trainer.py --device cpu --preset tiny --batch 8 --seq 64   # CPU smoke run (torch)
 
 Each configuration builds the trainer's own backend (trainer/backends.py: fp32 master weights,
-AdamW, bf16 autocast on CUDA, the QAT cache in bf16 there; `--ckpt` turns activation checkpointing
+AdamW, bf16 autocast on CUDA, the QAT cache of bf16 operands; `--ckpt` turns activation checkpointing
 on), takes `--warmup` untimed steps (Triton compiles, the allocator settles), then `--steps` timed
 ones: forward + backward of a token log-prob loss, clip, optimizer step (`backend.update`, the
 trainer's). Under QAT the update invalidates the cache, so every timed step pays one quantization
@@ -14,13 +14,23 @@ of every weight (what the trainer pays), inside the step, on the GPU.
 Printed per configuration: ms per step, tokens/s, the ratio to plain (issue 17's target: QAT
 <= 1.3x plain, goal 1.1x), peak memory and its excess over plain (target: <= one copy of the
 quantized weights), and a publish of the current version: the quantized parts from the QAT cache
-(no second quantization) -> build_manifest -> PolicyServer.publish, in seconds and GB/s.
+(no second quantization) -> broker.frames (D2H into a pooled page-locked buffer laid out as the gRPC
+messages, checksums in a thread pool) -> PolicyServer.publish, in seconds and GB/s.
+
+Then publishing off the step, as the trainer does it (trainer.publisher): `--publish-steps` more steps,
+each followed by a publish of its version in the background while the next step runs; printed: the
+step time meanwhile (vs the timed steps above) and `publish_blocked_s`, the time the step's thread
+spent on publishing: waiting for the previous publish (back-pressure: at most one in flight) plus
+describing the quantized parts (`broker.frames.stage`); not the QAT cache refill, which the next
+step's forward would do anyway.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,10 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", action="store_true", help="trainer.activation_checkpointing")
     parser.add_argument("--no-publish", action="store_true", help="time the steps only")
     parser.add_argument("--profile", default="", help="recipes to profile one step of (torch.profiler table)")
+    parser.add_argument("--publish-steps", type=int, default=3, help="steps with a background publish after each")
     args = parser.parse_args(argv)
 
-    from broker.policy_server import PolicyServer, PolicyServerConfig
-    from policy import manifest as mf
     from policy.model import ModelConfig
     from policy.recipe import Recipe
     from trainer.backends import make_backend
@@ -118,39 +127,95 @@ def main(argv: list[str] | None = None) -> int:
                     sync()
                 key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
                 print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=50), flush=True)
+            overlap = None
             if not args.no_publish:
-                line += "  " + _publish(backend, cfg, recipe, sync, mf, PolicyServer, PolicyServerConfig)
+                published, overlap = _publish(args, backend, cfg, recipe, step, sync, step_s)
+                line += "  " + published
             print(line, flush=True)
+            if overlap:
+                print(f"{backend_name:<8} {name:<10} {overlap}", flush=True)
             del backend, step
             gc.collect()  # megatron's modules hold reference cycles: free this model before the next
     return 0
 
 
-def _publish(backend, cfg, recipe, sync, mf, PolicyServer, PolicyServerConfig) -> str:
-    """Publish the current version: the quantized parts QAT already holds (plain: quantize now)."""
+def _publish(args, backend, cfg, recipe, step, sync, step_s) -> tuple[str, str | None]:
+    """Publish the current version: the quantized parts QAT already holds (plain: quantize now) ->
+    broker.frames -> PolicyServer.publish; then `--publish-steps` steps with a background publish
+    after each (the trainer's loop, less Redis). Returns the publish's and the overlap's lines."""
+    import torch
+
+    from broker import frames
+    from broker.policy_server import PolicyServer, PolicyServerConfig
+    from policy import manifest as mf
+    from trainer.publisher import Publisher
+
+    cuda = args.device.startswith("cuda")
+
+    def quantized():
+        if backend.qat_hook is None:
+            return mf.quantize_params(backend.canonical(), recipe.plan(cfg))
+        return backend.quantized_params()
 
     sync()
     t0 = time.perf_counter()
-    if backend.qat_hook is None:
-        tensors = mf.quantize_params(backend.canonical(), recipe.plan(cfg))
-    else:
-        tensors = backend.quantized_params()
+    tensors = quantized()
     sync()
     quant_s = time.perf_counter() - t0
     contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
-    t0 = time.perf_counter()
-    packed = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
-    build_s = time.perf_counter() - t0
-    server = PolicyServer(PolicyServerConfig())
+    pool = frames.BufferPool(pin=cuda and torch.cuda.is_available())
+    server = PolicyServer(PolicyServerConfig(keep_versions=1))
     server.start()
     t0 = time.perf_counter()
-    server.publish(packed)
+    framed = frames.build_framed(version=1, parent_version=None, contract=contract, tensors=tensors, pool=pool)
+    build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    server.publish(framed)
     serve_s = time.perf_counter() - t0
+    gb = framed.manifest.total_bytes / 1e9
+    del framed, tensors
+
+    async def overlapped():
+        publisher, times, blocked = Publisher(), [], []
+
+        async def announce():
+            pass
+
+        for i in range(args.publish_steps):
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times.append(time.perf_counter() - t0)
+            waited = await publisher.idle()
+            v, tensors = i + 2, quantized()  # the QAT cache refill the next forward would do anyway
+            sync()
+            t0 = time.perf_counter()
+            staged = frames.stage(
+                version=v, parent_version=v - 1, contract=contract, tensors=tensors, pool=pool,
+                live=list(backend.parameters()),
+            )  # fmt: skip
+            publisher.start(v, lambda staged=staged: server.publish(staged.run()), announce)
+            blocked.append((waited + time.perf_counter() - t0, waited))
+            await asyncio.sleep(0)  # the trainer's next await (collecting) starts the thread
+        t0 = time.perf_counter()
+        await publisher.idle()
+        return times, blocked, time.perf_counter() - t0
+
+    overlap = asyncio.run(overlapped()) if args.publish_steps else None
     server.stop()
-    gb = packed.manifest.total_bytes / 1e9
-    return (
+    pool.close()
+    line = (
         f"publish {gb:.2f} GB: quantize/cache {quant_s:.2f}s manifest {build_s:.2f}s servable {serve_s:.2f}s"
         f" = {gb / (quant_s + build_s + serve_s):.2f} GB/s"
+    )
+    if not overlap:
+        return line, None
+    times, blocked, tail_s = overlap
+    return line, (
+        f"publishing off the step, {len(times)} steps: step {statistics.median(times) * 1e3:8.1f} ms"
+        f" (median; {statistics.median(times) / step_s:.2f}x the steps above), publish_blocked_s per step "
+        + ", ".join(f"{b:.3f} (wait {w:.3f})" for b, w in blocked)
+        + f" (the first waits for none); last publish done {tail_s:.3f} s after the last step"
     )
 
 

@@ -69,15 +69,10 @@ class _Backend:
             fused=c.device.startswith("cuda"),
         )
 
-    @property
-    def _cache_dtype(self) -> torch.dtype | None:
-        """The QAT cache keeps matmul operands in bf16 when the matmuls compute in bf16 (autocast on
-        CUDA): bf16(effective) is what autocast feeds the GEMM anyway, so this is bitwise the same
-        forward at half the cache's memory."""
-        return torch.bfloat16 if self.cfg.device.startswith("cuda") and self.cfg.dtype == "bfloat16" else None
-
     def autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self._cache_dtype is not None)
+        """bf16 autocast on CUDA with trainer.dtype bfloat16 (off on the CPU: fp32 there)."""
+        bf16 = self.cfg.device.startswith("cuda") and self.cfg.dtype == "bfloat16"
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16)
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return self.module.parameters()
@@ -150,9 +145,7 @@ class TorchBackend(_Backend):
         fn(self.model)
 
     def apply_qat(self) -> None:
-        self.qat_hook = qat.apply_qat(
-            self.model, self.recipe, backward=self.cfg.backward, cache_dtype=self._cache_dtype
-        )
+        self.qat_hook = qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
 
 
 class MegatronBackend(_Backend):
@@ -248,9 +241,7 @@ class MegatronBackend(_Backend):
         self.load_weights(dict(m.named_parameters()))
 
     def apply_qat(self) -> None:
-        self.qat_hook = self.mb.apply_qat(
-            self.gpt, self.model_config, self.recipe, self.cfg.backward, cache_dtype=self._cache_dtype
-        )
+        self.qat_hook = self.mb.apply_qat(self.gpt, self.model_config, self.recipe, self.cfg.backward)
 
     def quantized_params(self) -> dict:
         self._check_finite()
