@@ -190,6 +190,7 @@ class Trainer:
                 keep_versions=self.max_staleness + 2,
                 reflection=cfg.grpc_reflection,
                 tls=cfg.tls,
+                fetch_deadline_s=cfg.fetch_deadline_s,
             )
         )
         self.health = HealthServer(
@@ -198,6 +199,8 @@ class Trainer:
         self.metrics = MetricsSink(
             self.run_dir / "metrics.jsonl", port=cfg.metrics_port, state=lambda: vars(self.state)
         )
+        if self.metrics.endpoint is not None:
+            self.metrics.endpoint.add_callback(self.server.prometheus_samples)
         self._stop = asyncio.Event()
         self._backlog = admission.Backlog()  # incomplete groups and surplus complete ones, between steps
         # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
