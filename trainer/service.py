@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -51,6 +52,16 @@ from .metrics import MetricsSink
 from .sequences import pack, scatter_rows
 from .validation import TrajectoryRules, check_trajectory
 from .warmstart import warm_start
+
+# Test hook of tests/faults: TANDEM_FAULT_POINT=<name>@<step> SIGKILLs the trainer at that point of
+# that step (read once, at import). Points: "mid_checkpoint" (the checkpoint's temporary file
+# written, not yet renamed), "before_commit" (the checkpoint durable, the samples not yet committed).
+_FAULT_POINT = os.environ.get("TANDEM_FAULT_POINT", "")
+
+
+def fault_point(name: str, step: int) -> None:
+    if _FAULT_POINT == f"{name}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -291,6 +302,7 @@ class Trainer:
 
     async def _checkpoint_and_commit(self) -> None:
         self._save_checkpoint()
+        fault_point("before_commit", self.state.step)
         await self._commit()
 
     async def _commit(self) -> None:
@@ -391,6 +403,7 @@ class Trainer:
                 f,
             )
             f.flush()
+            fault_point("mid_checkpoint", self.state.step)
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fd = os.open(self.ckpt_dir, os.O_RDONLY)

@@ -80,8 +80,8 @@ class Run:
         self.trainer: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, args: list[str], log: str) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    def _spawn(self, args: list[str], log: str, env: dict | None = None) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         return subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *args],
             stdout=open(self.logs / log, "ab"),
@@ -90,13 +90,14 @@ class Run:
             env=env,
         )
 
-    def start_trainer(self, *overrides: str) -> None:
+    def start_trainer(self, *overrides: str, env: dict | None = None) -> None:
+        """`env`: extra environment, e.g. TANDEM_FAULT_POINT (trainer/service.fault_point)."""
         args = ["trainer", "--config", str(self.cfg), "--run-dir", str(self.run_dir), *overrides]
-        self.trainer = self._spawn(args, "trainer.log")
+        self.trainer = self._spawn(args, "trainer.log", env)
 
-    def start_worker(self, worker_id: str) -> None:
+    def start_worker(self, worker_id: str, *overrides: str) -> None:
         self.workers[worker_id] = self._spawn(
-            ["rollout", "--config", str(self.cfg), "--worker-id", worker_id], f"{worker_id}.log"
+            ["rollout", "--config", str(self.cfg), "--worker-id", worker_id, *overrides], f"{worker_id}.log"
         )
 
     def kill(self, proc: subprocess.Popen) -> None:
@@ -149,6 +150,11 @@ class Run:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def trained_by(run_dir: Path, worker_id: str) -> list[int]:
+    """The steps that trained a group of `worker_id`, from audit.jsonl."""
+    return [r["step"] for r in lines(run_dir / "audit.jsonl") for g in r["groups"] if g[2] == worker_id]
 
 
 def lines(path: Path) -> list[dict]:
