@@ -729,8 +729,11 @@ def checkpoint_of_version(folder: Path, version: int | None = None) -> tuple[Pat
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:
+    """Keep the lines of steps <= max_step; a last line without its newline (a write cut short) is
+    dropped. Rewritten in place: the MetricsSink already holds the file open for appending."""
     if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= max_step]
+        complete = path.read_text().split("\n")[:-1]  # what follows the last newline is incomplete
+        keep = [ln for ln in complete if ln.strip() and json.loads(ln)["step"] <= max_step]
         path.write_text("".join(ln + "\n" for ln in keep))
 
 

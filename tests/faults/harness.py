@@ -158,7 +158,10 @@ def trained_by(run_dir: Path, worker_id: str) -> list[int]:
 
 
 def lines(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    """The complete lines of a JSONL file another process appends to (a last line still being
+    written, without its newline, is left out)."""
+    complete = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(ln) for ln in complete if ln.strip()]
 
 
 def checkpoint_state(run_dir: Path) -> dict:
