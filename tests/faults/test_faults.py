@@ -255,10 +255,13 @@ def _stop_trainer(run: Run) -> int:
 PARTITION_S = 6.0  # longer than the heartbeat TTL (3 s) + the reclaim idle time (2 s) of harness.config
 
 
-def test_partition_of_one_worker_from_redis_and_trainer(tmp_path, redis_server, run_id, free_port):
-    """w1 reaches Redis and the trainer only through proxies; both go dark (a partition) until the run
-    has gone on without it (at least PARTITION_S), then heal. w0 reclaims what w1 held; w1 rides the
-    outage out and trains again; nothing is lost or trained twice."""
+def test_partition_then_a_stalled_policy_fetch(tmp_path, redis_server, run_id, free_port):
+    """w1 reaches Redis and the trainer only through proxies (one run, two faults, to save CI time).
+    1. A partition: both go dark until the run has gone on without w1 (at least PARTITION_S), then
+       heal. w0 reclaims what w1 held; w1 rides the outage out and trains again.
+    2. A stall: replies stop halfway through w1's next policy fetch; the fetch times out
+       (rollout.fetch_timeout_s), w1 retries on a new connection and trains again.
+    Nothing is lost or trained twice."""
     grpc_port = free_port()
     to_redis = Proxy(("127.0.0.1", redis_server.port)).start()
     to_trainer = Proxy(("127.0.0.1", grpc_port)).start()
@@ -266,7 +269,8 @@ def test_partition_of_one_worker_from_redis_and_trainer(tmp_path, redis_server, 
     try:
         run.start_trainer()
         run.start_worker("w0")
-        run.start_worker("w1", f"redis_url={to_redis.url()}/0", f"rollout.policy_address={to_trainer.address}")
+        run.start_worker("w1", f"redis_url={to_redis.url()}/0", f"rollout.policy_address={to_trainer.address}",
+                         "rollout.fetch_timeout_s=4")  # fmt: skip
         _until_trained_by(run, "w1", 0)
         t_fault = time.time()
         to_redis.blackhole()
@@ -277,15 +281,26 @@ def test_partition_of_one_worker_from_redis_and_trainer(tmp_path, redis_server, 
         to_redis.heal()
         to_trainer.heal()
         rejoin = _until_trained_by(run, "w1", step_at_heal)
+
+        with PolicyClient(PolicyClientConfig(address=f"127.0.0.1:{grpc_port}")) as c:
+            m = c.get_manifest()
+        to_trainer.stall_after(len(mf.manifest_to_bytes(m)) + m.total_bytes // 2)  # the next fetch, mid-stream
+        deadline = time.monotonic() + 120
+        while not to_trainer.stalled_connections:
+            assert time.monotonic() < deadline, f"no fetch went through the proxy:\n{run.log_tail('w1')}"
+            time.sleep(0.1)
+        after_stall = _until_trained_by(run, "w1", run.steps())
         steps = _stop_trainer(run)
         assert run.workers["w1"].poll() is None, run.log_tail("w1")
     finally:
         run.close()
         to_redis.close()
         to_trainer.close()
+    assert "failed, will retry" in run.log_tail("w1", 100_000), run.log_tail("w1")
     figures = audit(run.run_dir, steps)
     report("partition", faults=1, partition_s=round(PARTITION_S + carried_on, 1), recovery_s_p50=rejoin,
            recovery_s_max=rejoin, **figures)  # fmt: skip
+    report("stalled_fetch", faults=1, recovery_s_p50=after_stall, recovery_s_max=after_stall, **figures)
 
 
 def test_slow_consumer(tmp_path, redis_server, run_id):
@@ -313,35 +328,6 @@ def test_slow_consumer(tmp_path, redis_server, run_id):
     figures = audit(run.run_dir, max_steps)
     assert peak <= bound, f"{peak} prompt groups fed and not settled while the trainer was slow (bound {bound})"
     report("slow_consumer", faults=1, backlog_peak=peak, slow_step_s=round(slow_s, 2), **figures)
-
-
-def test_stalled_policy_fetch(tmp_path, redis_server, run_id, free_port):
-    """w1 fetches policies through a proxy that stops forwarding replies halfway through a fetch: the
-    fetch times out (rollout.fetch_timeout_s), w1 retries on a new connection and trains again."""
-    grpc_port = free_port()
-    to_trainer = Proxy(("127.0.0.1", grpc_port)).start()
-    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=1000, grpc_port=grpc_port))
-    try:
-        run.start_trainer()
-        run.start_worker("w0")
-        run.start_worker("w1", f"rollout.policy_address={to_trainer.address}", "rollout.fetch_timeout_s=4")
-        _until_trained_by(run, "w1", 0)
-        with PolicyClient(PolicyClientConfig(address=f"127.0.0.1:{grpc_port}")) as c:
-            m = c.get_manifest()
-        to_trainer.stall_after(len(mf.manifest_to_bytes(m)) + m.total_bytes // 2)  # the next fetch, mid-stream
-        deadline = time.monotonic() + 120
-        while not to_trainer.stalled_connections:
-            assert time.monotonic() < deadline, f"no fetch went through the proxy:\n{run.log_tail('w1')}"
-            time.sleep(0.1)
-        step_at_stall = run.steps()
-        recovery = _until_trained_by(run, "w1", step_at_stall)
-        steps = _stop_trainer(run)
-    finally:
-        run.close()
-        to_trainer.close()
-    assert "failed, will retry" in run.log_tail("w1", 100_000), run.log_tail("w1")
-    figures = audit(run.run_dir, steps)
-    report("stalled_fetch", faults=1, recovery_s_p50=recovery, recovery_s_max=recovery, **figures)
 
 
 def test_trainer_killed_mid_checkpoint_and_before_commit(tmp_path, redis_server, run_id):
