@@ -25,6 +25,7 @@ written last: an interrupted save leaves no loadable folder.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -355,9 +356,10 @@ def load_hf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_hf_into(model, path: str | Path) -> None:
-    """Copy a Hugging Face folder's weights into `model` (a policy.model.Transformer of the same config)
-    one tensor at a time (cast to the parameter dtype): peak memory is the model plus one tensor."""
-    cfg = read_config(path)
+    """Copy a Hugging Face folder's weights into `model` (a policy.model.Transformer of the same config;
+    its max_seq_len may differ, the one field a run may override) one tensor at a time (cast to the
+    parameter dtype): peak memory is the model plus one tensor."""
+    cfg = dataclasses.replace(read_config(path), max_seq_len=model.cfg.max_seq_len)
     if cfg != model.cfg:
         raise ValueError(f"{path}: its config.json does not describe this model ({_differences(cfg, model.cfg)})")
     params = dict(model.named_parameters())

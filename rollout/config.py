@@ -39,6 +39,9 @@ class RolloutConfig:
     device: str = "cpu"
     """Where generation runs: "cpu" (rollout/engine.py on dequantized weights, the default) or
     "cuda" / "cuda:N" (rollout/cuda_engine.py: packed 4-bit weights, CUDA graphs, on-device sampling)."""
+    memory_fraction: float = 0.0
+    """cuda only: the share of the GPU's memory this worker may allocate (torch's caching allocator,
+    `torch.cuda.set_per_process_memory_fraction`), for processes sharing one GPU; 0 = no cap."""
     max_batch: int = 64
     """cuda only: rows per generate call (KV slots); a group's samples run in chunks of this many."""
     kv_capacity: int = 1024
@@ -63,6 +66,8 @@ class RolloutConfig:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
+        if not 0 <= self.memory_fraction <= 1:
+            errors.append(f"memory_fraction={self.memory_fraction} (want 0 < f <= 1, or 0 = no cap)")
         if self.max_batch < 1 or self.kv_capacity < 2:
             errors.append(f"max_batch={self.max_batch}, kv_capacity={self.kv_capacity} (need >= 1 and >= 2)")
         if self.policy_address:

@@ -93,6 +93,11 @@ class WorkerMetrics:
             "announced versions refused for a contract fingerprint not this worker's (versions)",
             registry=reg,
         )
+        self.publish_to_live = prom.Gauge(
+            "tandem_rollout_publish_to_live_seconds",
+            "from the trainer's pointer to the last version (published_at) until it was live here (seconds)",
+            registry=reg,
+        )
         self.staleness = prom.Gauge(
             "tandem_rollout_policy_staleness",
             "newest announced version minus the version in use, at the last group start (versions)",
@@ -124,6 +129,10 @@ class RolloutWorker:
         self.task = task
         self.recipe = recipe
         self.device = resolve_device(cfg.device)  # ValueError naming the problem when unusable
+        if self.device.type == "cuda" and cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
+            import torch
+
+            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device.index or 0)
         self.model_config = model_config
         # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine per version.
         self.model = Transformer(model_config, seed=None) if self.device.type == "cpu" else None
@@ -136,6 +145,7 @@ class RolloutWorker:
         self.expected = expected_tensors(recipe.plan(model_config))
         self.refused_versions: set[int] = set()
         self.groups_done = 0
+        self._since_swap = [0, 0, 0.0]  # groups, completion tokens, generating seconds under the version in use
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
         self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH, host=cfg.health.host)
@@ -219,7 +229,10 @@ class RolloutWorker:
                     t0 = time.perf_counter()
                     trajectories = self._rollout_group(rec.group)
                     n_tokens = sum(len(t.completion_tokens) for t in trajectories)
-                    self.metrics.tokens_per_s.set(n_tokens / max(time.perf_counter() - t0, 1e-9))
+                    gen_s = time.perf_counter() - t0
+                    self.metrics.tokens_per_s.set(n_tokens / max(gen_s, 1e-9))
+                    g = self._since_swap
+                    g[0], g[1], g[2] = g[0] + 1, g[1] + n_tokens, g[2] + gen_s
                     await queue.complete(rec, trajectories)
                     self.groups_done += 1
                     self.metrics.groups.inc()
@@ -292,14 +305,20 @@ class RolloutWorker:
         else:
             self.engine = None  # free the previous version's weights, KV cache and graphs first
             self.engine = await asyncio.to_thread(self._build_engine, fetched.tensors)
-        self.version = fetched.version
+        previous, self.version = self.version, fetched.version
+        # The pointer's published_at is the trainer's clock: exact on one machine, skewed across hosts.
+        after_publish = time.time() - pointer.published_at if pointer.published_at else float("nan")
         self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
         self.metrics.fetch_bytes.inc(fetched.stats.bytes)
         self.metrics.version.set(self.version)
+        self.metrics.publish_to_live.set(after_publish)
         self.health.set_serving(not self.stop.is_set())
+        groups, tokens, gen_s = self._since_swap
+        self._since_swap = [0, 0, 0.0]
         self.log(
             f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
-            f"{time.perf_counter() - t0:.2f}s)"
+            f"{time.perf_counter() - t0:.2f}s, {after_publish:.2f}s after publish); "
+            f"under v{previous}: {groups} groups, {tokens} tokens in {gen_s:.2f}s generating"
         )
 
     def _check_manifest(self, manifest) -> None:

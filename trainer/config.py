@@ -4,6 +4,7 @@ Each field is documented by the string below it (shown by `tandem run --explain 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from broker.health import HealthConfig
@@ -40,7 +41,10 @@ class TrainerConfig:
     backward: str = "hp"
     """QAT straight-through mode: "hp" (master weights) or "dequant" (effective operands)."""
     device: str = "cpu"
-    """Where the trainer computes: "cpu" or "cuda" (the first visible GPU of this process)."""
+    """Where the trainer computes: "cpu", "cuda" (the first visible GPU of this process) or "cuda:N"."""
+    memory_fraction: float = 0.0
+    """CUDA only: the share of the GPU's memory this process may allocate (torch's caching allocator,
+    `torch.cuda.set_per_process_memory_fraction`), for processes sharing one GPU; 0 = no cap."""
     backend: str = "torch"
     """Trainer model implementation: "torch" (policy.model.Transformer) or "megatron" (a megatron-core
     GPTModel of the same architecture, trainer/megatron_backend.py; needs device "cuda" and the
@@ -53,7 +57,9 @@ class TrainerConfig:
     """Publish a new policy version every this many optimizer steps."""
     checkpoint_every: int = 10
     """Write checkpoints/step-NNNNNN.pt every this many steps (and at the last); the consumed
-    samples are committed to Redis only then, so a crash re-delivers what the lost steps consumed."""
+    samples are committed to Redis only then, so a crash re-delivers what the lost steps consumed.
+    0 = never (benchmarks of large models: no checkpoint is written, samples are committed every
+    step, and a restarted trainer starts over)."""
     keep_checkpoints: int = 2
     """Keep the newest this many checkpoint files, delete older ones."""
     prompts_ahead: int = 0
@@ -100,11 +106,14 @@ class TrainerConfig:
             "group_size",
             "minibatches",
             "publish_every",
-            "checkpoint_every",
             "keep_checkpoints",
         ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} (must be >= 1)")
+        if self.checkpoint_every < 0:
+            errors.append(f"checkpoint_every={self.checkpoint_every} (must be >= 0; 0 = never)")
+        if not 0 <= self.memory_fraction <= 1:
+            errors.append(f"memory_fraction={self.memory_fraction} (want 0 < f <= 1, or 0 = no cap)")
         if self.group_size < 2:
             errors.append(f"group_size={self.group_size} (GRPO needs >= 2 samples per prompt)")
         if self.minibatches >= 1 and self.groups_per_step * self.group_size % self.minibatches:
@@ -120,13 +129,13 @@ class TrainerConfig:
             errors.append(f"tis_cap={self.tis_cap} (must be >= 1)")
         if self.backward not in ("hp", "dequant"):
             errors.append(f"backward={self.backward!r} (hp or dequant)")
-        if self.device not in ("cpu", "cuda"):
-            errors.append(f"device={self.device!r} (cpu or cuda)")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda|cuda:\d+", self.device):
+            errors.append(f"device={self.device!r} (cpu, cuda or cuda:N)")
         if self.dtype not in ("bfloat16", "float32"):
             errors.append(f"dtype={self.dtype!r} (bfloat16 or float32)")
         if self.backend not in ("torch", "megatron"):
             errors.append(f"backend={self.backend!r} (torch or megatron)")
-        elif self.backend == "megatron" and self.device != "cuda":
+        elif self.backend == "megatron" and not self.device.startswith("cuda"):
             errors.append(
                 f"backend='megatron' needs device='cuda' (got {self.device!r}): its GPTModel runs on CUDA only"
             )

@@ -110,6 +110,7 @@ class Batch:
     at_version: torch.Tensor  # each sample's own version
     started: float  # perf_counter at the start of the step
     known: torch.Tensor | None = None  # [B] bool: rows whose version's weights are held (at_version valid)
+    recompute_s: float = 0.0  # seconds the recompute took (older versions' weights loaded included)
 
 
 class Trainer:
@@ -156,6 +157,8 @@ class Trainer:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("trainer.device='cuda' but torch sees no CUDA device")
+        if self.device.type == "cuda" and cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
+            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device.index or 0)
         # bf16 autocast on CUDA: the effective operands of every quantized format are exact in bf16
         # (DESIGN.md "Compute contract"); master weights and optimizer state stay fp32.
         self.autocast = torch.autocast(
@@ -217,6 +220,7 @@ class Trainer:
         # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
         self._rejected: list[tuple[TrajectoryRecord, str]] = []
         self._consumed: list[TrajectoryRecord] = []  # consumed by the _collect in progress
+        self._publish_s = self._snapshot_s = 0.0  # seconds the last snapshot (+ publish) took (metrics)
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -253,14 +257,19 @@ class Trainer:
         try:
             await self._restore_or_warm_start()
             await self._reconcile_prompts()
+            t_publish = time.perf_counter()
             await self._publish()
+            self._publish_s = time.perf_counter() - t_publish
             while self.state.step < self.cfg.max_steps and not self._stop.is_set():
+                t_collect = time.perf_counter()
                 await self._feed_prompts()
                 groups, records = await self._collect()
                 if groups is None:  # stop requested while collecting: what it dropped is consumed
                     self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in self._consumed]
                     break
+                collect_s = time.perf_counter() - t_collect
                 row = self.optimize(self.recompute_logprobs(groups))
+                row.update(collect_s=collect_s, publish_s=self._publish_s, snapshot_s=self._snapshot_s)
                 self.state.step += 1
                 self.state.samples += row["samples"]
                 self.state.completion_tokens += row["completion_tokens"]
@@ -275,16 +284,20 @@ class Trainer:
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
                 self.metrics.write(row)
                 self._audit(groups)
-                if self.state.step % self.cfg.checkpoint_every == 0 or last:
+                if not self.cfg.checkpoint_every or self.state.step % self.cfg.checkpoint_every == 0 or last:
                     await self._checkpoint_and_commit()
                 if publish:
+                    t_publish = time.perf_counter()
                     self._snapshot()
+                    self._snapshot_s = time.perf_counter() - t_publish
                     await self._publish()
+                    self._publish_s = time.perf_counter() - t_publish
                 self.log(self._progress_line(row))
-            if self.state.step > self._ckpt_step or self.state.pending_commit:  # keep what was done
-                await self._checkpoint_and_commit()
+            if (self.cfg.checkpoint_every and self.state.step > self._ckpt_step) or self.state.pending_commit:
+                await self._checkpoint_and_commit()  # keep what was done
             if self._stop.is_set():
-                self.log(f"stopped at step {self.state.step} (checkpoint step-{self._ckpt_step:06d}.pt)")
+                where = f"checkpoint step-{self._ckpt_step:06d}.pt" if self.cfg.checkpoint_every else "no checkpoints"
+                self.log(f"stopped at step {self.state.step} ({where})")
             return 0
         finally:
             self.health.stop()
@@ -301,7 +314,8 @@ class Trainer:
         )
 
     async def _checkpoint_and_commit(self) -> None:
-        self._save_checkpoint()
+        if self.cfg.checkpoint_every:  # 0 = never: commit alone (no resume)
+            self._save_checkpoint()
         fault_point("before_commit", self.state.step)
         await self._commit()
 
@@ -345,9 +359,10 @@ class Trainer:
             self._snapshot()
             self.log(f"resumed from {path}: step {self.state.step}, version {self.state.version}")
             return
+        t0 = time.perf_counter()
         if self.init_weights is not None:
             self.init_weights(self.model)
-            self.log("initial weights loaded")
+            self.log(f"initial weights loaded ({time.perf_counter() - t0:.1f}s)")
         if self.cfg.warmstart_steps:
             warm_start(
                 self.model,
@@ -360,7 +375,8 @@ class Trainer:
             )
         self.state.version = self._weights_version = 1
         self._snapshot()
-        self._save_checkpoint()
+        if self.cfg.checkpoint_every:
+            self._save_checkpoint()
         qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
 
     def _audit(self, groups: list[list[Trajectory]]) -> None:
@@ -376,12 +392,23 @@ class Trainer:
             f.write(json.dumps(line) + "\n")
 
     def _snapshot(self) -> None:
-        # On the CPU: a GPU keeps its memory for the model (older versions are loaded into `scratch` on demand).
-        self.snapshots[self.state.version] = {
-            n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()
-        }
-        for v in [v for v in self.snapshots if v < self.state.version - self.max_staleness]:
-            del self.snapshots[v]
+        """Keep the current weights as version `state.version` (for the mismatch split), dropping
+        versions older than max_staleness. On the CPU: a GPU keeps its memory for the model (older
+        versions are loaded into `scratch` on demand). The copy goes into a dropped version's tensors
+        when there is one: fresh host memory costs a page fault per page (several seconds per copy of
+        a 4B-parameter model, docs/benchmarks.md), memory written before does not."""
+        v = self.state.version
+        dropped = sorted(k for k in self.snapshots if k < v - self.max_staleness and k != v)
+        reuse = self.snapshots.pop(dropped[0]) if dropped else None
+        for k in dropped[1:]:
+            del self.snapshots[k]
+        params = self.model.named_parameters()
+        if reuse is None:
+            self.snapshots[v] = {n: p.detach().to("cpu", copy=True) for n, p in params}
+        else:
+            for n, p in params:
+                reuse[n].copy_(p.detach())
+            self.snapshots[v] = reuse
 
     def _save_checkpoint(self) -> None:
         """checkpoints/step-NNNNNN.pt, atomically (temporary file, fsync, rename, fsync of the
@@ -629,7 +656,12 @@ class Trainer:
                 at_version[rows] = self.scratch.token_logprobs(
                     tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
                 )
-        return Batch(tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0, known=known)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # recompute_s is device time, not launch time
+        return Batch(
+            tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0,
+            known=known, recompute_s=time.perf_counter() - t0,
+        )  # fmt: skip
 
     def optimize(self, b: Batch) -> dict:
         """The GRPO update over `minibatches` shuffled minibatches; returns the step's metrics row."""
@@ -675,6 +707,7 @@ class Trainer:
             "samples": len(b.rewards),
             "completion_tokens": n_tokens,
             "step_time_s": time.perf_counter() - b.started,
+            "recompute_s": b.recompute_s,
             "rollout_recipe": self.rollout_recipe.name,
             "contract_breaking": self.contract_breaking,
         }

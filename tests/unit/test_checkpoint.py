@@ -4,6 +4,7 @@ transformers, saved with save_pretrained, loaded by load_hf -> Tandem's logits e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -248,3 +249,19 @@ def test_model_checkpoint_in_the_run_config(tmp_path):
     )
     with pytest.raises(ValueError, match="more than the checkpoint's vocab_size 67"):
         model_config_for(ModelSection(checkpoint=str(tmp_path)), vocab_size=100)
+
+
+def test_load_hf_into_a_model_whose_max_seq_len_was_overridden(tmp_path):
+    # model.overrides may set max_seq_len with model.checkpoint (services.model_config_for): the
+    # trainer's Transformer then differs from config.json in that field alone, and loads the weights.
+    from policy.checkpoint import load_hf_into
+
+    cfg = ModelConfig.preset("tiny", shared_expert_ffn_dim=0, n_layers=1)
+    source = Transformer(cfg, seed=3)
+    save_hf(tmp_path, cfg, source.named_parameters(), dtype=torch.float32)
+    target = Transformer(dataclasses.replace(cfg, max_seq_len=64), seed=4)
+    load_hf_into(target, tmp_path)
+    for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="does not describe this model .*dim: 128 vs 64"):
+        load_hf_into(Transformer(dataclasses.replace(cfg, dim=64), seed=4), tmp_path)

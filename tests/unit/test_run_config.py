@@ -42,7 +42,10 @@ def test_demo_config_loads_and_overrides_apply():
         ("trainer.lr=[1,2", r"override trainer.lr: YAML syntax error .*line 1"),
         ("trainer.lr=" + "[" * 3000, "override trainer.lr: YAML nested too deeply"),
         ("model.overrides={a: {b: {c: {d: {e: {f: {g: {h: {i: {j: 1}}}}}}}}}}", "nested deeper than 8"),
-        ("trainer.checkpoint_every=0", r"checkpoint_every=0 \(must be >= 1\)"),
+        ("trainer.checkpoint_every=-1", r"checkpoint_every=-1 \(must be >= 0; 0 = never\)"),
+        ("trainer.memory_fraction=1.5", r"memory_fraction=1.5 \(want 0 < f <= 1, or 0 = no cap\)"),
+        ("rollout.memory_fraction=-0.1", r"memory_fraction=-0.1"),
+        ("trainer.device=gpu", r"device='gpu' \(cpu, cuda or cuda:N\)"),
         ("rollout.metrics_port=70000", "metrics_port=70000"),
     ],
 )
@@ -175,3 +178,15 @@ def test_the_trainer_refuses_a_backend_it_does_not_run(tmp_path):
     cfg = config.load("configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cuda"])
     with pytest.raises(ValueError, match="trainer.backend='megatron': the trainer service runs the torch backend"):
         make_trainer(cfg, tmp_path)
+
+
+def test_gpu_h200_config_loads_and_shares_one_gpu():
+    # configs/gpu-h200.yaml: trainer and 2 workers on one GPU, their memory caps leaving room for
+    # three CUDA contexts; no checkpoints (52 GB each at this size), no reflection (not on the image).
+    cfg = config.load("configs/gpu-h200.yaml")
+    assert cfg.trainer.device == "cuda" and cfg.rollout.device == "cuda" and cfg.num_rollout_workers == 2
+    total = cfg.trainer.memory_fraction + cfg.num_rollout_workers * cfg.rollout.memory_fraction
+    assert 0 < cfg.rollout.memory_fraction and 0.9 <= total <= 0.97
+    assert cfg.trainer.checkpoint_every == 0 and cfg.trainer.grpc_reflection is False
+    assert cfg.model.checkpoint and cfg.recipe == "nvfp4_moe" and cfg.task.name == "jsonl"
+    assert cfg.rollout.max_batch == cfg.trainer.group_size  # one group per generate call, one graph

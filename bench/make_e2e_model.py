@@ -1,0 +1,106 @@
+"""Write the Hugging Face folder that configs/gpu-h200.yaml trains (its `model.checkpoint`).
+
+    python3 bench/make_e2e_model.py --config configs/gpu-h200.yaml [--layers 6] [--warmstart-steps 30]
+
+The model is a preset's widths (default Qwen3-30B-A3B: 4.36B parameters at 6 layers) cut to
+`--layers`, RANDOM INIT (no weights can be downloaded on the GPU machine; say so wherever its
+numbers are quoted), then `--warmstart-steps` supervised steps on the run config's task (its
+reference answers, trainer/warmstart.py, bf16 autocast on CUDA) so that GRPO has some reward signal,
+saved in bf16 with policy.checkpoint.save_hf. The folder gets `tandem_e2e.json` with these
+arguments: a second call with the same arguments reuses the folder instead of writing it again.
+Simplified: no schedule, no evaluation; this is a fixture for system measurements, not a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from policy.checkpoint import save_hf
+from policy.model import ModelConfig, Transformer
+from rollout.tasks import make_task
+from tandem import config as run_config
+from trainer.warmstart import warm_start
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/gpu-h200.yaml", help="run config: its task, seed and checkpoint path")
+    ap.add_argument("--out", help="folder to write (default: the config's model.checkpoint)")
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--override", action="append", default=[], metavar="FIELD=INT",
+                    help="a ModelConfig field (e.g. dim=128 for a CPU dry run); repeatable")  # fmt: skip
+    ap.add_argument("--warmstart-steps", type=int, default=120)
+    ap.add_argument("--warmstart-batch", type=int, default=64)
+    ap.add_argument("--warmstart-lr", type=float, default=5e-4)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+
+    cfg = run_config.load(args.config, [])
+    out = Path(args.out or cfg.model.checkpoint)
+    if not str(out):
+        print(f"make_e2e_model: {args.config} names no model.checkpoint; pass --out", file=sys.stderr)
+        return 2
+    fields = {}
+    for item in args.override:
+        key, _, value = item.partition("=")
+        if not value.lstrip("-").isdigit():
+            print(f"make_e2e_model: --override {item!r} is not FIELD=INT", file=sys.stderr)
+            return 2
+        fields[key] = int(value)
+    model_config = ModelConfig.preset(args.preset, n_layers=args.layers, **fields)
+    task = make_task(cfg.task, seed=cfg.loop.seed)
+    if task.tokenizer.vocab_size > model_config.vocab_size:
+        print(f"make_e2e_model: the tokenizer has {task.tokenizer.vocab_size} tokens, the model "
+              f"{model_config.vocab_size}", file=sys.stderr)  # fmt: skip
+        return 2
+    recipe = {k: v for k, v in vars(args).items() if k not in ("config", "out", "device")}
+    recipe.update(model=model_config.to_dict(), task=cfg.task.path, seed=cfg.loop.seed, init="random")
+    recipe = json.loads(json.dumps(recipe))  # as it reads back (tuples become lists)
+    marker = out / "tandem_e2e.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("args") == recipe:
+        print(f"[make_e2e_model] {out} is up to date ({model_config.num_parameters() / 1e9:.2f}B parameters)")
+        return 0
+
+    t0 = time.perf_counter()
+    device = torch.device(args.device)
+    with device:
+        model = Transformer(model_config, seed=cfg.loop.seed)
+    print(f"[make_e2e_model] {args.preset} x{args.layers} layers, {model_config.num_parameters() / 1e9:.2f}B "
+          f"parameters, random init on {device} ({time.perf_counter() - t0:.1f}s)", flush=True)  # fmt: skip
+    if args.warmstart_steps:
+        rng = random.Random(cfg.loop.seed + 17)
+
+        def example():
+            p = task.example(rng)
+            return p.tokens, p.reference
+
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            losses = warm_start(
+                model,
+                example,
+                steps=args.warmstart_steps,
+                batch=args.warmstart_batch,
+                lr=args.warmstart_lr,
+                pad_id=task.tokenizer.pad_id,
+                log=lambda s: print(f"[make_e2e_model] {s}", flush=True),
+            )
+    t1 = time.perf_counter()
+    marker.unlink(missing_ok=True)  # a folder half rewritten is never taken as up to date
+    save_hf(out, model_config, model.named_parameters(), metadata={"tandem_init": "random + warm start"})
+    final_loss = round(losses[-1], 4) if args.warmstart_steps else None
+    marker.write_text(json.dumps({"args": recipe, "warmstart_final_loss": final_loss}, indent=2) + "\n")
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"[make_e2e_model] wrote {out}: {size / 1e9:.2f} GB of bf16 safetensors in {time.perf_counter() - t1:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

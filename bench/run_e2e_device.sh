@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Tandem end to end on one GPU (issue 18): `tandem run configs/gpu-h200.yaml` (trainer + 2 rollout
+# workers + a private redis-server, policy gRPC on loopback) for a bounded number of steps, then
+# the same synchronously (loop.max_staleness=0) and with the bf16 recipe; one report.
+#
+#   bash bench/run_e2e_device.sh                     # on the GPU machine, from the repository root
+#   RUNS="async sync" STEPS=12 bash bench/run_e2e_device.sh
+#   E2E_SMALL=1 bash bench/run_e2e_device.sh         # CPU dry run of the same path: tiny model, 3 steps
+#
+# What it needs besides the checkout (a machine without internet, e.g. the H200 image, which has
+# torch, triton, grpcio, protobuf, msgpack, xxhash, uvloop, tokenizers, safetensors, prometheus-client):
+#   - redis-server 7.0+ on PATH, or Debian 12's packages in $E2E_PKGS (default ../.extra18), unpacked
+#     here with `dpkg -x` (the binary runs on Ubuntu 24.04 with LD_LIBRARY_PATH pointing at them):
+#       apt-get update && apt-get download redis-server redis-tools libjemalloc2 liblzf1
+#     (redis-server 7.0.15-1~deb12u10, redis-tools of the same version, libjemalloc2 5.3.0-1, liblzf1 3.6-3);
+#   - redis-py, if `import redis` fails: redis-8.1.0-py3-none-any.whl in $E2E_PKGS
+#       (pip download --no-deps redis==8.1.0);
+#   - grpcio-health-checking, if missing: its wheel, installed before this script (the device
+#     tool's .whl folder); grpcio-reflection is not needed (the config turns reflection off).
+# Writes the HF folder (bench/make_e2e_model.py: random init + a short warm start; reused when up to
+# date), runs each of $RUNS into $E2E_DIR/<run>, samples the GPU (nvidia-smi: utilization every
+# 200 ms, memory per process every 2 s), then bench/e2e_report.py. $OUT gets report.md,
+# report.json and <run>.tar.gz per run (its metrics.jsonl, audit.jsonl, config.yaml, plots, logs,
+# GPU samples and the model's tandem_e2e.json), written as each run ends; the device tool brings
+# back only a few files, hence the archives.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-/tmp/tandem-e2e-out}
+E2E_DIR=${E2E_DIR:-/tmp/tandem-e2e}
+E2E_PKGS=${E2E_PKGS:-../.extra18}
+RUNS=${RUNS:-async sync bf16}
+RUN_TIMEOUT=${RUN_TIMEOUT:-420}   # seconds per run at most
+BUDGET_S=${BUDGET_S:-0}           # > 0: the whole script's seconds; runs are cut (SIGINT) to end within it
+T0=$(date +%s)
+mkdir -p "$OUT" "$E2E_DIR"
+CONFIG=configs/gpu-h200.yaml
+if [ "${E2E_SMALL:-0}" = 1 ]; then  # the same launch path on the CPU with a tiny model
+  STEPS=${STEPS:-3}
+  MODEL=${MODEL:-$E2E_DIR/model-tiny}
+  MAKE_ARGS=(--preset tiny --layers 2 --override shared_expert_ffn_dim=0 --warmstart-steps 20 --warmstart-lr 3e-3 --device cpu)
+  DEVICE_ARGS=(trainer.device=cpu rollout.device=cpu trainer.memory_fraction=0 rollout.memory_fraction=0
+               task.max_new_tokens=6 model.overrides.max_seq_len=64 trainer.collect_timeout_s=120)
+else
+  STEPS=${STEPS:-8}
+  MODEL=${MODEL:-$E2E_DIR/model-qwen3-30b-a3b-6l}
+  MAKE_ARGS=(--layers "${LAYERS:-6}")
+  DEVICE_ARGS=()
+fi
+
+# --- redis-server and redis-py ------------------------------------------------------------------
+if ! command -v redis-server >/dev/null 2>&1; then
+  root=/tmp/tandem-redis-root
+  mkdir -p "$root/bin"
+  for f in "$E2E_PKGS"/*.deb; do dpkg -x "$f" "$root" || exit 1; done
+  # A wrapper keeps LD_LIBRARY_PATH out of every other process; argv[0] must end in redis-server
+  # (Debian's redis-server is a link to redis-check-rdb, which acts on the name it is called by).
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/usr/lib/x86_64-linux-gnu exec %s/usr/bin/redis-server "$@"\n' \
+    "$root" "$root" > "$root/bin/redis-server"
+  chmod +x "$root/bin/redis-server"
+  export PATH=$root/bin:$PATH
+fi
+redis-server --version || { echo "run_e2e_device: redis-server does not run" >&2; exit 1; }
+if ! "$PYTHON" -c "import redis" 2>/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$E2E_PKGS"/redis-*.whl || exit 1
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+"$PYTHON" -c "import grpc, google.protobuf, torch, redis; print('torch', torch.__version__, 'grpcio', grpc.__version__, \
+'protobuf', google.protobuf.__version__, 'redis-py', redis.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/versions.txt"
+command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/versions.txt"
+
+# --- the model ------------------------------------------------------------------------------------
+"$PYTHON" bench/make_e2e_model.py --config "$CONFIG" --out "$MODEL" "${MAKE_ARGS[@]}" 2>&1 | tee "$OUT/make_model.log"
+[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+
+# --- the runs -------------------------------------------------------------------------------------
+gpu_procs() {  # memory per process every 2 s, by role (trainer / --worker-id wN), until killed
+  while sleep 2; do
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
+      while IFS=', ' read -r pid mem; do
+        role=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -o 'trainer\|--worker-id [^ ]*' | head -1)
+        echo "$(date +%s),${role:-pid $pid},$mem"
+      done
+  done
+}
+status=0
+for run in $RUNS; do
+  case $run in
+    async) extra=() ;;
+    sync) extra=(loop.max_staleness=0) ;;
+    bf16) extra=(recipe=bf16) ;;
+    *) echo "run_e2e_device: unknown run $run (async, sync, bf16)" >&2; exit 2 ;;
+  esac
+  dir=$E2E_DIR/$run
+  limit=$RUN_TIMEOUT
+  if [ "$BUDGET_S" -gt 0 ]; then
+    left=$(( BUDGET_S - ($(date +%s) - T0) - 25 ))  # 25 s for the report and the archives
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 60 ]; then echo "=== $run: skipped, ${left}s of BUDGET_S left"; continue; fi
+  fi
+  rm -rf "$dir" && mkdir -p "$dir"
+  samplers=()
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 |
+      while IFS= read -r line; do echo "$(date +%s.%N),$line"; done > "$dir/gpu_util.csv" &
+    samplers+=($!)
+    gpu_procs > "$dir/gpu_procs.csv" &
+    samplers+=($!)
+  fi
+  echo "=== $run: tandem run $CONFIG trainer.max_steps=$STEPS ${extra[*]} ${DEVICE_ARGS[*]}"
+  start=$(date +%s)
+  timeout -s INT -k 60 "$limit" "$PYTHON" -m tandem.cli run "$CONFIG" --run-dir "$dir" model.checkpoint="$MODEL" \
+    trainer.max_steps="$STEPS" "${extra[@]}" "${DEVICE_ARGS[@]}" 2>&1 | tee "$dir/launcher.log"
+  rc=${PIPESTATUS[0]}
+  for p in "${samplers[@]}"; do kill "$p" 2>/dev/null; done  # nvidia-smi then ends on its closed pipe
+  echo "=== $run: exit $rc after $(( $(date +%s) - start )) s (limit ${limit} s)"
+  [ "$rc" = 0 ] || status=1
+  cp "$MODEL/tandem_e2e.json" "$dir/model.json"
+  # shellcheck disable=SC2086
+  tar -czf "$OUT/$run.tar.gz" -C "$E2E_DIR" --exclude=redis --exclude=checkpoints --exclude=run.secret "$run"
+done
+
+# --- report ---------------------------------------------------------------------------------------
+dirs=()
+for run in $RUNS; do [ -d "$E2E_DIR/$run" ] && dirs+=("$E2E_DIR/$run"); done
+"$PYTHON" bench/e2e_report.py "${dirs[@]}" --sync sync --json "$OUT/report.json" | tee "$OUT/report.md"
+exit $status

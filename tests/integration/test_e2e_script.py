@@ -1,0 +1,53 @@
+"""bench/run_e2e_device.sh end to end on the CPU (E2E_SMALL=1): the GPU run's launch path with a tiny
+model. It writes the Hugging Face folder, runs `tandem run configs/gpu-h200.yaml` (real redis-server,
+trainer and 2 rollout worker processes, gRPC on loopback) and reports; this checks that every
+figure docs/benchmarks.md quotes from the H200 run is produced."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
+def test_run_e2e_script_small_on_cpu(tmp_path):
+    env = {
+        **os.environ,
+        "E2E_SMALL": "1",
+        "RUNS": "async",
+        "STEPS": "3",
+        "E2E_DIR": str(tmp_path / "runs"),
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),
+    }
+    proc = subprocess.run(
+        ["bash", "bench/run_e2e_device.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (report,) = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["steps"] == 3 and report["recipe"] == "nvfp4_moe" and report["max_staleness"] == 2
+    assert report["dropped_fingerprint"] == 0 and report["invalid"] == 0
+    assert sorted(report["workers"]) == ["w0", "w1"]  # each swapped versions and said what it generated
+    assert sum(w["tokens"] for w in report["workers"].values()) > 0
+    assert report["publish_to_live_median_s"] is not None and report["publish_to_live_median_s"] >= 0
+    assert report["train_per_step_s"] >= report["step_time_s"] > 0
+    assert 0 <= report["logp_abs_diff_quant"] < 1e-3  # the contract: QAT and packed weights agree
+    with tarfile.open(tmp_path / "out" / "async.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"async/metrics.jsonl", "async/logs/trainer.log", "async/reward.png", "async/model.json"} <= names
+    assert not any("run.secret" in n or "/redis" in n for n in names)  # no secret, no AOF in the archive
+    row = json.loads((tmp_path / "runs" / "async" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"collect_s", "publish_s", "snapshot_s", "recompute_s"} <= set(row)
+    assert not (tmp_path / "runs" / "async" / "checkpoints").exists()  # trainer.checkpoint_every: 0
