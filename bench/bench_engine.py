@@ -11,11 +11,26 @@ For each recipe (bf16, nvfp4_moe, int4_qat; the same random-init model) in one r
 - sampling cost at batch 64 (the fused sampler alone, as a % of the T=1 step);
 - prefill tokens/s (all rows of the largest batch, one forward);
 - logp_abs_diff_quant: |engine behavior log-prob - the trainer's QAT recompute| (policy.qat on the
-  same GPU, same sequences) per completion token, median and mean; the bf16 recipe's is float noise.
+  same GPU, same sequences; the same prompts and seeds for every recipe) per completion token,
+  median and mean; the bf16 recipe's is float noise.
 
 Targets (issue 16) are printed met/missed at the end.
 
     python3 bench/bench_engine.py [--layers 6] [--batches 1,16,64,256] [--steps 64] [--json out.json]
+
+`--continuous`: instead, continuous batching (rollout/batching.py) against static batching on the
+same engine and the same work, at temperature 1: --groups groups of --group-size samples, prompts
+of 16..2*prompt_len tokens, each sample's length drawn from [--min-new, --max-new] (a per-sample
+token budget standing in for EOS at varied points), --max-inflight-groups groups in flight in
+--slots KV slots (default group_size * max_inflight_groups: then no queued sample can take a slot
+freed early, since a group stays in flight until its longest sample ends; more groups than
+slots / group_size let freed slots be refilled). Static: `generate`-style batches of 1 group (the
+worker before continuous batching) and of slots / group_size groups (as many rows as the slots),
+each decoding until its longest sample ends. Completion tokens/s over wall time (host clock
+around the whole run, CUDA synchronized), GPU busy (profiler kernel time of a second, identical
+run over that wall time), and the full-slot decode rate (graph replays at batch = slots) for scale.
+
+    python3 bench/bench_engine.py --continuous [--recipes nvfp4_moe] [--groups 32 --group-size 8]
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ from policy import qat
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout import sampling
+from rollout.batching import ContinuousBatcher, PackedBackend
 from rollout.cuda_engine import EngineConfig, PackedEngine
 
 
@@ -90,9 +106,14 @@ def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
     def nbytes(*ts):
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
+    def op_bytes(o):
+        return nbytes(o.values, o.scale, o.block_scale)
+
     def lin_bytes(lin):
         if lin.weight is not None:
             return nbytes(lin.weight)
+        if lin.packed is None:
+            return op_bytes(lin.w)
         p = lin.packed
         return nbytes(p.codes, p.scales, p.global_scale)
 
@@ -110,8 +131,10 @@ def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
             per = (nbytes(ex.gu.codes, ex.gu.scales, ex.gu.global_scale) + nbytes(ex.dn.codes, ex.dn.scales)) / (
                 cfg.n_experts
             )
-        else:
+        elif ex.plain:
             per = nbytes(ex.w_gu, ex.w_dn) / cfg.n_experts
+        else:
+            per = sum(op_bytes(o) for o in ex.op_gu + ex.op_dn) / cfg.n_experts
         total += touched * per
         if L.shared is not None:
             total += sum(lin_bytes(x) for x in L.shared)
@@ -207,9 +230,10 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
     ms = events_ms(lambda: eng.prefill(pp, seeds=list(range(Bp)), temperature=1.0, stop=set(), pad_id=0))
     out["prefill"] = {"batch": Bp, "tokens": Bp * args.prompt_len, "ms": ms, "tok_s": Bp * args.prompt_len / ms * 1e3}
     print(f"  {name:10s} prefill {Bp}x{args.prompt_len}: {ms:.1f} ms, {out['prefill']['tok_s']:.0f} tok/s", flush=True)
-    # Mismatch against the trainer's QAT recompute of the same sequences.
+    # Mismatch against the trainer's QAT recompute of the same sequences: every recipe gets the same
+    # prompts and seeds (its own generator), so the recipes' medians compare like with like.
     Bm, new = args.mismatch_batch, args.mismatch_tokens
-    pm = torch.randint(0, cfg.vocab_size, (Bm, args.prompt_len), generator=gen).tolist()
+    pm = torch.randint(0, cfg.vocab_size, (Bm, args.prompt_len), generator=torch.Generator().manual_seed(7)).tolist()
     g = eng.generate(pm, max_new_tokens=new, temperature=1.0, seeds=list(range(1000, 1000 + Bm)))
     eng = None  # free its weights and KV cache before the QAT recompute
     torch.cuda.empty_cache()
@@ -231,6 +255,88 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
     return out
 
 
+def run_continuous(name, model, cfg, args, gen) -> dict:
+    """Continuous vs static batching on one engine (module docstring, `--continuous`)."""
+    dev = model.lm_head.weight.device
+    plan = Recipe.load(name).plan(model)
+    packed = qat.quantize_weights(model, plan)
+    n, G, inflight = args.group_size, args.groups, args.max_inflight_groups
+    slots = args.slots or n * inflight
+    work = []
+    for _ in range(G):
+        plen = int(torch.randint(16, 2 * args.prompt_len + 1, (1,), generator=gen))
+        prompt = torch.randint(0, cfg.vocab_size, (plen,), generator=gen).tolist()
+        work.append((prompt, torch.randint(args.min_new, args.max_new + 1, (n,), generator=gen).tolist()))
+    cap = max(len(p) for p, _ in work) + args.max_new + 1
+    buckets = tuple(b for b in (8, 16, 32, 64, 128, 256) if n <= b < slots) + (slots,)
+    eng = PackedEngine(
+        cfg, plan, packed, device=dev, engine=EngineConfig(max_batch=slots, max_seq_len=cap, graph_buckets=buckets)
+    )
+    del packed
+    eng.capture()
+
+    def seeds(g):
+        return [1000 * g + i for i in range(n)]
+
+    def continuous() -> int:
+        b = ContinuousBatcher(
+            PackedBackend(eng, temperature=1.0, stop=set(), pad_id=0, check_every=args.check_every),
+            max_inflight_groups=inflight,
+            version=0,
+        )
+        todo, tokens = list(range(G)), 0
+        while todo or not b.idle:
+            while todo and b.can_submit():
+                g = todo.pop(0)
+                b.submit(g, work[g][0], seeds(g), max_new_tokens=work[g][1])
+            for r in b.step():
+                tokens += sum(len(t) for t in r.tokens)
+        return tokens
+
+    def static(k: int) -> int:
+        tokens = 0
+        for g0 in range(0, G, k):
+            chunk = range(g0, min(G, g0 + k))
+            budgets = [m for g in chunk for m in work[g][1]]
+            nb = eng.prefill(
+                [work[g][0] for g in chunk],
+                seeds=[s for g in chunk for s in seeds(g)],
+                temperature=1.0,
+                stop=set(),
+                pad_id=0,
+                n_samples=n,
+                max_new_tokens=budgets,
+            )
+            eng.decode(nb, max(budgets) - 1)
+            tokens += int(eng.lengths[: len(budgets)].sum())
+        return tokens
+
+    out = {"recipe": name, "groups": G, "group_size": n, "max_inflight_groups": inflight, "slots": slots, "modes": {}}
+    ks = max(1, slots // n)  # static batches of as many whole groups as the slots hold
+    for mode, fn in (("continuous", continuous), (f"static_{ks}_groups", lambda: static(ks)),
+                     ("static_1_group", lambda: static(1))):  # fmt: skip
+        if mode == "continuous":
+            fn()  # warm: Triton kernels for the prefill shapes, allocator (the static runs reuse them)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tokens = fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        busy = kernel_ms(fn) / 1e3 / wall
+        out["modes"][mode] = {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "gpu_busy": busy}
+        print(f"  {name:10s} {mode:18s} {tokens:7d} tokens {wall:7.3f} s {tokens / wall:9.0f} tok/s busy {busy:.0%}",
+              flush=True)  # fmt: skip
+    nb = eng.prefill([work[0][0]] * slots, seeds=list(range(slots)), temperature=1.0, stop=set(), pad_id=0)
+    eng.decode(nb, 2, check_every=2)
+    ms = events_ms(lambda: eng.decode(nb, 32, check_every=32)) / 32
+    out["full_slots_decode"] = {"batch": slots, "ms_step": ms, "tok_s": slots * 1e3 / ms}
+    c = out["modes"]["continuous"]["tok_s"]
+    print(f"  {name:10s} decode at batch {slots} (graph replays): {slots * 1e3 / ms:9.0f} tok/s; continuous is "
+          f"{c / (slots * 1e3 / ms):.0%} of it, {c / out['modes']['static_1_group']['tok_s']:.2f}x static per group, "
+          f"{c / out['modes'][f'static_{ks}_groups']['tok_s']:.2f}x static {ks} groups", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -247,6 +353,14 @@ def main() -> None:
     ap.add_argument("--no-fuse", action="store_true", help="decode glue unfused (EngineConfig.fuse=False)")
     ap.add_argument("--attention", default="auto", help="EngineConfig.attention: auto | triton | torch")
     ap.add_argument("--json", default="")
+    ap.add_argument("--continuous", action="store_true", help="continuous vs static batching instead (docstring)")
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-inflight-groups", type=int, default=8)
+    ap.add_argument("--min-new", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--check-every", type=int, default=8, help="continuous: decode steps between host looks")
+    ap.add_argument("--slots", type=int, default=0, help="continuous: KV slots (0: group_size * max_inflight_groups)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     if args.dense:  # Qwen3-8B widths (HF config.json), cut to --layers layers
@@ -278,11 +392,15 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "args": vars(args), "recipes": []}
     for name in args.recipes.split(","):
-        results["recipes"].append(run_recipe(name, model, cfg, args, bw, gen))
+        if args.continuous:
+            results["recipes"].append(run_continuous(name, model, cfg, args, gen))
+        else:
+            results["recipes"].append(run_recipe(name, model, cfg, args, bw, gen))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
-    report(results)
+    if not args.continuous:
+        report(results)
 
 
 def report(results: dict) -> None:

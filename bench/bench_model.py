@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from policy.model import _PLAIN, ModelConfig, Transformer
-from policy.qat import apply_qat, install_activation_quant, load_packed, quantize_weights, remove_qat
+from policy.qat import apply_qat, install_packed, quantize_weights, remove_qat
 from policy.recipe import BUILTINS, Recipe
 from rollout.engine import generate
 
@@ -105,8 +105,7 @@ def main() -> None:
     prompts = [p[: 8 + (i * 7) % 25] for i, p in enumerate(prompts)]  # ragged: left padding in play
     rollout = Transformer(cfg, seed=0)
     r = Recipe.load("nvfp4_moe")
-    load_packed(rollout, quantize_weights(model, r))
-    install_activation_quant(rollout, r)
+    install_packed(rollout, r, quantize_weights(model, r))
 
     def gen(m):
         return lambda: generate(m, prompts, max_new_tokens=args.new_tokens, seeds=range(len(prompts)))

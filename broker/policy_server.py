@@ -13,13 +13,15 @@ Published versions are immutable: publishing a version again with the same conte
 no-op, with different content a ValueError; versions must increase. The last `keep_versions`
 are held in memory.
 
-Why FetchTensors is fast: at publish, every chunk's response message (`TensorChunk`) is
-serialized once; FetchTensors then writes those bytes as they are (the method is registered
-with an identity serializer), so a fetch costs no protobuf work and no Python-level copy. The
-chunk payload is the tail of its message (field 15 is appended after the other fields), and
-the server keeps a memoryview of it, so the policy bytes are held once. A TP shard layout is
-cut lazily on first request (in a worker thread), cached per (version, tp_rank, tp_size), and
-reuses the full layout's messages for tensors a shard does not cut (replicated ones).
+Why FetchTensors is fast: a version is held as its chunks' response messages (`TensorChunk`),
+pre-framed back to back in one host buffer (broker.frames), so a fetch costs no protobuf work:
+each message is a slice of the buffer, handed to gRPC as `bytes` (grpcio takes nothing else and
+copies it once more itself). The trainer frames a version straight into a pooled, page-locked buffer
+(`publish(FramedPolicy)`: no host copy at publish); a `PackedPolicy` is copied into a new framed
+buffer once. The buffer of a `FramedPolicy` goes back to its pool when the version is evicted and no
+stream or shard cut still reads it. A TP shard layout is cut lazily on first request (in a worker
+thread), cached per (version, tp_rank, tp_size), and reuses the full layout's messages for tensors a
+shard does not cut (replicated ones).
 
 Requests are parsed by the handlers themselves (raw bytes in), so malformed or oversized
 requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL. Requests
@@ -41,23 +43,20 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import xxhash
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from broker.frames import FramedPolicy, TensorFrames, frame_buffers, frame_packed
 from broker.tls import ServerTLS
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
     PackedPolicy,
-    chunk_count,
-    first_chunk_indices,
     manifest_to_bytes,
     shard_tensor_bytes,
     tensor_layout,
@@ -70,7 +69,6 @@ from tandem.v1 import manifest_pb2, policy_pb2
 log = logging.getLogger("tandem.policy_server")
 
 SERVICE_NAME = "tandem.v1.PolicyService"
-_DATA_FIELD_TAG = bytes([(15 << 3) | 2])  # TensorChunk.data: field 15, length-delimited
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,69 +148,23 @@ class PolicyServerConfig:
             raise ValueError("invalid PolicyServerConfig: " + "; ".join(bad))
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _chunk_messages(
-    version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int, expected_xxh3=None
-) -> list[tuple[int, bytes, memoryview]]:
-    """One tensor's pre-serialized TensorChunk messages: (chunk index, message, its data field).
-
-    Thread-safe and pure, so a version's tensors are framed in parallel (xxhash releases the GIL; the
-    one copy of the bytes into each message does not)."""
-    mv = memoryview(data)
-    n = chunk_count(len(mv), chunk_bytes)
-    out = []
-    for j in range(n):
-        piece = mv[j * chunk_bytes : (j + 1) * chunk_bytes]
-        digest = xxhash.xxh3_64_intdigest(piece)
-        if expected_xxh3 is not None and digest != expected_xxh3[j]:
-            raise ValueError(f"publish: tensor {name} chunk {j}: bytes do not match the manifest's xxh3")
-        head = policy_pb2.TensorChunk(
-            version=version,
-            chunk_index=first_index + j,
-            tensor_name=name,
-            tensor_nbytes=len(mv),
-            offset=j * chunk_bytes,
-            xxh3=digest,
-            tensor_sha256=sha256 if j == n - 1 else b"",
-        ).SerializeToString(deterministic=True)
-        prefix = head + _DATA_FIELD_TAG + _varint(len(piece))
-        msg = b"".join((prefix, piece))
-        out.append((first_index + j, msg, memoryview(msg)[len(prefix) :]))
-    return out
-
-
 @dataclass
 class _Layout:
     """Pre-serialized TensorChunk messages of one (version, tp_rank, tp_size), in chunk-index order."""
 
     indices: list[int] = field(default_factory=list)  # chunk_index of each message (rising)
-    messages: list[bytes] = field(default_factory=list)
+    messages: list[memoryview] = field(default_factory=list)  # slices of a framed buffer
     payloads: list[memoryview] = field(default_factory=list)  # each message's data field
     ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # tensor -> [start, stop) in the lists
 
-    def add_tensor(
-        self, *, version: int, name: str, first_index: int, data, sha256: bytes, chunk_bytes: int, expected_xxh3=None
-    ) -> None:
-        self.add_messages(name, _chunk_messages(version, name, first_index, data, sha256, chunk_bytes, expected_xxh3))
-
-    def add_messages(self, name: str, chunks: list[tuple[int, bytes, memoryview]]) -> None:
+    def add_frames(self, frames: TensorFrames, data) -> None:
+        mv = memoryview(data)
         start = len(self.messages)
-        for index, msg, payload in chunks:
-            self.indices.append(index)
-            self.messages.append(msg)
-            self.payloads.append(payload)
-        self.ranges[name] = (start, len(self.messages))
+        for j, ((a, b), (c, d)) in enumerate(zip(frames.messages, frames.data)):
+            self.indices.append(frames.first_index + j)
+            self.messages.append(mv[a:b])
+            self.payloads.append(mv[c:d])
+        self.ranges[frames.name] = (start, len(self.messages))
 
     def reuse_tensor(self, other: _Layout, name: str) -> None:
         a, b = other.ranges[name]
@@ -228,41 +180,44 @@ class _Layout:
 
 
 class _Version:
-    """One published policy: immutable once built (the shard cache only grows, on the loop thread)."""
+    """One published policy: immutable once built (the shard cache only grows, on the loop thread).
+    `readers` (streams and shard cuts reading its buffer) and `evicted` are guarded by the server's lock."""
 
-    def __init__(self, policy: PackedPolicy):
+    def __init__(self, policy: PackedPolicy | FramedPolicy):
         m = policy.manifest
         verify_manifest(m)
         names = [t.name for t in m.tensors]
-        if sorted(policy.blobs) != names:
-            missing = sorted(set(names) - set(policy.blobs))
-            extra = sorted(set(policy.blobs) - set(names))
-            raise ValueError(f"publish: blobs do not match the manifest (missing {missing[:5]}, extra {extra[:5]})")
+        if isinstance(policy, PackedPolicy):
+            if sorted(policy.blobs) != names:
+                missing = sorted(set(names) - set(policy.blobs))
+                extra = sorted(set(policy.blobs) - set(names))
+                raise ValueError(f"publish: blobs do not match the manifest (missing {missing[:5]}, extra {extra[:5]})")
+            for t in m.tensors:
+                if len(policy.blobs[t.name]) != t.nbytes:
+                    raise ValueError(
+                        f"publish: tensor {t.name} has {len(policy.blobs[t.name])} bytes, manifest says {t.nbytes}"
+                    )
+            policy = frame_packed(policy)  # one copy, xxh3 and sha256 re-checked
+        else:
+            lay = policy.layout
+            framed = [(f.name, f.nbytes) for f in lay.tensors]
+            if framed != [(t.name, t.nbytes) for t in m.tensors] or lay.version != m.version:
+                raise ValueError("publish: the framed buffer does not match the manifest (tensors, sizes or version)")
+            if lay.chunk_bytes != m.chunk_bytes:
+                raise ValueError(f"publish: framed with chunk_bytes={lay.chunk_bytes}, manifest says {m.chunk_bytes}")
+        self.release = policy.release
+        self.readers = 0
+        self.evicted = False
         self.manifest = m
         self.version = m.version
         self.manifest_bytes = manifest_to_bytes(m)
         self.content_digest = content_digest(m)
         self.plan = tp_plan_of(m)
         self.entries = {t.name: t for t in m.tensors}
-        self.first_index = first_chunk_indices(m)
-        for t in m.tensors:
-            if len(policy.blobs[t.name]) != t.nbytes:
-                raise ValueError(
-                    f"publish: tensor {t.name} has {len(policy.blobs[t.name])} bytes, manifest says {t.nbytes}"
-                )
-
-        def frame(t):
-            blob = policy.blobs[t.name]
-            return _chunk_messages(
-                m.version, t.name, self.first_index[t.name], blob, t.sha256, m.chunk_bytes, t.chunk_xxh3
-            )
-
         self.full = _Layout()
-        with concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(32, os.cpu_count() or 1), thread_name_prefix="frame"
-        ) as pool:
-            for t, chunks in zip(m.tensors, pool.map(frame, m.tensors)):
-                self.full.add_messages(t.name, chunks)
+        self.full_frames = policy.layout.tensors
+        for frames in policy.layout.tensors:
+            self.full.add_frames(frames, policy.data)
         announcement = policy_pb2.VersionAnnouncement(
             version=m.version,
             created_unix_ns=m.created_unix_ns,
@@ -277,21 +232,21 @@ class _Version:
 
     def build_shard(self, tp_rank: int, tp_size: int) -> _Layout:
         """Cut every tensor for one rank (runs in a worker thread; reads only immutable state)."""
-        layout = _Layout()
+        first_index = {f.name: f.first_index for f in (self.full_frames or ())}
+        cut = {}
         for name, entry in self.entries.items():
             tl = tensor_layout(entry, self.plan, tp_rank, tp_size)
-            if not tl.sharded:
+            if tl.sharded:
+                cut[name] = shard_tensor_bytes(entry, self.full.tensor_bytes(name), tl)
+        items = [(name, first_index[name], data) for name, data in cut.items()]
+        frames, data, _ = frame_buffers(self.version, items, self.manifest.chunk_bytes, threads=1)
+        framed = {f.name: f for f in frames.tensors}
+        layout = _Layout()
+        for name in self.entries:
+            if name in framed:
+                layout.add_frames(framed[name], data)
+            else:
                 layout.reuse_tensor(self.full, name)
-                continue
-            data = shard_tensor_bytes(entry, self.full.tensor_bytes(name), tl)
-            layout.add_tensor(
-                version=self.version,
-                name=name,
-                first_index=self.first_index[name],
-                data=data,
-                sha256=hashlib.sha256(data).digest(),
-                chunk_bytes=self.manifest.chunk_bytes,
-            )
         return layout
 
 
@@ -462,39 +417,64 @@ class PolicyServer:
 
     # -- publishing ---------------------------------------------------------------------------
 
-    def publish(self, policy: PackedPolicy) -> bool:
+    def publish(self, policy: PackedPolicy | FramedPolicy) -> bool:
         """Publish a version. True if new; False if this exact content was already published.
 
-        The chunk messages are built here, in the caller's thread (one copy of the bytes).
+        A FramedPolicy (broker.frames) is served from its buffer as it is; a PackedPolicy is copied
+        into a new framed buffer here, in the caller's thread (one copy, in parallel threads). A
+        FramedPolicy that is not installed (already published, or refused) is released at once.
         """
-        m = policy.manifest
-        digest = content_digest(m)
-        with self._lock:
-            known = self._digests.get(m.version)
-            if known is not None:
-                if known != digest:
+        installed = False
+        try:
+            m = policy.manifest
+            digest = content_digest(m)
+            with self._lock:
+                known = self._digests.get(m.version)
+                if known is not None:
+                    if known != digest:
+                        raise ValueError(
+                            f"publish: version {m.version} was already published with different "
+                            f"content; published versions are immutable"
+                        )
+                    return False
+                if m.version <= self._latest:
                     raise ValueError(
-                        f"publish: version {m.version} was already published with different "
-                        f"content; published versions are immutable"
+                        f"publish: version {m.version} is not newer than the latest published version {self._latest}"
                     )
-                return False
-            if m.version <= self._latest:
-                raise ValueError(
-                    f"publish: version {m.version} is not newer than the latest published version {self._latest}"
-                )
-        built = _Version(policy)
-        if self._loop is None or self._thread is None:
-            raise RuntimeError("publish: start() the server first")
-        asyncio.run_coroutine_threadsafe(self._install(built, digest), self._loop).result(30)
-        return True
+            built = _Version(policy)
+            if self._loop is None or self._thread is None:
+                raise RuntimeError("publish: start() the server first")
+            installed = asyncio.run_coroutine_threadsafe(self._install(built, digest), self._loop).result(30)
+            return installed
+        finally:
+            if not installed and isinstance(policy, FramedPolicy) and policy.release is not None:
+                policy.release()
 
-    async def _install(self, v: _Version, digest: bytes) -> None:
+    def _hold(self, v: _Version) -> None:
+        """One more reader of v's buffer; NOT_FOUND if v was evicted since it was looked up."""
+        with self._lock:
+            if v.evicted:
+                raise _Abort(grpc.StatusCode.NOT_FOUND, f"version {v.version} is no longer held")
+            v.readers += 1
+
+    def _unhold(self, v: _Version) -> None:
+        with self._lock:
+            v.readers -= 1
+            self._maybe_release(v)
+
+    def _maybe_release(self, v: _Version) -> None:
+        """Give an evicted version's buffer back to its pool once nothing reads it (caller holds _lock)."""
+        if v.evicted and v.readers == 0 and v.release is not None:
+            release, v.release = v.release, None
+            release()
+
+    async def _install(self, v: _Version, digest: bytes) -> bool:
         first = False
         with self._lock:
             if v.version in self._digests:  # a concurrent publish of the same version won
                 if self._digests[v.version] != digest:
                     raise ValueError(f"publish: version {v.version} was already published with different content")
-                return
+                return False
             if v.version <= self._latest:
                 raise ValueError(f"publish: version {v.version} is not newer than {self._latest}")
             self._digests[v.version] = digest
@@ -502,7 +482,9 @@ class PolicyServer:
             self._latest = v.version
             self._versions[v.version] = v
             while len(self._versions) > self.config.keep_versions:
-                self._versions.popitem(last=False)
+                _, old = self._versions.popitem(last=False)
+                old.evicted = True
+                self._maybe_release(old)
         if first:
             await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -511,6 +493,7 @@ class PolicyServer:
         )
         async with self._changed:
             self._changed.notify_all()
+        return True
 
     def versions(self) -> list[int]:
         with self._lock:
@@ -613,7 +596,7 @@ class PolicyServer:
         key = (tp_rank, tp_size)
         fut = v.shards.get(key)
         if fut is None:
-            fut = asyncio.wrap_future(self._executor.submit(v.build_shard, tp_rank, tp_size))
+            fut = asyncio.wrap_future(self._executor.submit(self._cut_shard, v, tp_rank, tp_size))
             v.shards[key] = fut
             while len(v.shards) > self.config.shard_layouts_per_version:
                 v.shards.popitem(last=False)
@@ -621,6 +604,10 @@ class PolicyServer:
             v.shards.move_to_end(key)
         try:
             return await asyncio.shield(fut)
+        except _Abort:  # evicted before the cut started
+            if v.shards.get(key) is fut:
+                v.shards.pop(key)
+            raise
         except ValueError as e:  # the TP plan refuses this split
             if v.shards.get(key) is fut:
                 v.shards.pop(key)
@@ -630,6 +617,13 @@ class PolicyServer:
                 v.shards.pop(key)
             log.exception("cutting TP shard %s of version %d failed", key, v.version)
             raise _Abort(grpc.StatusCode.INTERNAL, f"cutting TP shard {key} failed: {e}") from None
+
+    def _cut_shard(self, v: _Version, tp_rank: int, tp_size: int) -> _Layout:
+        self._hold(v)  # the cut reads v's buffer
+        try:
+            return v.build_shard(tp_rank, tp_size)
+        finally:
+            self._unhold(v)
 
     async def _fetch_tensors(self, request: bytes, context) -> None:
         """FetchTensors: the messages of `_fetch_messages`, written within the server's deadline."""
@@ -681,6 +675,7 @@ class PolicyServer:
                 )
             layout = await self._layout_for(v, req.tp_rank, tp_size)
             positions = self._selection(req, v, layout)
+            self._hold(v)  # released when the stream ends
         except _Abort as e:
             await self._reject(context, e)
             return
@@ -692,8 +687,9 @@ class PolicyServer:
                 msg = layout.messages[pos]
                 sent += 1  # counted when handed to gRPC
                 nbytes += len(msg)
-                yield msg
+                yield bytes(msg)  # grpcio takes bytes only (and copies them once more itself)
         finally:
+            self._unhold(v)
             with self._lock:
                 self._counters["chunks_sent"] += sent
                 self._counters["bytes_sent"] += nbytes

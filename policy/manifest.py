@@ -323,21 +323,8 @@ def first_chunk_indices(manifest: pb.Manifest) -> dict[str, int]:
     return out
 
 
-def build_manifest(
-    *,
-    version: int,
-    parent_version: int | None,
-    contract: Contract,
-    tensors: Mapping[str, QuantizedParam],
-    created_unix_ns: int | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
-    threads: int | None = None,
-) -> PackedPolicy:
-    """Pack quantized tensors and describe them: one copy of the bytes, sha256 and xxh3 computed here.
-
-    Device tensors are copied to pinned host memory asynchronously (one synchronization for all),
-    then `threads` worker threads (default: one per CPU core, at most 32) copy each tensor's parts
-    into one immutable buffer and hash it. Each blob is a read-only memoryview."""
+def check_build(*, version, parent_version, contract, tensors, chunk_bytes) -> None:
+    """ValueError naming every bad argument of a build (build_manifest, broker.frames.stage)."""
     bad = []
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         bad.append(f"version={version!r} must be an int >= 1")
@@ -358,8 +345,16 @@ def build_manifest(
     if bad:
         raise ValueError("build_manifest: " + "; ".join(bad))
 
+
+def describe_tensors(
+    contract: Contract, tensors: Mapping[str, QuantizedParam]
+) -> tuple[list[pb.TensorEntry], list[list[torch.Tensor]]]:
+    """Each tensor's manifest entry without checksums, and its parts (as the format lists them), in
+    manifest order (sorted by name). Validates names, formats, dtypes and, under a pinned TP
+    partition, that every shard is cut at block boundaries."""
     plan = contract.tp_plan
-    entries, host_parts = [], []
+    pinned = contract.partition_tp_size  # once: it scans every activation site
+    entries, all_parts, scales = [], [], []
     for name in sorted(tensors):
         param = tensors[name]
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
@@ -370,7 +365,7 @@ def build_manifest(
         params_json = canonical_json(param.kwargs)
         shape = tuple(int(s) for s in param.value.shape)
         parts, offset = [], 0
-        host_parts.append([])
+        all_parts.append([])
         for pname, t in param.value.parts().items():
             if t.dtype not in _DTYPE_NAMES:
                 raise ValueError(f"build_manifest: {name}: part {pname!r} has unsupported dtype {t.dtype}")
@@ -380,7 +375,7 @@ def build_manifest(
                     name=pname, dtype=_DTYPE_NAMES[t.dtype], shape=list(t.shape), offset=offset, nbytes=nbytes
                 )
             )
-            host_parts[-1].append(_to_host(t))
+            all_parts[-1].append(t)
             offset += nbytes
         entry = pb.TensorEntry(
             name=name,
@@ -393,27 +388,30 @@ def build_manifest(
         )
         gs = param.value.parts().get("global_scale")
         if param.format == "nvfp4" and gs is not None and gs.numel() == 1:
-            entry.global_scale = float(gs.reshape(-1)[0])
-        if contract.partition_tp_size > 1:
-            errors = plan.shard_errors(
-                name, fmt=param.format, kwargs=param.kwargs, shape=shape, tp_size=contract.partition_tp_size
-            )
+            scales.append((entry, gs.reshape(1)))
+        if pinned > 1:
+            errors = plan.shard_errors(name, fmt=param.format, kwargs=param.kwargs, shape=shape, tp_size=pinned)
             if errors:
                 raise ValueError("build_manifest: " + "; ".join(errors))
         entries.append(entry)
+    # The fp32 global scales, read in one transfer per device (not one host sync per tensor).
+    for device in {t.device for _, t in scales}:
+        picked = [(e, t) for e, t in scales if t.device == device]
+        for (entry, _), value in zip(picked, torch.cat([t.float() for _, t in picked]).tolist()):
+            entry.global_scale = value
+    return entries, all_parts
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the pinned host copies above were asynchronous
-    workers = threads or min(32, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack") as pool:
-        packed = list(pool.map(lambda ts: _pack([_part_bytes(t) for t in ts], chunk_bytes), host_parts))
-    blobs, total = {}, 0
-    for entry, (blob, xxh3s, sha) in zip(entries, packed):
-        entry.chunk_xxh3.extend(xxh3s)
-        entry.sha256 = sha
-        blobs[entry.name] = blob
-        total += len(blob)
 
+def finish_manifest(
+    *,
+    version: int,
+    parent_version: int | None,
+    contract: Contract,
+    entries: list[pb.TensorEntry],
+    chunk_bytes: int,
+    created_unix_ns: int | None = None,
+) -> pb.Manifest:
+    """The manifest over entries whose checksums are filled in (size-checked)."""
     contract_pb = contract.to_proto()
     manifest = pb.Manifest(
         schema_version=SCHEMA_VERSION,
@@ -423,13 +421,55 @@ def build_manifest(
         contract_fingerprint=contract_fingerprint(contract_pb),
         chunk_bytes=chunk_bytes,
         tensors=entries,
-        total_bytes=total,
+        total_bytes=sum(e.nbytes for e in entries),
     )
     if parent_version is not None:
         manifest.parent_version = parent_version
     size = manifest.ByteSize()
     if size > MAX_MANIFEST_BYTES:
         raise ValueError(f"build_manifest: manifest is {size} bytes, over MAX_MANIFEST_BYTES={MAX_MANIFEST_BYTES}")
+    return manifest
+
+
+def build_manifest(
+    *,
+    version: int,
+    parent_version: int | None,
+    contract: Contract,
+    tensors: Mapping[str, QuantizedParam],
+    created_unix_ns: int | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    threads: int | None = None,
+) -> PackedPolicy:
+    """Pack quantized tensors and describe them: one copy of the bytes, sha256 and xxh3 computed here.
+
+    Device tensors are copied to pinned host memory asynchronously (one synchronization for all),
+    then `threads` worker threads (default: one per CPU core, at most 32) copy each tensor's parts
+    into one immutable buffer and hash it. Each blob is a read-only memoryview. (The trainer
+    publishes through broker.frames instead: straight into reusable, pre-framed host buffers.)"""
+    check_build(
+        version=version, parent_version=parent_version, contract=contract, tensors=tensors, chunk_bytes=chunk_bytes
+    )
+    entries, parts = describe_tensors(contract, tensors)
+    host_parts = [[_to_host(t) for t in ts] for ts in parts]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the pinned host copies above were asynchronous
+    workers = threads or min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack") as pool:
+        packed = list(pool.map(lambda ts: _pack([_part_bytes(t) for t in ts], chunk_bytes), host_parts))
+    blobs = {}
+    for entry, (blob, xxh3s, sha) in zip(entries, packed):
+        entry.chunk_xxh3.extend(xxh3s)
+        entry.sha256 = sha
+        blobs[entry.name] = blob
+    manifest = finish_manifest(
+        version=version,
+        parent_version=parent_version,
+        contract=contract,
+        entries=entries,
+        chunk_bytes=chunk_bytes,
+        created_unix_ns=created_unix_ns,
+    )
     return PackedPolicy(manifest, blobs)
 
 

@@ -11,9 +11,9 @@ untied unless `tie_word_embeddings` (then the logits use the embedding matrix, a
 
 Quantization is not in this file. Every matmul and every non-matmul parameter goes through a
 `QuantHook` (`model.quant_hook`): the default computes plainly; `policy.qat` installs a hook that
-fake-quantizes weights and activations per a recipe (with a straight-through backward), and a rollout
-installs `ActivationQuantHook` (per-token activation fake quant, no autograd) after loading dequantized
-weights. A hook sees the *site* of each matmul: the weight name without ".weight" (for example
+computes each matmul from the recipe's quantized operands (DESIGN.md's Compute contract, with a
+straight-through backward), and a rollout installs its packed-weight twin (`policy.qat.install_packed`,
+no autograd). A hook sees the *site* of each matmul: the weight name without ".weight" (for example
 "model.layers.3.mlp.experts.5.down_proj"); the activation site is that plus ".input".
 
 Row independence (a row's result does not depend on the rest of the batch) is kept by construction:
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +42,6 @@ from policy.hashing import sha256_json
 
 __all__ = [
     "PRESETS",
-    "ActivationQuantHook",
     "KVCache",
     "ModelConfig",
     "QuantHook",
@@ -314,7 +313,8 @@ class QuantHook:
         `quantize_inputs` (the MoE block quantizes all experts' inputs in one call); a hook with a
         high-precision backward still needs x itself.
     `quantize_inputs(sites, x, counts)`: activation quantization of x [sum(counts), K] whose rows
-        come in chunks, chunk i feeding site sites[i]; returns x̂ of the same shape, or None when
+        come in chunks, chunk i feeding site sites[i]; returns x̂ (anything with `.split(counts)`
+        giving each chunk's x_hat: policy.qat returns a Compute-contract operand), or None when
         no site quantizes. Rows are quantized independently, so one call over all chunks gives the
         same bits as one call per chunk, minus the per-call overhead.
     `param(name, p)`: the effective value of a non-matmul parameter (embeddings, norm weights).
@@ -329,35 +329,6 @@ class QuantHook:
 
     def param(self, name: str, p: Tensor) -> Tensor:
         return p
-
-
-class ActivationQuantHook(QuantHook):
-    """Rollout-side hook: `act_quant(site + ".input", x)` before each matmul, weights used as loaded.
-
-    `act_quant` is the same per-token fake-quant callable QAT uses (`policy.qat.ActivationQuantizer`);
-    it returns `x` unchanged at sites the recipe leaves in high precision. If it also has
-    `quantize_rows(names, x, counts)` (ActivationQuantizer does), grouped MoE inputs use that.
-    """
-
-    def __init__(self, act_quant: Callable[[str, Tensor], Tensor]):
-        self.act_quant = act_quant
-        self._names: dict[str, str] = {}
-
-    def _input_name(self, site: str) -> str:
-        name = self._names.get(site)
-        if name is None:
-            name = self._names[site] = site + ".input"
-        return name
-
-    def linear(self, site: str, x: Tensor, weight: Tensor, x_hat: Tensor | None = None) -> Tensor:
-        return F.linear(self.act_quant(self._input_name(site), x) if x_hat is None else x_hat, weight)
-
-    def quantize_inputs(self, sites: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
-        names = [self._input_name(s) for s in sites]
-        rows = getattr(self.act_quant, "quantize_rows", None)
-        if rows is not None:
-            return rows(names, x, counts)
-        return torch.cat([self.act_quant(n, c) for n, c in zip(names, x.split(list(counts)))])
 
 
 _PLAIN = QuantHook()
@@ -574,7 +545,7 @@ class Transformer(nn.Module):
       tokens are appended to it (incremental decoding).
     token_logprobs(tokens, targets, attention_mask=None, temperature=1.0) -> [B, T] fp32
     load_weights({canonical name: tensor}) copies effective weights in (e.g. dequantized packed ones).
-    quant_hook: a `QuantHook` or None (plain); `set_activation_quant(fn)` installs the rollout hook.
+    quant_hook: a `QuantHook` or None (plain).
 
     On the meta device (`with torch.device("meta"): Transformer(cfg)`) nothing is allocated or
     initialized, which is how planning code inspects the 30B model.
@@ -603,10 +574,6 @@ class Transformer(nn.Module):
             else:
                 std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
                 p.normal_(0.0, std, generator=g)
-
-    def set_activation_quant(self, act_quant: Callable[[str, Tensor], Tensor] | None) -> None:
-        """Install (or with None remove) per-site activation quantization, no weight quantization."""
-        self.quant_hook = None if act_quant is None else ActivationQuantHook(act_quant)
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, Tensor], *, strict: bool = True) -> None:

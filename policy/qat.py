@@ -1,29 +1,34 @@
 """Quantization-aware forward (trainer) and the packed-weight path (rollout), from one recipe plan.
 
-Trainer side: `apply_qat(model, recipe, backward="hp"|"dequant")` installs a `QATHook`. Forward uses
-fake_quant(w) = dequantize(quantize(w)) for every parameter per the recipe (bf16-format parameters are
-rounded to bf16) and per-token fake quantization at the recipe's activation sites. Backward is the
-straight-through estimator, in one of two modes:
+Trainer side: `apply_qat(model, recipe, backward="hp"|"dequant")` installs a `QATHook`. Every matmul
+computes as DESIGN.md's Compute contract says (`policy.compute.matmul`): from the effective operands
+`policy.formats.operand(quantize(w))` of the weight and, at the recipe's activation sites, of the
+per-token quantized input, with the post-accumulator scales (nvfp4 global scales, fp8_block block
+scales) applied to the fp32 accumulator; bf16-format weights are rounded to bf16. Non-matmul
+parameters (embeddings, norm weights) use dequantize(quantize(p)). Backward is the straight-through
+estimator, in one of two modes:
   hp       gradients of each matmul use the original high-precision operands (x, W);
-  dequant  gradients use the dequantized operands the forward used (x̂, Ŵ).
-Non-matmul parameters (embeddings, norm weights) pass gradients straight through in both modes.
+  dequant  gradients use the dequantized operands the forward used (x̂, Ŵ: values x their scales).
+Non-matmul parameters pass gradients straight through in both modes.
 
 Rollout side: `quantize_weights(model, recipe)` gives the packed tensors a trainer publishes;
-`load_packed(model, packed)` loads dequantize(packed) into a model and `install_activation_quant`
-puts the same per-token activation quantizer (`ActivationQuantizer`) in front of each matmul.
+`install_packed(model, recipe, packed)` makes a model compute with them: a `PackedHook` (QATHook's
+code, its operands taken from the packed objects instead of quantized from the parameters), the
+parameters loaded with dequantize(packed) (`load_packed`) for code that reads them.
 
-Bit-exactness: QAT's effective weight for a parameter is `dequantize(quantize(w))` computed by the same
-policy.formats functions the rollout uses on the published tensors, cast to the parameter dtype on both
-sides, so for version v the trainer's effective weights equal the rollout's bitwise (tested). The
-matmul then sees identical operands on both sides.
+Bit-exactness: QAT's operands for a parameter are `policy.formats.operand` of the same quantized
+object the trainer publishes, and the rollout builds its operands with that same function from the
+published parts, so for version v the operands of every matmul are bitwise equal on both sides
+(tested), and so are the activation operands (the same `ActivationQuantizer`); outputs are then
+equal up to accumulation order (bit for bit where both run the same code on the same shapes).
 
-Effective weights are cached per parameter together with the quantized object they came from, and
+Operands are cached per parameter together with the quantized object they came from, and
 recomputed once per optimizer step: `apply_qat(..., optimizer=opt)` registers a step post-hook that
 invalidates the cache (the first forward after the step refills it, tensor by tensor, on the device
 the parameter lives on), and so do `Transformer.load_weights` and a bumped autograd version counter
 (in-place edits outside the optimizer). A fused optimizer does not bump that counter, so a trainer
 that steps an optimizer it did not register must call `hook.invalidate()` itself. The cache is one
-copy of the effective weights plus the packed parts; publishing reuses those parts
+copy of the operands plus the packed parts; publishing reuses those parts
 (`hook.quantized_params(model)`) instead of quantizing every weight again.
 
 `probe_mismatch` compares BF16, QAT and packed-weight forwards (mean |Δ log-prob| and KL per pair).
@@ -34,10 +39,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from policy import formats, kernels
+from policy import compute, formats, kernels
+from policy.formats import Operand
 from policy.manifest import QuantizedParam, quantize_param
 from policy.model import QuantHook, Transformer
 from policy.recipe import Plan, Recipe
@@ -45,11 +50,12 @@ from policy.recipe import Plan, Recipe
 __all__ = [
     "BACKWARD_MODES",
     "ActivationQuantizer",
+    "PackedHook",
     "QATHook",
     "apply_qat",
     "bits",
     "dequantize_packed",
-    "install_activation_quant",
+    "install_packed",
     "load_packed",
     "probe_mismatch",
     "quantize_weights",
@@ -75,62 +81,69 @@ def _quantize_param(entry, w: Tensor):
 
 
 class ActivationQuantizer:
-    """Per-token activation fake quantization: `aq(site_name, x) -> x̂` (no autograd).
+    """Per-token activation quantization: `aq(site_name, x) -> Operand`, or None where the recipe
+    leaves the site unquantized (no autograd).
 
-    `site_name` is an activation site ("...down_proj.input"); x is [..., K] and is quantized as a
-    [rows, K] matrix with row-local scales, so each token's result depends only on that token.
-    Sites the recipe leaves in bf16 return x unchanged.
+    `site_name` is an activation site ("...down_proj.input"); x is [rows, K] with row-local scales,
+    so each token's result depends only on that token. The operand is `policy.formats.operand` of
+    `policy.kernels.quantize` (the Triton quantizers on CUDA, the reference elsewhere: same bytes).
     """
 
     def __init__(self, plan: Plan):
-        # (format, kwargs) per quantized site; policy.kernels runs the Triton kernel on CUDA tensors
-        # and the policy.formats reference elsewhere (the same bytes either way).
         self.sites = {e.name: (e.format, e.kwargs) for e in plan.activations if e.format != "bf16"}
 
-    def __call__(self, name: str, x: Tensor) -> Tensor:
+    def __call__(self, name: str, x: Tensor) -> Operand | None:
         spec = self.sites.get(name)
         if spec is None:
-            return x
-        fmt, kwargs = spec
+            return None
         with torch.no_grad():
-            x2 = x.detach().reshape(-1, x.shape[-1])
-            return kernels.fake_quant(fmt, x2, **kwargs).view(x.shape)
+            return formats.operand(kernels.quantize(spec[0], x.detach().reshape(-1, x.shape[-1]), **spec[1]))
 
-    def quantize_rows(self, names: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
-        """x [sum(counts), K], chunk i (counts[i] rows) feeding site names[i] -> x̂, or None if no
-        site quantizes. One fake_quant call when all sites share a spec (the usual MoE case): rows
-        are independent, so this equals quantizing chunk by chunk, bit for bit."""
+    def quantize_rows(self, names: Sequence[str], x: Tensor, counts: Sequence[int]) -> Operand | _Chunks | None:
+        """x [sum(counts), K], chunk i (counts[i] rows) feeding site names[i] -> the operand of all
+        rows (one quantize call when all sites share a spec, the usual MoE case: rows are
+        independent, so this equals quantizing chunk by chunk, bit for bit), per-chunk operands
+        (None where unquantized) when the specs differ, or None if no site quantizes."""
         specs = [self.sites.get(n) for n in names]
         if all(s is None for s in specs):
             return None
-        with torch.no_grad():
-            x = x.detach()
-            if all(s == specs[0] for s in specs):
-                fmt, kwargs = specs[0]
-                return kernels.fake_quant(fmt, x.reshape(-1, x.shape[-1]), **kwargs).view(x.shape)
-            return torch.cat(
-                [c if s is None else kernels.fake_quant(s[0], c, **s[1]) for s, c in zip(specs, x.split(list(counts)))]
-            )
+        if all(s == specs[0] for s in specs):
+            return self(names[0], x)
+        return _Chunks(self(n, c) for n, c in zip(names, x.split(list(counts))))
+
+
+class _Chunks(tuple):
+    """Per-chunk activation operands (None: unquantized) of a mixed group, already split."""
+
+    def split(self, sizes) -> _Chunks:
+        return self
 
 
 class _QATLinear(torch.autograd.Function):
-    """y = x̂ Ŵᵀ; backward with (x, W) in hp mode or (x̂, Ŵ) in dequant mode (straight-through)."""
+    """y = matmul(x̂, Ŵ) per the Compute contract; backward with (x, W) in hp mode or the dequantized
+    operands (x̂, Ŵ) in dequant mode (straight-through). x is [M, K]."""
 
     @staticmethod
-    def forward(ctx, x, w, x_hat, w_hat, hp: bool):
-        ctx.save_for_backward(x if hp else x_hat, w if hp else w_hat)
-        return F.linear(x_hat, w_hat)
+    def forward(ctx, x, w, x_op, w_op, hp: bool, dtype):
+        if hp:
+            ctx.save_for_backward(x, w)
+        else:
+            ctx.ops = (x_op, w_op)
+        ctx.hp, ctx.w_dtype = hp, w.dtype
+        return compute.matmul(x_op, w_op, dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        xs, ws = ctx.saved_tensors
+        if ctx.hp:
+            xs, ws = ctx.saved_tensors
+        else:
+            xs, ws = (o.dequantize() for o in ctx.ops)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(ws.to(grad.dtype))
         if ctx.needs_input_grad[1]:
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2.t().matmul(xs.reshape(-1, xs.shape[-1]).to(grad.dtype)).to(ws.dtype)
-        return grad_x, grad_w, None, None, None
+            grad_w = grad.t().matmul(xs.to(grad.dtype)).to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None, None
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -146,7 +159,8 @@ class _StraightThrough(torch.autograd.Function):
 
 
 class QATHook(QuantHook):
-    """The QAT `QuantHook`: fake-quantized weights (cached) and activations, straight-through backward."""
+    """The QAT `QuantHook`: Compute-contract matmuls on cached weight operands and per-token activation
+    operands, straight-through backward."""
 
     def __init__(self, plan: Plan, backward: str = "hp"):
         if backward not in BACKWARD_MODES:
@@ -156,25 +170,37 @@ class QATHook(QuantHook):
         self.act_quant = ActivationQuantizer(plan)
         self._params = {e.name: e for e in plan.params}
         self._sites: dict[str, tuple[str, str]] = {}
-        # name -> (the parameter's autograd version, its QuantizedParam, its effective weight)
-        self._cache: dict[str, tuple[int, QuantizedParam, Tensor]] = {}
+        # name -> (the parameter's autograd version, its QuantizedParam, its operand)
+        self._cache: dict[str, tuple[int, QuantizedParam, Operand]] = {}
+        self._dense: dict[str, tuple[Operand, Tensor]] = {}  # effective(): keyed by the operand it came from
 
     def invalidate(self, *_: object) -> None:
         """Forget every cached weight (also an optimizer step post-hook: it is called with the optimizer)."""
         self._cache.clear()
+        self._dense.clear()
 
-    def _entry(self, name: str, p: Tensor) -> tuple[int, QuantizedParam, Tensor]:
+    def _entry(self, name: str, p: Tensor) -> tuple[int, QuantizedParam, Operand]:
         hit = self._cache.get(name)
-        if hit is not None and hit[0] == p._version and hit[2].device == p.device:
+        if hit is not None and hit[0] == p._version and hit[2].values.device == p.device:
             return hit
         with torch.no_grad():
             q = quantize_param(p, self._params[name].format, **self._params[name].kwargs)
-            hit = self._cache[name] = (p._version, q, kernels.dequantize(q.value).view(p.shape).to(p.dtype))
+            hit = self._cache[name] = (p._version, q, formats.operand(q.value))
         return hit
 
-    def effective(self, name: str, p: Tensor) -> Tensor:
-        """fake_quant of parameter `name` (no autograd), computed once per optimizer step."""
+    def operand(self, name: str, p: Tensor) -> Operand:
+        """The effective operand of parameter `name` (values [out, in]), computed once per optimizer step."""
         return self._entry(name, p)[2]
+
+    def effective(self, name: str, p: Tensor) -> Tensor:
+        """dequantize(quantize(p)) in p's dtype and shape (no autograd): the operand times its scales."""
+        return self._dense_of(name, self.operand(name, p), p.shape, p.dtype)
+
+    def _dense_of(self, name: str, op: Operand, shape, dtype: torch.dtype) -> Tensor:
+        hit = self._dense.get(name)
+        if hit is None or hit[0] is not op:
+            hit = self._dense[name] = (op, op.dequantize().view(shape).to(dtype))
+        return hit[1]
 
     def effective_weights(self, model: Transformer) -> dict[str, Tensor]:
         return {n: self.effective(n, p) for n, p in model.named_parameters()}
@@ -190,23 +216,48 @@ class QATHook(QuantHook):
             names = self._sites[site] = (site + ".weight", site + ".input")
         return names
 
-    def quantize_inputs(self, sites: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
+    def quantize_inputs(self, sites: Sequence[str], x: Tensor, counts: Sequence[int]) -> Operand | None:
         return self.act_quant.quantize_rows([self._names(s)[1] for s in sites], x, counts)
 
-    def linear(self, site: str, x: Tensor, weight: Tensor, x_hat: Tensor | None = None) -> Tensor:
+    def linear(self, site: str, x: Tensor, weight: Tensor, x_hat: Operand | Tensor | None = None) -> Tensor:
         names = self._names(site)
-        w_hat = self.effective(names[0], weight)
-        if x_hat is None:
-            x_hat = self.act_quant(names[1], x)
+        w_op = self.operand(names[0], weight)
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        dtype = compute.compute_dtype(x)
+        x_op = x_hat if isinstance(x_hat, Operand) else self.act_quant(names[1], x2)
+        if x_op is None:
+            x_op = compute.plain(x2.to(dtype))
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return _QATLinear.apply(x, weight, x_hat, w_hat, self.backward == "hp")
-        return F.linear(x_hat, w_hat)
+            y = _QATLinear.apply(x2, weight, x_op, w_op, self.backward == "hp", dtype)
+        else:
+            y = compute.matmul(x_op, w_op, dtype)
+        return y.view(*lead, y.shape[-1])
 
     def param(self, name: str, p: Tensor) -> Tensor:
         p_hat = self.effective(name, p)
         if torch.is_grad_enabled() and p.requires_grad:
             return _StraightThrough.apply(p, p_hat)
         return p_hat
+
+
+class PackedHook(QATHook):
+    """Rollout side: QATHook's forward with the operands of a published version's quantized objects
+    (`packed`: canonical name -> policy.formats object, for every parameter), whatever the model's
+    parameters hold. No autograd, nothing to invalidate."""
+
+    def __init__(self, plan: Plan, packed: dict[str, object]):
+        super().__init__(plan)
+        missing = sorted(set(self._params) - set(packed))
+        if missing:
+            raise ValueError(f"PackedHook: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        self._cache = {n: (-1, q, formats.operand(q)) for n, q in packed.items()}
+
+    def invalidate(self, *_: object) -> None:
+        self._dense.clear()
+
+    def _entry(self, name: str, p: Tensor) -> tuple[int, object, Operand]:
+        return self._cache[name]
 
 
 def apply_qat(
@@ -251,11 +302,14 @@ def load_packed(model: Transformer, packed: dict[str, object]) -> None:
     )
 
 
-def install_activation_quant(model: Transformer, recipe: Recipe | Plan) -> ActivationQuantizer:
-    """Rollout side: per-token activation fake quant at the recipe's sites, weights used as loaded."""
-    aq = ActivationQuantizer(_as_plan(model, recipe))
-    model.set_activation_quant(aq)
-    return aq
+def install_packed(model: Transformer, recipe: Recipe | Plan, packed: dict[str, object]) -> PackedHook:
+    """Rollout side: `model` computes with the published `packed` tensors (moved to its device) as
+    the Compute contract says; its parameters hold their dequantization (`load_packed`)."""
+    load_packed(model, packed)
+    device = model.lm_head.weight.device
+    hook = PackedHook(_as_plan(model, recipe), {n: kernels.to_device(q, device) for n, q in packed.items()})
+    model.quant_hook = hook
+    return hook
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,10 +331,10 @@ def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor, attention
 
     bf16    the `bf16` recipe: weights rounded to bf16, activations unquantized (BF16 baseline);
     qat     the QAT forward under `recipe` (trainer side);
-    packed  a copy of the model with weights loaded from quantize_weights(model, recipe) and the
-            activation quantizer installed (what a rollout computes).
+    packed  a copy of the model computing with quantize_weights(model, recipe) (`install_packed`:
+            what a CPU rollout computes).
     Returns {"pairs": {"bf16~qat": {...}, "bf16~packed": {...}, "qat~packed": {...}},
-             "weights_bitwise_equal": bool (QAT effective weights vs packed-loaded weights),
+             "weights_bitwise_equal": bool (QAT's weight operands vs the packed ones, bitwise),
              "tokens": number of scored tokens}.
     """
     if tokens.ndim != 2 or tokens.shape[1] < 2:
@@ -296,14 +350,12 @@ def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor, attention
         lp_bf16 = logprobs(model)
         hook = apply_qat(model, recipe)
         lp_qat = logprobs(model)
-        effective = hook.effective_weights(model)
 
         w = model.lm_head.weight
         rollout = Transformer(model.cfg).to(device=w.device, dtype=w.dtype)
-        load_packed(rollout, quantize_weights(model, hook.plan))
-        install_activation_quant(rollout, hook.plan)
+        packed_hook = install_packed(rollout, hook.plan, quantize_weights(model, hook.plan))
         lp_packed = logprobs(rollout)
-        same = all(torch.equal(bits(effective[n]), bits(p)) for n, p in rollout.named_parameters())
+        same = all(_same_operand(hook.operand(n, p), packed_hook.operand(n, p)) for n, p in model.named_parameters())
     finally:
         model.quant_hook = saved
 
@@ -331,3 +383,12 @@ def _ints(t: Tensor) -> Tensor:
 def bits(t: Tensor) -> Tensor:
     """The raw bytes of a tensor, for bitwise comparisons (torch.equal says -0.0 == 0.0)."""
     return t.detach().contiguous().view(torch.uint8)
+
+
+def _same_operand(a: Operand, b: Operand) -> bool:
+    """Bitwise equality of two operands (values and every scale)."""
+    pairs = ((a.values, b.values), (a.scale, b.scale), (a.block_scale, b.block_scale))
+    return a.block == b.block and all(
+        (u is None and v is None) or (u is not None and v is not None and torch.equal(bits(u), bits(v)))
+        for u, v in pairs
+    )

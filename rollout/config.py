@@ -43,9 +43,17 @@ class RolloutConfig:
     """cuda only: the share of the GPU's memory this worker may allocate (torch's caching allocator,
     `torch.cuda.set_per_process_memory_fraction`), for processes sharing one GPU; 0 = no cap."""
     max_batch: int = 64
-    """cuda only: rows per generate call (KV slots); a group's samples run in chunks of this many."""
+    """KV slots: rows decoded at once (cuda: the engine's batch and its largest graph bucket); a
+    group with more samples than this runs them as slots free up."""
     kv_capacity: int = 1024
     """cuda only: KV length of a slot (prompt + new tokens); a longer request is refused."""
+    max_inflight_groups: int = 1
+    """Prompt groups a worker holds and generates at once (continuous batching, rollout/batching.py):
+    their samples share the KV slots (max_batch of them), a new sample is admitted into a slot as
+    soon as another finishes, and a group is committed when all its samples are done. 1 = one group
+    at a time (its samples still run in up to max_batch slots). A group holds its place until its
+    longest sample ends, so slots freed by short samples are refilled only from groups already in
+    flight: more than max_batch / n_samples keeps the slots full (docs/benchmarks.md)."""
     max_policy_bytes: int = 64 << 30
     """A manifest declaring more tensor bytes than this is refused (policy.manifest_check)."""
     policy_address: str = ""
@@ -66,6 +74,8 @@ class RolloutConfig:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
+        if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
+            errors.append(f"max_inflight_groups={self.max_inflight_groups!r} (need an int >= 1)")
         if not 0 <= self.memory_fraction <= 1:
             errors.append(f"memory_fraction={self.memory_fraction} (want 0 < f <= 1, or 0 = no cap)")
         if self.max_batch < 1 or self.kv_capacity < 2:

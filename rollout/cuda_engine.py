@@ -8,16 +8,24 @@ published tensors (the quantized objects a worker fetched) without dequantizing 
   bf16 routed experts: `torch._grouped_mm` over the expert-sorted tokens (the fair bf16 baseline);
 - other quantized linears in nvfp4 / int4: `w4a16_matmul`; every other format is multiplied as
   its dequantization (bf16: the published bf16 weight itself);
-- activation sites the recipe quantizes get the same per-token fake quantization QAT uses
-  (`policy.kernels.quantize` + `dequantize`, bitwise the trainer's x̂), without the host-side
-  finite check: the sampler flags NaN/Inf logits (where any NaN/Inf in the residual stream ends
-  up) in one device word that `generate` reads once, after the sequences are done (-> ValueError);
+- every matmul follows DESIGN.md's Compute contract: its operands are `policy.formats.operand` of
+  the published weights (the kernels read the same values from the packed codes: tests/gpu checks
+  them bitwise) and of the per-token quantized activations at the sites the recipe quantizes
+  (`policy.kernels.quantize`, bitwise QAT's), nvfp4 global scales applied to the fp32 accumulator
+  (`acc * S_dec_x[row] * S_dec_w`, in the kernels' epilogue); formats without a kernel go through
+  `policy.compute.matmul`. Activation quantization skips the host-side finite check: the sampler
+  flags NaN/Inf logits (where any NaN/Inf in the residual stream ends up) in one device word that
+  `generate` reads once, after the sequences are done (-> ValueError);
 - the decode step (embedding -> layers -> LM head -> sampling -> stop bookkeeping) has no host
   synchronization and is captured in a CUDA graph per batch bucket (`EngineConfig.graph_buckets`);
   a batch runs in the smallest bucket that holds it, the spare rows as dead padding; its
   elementwise glue is fused by torch.compile (`EngineConfig.fuse`) and its attention is one Triton
   kernel per layer that also writes the new K/V (`rollout.kernels.attention_triton`, live keys only);
 - `generate(prompts, n_samples=...)`: each prompt is prefilled once, its KV copied to its samples;
+- continuous batching (`rollout.batching.PackedBackend` with `rollout.scheduler`): `begin`, then
+  `prefixes` (prompts prefilled once per group) and `admit` (a prefix copied into free slots, those
+  rows started) between graph replays, while the other rows keep decoding; every row samples at
+  its own token index (`lengths`) and stops at its own `max_new`, so rows may join at any step;
 - the KV cache is slotted: [max_batch, n_kv_heads, max_seq_len, head_dim] per layer, allocated
   once; a request that does not fit (too many rows, prompt + max_new_tokens over capacity) is
   refused with a ValueError naming the numbers;
@@ -25,13 +33,11 @@ published tensors (the quantized objects a worker fetched) without dequantizing 
   temperature, optional top-k / top-p), log-probs in fp32 from the same logits.
 
 Numerics follow `policy.model.Transformer` op for op (fp32 RMSNorm statistics, fp32 RoPE, bf16
-SwiGLU and expert-weighted sum, fp32 softmax router), so the trainer's QAT recompute of a sequence
-differs from the engine's behavior log-probs only by accumulation order and, for nvfp4 weights, by
-where the fp32 global scale is applied (the kernels scale the accumulator, QAT rounds
-e2m1 x sf x S_dec to bf16 first: DESIGN.md's Compute contract, not yet in policy/qat.py).
+SwiGLU and expert-weighted sum, fp32 softmax router), and its matmuls consume the operands QAT's
+do (policy.qat follows the same Compute contract), so the trainer's QAT recompute of a sequence
+differs from the engine's behavior log-probs only by accumulation order (and what it flips).
 
-Not here: continuous batching across prompt groups (one generate call is one batch, run to its
-end), FlashInfer (prefill uses SDPA; decode uses the Triton kernel), a prefill GEMM for the 4-bit
+Not here: FlashInfer (prefill uses SDPA; decode uses the Triton kernel), a prefill GEMM for the 4-bit
 weights (prefill runs the decode matmul, 16 tokens per tile).
 
 The same code runs on the CPU (reference matmuls, torch sampling, torch attention, no graphs),
@@ -51,6 +57,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import policy.kernels as PK
+from policy import compute
+from policy.formats import Operand
 from policy.formats import nvfp4 as _nvfp4
 from policy.model import ModelConfig
 from policy.recipe import Plan
@@ -169,17 +177,12 @@ def _combine(h: Tensor, weights: Tensor) -> Tensor:
     return (h.view(n, k, -1) * weights.unsqueeze(-1).to(h.dtype)).sum(dim=1)
 
 
-def _nvfp4_dequant(codes: Tensor, block_scales: Tensor, global_scale: Tensor, table: Tensor, row: bool, dtype):
-    """policy.formats.nvfp4.dequantize(...).to(dtype), with its value table on the device."""
-    m = codes.shape[0]
-    nib = torch.stack((codes & 0xF, codes >> 4), dim=-1).view(m, -1)
-    values = table[nib.long()].view(m, -1, _nvfp4.BLOCK)
-    gs = global_scale.view(-1, 1) if row else global_scale
-    scale = block_scales.to(torch.float32) * gs
-    return (values * scale.unsqueeze(-1)).view(m, -1).to(dtype)
+def _nvfp4_operand(codes: Tensor, block_scales: Tensor) -> Tensor:
+    """policy.formats.nvfp4.operand_values: e2m1 x sf in bf16 (the activation operand's values)."""
+    return _nvfp4.operand_values(codes, block_scales)
 
 
-_OPS = ("rms", "qk_norm_rope", "attn_decode", "add_rms", "route", "swiglu", "combine", "nvfp4_dequant")
+_OPS = ("rms", "qk_norm_rope", "attn_decode", "add_rms", "route", "swiglu", "combine", "nvfp4_operand")
 
 
 class _Fused:
@@ -219,60 +222,78 @@ class _Ops:
 
 
 class _ActQuant:
-    """Per-token activation fake quantization at one site: bitwise QAT's x̂ (policy.kernels.quantize,
-    then the nvfp4 / other format's dequantize). No host-side finite check: a NaN or Inf in the
-    residual stream reaches the logits, whose finite flag `generate` reads once per call."""
+    """Per-token activation quantization at one site -> its Compute-contract operand, bitwise QAT's
+    (policy.kernels.quantize, then policy.formats' operand; nvfp4's values fused on CUDA). No
+    host-side finite check: a NaN or Inf in the residual stream reaches the logits, whose finite
+    flag `generate` reads once per call."""
 
-    def __init__(self, fmt: str, kwargs: dict, engine: PackedEngine):
-        self.fmt, self.kwargs, self.engine = fmt, dict(kwargs), engine
+    def __init__(self, fmt: str, kwargs: dict):
+        self.fmt, self.kwargs = fmt, dict(kwargs)
+        self.scaled = fmt in ("nvfp4", "fp8_block")  # operands with scales (not a plain matmul)
 
-    def __call__(self, x: Tensor, ops) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
+    def __call__(self, x2: Tensor, ops) -> Operand:
         fast = x2.device.type == "cuda" and PK.backend(x2) == "triton"
         q = PK.quantize(self.fmt, x2, check_finite=not fast, **self.kwargs)
         if self.fmt == "nvfp4":
-            out = ops.nvfp4_dequant(
-                q.codes, q.block_scales, q.global_scale, self.engine.e2m1, q.scope == "row", x.dtype
-            )
-            return out.view(x.shape)
-        return PK.dequantize(q).to(x.dtype).view(x.shape)
+            return Operand(ops.nvfp4_operand(q.codes, q.block_scales), scale=q.global_scale)
+        return PK.formats.operand(q)
+
+
+def _kernel_act(*acts) -> bool:
+    """Whether the 4-bit kernels can take these sites' activation operands (no per-K-block scales)."""
+    return all(a is None or a.fmt != "fp8_block" for a in acts)
+
+
+def _x_operand(act, x2: Tensor, ops) -> Operand:
+    """The activation operand of x2 [M, K] at a site: quantized, or x2 itself."""
+    return compute.plain(x2) if act is None else act(x2, ops)
 
 
 class _Linear:
-    """y = x̂ @ W.T for one weight: a PackedLinear for the 4-bit kernels, else a dense tensor."""
+    """y = matmul(x̂, Ŵ) for one weight: a PackedLinear for the 4-bit kernels, else its operand
+    (`weight`: the operand's values in the engine dtype when it has no scales, for plain matmuls)."""
 
     def __init__(self, q, act, device, dtype):
         self.act = act
         self.packed = None
         self.weight = None
-        if PK.formats.format_of(q) in ("nvfp4", "int4") and device.type == "cuda":
+        self.w = None
+        # The kernels take per-row activation scales (nvfp4), not per-K-block ones (fp8_block).
+        if PK.formats.format_of(q) in ("nvfp4", "int4") and device.type == "cuda" and _kernel_act(act):
             p = RK.pack(PK.to_device(q, device))
             if RK._kernel_fmt(p, torch.empty(1, p.shape[1], dtype=torch.bfloat16, device=device)) is not None:
                 self.packed = p
         if self.packed is None:
-            self.weight = PK.dequantize(PK.to_device(q, device)).to(dtype)
+            self.w = PK.formats.operand(PK.to_device(q, device))
+            if self.w.scale is None and self.w.block_scale is None:
+                self.weight = self.w.values.to(dtype)
 
     def __call__(self, x: Tensor, ops) -> Tensor:
-        if self.act is not None:
-            x = self.act(x, ops)
-        if self.weight is not None:
-            return F.linear(x, self.weight)
-        p = self.packed
-        mt = _matmul_triton()
-        fmt = mt.FMT_NVFP4 if p.fmt == "nvfp4" else mt.FMT_INT4
-        return mt.w4a16_matmul(x.reshape(-1, x.shape[-1]), p.codes, p.scales, p.global_scale, fmt, p.group_size).view(
-            *x.shape[:-1], p.shape[0]
-        )
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.weight is not None and (self.act is None or not self.act.scaled):
+            y = F.linear(_x_operand(self.act, x2, ops).values.to(x.dtype), self.weight)  # = compute.matmul
+        elif self.packed is None:
+            y = compute.matmul(_x_operand(self.act, x2, ops), self.w, x.dtype)
+        else:
+            p = self.packed
+            mt = _matmul_triton()
+            fmt = mt.FMT_NVFP4 if p.fmt == "nvfp4" else mt.FMT_INT4
+            xo = _x_operand(self.act, x2, ops)
+            y = mt.w4a16_matmul(
+                xo.values.to(x.dtype), p.codes, p.scales, p.global_scale, fmt, p.group_size, x_scale=xo.scale
+            )
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class _Experts:
     """The routed experts of one layer: gate_up [E, 2F, D] and down [E, D, F], packed or dense."""
 
     def __init__(self, gate_up: list, down: list, act_gu, act_dn, device, dtype):
-        self.act_gu, self.act_dn = act_gu, act_dn
+        self.act_gu, self.act_dn, self.dtype = act_gu, act_dn, dtype
         fmts = {PK.formats.format_of(q) for q in gate_up + down}
         self.kernel = None
-        if device.type == "cuda" and fmts <= {"nvfp4", "int4"} and len(fmts) == 1:
+        self.plain = False
+        if device.type == "cuda" and fmts <= {"nvfp4", "int4"} and len(fmts) == 1 and _kernel_act(act_gu, act_dn):
             gu = RK.pack_experts([PK.to_device(q, device) for q in gate_up])
             dn = RK.pack_experts([PK.to_device(q, device) for q in down])
             probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
@@ -282,17 +303,23 @@ class _Experts:
                 self.kernel = mt.FMT_NVFP4 if gu.fmt == "nvfp4" else mt.FMT_INT4
                 self.gu, self.dn = gu, dn
         if self.kernel is None:
-            # [E, N, K] dense; grouped_mm reads it as [E, K, N] through a transposed view.
-            self.w_gu = torch.stack([PK.dequantize(PK.to_device(q, device)).to(dtype) for q in gate_up])
-            self.w_dn = torch.stack([PK.dequantize(PK.to_device(q, device)).to(dtype) for q in down])
+            self.op_gu = [PK.formats.operand(PK.to_device(q, device)) for q in gate_up]
+            self.op_dn = [PK.formats.operand(PK.to_device(q, device)) for q in down]
+            acts = [a for a in (act_gu, act_dn) if a is not None]
+            self.plain = all(o.scale is None and o.block_scale is None for o in self.op_gu + self.op_dn)
+            self.plain = self.plain and not any(a.scaled for a in acts)
+            if self.plain:  # [E, N, K] values; grouped_mm reads them as [E, K, N] through a transposed view
+                self.w_gu = torch.stack([o.values.to(dtype) for o in self.op_gu])
+                self.w_dn = torch.stack([o.values.to(dtype) for o in self.op_dn])
+                del self.op_gu, self.op_dn
         self.n_experts = len(gate_up)
-        self.ffn = (self.gu.shape if self.kernel is not None else self.w_gu.shape[1:])[0] // 2
+        self.ffn, self.dim = gate_up[0].shape[0] // 2, down[0].shape[0]
 
     def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, ops) -> Tensor:
         """x [N, D], ids / weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) in x.dtype."""
         if self.kernel is not None:
             h = self._kernel(x, ids, ops)
-        elif x.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        elif self.plain and x.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
             h = self._grouped(x, ids, ops)
         else:
             h = self._loop(x, ids, ops)
@@ -302,14 +329,30 @@ class _Experts:
         mt = _matmul_triton()
         N, k = ids.shape
         align = mt.moe_align_fast(ids, self.n_experts)
-        xq = x if self.act_gu is None else self.act_gu(x, ops)
+        xq = _x_operand(self.act_gu, x, ops)
         gu, dn = self.gu, self.dn
-        h = mt.moe_w4a16_matmul(xq, gu.codes, gu.scales, gu.global_scale, ids, self.kernel, gu.group_size, align=align)
-        a = ops.swiglu(h.view(N * k, -1), self.ffn)
-        if self.act_dn is not None:
-            a = self.act_dn(a, ops)
+        h = mt.moe_w4a16_matmul(
+            xq.values.to(x.dtype),
+            gu.codes,
+            gu.scales,
+            gu.global_scale,
+            ids,
+            self.kernel,
+            gu.group_size,
+            align=align,
+            x_scale=xq.scale,
+        )
+        a = _x_operand(self.act_dn, ops.swiglu(h.view(N * k, -1), self.ffn), ops)
         y = mt.moe_w4a16_matmul(
-            a, dn.codes, dn.scales, dn.global_scale, ids.reshape(-1, 1), self.kernel, dn.group_size, align=align
+            a.values.to(x.dtype),
+            dn.codes,
+            dn.scales,
+            dn.global_scale,
+            ids.reshape(-1, 1),
+            self.kernel,
+            dn.group_size,
+            align=align,
+            x_scale=a.scale,
         )
         return y.view(N * k, -1)
 
@@ -320,28 +363,26 @@ class _Experts:
         counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)
-        xs = x.index_select(0, order // k)
-        if self.act_gu is not None:
-            xs = self.act_gu(xs, ops)
+        xs = _x_operand(self.act_gu, x.index_select(0, order // k), ops).values.to(x.dtype)
         a = ops.swiglu(torch._grouped_mm(xs, self.w_gu.transpose(1, 2), offs=offs), self.ffn)
-        if self.act_dn is not None:
-            a = self.act_dn(a, ops)
+        a = _x_operand(self.act_dn, a, ops).values.to(x.dtype)
         ys = torch._grouped_mm(a, self.w_dn.transpose(1, 2), offs=offs)
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
     def _loop(self, x: Tensor, ids: Tensor, ops) -> Tensor:
+        """One expert at a time (rows are quantized independently: per-expert chunks give the same bits)."""
         N, k = ids.shape
         flat = ids.reshape(-1)
         xs = x.index_select(0, torch.arange(N * k, device=x.device) // k)
-        if self.act_gu is not None:
-            xs = self.act_gu(xs, ops)
-        out = torch.empty(N * k, self.w_dn.shape[1], dtype=x.dtype, device=x.device)
+        out = torch.empty(N * k, self.dim, dtype=x.dtype, device=x.device)
         for e in torch.unique(flat).tolist():
             rows = (flat == e).nonzero().squeeze(-1)
-            a = ops.swiglu(F.linear(xs[rows], self.w_gu[e]), self.ffn)
-            if self.act_dn is not None:
-                a = self.act_dn(a, ops)
-            out[rows] = F.linear(a, self.w_dn[e])
+            if self.plain:
+                w_gu, w_dn = compute.plain(self.w_gu[e]), compute.plain(self.w_dn[e])
+            else:
+                w_gu, w_dn = self.op_gu[e], self.op_dn[e]
+            a = ops.swiglu(compute.matmul(_x_operand(self.act_gu, xs[rows], ops), w_gu, x.dtype), self.ffn)
+            out[rows] = compute.matmul(_x_operand(self.act_dn, a, ops), w_dn, x.dtype)
         return out
 
 
@@ -375,7 +416,6 @@ class PackedEngine:
         if self.ecfg.max_seq_len > cfg.max_seq_len:
             raise ValueError(f"EngineConfig.max_seq_len={self.ecfg.max_seq_len} > model max_seq_len={cfg.max_seq_len}")
         self._finite_bad = torch.zeros(1, dtype=torch.int32, device=self.device)  # 1: NaN/Inf logits seen
-        self.e2m1 = _nvfp4.E2M1_VALUES.to(self.device)
         self.ops = _Ops(self.ecfg.fuse and self.device.type == "cuda")  # decode step (fixed shapes)
         self.plain = _Ops(False)  # prefill (shapes vary per call)
         hd = cfg.head_dim
@@ -391,7 +431,7 @@ class PackedEngine:
 
     def _act(self, site: str):
         e = self.plan[site]
-        return None if e.format == "bf16" else _ActQuant(e.format, e.kwargs, self)
+        return None if e.format == "bf16" else _ActQuant(e.format, e.kwargs)
 
     def _dense(self, tensors, name: str) -> Tensor:
         return PK.dequantize(PK.to_device(tensors[name], self.device)).to(self.dtype).reshape(self.plan[name].shape)
@@ -465,7 +505,7 @@ class PackedEngine:
         self.lengths = torch.zeros(B, dtype=torch.int64, device=dev)
         self.out_tok = torch.zeros(B, S, dtype=torch.int64, device=dev)
         self.out_logp = torch.zeros(B, S, dtype=torch.float32, device=dev)
-        self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.max_new = torch.zeros(B, dtype=torch.int64, device=dev)  # a row stops after this many tokens
         self.temperature = torch.ones(1, dtype=torch.float32, device=dev)
         self._temp_value = 1.0
         self.stop_ids = torch.full((8,), -1, dtype=torch.int64, device=dev)
@@ -527,9 +567,9 @@ class PackedEngine:
             x, h = ops.add_rms(x, self._moe(L, h, ops), self._next_norm(i), eps)
         return self.lm_head(h, ops)  # the sampler reads them as fp32
 
-    def _prefill_forward(self, tokens: Tensor, lens: Tensor, n_samples: int = 1) -> Tensor:
-        """Right-padded prompts [n, T] -> logits [n, V] at each row's last real token; writes KV
-        0..T-1 of rows b * n_samples + i (each prompt computed once, its KV copied to its samples)."""
+    def _prefill_forward(self, tokens: Tensor, lens: Tensor) -> tuple[Tensor, list]:
+        """Right-padded prompts [n, T] -> (logits [n, V] at each row's last real token, per layer
+        (k, v) [n, Hkv, T, hd]: the prompts' KV, for the caller to place in slots)."""
         cfg, ops, eps = self.cfg, self.plain, self.cfg.norm_eps
         n, T = tokens.shape
         H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -538,45 +578,49 @@ class PackedEngine:
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
         x = F.embedding(tokens, self.embed)
         h = ops.rms(x, self.layers[0].ln1, eps)
+        kvs = []
         for i, L in enumerate(self.layers):
             q, k, v = self._qkv(L, h, ops)
             q, k = ops.qk_norm_rope(q.view(n, T, H, hd), k.view(n, T, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(n, T, Hk, hd).transpose(1, 2)
-            R = n * n_samples
-            self.k_cache[i][:R, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
-            self.v_cache[i][:R, :, :T] = v if n_samples == 1 else v.repeat_interleave(n_samples, 0)
+            kvs.append((k, v))
             # Right padding: a real token's causal window holds only real tokens.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hk)
             x, h = ops.add_rms(x, L.o(o.transpose(1, 2).reshape(n, T, H * hd), ops), L.ln2, eps)
             m = self._moe(L, h.reshape(n * T, -1), ops).view(n, T, -1)
             x, h = ops.add_rms(x, m, self._next_norm(i), eps)
         last = h[torch.arange(n, device=self.device), lens - 1]
-        return self.lm_head(last, ops)
+        return self.lm_head(last, ops), kvs
 
     # ---------------------------------------------------------------- sampling + bookkeeping
 
-    def _sample_update(self, logits: Tensor, n: int) -> None:
-        """Sample token `step` of rows 0..n-1, record it, stop rows that hit a stop id; no host sync."""
+    def _sample_update(self, logits: Tensor, rows: slice | Tensor) -> None:
+        """Sample the next token of `rows` (a slice of slots, or slot indices), each at its own token
+        index (`lengths`: the RNG counter and the output column, so a row's draws do not depend on
+        when it joined the batch), record it, stop rows on a stop id or at their max_new; no host sync."""
         e = self.ecfg
         temp = self._temp_value if (e.top_k > 0 or e.top_p < 1.0) else self.temperature
+        index = self.lengths[rows]
         tok, lp = sampling.sample(
-            logits, self.seeds[:n], self.step, temp, top_k=e.top_k, top_p=e.top_p, nonfinite=self._finite_bad
+            logits, self.seeds[rows], index, temp, top_k=e.top_k, top_p=e.top_p, nonfinite=self._finite_bad
         )
-        alive = self.alive[:n]
-        idx = self.step.expand(n)[:, None]
-        self.out_tok[:n].scatter_(1, idx, torch.where(alive, tok, self.pad)[:, None])
-        self.out_logp[:n].scatter_(1, idx, torch.where(alive, lp, 0.0)[:, None])
-        self.lengths[:n] += alive.long()
+        alive = self.alive[rows]
+        slots = self.slots[rows] if isinstance(rows, slice) else rows
+        col = index.clamp(max=self.out_tok.shape[1] - 1)
+        self.out_tok.index_put_((slots, col), torch.where(alive, tok, self.pad))
+        self.out_logp.index_put_((slots, col), torch.where(alive, lp, 0.0))
+        count = index + alive.long()
         hit = alive & (tok[:, None] == self.stop_ids[None, :]).any(dim=1)
-        self.stopped[:n] |= hit
-        alive &= ~hit
-        self.cur_tok[:n] = torch.where(alive, tok, self.pad)
-        self.step += 1
+        self.stopped[rows] = self.stopped[rows] | hit
+        alive = alive & ~hit & (count < self.max_new[rows])
+        self.lengths[rows] = count
+        self.alive[rows] = alive
+        self.cur_tok[rows] = torch.where(alive, tok, self.pad)
 
     def _decode_step(self, n: int) -> None:
         logits = self._decode_forward(n)
-        self._sample_update(logits, n)
-        self.pos[:n] += 1
+        self._sample_update(logits, slice(0, n))
+        self.pos[:n] += self.alive[:n].long()  # a finished row stays put: its (free) slot keeps in range
 
     def _graph(self, n: int):
         key = (n, self._temp_key())
@@ -605,7 +649,7 @@ class PackedEngine:
             self.lengths,
             self.out_tok,
             self.out_logp,
-            self.step,
+            self.max_new,
             self._finite_bad,
         ]
 
@@ -626,7 +670,7 @@ class PackedEngine:
         self._workspaces = dict(getattr(_matmul_triton(), "_WORKSPACE", {}))
 
     def _warm(self, n: int) -> None:
-        self.step.zero_()  # warm-up steps index the output buffers and the KV slots: keep them in range
+        self.lengths.zero_()  # warm-up steps index the output buffers and the KV slots: keep them in range
         self.pos.zero_()
         s = torch.cuda.Stream(self.device)
         s.wait_stream(torch.cuda.current_stream(self.device))
@@ -659,11 +703,19 @@ class PackedEngine:
 
     @torch.no_grad()
     def prefill(
-        self, prompts: Sequence[Sequence[int]], *, seeds, temperature: float, stop, pad_id: int, n_samples: int = 1
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        seeds,
+        temperature: float,
+        stop,
+        pad_id: int,
+        n_samples: int = 1,
+        max_new_tokens: int | Sequence[int] | None = None,
     ) -> int:
         """Reset the state, prefill the prompts (each once) into slots 0..B*n_samples-1 (row
-        b * n_samples + i: sample i of prompt b) and sample their first token. Returns the bucket
-        the batch decodes in."""
+        b * n_samples + i: sample i of prompt b) and sample their first token; rows stop after
+        max_new_tokens (one for all rows or one per row; default: what fits the slot). Returns the bucket the batch decodes in."""
         P = len(prompts)
         B = P * n_samples
         n = self.bucket(B)
@@ -675,29 +727,86 @@ class PackedEngine:
         row_lens = [x for x in lens for _ in range(n_samples)]
         lens_t = torch.tensor(row_lens + [1] * (n - B), dtype=torch.int64)
         dev = self.device
+        self.begin(temperature=temperature, stop=stop, pad_id=pad_id)
+        self.seeds[:B] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64)
+        self.alive[:B] = True
+        if max_new_tokens is None or isinstance(max_new_tokens, int):
+            self.max_new[:B] = self.ecfg.max_seq_len - T if max_new_tokens is None else max_new_tokens
+        else:
+            self.max_new[:B] = torch.tensor(list(max_new_tokens), dtype=torch.int64)
+        logits, kvs = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev))
+        for i, (k, v) in enumerate(kvs):  # each prompt's KV copied to its samples' slots
+            self.k_cache[i][:B, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
+            self.v_cache[i][:B, :, :T] = v if n_samples == 1 else v.repeat_interleave(n_samples, 0)
+        if n_samples > 1:
+            logits = logits.repeat_interleave(n_samples, 0)
+        if n > B:  # spare rows of the bucket: dead padding
+            logits = torch.cat([logits, logits.new_zeros(n - B, logits.shape[1])])
+        self._sample_update(logits, slice(0, n))
+        self.pos[:n] = lens_t.to(dev)
+        return n
+
+    # ---------------------------------------------------------------- continuous batching (rollout.batching)
+
+    @torch.no_grad()
+    def begin(self, *, temperature: float, stop, pad_id: int) -> None:
+        """Every slot free (dead), these sampling settings for every row from now on."""
         self._temp_value = float(temperature)
         self.temperature.fill_(float(temperature))
         self.stop_ids.fill_(-1)
         self.stop_ids[: len(stop)] = torch.tensor(sorted(stop), dtype=torch.int64)
         self.pad.fill_(pad_id)
-        self.seeds.zero_()
-        self.seeds[:B] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64)
-        self.alive.zero_()
-        self.alive[:B] = True
-        self.stopped.zero_()
-        self.lengths.zero_()
+        for t in (self.seeds, self.alive, self.stopped, self.lengths, self.out_logp, self.max_new, self.pos):
+            t.zero_()
         self.out_tok.fill_(pad_id)
-        self.out_logp.zero_()
-        self.step.zero_()
         self._finite_bad.zero_()
-        logits = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev), n_samples)
-        if n_samples > 1:
-            logits = logits.repeat_interleave(n_samples, 0)
-        if n > B:  # spare rows of the bucket: dead padding
-            logits = torch.cat([logits, logits.new_zeros(n - B, logits.shape[1])])
-        self._sample_update(logits, n)
-        self.pos[:n] = lens_t.to(dev)
-        return n
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len + max_new_tokens > self.ecfg.max_seq_len:
+            raise ValueError(
+                f"prompt {prompt_len} + max_new_tokens {max_new_tokens} > KV capacity "
+                f"max_seq_len={self.ecfg.max_seq_len} per slot"
+            )
+
+    @torch.no_grad()
+    def prefixes(self, prompts: Sequence[Sequence[int]]) -> list:
+        """Each prompt through the model once (one batched prefill): per prompt (its KV per layer
+        [Hkv, len, hd] as k and v lists, its last logits [V]), to `admit` into slots."""
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        tokens = torch.full((len(prompts), T), int(self.pad.item()), dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+        logits, kvs = self._prefill_forward(tokens.to(self.device), torch.tensor(lens, device=self.device))
+        return [
+            (
+                [k[b, :, :n].clone() for k, _ in kvs],
+                [v[b, :, :n].clone() for _, v in kvs],
+                logits[b].clone(),
+            )
+            for b, n in enumerate(lens)
+        ]
+
+    @torch.no_grad()
+    def admit(self, prefix, slots: Sequence[int], seeds: Sequence[int], max_new_tokens: Sequence[int]) -> None:
+        """Start rows in `slots` (free ones) from a prefix of `prefixes`: its KV copied into each
+        slot, each row's first token sampled with its own seed, each stopping after its
+        max_new_tokens; the other rows are untouched."""
+        ks, vs, logits = prefix
+        T, r = ks[0].shape[1], len(slots)
+        rows = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        for i in range(len(ks)):
+            self.k_cache[i][rows, :, :T] = ks[i][None].expand(r, -1, -1, -1)
+            self.v_cache[i][rows, :, :T] = vs[i][None].expand(r, -1, -1, -1)
+        self.seeds[rows] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64, device=self.device)
+        self.lengths[rows] = 0
+        self.stopped[rows] = False
+        self.alive[rows] = True
+        self.max_new[rows] = torch.tensor(list(max_new_tokens), dtype=torch.int64, device=self.device)
+        self.out_tok[rows] = self.pad
+        self.out_logp[rows] = 0.0
+        self._sample_update(logits[None].expand(r, -1), rows)
+        self.pos[rows] = T
 
     @torch.no_grad()
     def decode(self, n: int, steps: int, *, check_every: int | None = None, graphs: bool | None = None) -> int:
@@ -743,11 +852,7 @@ class PackedEngine:
             raise ValueError(
                 f"{B} rows ({len(prompts)} prompts x {n_samples} samples) > engine max_batch={e.max_batch}"
             )
-        if max(lens) + max_new_tokens > e.max_seq_len:
-            raise ValueError(
-                f"longest prompt {max(lens)} + max_new_tokens {max_new_tokens} > KV capacity "
-                f"max_seq_len={e.max_seq_len} per slot"
-            )
+        self.check_fits(max(lens), max_new_tokens)
         stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
         if len(stop) > self.stop_ids.numel():
             raise ValueError(f"{len(stop)} stop ids; the engine takes at most {self.stop_ids.numel()}")
@@ -761,7 +866,15 @@ class PackedEngine:
             seeds = torch.randint(0, 2**62, (B,), generator=generator).tolist()
         elif len(seeds) != B:
             raise ValueError(f"seeds has {len(seeds)} entries for {B} rows")
-        n = self.prefill(prompts, seeds=seeds, temperature=temperature, stop=stop, pad_id=pad_id, n_samples=n_samples)
+        n = self.prefill(
+            prompts,
+            seeds=seeds,
+            temperature=temperature,
+            stop=stop,
+            pad_id=pad_id,
+            n_samples=n_samples,
+            max_new_tokens=max_new_tokens,
+        )
         if max_new_tokens > 1:
             self.decode(n, max_new_tokens - 1)
         if bool(self._finite_bad):

@@ -114,6 +114,8 @@ def sample(
 ) -> tuple[Tensor, Tensor]:
     """Dispatch: the fused Triton kernel on CUDA for untruncated sampling, `sample_reference` else.
 
+    `step` is the token index: one for every row ([1] or an int) or one per row ([B]: rows that
+    joined a continuous batch at different steps each count their own tokens).
     `temperature` may be a 1-element tensor (the Triton path reads it on the device, so one CUDA
     graph serves every temperature; <= 0 means greedy; the other paths read it once, a host sync).
     `nonfinite` (int32 [1]), when given, is set to 1 if any logit is NaN or infinite."""

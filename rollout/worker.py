@@ -1,23 +1,28 @@
 """The rollout worker: prompt groups in, scored trajectory groups out, always with a verified policy.
 
-Loop (one group at a time):
-    newest policy announced? -> fetch through the broker client (checksums + fingerprint verified)
-                                and swap it in between groups
-    read one prompt group (own pending entries first, then entries reclaimed from dead workers,
-    then new ones) -> refuse to start it with a policy more than `max_staleness` versions behind
-    the newest -> generate n samples from the packed quantized weights with per-token activation
-    quantization at the recipe's sites -> score with the task's verifier -> XADD the n
-    trajectories and XACK the prompt in one transaction.
+Loop (up to `rollout.max_inflight_groups` groups in flight, continuous batching):
+    newest policy announced? -> stop starting groups, let the started ones finish (drain), then
+                                fetch it through the broker client (checksums + fingerprint
+                                verified) and swap it in; resume
+    room for a group? -> read prompt groups (own pending entries first, then entries reclaimed from
+    dead workers, then new ones) -> refuse to start one with a policy more than `max_staleness`
+    versions behind the newest -> submit it to the batcher (rollout/batching.py,
+    rollout/scheduler.py): its prompt is prefilled once, its n samples take KV slots as they free
+    up and decode together with every other group's samples, from the packed quantized weights
+    with per-token activation quantization at the recipe's sites
+    a group's last sample done -> score with the task's verifier -> XADD the n trajectories and
+    XACK the prompt in one transaction.
+Every token of a group comes from the version that started it (tagged on its trajectories): versions
+swap only when no started group is in flight, so no sequence, KV row or prefix spans two versions.
 Prometheus on `rollout.metrics_port` (`WorkerMetrics`): generated tokens, groups, tokens/s,
 policy fetch seconds and bytes, the live version, refused versions, the staleness of the policy in use.
 
-SIGTERM sets a flag: the group in progress is finished and committed, then the worker exits
-(a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
+SIGTERM sets a flag: no group is read any more, the groups in flight are finished and committed,
+then the worker exits (a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
 
 Generation: with `rollout.device=cpu` (default) the CPU KV-cache engine of rollout/engine.py
-(the prompt prefilled once per group, its cache shared by the n samples) with weights dequantized
-once per version (weight-only formats are exact after dequantization); with `cuda` / `cuda:N` the
-packed-weight engine of rollout/cuda_engine.py, rebuilt per version from the fetched tensors (its
+(`rollout.batching.CpuBackend`) with weights dequantized once per version (weight-only formats are exact after dequantization); with `cuda` / `cuda:N` the
+packed-weight engine of rollout/cuda_engine.py (`PackedBackend`), rebuilt per version from the fetched tensors (its
 KV cache and graphs never outlive the version that filled them).
 """
 
@@ -48,8 +53,8 @@ from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout.cuda_engine import EngineConfig, PackedEngine, resolve_device
 
+from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend
 from .config import RolloutConfig
-from .engine import generate
 from .tasks import Task
 
 
@@ -70,7 +75,8 @@ class WorkerMetrics:
         )
         self.tokens_per_s = prom.Gauge(
             "tandem_rollout_generated_tokens_per_second",
-            "completion tokens per second of generation in the last group (tokens/s)",
+            "completion tokens per second of generation: the last committed group's tokens over the time "
+            "since the previous commit or its own start, whichever is later (tokens/s)",
             registry=reg,
         )
         self.fetch_seconds = prom.Histogram(
@@ -137,6 +143,8 @@ class RolloutWorker:
         # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine per version.
         self.model = Transformer(model_config, seed=None) if self.device.type == "cpu" else None
         self.engine: PackedEngine | None = None
+        self.batcher: ContinuousBatcher | None = None  # made at the first version, swapped per version
+        self.inflight: dict = {}  # group_id -> (prompt record or None, its PromptGroup, start time)
         self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
         self.version: int | None = None
         self._refused: int | None = None  # last version refused for its fingerprint (logged once)
@@ -198,45 +206,66 @@ class RolloutWorker:
         )
         carried: list = []  # prompt records read but not started (the newest policy was unreachable)
         refused_logged = 0
+        last_pointer = last_read = last_commit = last_keep = 0.0
         try:
-            while not self.stop.is_set():
-                latest = await registry.latest()
-                if registry.refused > refused_logged:
-                    if refused_logged == 0 or registry.refused % 100 == 0:
-                        self.log(
-                            f"{self.worker_id}: refusing policy:latest: malformed or not signed with this run's secret"
-                        )
-                    refused_logged = registry.refused
-                if latest is not None and (self.version is None or latest.version > self.version):
-                    await self._try_load(latest)  # swap between groups; on failure keep the current one
+            while not (self.stop.is_set() and not self.inflight):
+                now = time.monotonic()
+                busy = bool(self.inflight)
+                swap_now = self.batcher is not None and self.batcher.draining and self.batcher.drained
+                if not busy or swap_now or now - last_pointer >= 0.25:  # generating: a few looks a second
+                    last_pointer = now
+                    latest = await registry.latest()
+                    if registry.refused > refused_logged:
+                        if refused_logged == 0 or registry.refused % 100 == 0:
+                            self.log(
+                                f"{self.worker_id}: refusing policy:latest: malformed or not signed with this run's secret"
+                            )
+                        refused_logged = registry.refused
+                    if latest is not None and (self.version is None or latest.version > self.version):
+                        await self._swap_when_drained(latest)  # on failure keep the current one
                 if self.version is None:
                     await asyncio.sleep(0.5)
                     continue
-                records, carried = (carried, []) if carried else (await queue.read(), [])
-                for i, rec in enumerate(records):
-                    # Never start a group with a policy already more than max_staleness behind; if the
-                    # newest cannot be fetched now, keep the entry and retry it (re-reading the pointer:
-                    # a restarted trainer publishes a new address).
-                    latest = await registry.latest()
-                    stale = latest is not None and latest.version - self.version > self.max_staleness
-                    if stale and not await self._try_load(latest):
-                        carried = records[i:]
-                        await queue.keep_alive(carried)  # still ours: no other janitor claims them
-                        await asyncio.sleep(0.5)
-                        break
-                    if latest is not None:
-                        self.metrics.staleness.set(latest.version - self.version)
-                    t0 = time.perf_counter()
-                    trajectories = self._rollout_group(rec.group)
-                    n_tokens = sum(len(t.completion_tokens) for t in trajectories)
-                    gen_s = time.perf_counter() - t0
-                    self.metrics.tokens_per_s.set(n_tokens / max(gen_s, 1e-9))
-                    g = self._since_swap
-                    g[0], g[1], g[2] = g[0] + 1, g[1] + n_tokens, g[2] + gen_s
-                    await queue.complete(rec, trajectories)
-                    self.groups_done += 1
-                    self.metrics.groups.inc()
-                    self.metrics.tokens.inc(n_tokens)
+                room = self.cfg.max_inflight_groups - len(self.inflight)
+                if not self.stop.is_set() and room > 0 and (not busy or now - last_read >= 0.1):
+                    last_read = now
+                    if not carried:  # do not block while samples are decoding
+                        carried = await queue.read(count=room, block_ms=0 if busy else None)
+                    while carried and len(self.inflight) < self.cfg.max_inflight_groups:
+                        # Never start a group with a policy already more than max_staleness behind
+                        # the newest; if the newest cannot be loaded now (or the groups in flight
+                        # must drain first), keep the entries and retry (re-reading the pointer: a
+                        # restarted trainer publishes a new address).
+                        latest = await registry.latest()
+                        stale = latest is not None and latest.version - self.version > self.max_staleness
+                        if stale and not await self._swap_when_drained(latest):
+                            await queue.keep_alive(carried)  # still ours: no other janitor claims them
+                            if not self.inflight:
+                                await asyncio.sleep(0.5)
+                            break
+                        if latest is not None:
+                            self.metrics.staleness.set(latest.version - self.version)
+                        rec = carried.pop(0)
+                        self._submit(rec.group, rec)
+                if self.inflight:
+                    if time.monotonic() - last_keep >= self.cfg.reclaim_idle_s / 4:
+                        last_keep = time.monotonic()
+                        await queue.keep_alive([r for r, _, _ in self.inflight.values() if r is not None])
+                    for result in self.batcher.step():
+                        rec, group, t0 = self.inflight.pop(result.key)
+                        trajectories = self._trajectories(group, result)
+                        n_tokens = sum(len(t.completion_tokens) for t in trajectories)
+                        t1 = time.perf_counter()
+                        gen_s = t1 - max(t0, last_commit)  # generating time this group adds to the run
+                        self.metrics.tokens_per_s.set(n_tokens / max(gen_s, 1e-9))
+                        last_commit = t1
+                        g = self._since_swap
+                        g[0], g[1], g[2] = g[0] + 1, g[1] + n_tokens, g[2] + gen_s
+                        await queue.complete(rec, trajectories)
+                        self.groups_done += 1
+                        self.metrics.groups.inc()
+                        self.metrics.tokens.inc(n_tokens)
+                    await asyncio.sleep(0)  # heartbeats and signals between decode chunks
             self.log(f"{self.worker_id}: drained after {self.groups_done} groups")
             return 0
         finally:
@@ -245,6 +274,18 @@ class RolloutWorker:
             await self.redis.aclose()
             self.health.stop()
             self.metrics.endpoint.close()
+
+    async def _swap_when_drained(self, pointer: PolicyPointer) -> bool:
+        """Load `pointer`'s version now if no started group is in flight (True when it is live);
+        else stop starting groups so that the in-flight ones drain, and load it on a later call."""
+        if self.batcher is None or self.batcher.drained:
+            ok = await self._try_load(pointer)
+            if not ok and self.batcher is not None:
+                self.batcher.cancel_swap()  # not loadable now: go on with the current version
+            return ok
+        if pointer.version not in self.refused_versions and pointer.contract_fingerprint == self.fingerprint:
+            self.batcher.request_swap()
+        return False
 
     async def _try_load(self, pointer: PolicyPointer | None) -> bool:
         """Load `pointer`'s version; False (logged) when it is not for our contract or not reachable
@@ -297,14 +338,28 @@ class RolloutWorker:
             with PolicyClient(cfg) as client:
                 return client.fetch(pointer.version, check=self._check_manifest)
 
+        if self.batcher is not None and not self.batcher.drained:
+            raise RuntimeError("policy swap while groups are in flight")  # the loop drains first
         t0 = time.perf_counter()
         fetched = await asyncio.to_thread(fetch)
         if self.model is not None:
-            qat.load_packed(self.model, fetched.tensors)
-            qat.install_activation_quant(self.model, self.recipe)
+            qat.install_packed(self.model, self.recipe, fetched.tensors)
         else:
             self.engine = None  # free the previous version's weights, KV cache and graphs first
-            self.engine = await asyncio.to_thread(self._build_engine, fetched.tensors)
+            if self.batcher is not None:
+                self.batcher.backend = None
+            try:
+                self.engine = await asyncio.to_thread(self._build_engine, fetched.tensors)
+            except BaseException:
+                self.version = None  # the old engine is gone: serve nothing until a version loads
+                raise
+        backend = self._backend()
+        if self.batcher is None:
+            self.batcher = ContinuousBatcher(
+                backend, max_inflight_groups=self.cfg.max_inflight_groups, version=fetched.version
+            )
+        else:
+            self.batcher.swap(fetched.version, backend)
         previous, self.version = self.version, fetched.version
         # The pointer's published_at is the trainer's clock: exact on one machine, skewed across hosts.
         after_publish = time.time() - pointer.published_at if pointer.published_at else float("nan")
@@ -340,37 +395,42 @@ class RolloutWorker:
         torch.cuda.synchronize(self.device)
         return engine
 
-    def _generate(self, prompt: list[int], seeds: list[int]) -> tuple[list, list]:
-        """Completions and behavior log-probs of one prompt, one sample per seed."""
-        kw = dict(
-            max_new_tokens=self.task.max_new_tokens,
-            temperature=self.loop.temperature,
-            eos_id=self.task.tokenizer.eos_id,
-            pad_id=self.task.tokenizer.pad_id,
-        )
+    def _backend(self):
+        """The batcher's backend for the version just loaded: the CPU model or the new PackedEngine."""
+        kw = dict(temperature=self.loop.temperature, pad_id=self.task.tokenizer.pad_id)
+        eos = self.task.tokenizer.eos_id
+        stop = set() if eos is None else {eos}
         if self.engine is None:
-            gen = generate(self.model, [prompt], n_samples=len(seeds), seeds=seeds, **kw)
-            return gen.completions(), gen.completion_logprobs()
-        completions, logps = [], []
-        step = self.cfg.max_batch
-        for i in range(0, len(seeds), step):  # a row's sample depends only on its seed: chunking is free
-            chunk = seeds[i : i + step]
-            gen = self.engine.generate([prompt], n_samples=len(chunk), seeds=chunk, **kw)
-            completions += gen.completions()
-            logps += gen.completion_logprobs()
-        return completions, logps
+            return CpuBackend(self.model, slots=self.cfg.max_batch, stop=stop, **kw)
+        return PackedBackend(self.engine, stop=stop, **kw)
+
+    def _submit(self, group: PromptGroup, record=None) -> None:
+        """Hand a prompt group to the batcher: n samples, sample i seeded by crc32 of its sample id."""
+        seeds = [zlib.crc32(sample_id_for(group.group_id, i).encode()) for i in range(group.n_samples)]
+        self.batcher.submit(
+            group.group_id, group.prompt_tokens.tolist(), seeds, max_new_tokens=self.task.max_new_tokens
+        )
+        self.inflight[group.group_id] = (record, group, time.perf_counter())
 
     def _rollout_group(self, group: PromptGroup) -> list[Trajectory]:
+        """One group alone, start to finish, with the version in use (the loop interleaves many)."""
+        if self.inflight:
+            raise RuntimeError("_rollout_group needs an idle worker")
+        self._submit(group)
+        while True:
+            for result in self.batcher.step():
+                _, group, _ = self.inflight.pop(result.key)
+                return self._trajectories(group, result)
+
+    def _trajectories(self, group: PromptGroup, result: GroupResult) -> list[Trajectory]:
         n = group.n_samples
-        sample_ids = [sample_id_for(group.group_id, i) for i in range(n)]
         prompt = group.prompt_tokens.tolist()
-        completions, logprobs = self._generate(prompt, [zlib.crc32(s.encode()) for s in sample_ids])
         now = time.time()
         out = []
-        for i, (completion, logps) in enumerate(zip(completions, logprobs)):
+        for i, (completion, logps) in enumerate(zip(result.tokens, result.logprobs)):
             out.append(
                 Trajectory(
-                    sample_id=sample_ids[i],
+                    sample_id=sample_id_for(group.group_id, i),
                     prompt_id=group.prompt_id,
                     group_id=group.group_id,
                     sample_index=i,
@@ -379,7 +439,7 @@ class RolloutWorker:
                     completion_tokens=np.asarray(completion, dtype=np.int32),
                     behavior_logprobs=np.asarray(logps, dtype=np.float32),
                     reward=self.task.score(completion, group.task),
-                    policy_version=self.version,
+                    policy_version=result.version,  # the version that started the group: all its tokens
                     contract_fingerprint=self.fingerprint,
                     worker_id=self.worker_id,
                     created_at=now,

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from policy.formats import Operand
 from policy.model import ModelConfig
 from policy.qat import QATHook
 from policy.recipe import Plan, Recipe
@@ -504,10 +505,38 @@ class MegatronQATHook(QATHook):
         super().__init__(plan, backward)
         self.cfg = plan.config
         self._fused: dict[str, tuple[int, Tensor]] = {}
+        self._fused_ops: dict[str, tuple[int, Operand]] = {}
 
     def invalidate(self, *_: object) -> None:
         super().invalidate()
         self._fused.clear()
+        self._fused_ops.clear()
+
+    def operand(self, name: str, p: Tensor) -> Operand:
+        """The fused qkv's operand: fuse_qkv of the three canonical operands (values, and per-row
+        scales where a part has one); per-K-block scales (fp8_block) are refused."""
+        if not name.endswith(".qkv_proj.weight"):
+            return super().operand(name, p)
+        hit = self._fused_ops.get(name)
+        if hit is not None and hit[0] == p._version and hit[1].values.device == p.device:
+            return hit[1]
+        prefix = name[: -len("qkv_proj.weight")]
+        parts = []
+        for proj, t in zip(("q_proj", "k_proj", "v_proj"), split_qkv(p.detach(), self.cfg)):
+            self._cache.pop(f"{prefix}{proj}.weight", None)  # its copy is new: always requantize
+            parts.append(super().operand(f"{prefix}{proj}.weight", t))
+        if any(o.block_scale is not None for o in parts):
+            raise NotImplementedError("megatron QAT: per-K-block (fp8_block) q/k/v weights in the fused linear_qkv")
+        scale = None
+        if any(o.scale is not None for o in parts):
+            rows = [
+                (o.scale if o.scale is not None else torch.ones(1, device=p.device)).expand(o.values.shape[0])[:, None]
+                for o in parts
+            ]
+            scale = fuse_qkv(*rows, self.cfg).reshape(-1)
+        fused = Operand(fuse_qkv(*(o.values for o in parts), self.cfg), scale=scale)
+        self._fused_ops[name] = (p._version, fused)
+        return fused
 
     def effective(self, name: str, p: Tensor) -> Tensor:
         if not name.endswith(".qkv_proj.weight"):
@@ -548,7 +577,10 @@ class MegatronQATHook(QATHook):
 
     def effective_weights(self, model: nn.Module) -> dict[str, Tensor]:
         """Canonical name -> effective weight, for this rank's parameters (all of them at EP=1)."""
-        return {n: e[2] for n, e in self._canonical_entries(model).items()}
+        dtype = next(model.parameters()).dtype
+        return {
+            n: self._dense_of(n, e[2], self.plan[n].shape, dtype) for n, e in self._canonical_entries(model).items()
+        }
 
     def quantized_params(self, model: nn.Module) -> dict:
         """Canonical name -> QuantizedParam as published (policy.manifest.build_manifest takes them),

@@ -3,7 +3,7 @@
 One step, as a short loop (slime-style):
     feed prompts -> collect `groups_per_step` admissible groups -> GRPO step(s) -> version += 1
     -> every `checkpoint_every` steps: checkpoint, then commit the samples consumed since the last
-       one (idempotency keys + XACK) -> publish
+       one (idempotency keys + XACK) -> publish (in the background: trainer.publisher)
 Commit-after-checkpoint means a crash re-delivers exactly the samples whose effect was lost (the
 checkpoint lists the samples it includes, and a restart commits them first). A restarted trainer
 republishes the checkpoint's version, or, when its weights moved since that publish or the lost
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from broker import frames
 from broker.codec import PromptGroup, Trajectory
 from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
@@ -49,6 +50,7 @@ from policy.recipe import Recipe
 from . import admission, grpo
 from .config import TrainerConfig
 from .metrics import MetricsSink
+from .publisher import Publisher
 from .sequences import pack, scatter_rows
 from .validation import TrajectoryRules, check_trajectory
 from .warmstart import warm_start
@@ -207,6 +209,9 @@ class Trainer:
                 fetch_deadline_s=cfg.fetch_deadline_s,
             )
         )
+        # Versions are framed into reusable page-locked host buffers and published off the step.
+        self.buffers = frames.BufferPool(pin=self.device.type == "cuda")
+        self.publisher = Publisher(log=self.log)
         self.health = HealthServer(
             port=cfg.health.port, service=TRAINER_HEALTH, host=cfg.health.host
         )  # Kubernetes probes
@@ -279,6 +284,16 @@ class Trainer:
                 self.state.version += publish
                 self._weights_version = self.state.version if publish else None
                 row.update(step=self.state.step, policy_version=self.state.version, time=time.time())
+                # Publishing runs off the step (trainer.publisher); what the step still waits for is logged.
+                # Starting it before the checkpoint is safe: a restart from an older checkpoint numbers its
+                # weights above any version announced since (see _restore_or_warm_start).
+                row["publish_blocked_s"] = 0.0
+                if publish:
+                    t_publish = time.perf_counter()
+                    self._snapshot()
+                    self._snapshot_s = time.perf_counter() - t_publish
+                    row["publish_blocked_s"] = await self._publish()
+                    self._publish_s = time.perf_counter() - t_publish
                 if self._resumed_from is not None:  # the plots mark where the run resumed
                     row["resumed_from"], self._resumed_from = self._resumed_from, None
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
@@ -286,13 +301,8 @@ class Trainer:
                 self._audit(groups)
                 if not self.cfg.checkpoint_every or self.state.step % self.cfg.checkpoint_every == 0 or last:
                     await self._checkpoint_and_commit()
-                if publish:
-                    t_publish = time.perf_counter()
-                    self._snapshot()
-                    self._snapshot_s = time.perf_counter() - t_publish
-                    await self._publish()
-                    self._publish_s = time.perf_counter() - t_publish
                 self.log(self._progress_line(row))
+            await self.publisher.idle()  # the last version announced (or its failure raised)
             if (self.cfg.checkpoint_every and self.state.step > self._ckpt_step) or self.state.pending_commit:
                 await self._checkpoint_and_commit()  # keep what was done
             if self._stop.is_set():
@@ -300,8 +310,10 @@ class Trainer:
                 self.log(f"stopped at step {self.state.step} ({where})")
             return 0
         finally:
+            await self.publisher.settle()  # its thread writes into our buffers and server
             self.health.stop()
             self.server.stop()
+            self.buffers.close()
             self.metrics.close()
             await self.redis.aclose()
 
@@ -443,7 +455,13 @@ class Trainer:
             old.unlink()
 
     # ------------------------------------------------------------------ publish / feed
-    async def _publish(self) -> None:
+    async def _publish(self) -> float:
+        """Start publishing the current version (trainer.publisher): wait for the previous publish
+        (back-pressure), take and describe the quantized parts here; framing, hashing and installing
+        run in a thread while the next step trains, and policy:latest names the version once it is
+        servable. Returns the seconds this took on the training thread (`publish_blocked_s`): the wait
+        and the staging, not the QAT cache refill that the next forward would otherwise do."""
+        blocked = await self.publisher.idle()  # at most one publish in flight; raises if the previous one failed
         if self.model.quant_hook is None:
             qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, optimizer=self.optimizer)
         v = self.state.version
@@ -451,18 +469,32 @@ class Trainer:
             tensors = mf.quantize_params(dict(self.model.named_parameters()), self.publish_plan)
         else:
             tensors = self.model.quant_hook.quantized_params(self.model)  # the QAT forward's own quantized parts
-        packed = mf.build_manifest(
-            version=v, parent_version=v - 1 if v > 1 else None, contract=self.publish_contract, tensors=tensors
+        t0 = time.perf_counter()
+        staged = frames.stage(
+            version=v,
+            parent_version=v - 1 if v > 1 else None,
+            contract=self.publish_contract,
+            tensors=tensors,
+            pool=self.buffers,
+            live=list(self.model.parameters()),
         )
-        self.server.publish(packed)
-        self.state.versions_published += 1
-        await self._point_registry()
-        self.health.set_serving(not self._stop.is_set())
 
-    async def _point_registry(self) -> None:
+        async def announce() -> None:
+            self.state.versions_published += 1
+            await self._point_registry(v)
+            self.health.set_serving(not self._stop.is_set())
+
+        self.publisher.start(v, lambda: self.server.publish(staged.run()), announce)
+        return blocked + time.perf_counter() - t0
+
+    async def _point_registry(self, version: int | None = None) -> None:
+        """Point policy:latest at `version` (default: the newest version the server holds; none yet: nothing)."""
+        version = version or max(self.server.versions(), default=0)
+        if not version:
+            return
         await self.registry.publish(
             PolicyPointer(
-                version=self.state.version,
+                version=version,
                 address=self.cfg.grpc_advertise or self.server.address,
                 contract_fingerprint=self.accepted_fingerprint,
                 published_at=time.time(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from . import bf16, fp8_block, int4, mxfp8, nvfp4
-from ._common import SPEC_VERSION
+from ._common import SPEC_VERSION, Operand
 
 FORMATS = ("bf16", "fp8_block", "mxfp8", "nvfp4", "int4")
 _MODULES = {"bf16": bf16, "fp8_block": fp8_block, "mxfp8": mxfp8, "nvfp4": nvfp4, "int4": int4}
@@ -44,4 +44,22 @@ def dequantize(q):
     return get(format_of(q)).dequantize(q)
 
 
-__all__ = ["FORMATS", "SPEC_VERSION", "dequantize", "format_of", "get", "bf16", "fp8_block", "int4", "mxfp8", "nvfp4"]
+def operand(q) -> Operand:
+    """The Compute contract's effective operand of a quantized object of any format."""
+    return get(format_of(q)).operand(q)
+
+
+__all__ = [
+    "FORMATS",
+    "SPEC_VERSION",
+    "Operand",
+    "dequantize",
+    "format_of",
+    "get",
+    "operand",
+    "bf16",
+    "fp8_block",
+    "int4",
+    "mxfp8",
+    "nvfp4",
+]

@@ -8,10 +8,14 @@ and the results are stored in the dtypes the contract names.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-SPEC_VERSION = "tandem-quant-1"
-"""Bumped whenever any format's bytes change; part of the contract fingerprint."""
+SPEC_VERSION = "tandem-quant-2"
+"""Bumped whenever any format's bytes or effective operands (DESIGN.md "Compute contract") change;
+part of the contract fingerprint. 2: matmuls consume the Compute contract's operands (nvfp4 global
+scales on the fp32 accumulator, fp8_block per-K-block partial sums, bf16-rounded operands)."""
 
 FLT_MAX = torch.finfo(torch.float32).max
 E4M3_MAX = 448.0
@@ -67,3 +71,53 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch
     if t.dtype != dtype or tuple(t.shape) != tuple(shape):
         raise ValueError(f"part {name!r}: expected {dtype} {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
     return t
+
+
+@dataclass(frozen=True)
+class Operand:
+    """The effective operand of a quantized matmul (DESIGN.md "Compute contract"), from the packed parts.
+
+    values       [M, K]: what the tensor cores multiply: bf16, exact (nvfp4 e2m1 x sf, mxfp8 code x
+                 2^(e-127), fp8_block codes, int4 bf16(q x s), bf16 values); an unquantized activation
+                 is itself, in the compute dtype.
+    scale        fp32 [1] or [M], or None: applied to the fp32 accumulator after the K sum (nvfp4 S_dec).
+    block_scale  fp32 [ceil(M / block[0]), K / block[1]], or None: each K block's partial sum is
+                 multiplied by it (fp8_block scale_inv).
+    block        (rows, cols) of one block_scale entry.
+
+    `policy.compute.matmul(x, w, dtype)` is the matmul these define; `dequantize()` is values times
+    their scales in fp32 (the `dequant` straight-through backward); `split(sizes)` splits the rows.
+    """
+
+    values: torch.Tensor
+    scale: torch.Tensor | None = None
+    block_scale: torch.Tensor | None = None
+    block: tuple[int, int] = (1, 1)
+
+    def row_scale(self, rows: int) -> torch.Tensor | None:
+        """block_scale expanded to one row per operand row: [rows, K / block[1]] (None without one)."""
+        if self.block_scale is None:
+            return None
+        return self.block_scale.repeat_interleave(self.block[0], dim=0)[:rows]
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [M, K] = values x block scales x scale."""
+        v = self.values.to(torch.float32)
+        m, k = v.shape
+        bs = self.row_scale(m)
+        if bs is not None:
+            v = (v.view(m, bs.shape[1], -1) * bs.unsqueeze(-1)).view(m, k)
+        if self.scale is not None:
+            v = v * self.scale.view(-1, 1)
+        return v
+
+    def split(self, sizes) -> tuple[Operand, ...]:
+        """Row chunks (per-row scales split with them, one-row blocks only; a [1] scale is shared)."""
+        sizes = list(sizes)
+        if self.block_scale is not None and self.block[0] != 1:
+            raise ValueError(f"Operand.split: block rows {self.block[0]} != 1")
+        per_row = self.scale is not None and self.scale.numel() == self.values.shape[0] and self.values.shape[0] != 1
+        vs = self.values.split(sizes)
+        ss = self.scale.split(sizes) if per_row else [self.scale] * len(vs)
+        bs = self.block_scale.split(sizes) if self.block_scale is not None else [None] * len(vs)
+        return tuple(Operand(v, s, b, self.block) for v, s, b in zip(vs, ss, bs))

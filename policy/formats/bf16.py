@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import check_input, check_shape
+from ._common import Operand, check_input, check_shape
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,11 @@ def quantize(x: torch.Tensor) -> BF16Tensor:
 
 def dequantize(q: BF16Tensor) -> torch.Tensor:
     return q.values.to(torch.float32)
+
+
+def operand(q: BF16Tensor) -> Operand:
+    """The Compute contract's operand: the bf16 values themselves."""
+    return Operand(q.values)
 
 
 def fake_quant(x: torch.Tensor) -> torch.Tensor:

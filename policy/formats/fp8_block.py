@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import E4M3_MAX, FLT_MAX, check_input, check_shape, to_e4m3
+from ._common import E4M3_MAX, FLT_MAX, Operand, check_input, check_shape, to_e4m3
 
 WEIGHT_BLOCK = (128, 128)
 ACTIVATION_BLOCK = (1, 128)
@@ -72,6 +72,12 @@ def dequantize(q: FP8BlockTensor) -> torch.Tensor:
     bm, bk = q.block
     t = _tiles(q.codes.to(torch.float32), bm, bk)
     return (t * q.scale_inv[:, None, :, None]).view(-1, k)[:m]
+
+
+def operand(q: FP8BlockTensor) -> Operand:
+    """The Compute contract's operand: the E4M3 codes (exact in bf16); each K block's fp32 partial
+    sum is multiplied by scale_inv_x x scale_inv_w (DeepSeek-V3's promotion)."""
+    return Operand(q.codes.to(torch.bfloat16), block_scale=q.scale_inv, block=q.block)
 
 
 def fake_quant(x: torch.Tensor, block=WEIGHT_BLOCK) -> torch.Tensor:

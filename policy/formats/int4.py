@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import amax, blocks, check_input, check_shape, fp32
+from ._common import Operand, amax, blocks, check_input, check_shape, fp32
 
 DEFAULT_GROUP = 32
 
@@ -71,6 +71,12 @@ def dequantize(q: INT4Tensor) -> torch.Tensor:
     m, k = q.shape
     g = q.group_size
     return (q.codes.to(torch.float32).view(m, k // g, g) * q.scales.to(torch.float32).unsqueeze(-1)).view(m, k)
+
+
+def operand(q: INT4Tensor) -> Operand:
+    """The Compute contract's W4A16 weight operand: bf16(q x s), rounded once (q x s is exact in
+    fp32), as Marlin-style kernels dequantize; no post-accumulator scale."""
+    return Operand(dequantize(q).to(torch.bfloat16))
 
 
 def fake_quant(x: torch.Tensor, group_size: int = DEFAULT_GROUP) -> torch.Tensor:

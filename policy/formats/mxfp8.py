@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import E4M3_MAX, amax, blocks, check_input, check_shape, fp32, to_e4m3
+from ._common import E4M3_MAX, Operand, amax, blocks, check_input, check_shape, fp32, to_e4m3
 
 BLOCK = 32
 
@@ -73,6 +73,12 @@ def dequantize(q: MXFP8Tensor) -> torch.Tensor:
     m, k = q.shape
     scale = pow2(q.scales.to(torch.int32) - 127)
     return (q.codes.to(torch.float32).view(m, k // BLOCK, BLOCK) * scale.unsqueeze(-1)).view(m, k)
+
+
+def operand(q: MXFP8Tensor) -> Operand:
+    """The Compute contract's operand: code x 2^(e-127) in bf16 (exact for scale bytes 3..246; at
+    0-2 and 247-254 the fp32 product rounded to bf16, nearest even); no post-accumulator scale."""
+    return Operand(dequantize(q).to(torch.bfloat16))
 
 
 def fake_quant(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import E4M3_MAX, FLT_MAX, blocks, check_input, check_shape, fp32, to_e4m3
+from ._common import E4M3_MAX, FLT_MAX, Operand, blocks, check_input, check_shape, fp32, to_e4m3
 from ._common import amax as abs_max
 
 BLOCK = 16
@@ -121,6 +121,26 @@ def dequantize(q: NVFP4Tensor) -> torch.Tensor:
     gs = q.global_scale.view(-1, 1) if q.scope == "row" else q.global_scale
     scale = q.block_scales.to(torch.float32) * gs  # fp32(float(sf) * S_dec)
     return (values * scale.unsqueeze(-1)).view(m, k)
+
+
+def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 codes (uint8 0..15), from bits on any device (no table): the code's
+    e1 e0 m bits as fp16 exponent/mantissa bits 11..9 and its sign as bit 15 give value * 2^-14."""
+    c = codes.to(torch.int16)
+    return (((c & 7) << 9) | ((c & 8) << 12)).view(torch.float16).to(torch.float32) * 16384.0
+
+
+def operand_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, K] = e2m1 x sf: at most 6 significant bits in [2^-10, 2688], exact in bf16."""
+    m = codes.shape[0]
+    v = e2m1_value(unpack_codes(codes)).view(m, -1, BLOCK) * block_scales.to(torch.float32).unsqueeze(-1)
+    return v.view(m, -1).to(torch.bfloat16)
+
+
+def operand(q: NVFP4Tensor) -> Operand:
+    """The Compute contract's operand: values e2m1 x sf (bf16, exact); scale S_dec ([1] tensor
+    scope, [M] row scope), applied to the fp32 accumulator."""
+    return Operand(operand_values(q.codes, q.block_scales), scale=q.global_scale)
 
 
 def fake_quant(x: torch.Tensor, scope: str = "tensor") -> torch.Tensor:

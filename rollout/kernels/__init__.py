@@ -3,17 +3,17 @@
 Used only by a rollout engine (the trainer computes through QAT's fake quantization), so they
 live beside the engine; the byte-exact quantizers both sides use stay in `policy.kernels`.
 On a CUDA tensor (sm_89+, Triton installed) the kernels in `matmul_triton` run; everywhere else
-the reference: `x @ dequantize(w).T` in fp32.
+the reference: `policy.compute.matmul` of x and the weight's Compute-contract operand.
 
     pack(q) / pack_experts([q...])  -> PackedLinear, the layout the matmul kernels read (once per
                                        weight version; unpack() gives the format object back)
-    qmatmul(x, w)                   -> x @ dequant(w).T          (w: PackedLinear or a quantized tensor)
+    qmatmul(x, w)                   -> x @ W.T per the contract  (w: PackedLinear or a quantized tensor)
     moe_qmatmul(x, w, topk_ids)     -> [T, topk, N], all routed experts in one launch
 
-Semantics of the matmuls: nvfp4 and int4 are weight-only (bf16 activations, fp32 accumulate,
-output in x.dtype); fp8_block is W8A8 as on Hopper: x is quantized with 1x128 tiles first, on
-every backend, so the CPU path computes the same function as `torch._scaled_mm`. Other formats
-(bf16, mxfp8) multiply by the dequantized weight.
+Semantics of the matmuls (DESIGN.md "Compute contract"): x (bf16) times the weight's operand
+(nvfp4 e2m1 x sf with S_dec on the fp32 accumulator, int4 bf16(q x s), mxfp8 / bf16 values),
+output in x.dtype; fp8_block is W8A8 as on Hopper: x is quantized with 1x128 tiles first, on
+every backend, and each 128-wide K block's partial sum is scaled, as `torch._scaled_mm` does.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import policy.kernels as K
-from policy import formats
+from policy import compute, formats
 from policy.formats import fp8_block as _fp8_block
 from policy.formats import int4 as _int4
 from policy.formats import nvfp4 as _nvfp4
@@ -147,12 +147,12 @@ def _kernel_fmt(w: PackedLinear, x: torch.Tensor):
 
 
 def reference_qmatmul(x: torch.Tensor, w: PackedLinear, expert: int | None = None) -> torch.Tensor:
-    """x @ dequant(W).T in fp32 from the reference dequantization, cast to x.dtype."""
-    q = unpack(w, expert)
-    xf = x.to(torch.float32)
+    """policy.compute.matmul of x (fp8_block: its 1x128 quantization) and W's operand, in x.dtype."""
+    q = K.to_device(unpack(w, expert), x.device)
+    xo = compute.plain(x)
     if w.fmt == "fp8_block":
-        xf = _fp8_block.dequantize(_fp8_block.quantize(x, block=_fp8_block.ACTIVATION_BLOCK))
-    return (xf @ K.dequantize(q).to(xf.device).T).to(x.dtype)
+        xo = formats.operand(_fp8_block.quantize(x, block=_fp8_block.ACTIVATION_BLOCK))
+    return compute.matmul(xo, formats.operand(q), x.dtype)
 
 
 def qmatmul(x: torch.Tensor, w) -> torch.Tensor:

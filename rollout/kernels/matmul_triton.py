@@ -6,9 +6,12 @@ out in bf16) and fed to the tensor cores with x:
 - nvfp4: two codes at a time become bf16 bit patterns worth e2m1 * 2^-126 (bit moves only: the
   nibble's e1 e0 m bits land on bf16 bits 6-8, which makes the E2M1 subnormal 0.5 the bf16
   subnormal 2^-127), and one bf16x2 multiply by sf * 2^119 gives e2m1 * sf * 2^-7, exact in
-  bf16 (at most 6 significant bits, magnitude in [2^-17, 21]). The fp32 accumulator is
-  multiplied by 2^7 * S_dec at the end, so the tensor cores see the reference dequantization
-  up to one fp32 factor applied after the sum.
+  bf16 (at most 6 significant bits, magnitude in [2^-17, 21]): the Compute contract's operand
+  e2m1 x sf (`policy.formats.nvfp4.operand`) times 2^-7, exactly. The epilogue applies the
+  contract's post-accumulator scales: y = (acc * (2^7 * S_dec_x[row])) * S_dec_w with per-token
+  activation scales (`x_scale`, nvfp4 activations: x is then their operand e2m1 x sf), else
+  acc * (2^7 * S_dec_w); both equal (acc_contract * S_dec_x) * S_dec_w rounded once per product,
+  as 2^7 scalings are exact.
 - int4: the nibble goes into the mantissa of bf16 128 (0x4300 | n = 128 + n), one bf16x2 FMA
   subtracts 136 (exact), one bf16x2 multiply by the group scale rounds q * s to bf16 once:
   exactly `dequantize(W).to(bf16)`, as Marlin-style W4A16 kernels define it.
@@ -146,9 +149,11 @@ def _w4a16_kernel(
     stride_se,
     ws_ptr,
     lock_ptr,
+    xs_ptr,
     FMT: tl.constexpr,
     G: tl.constexpr,
     MOE: tl.constexpr,
+    HAS_XS: tl.constexpr,
     TOPK: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -268,8 +273,12 @@ def _w4a16_kernel(
 
     y = y_ptr + y_row.to(tl.int64)[None, :] * stride_ym + n64[:, None]
     ymask = nmask[:, None] & rmask[None, :]
+    if HAS_XS:
+        xs = tl.load(xs_ptr + x_row, mask=rmask, other=1.0)  # [BM] per-token activation S_dec
+    else:
+        xs = tl.full([BM], 1.0, tl.float32)
     if SPLIT == 1:
-        _store_tile(acc, y, ymask, gs_ptr, FMT)
+        _store_tile(acc, y, ymask, gs_ptr, xs, FMT, HAS_XS)
     else:
         tile = pid_m * tl.num_programs(0) + pid_n
         t_ofs = tl.arange(0, BN)[:, None] * BM + tok[None, :]
@@ -280,14 +289,20 @@ def _w4a16_kernel(
             total = tl.load(base, cache_modifier=".cg")
             for s_i in tl.static_range(1, SPLIT):
                 total += tl.load(base + s_i * (BN * BM), cache_modifier=".cg")
-            _store_tile(total, y, ymask, gs_ptr, FMT)
+            _store_tile(total, y, ymask, gs_ptr, xs, FMT, HAS_XS)
             tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
 
 
 @triton.jit
-def _store_tile(acc, y, ymask, gs_ptr, FMT: tl.constexpr):
+def _store_tile(acc, y, ymask, gs_ptr, xs, FMT: tl.constexpr, HAS_XS: tl.constexpr):
+    """The Compute contract's epilogue on acc [BN, BM]: x's scale first, then w's, one rounding each."""
     if FMT == 0:
-        acc = acc * (tl.load(gs_ptr) * 128.0)
+        if HAS_XS:
+            acc = (acc * (xs * 128.0)[None, :]) * tl.load(gs_ptr)
+        else:
+            acc = acc * (tl.load(gs_ptr) * 128.0)
+    elif HAS_XS:
+        acc = acc * xs[None, :]
     tl.store(y, acc.to(y.dtype.element_ty), mask=ymask)
 
 
@@ -367,13 +382,23 @@ def _scale_view(scales: torch.Tensor) -> torch.Tensor:
     return scales.view(torch.uint8) if scales.dtype == torch.float8_e4m3fn else scales
 
 
+def _xs(x_scale, dummy):
+    """The per-row activation scales as the kernel reads them (fp32, contiguous), or a dummy pointer."""
+    if x_scale is None:
+        return dummy
+    return x_scale.reshape(-1).to(torch.float32).contiguous()
+
+
 def check_k(k: int, fmt: int, group: int) -> bool:
     """Shapes the kernel covers: K a multiple of 64 (nvfp4: 128); int4 groups a multiple of 16."""
     return k % _min_bk(fmt) == 0 and (fmt == FMT_NVFP4 or group % 16 == 0)
 
 
-def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config=None, use_asm=True, out=None):
-    """y [M, N] = x [M, K] @ dequant(W).T; words int32 [N, K/8] (kernel layout, see `bitmath.repack`)."""
+def w4a16_matmul(
+    x, words, scales, global_scale, fmt: int, group: int, *, config=None, use_asm=True, out=None, x_scale=None
+):
+    """y [M, N] = x [M, K] @ W.T per the Compute contract; words int32 [N, K/8] (kernel layout, see
+    `bitmath.repack`). x_scale: fp32 [M] per-row activation scales (nvfp4 S_dec_x), or None."""
     m, k = x.shape
     n = words.shape[0]
     config = config or pick_config(n, k, fmt, group)
@@ -404,9 +429,11 @@ def w4a16_matmul(x, words, scales, global_scale, fmt: int, group: int, *, config
         0,
         ws,
         locks,
+        _xs(x_scale, y),
         FMT=fmt,
         G=group,
         MOE=False,
+        HAS_XS=x_scale is not None,
         TOPK=1,
         BN=bn,
         BK=bk,
@@ -487,11 +514,23 @@ def moe_align_fast(topk_ids: torch.Tensor, num_experts: int):
 
 
 def moe_w4a16_matmul(
-    x, codes, scales, global_scale, topk_ids, fmt: int, group: int, *, config=None, use_asm=True, align=None
+    x,
+    codes,
+    scales,
+    global_scale,
+    topk_ids,
+    fmt: int,
+    group: int,
+    *,
+    config=None,
+    use_asm=True,
+    align=None,
+    x_scale=None,
 ):
     """y [T, topk, N]: token t times the weights of each of its routed experts.
 
-    words int32 [E, N, K/8] (kernel layout), scales [E, N, K/16 or K/G], global_scale fp32 [E] (nvfp4)."""
+    words int32 [E, N, K/8] (kernel layout), scales [E, N, K/16 or K/G], global_scale fp32 [E] (nvfp4);
+    x_scale: fp32 [T] per-row activation scales of x (nvfp4 S_dec_x), or None."""
     t, k = x.shape
     e, n, _ = codes.shape
     topk = topk_ids.shape[1]
@@ -524,9 +563,11 @@ def moe_w4a16_matmul(
         scales.stride(0),
         ws,
         locks,
+        _xs(x_scale, y),
         FMT=fmt,
         G=group,
         MOE=True,
+        HAS_XS=x_scale is not None,
         TOPK=topk,
         BN=bn,
         BK=bk,

@@ -28,18 +28,29 @@ def _mix32(x):
 
 
 @triton.jit
-def _row_key(seed_ptr, step_ptr, row):
+def _row_key(seed_ptr, step_ptr, step_stride, row):
     seed = tl.load(seed_ptr + row).to(tl.uint64)
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = (seed >> 32).to(tl.uint32)
     k = _mix32(lo ^ _mix32(hi ^ 0x9E3779B9))
-    step = tl.load(step_ptr).to(tl.uint64)
+    step = tl.load(step_ptr + row * step_stride).to(tl.uint64)
     return _mix32(k ^ (step & 0xFFFFFFFF).to(tl.uint32))
 
 
 @triton.jit
 def _partial_kernel(
-    logits_ptr, stride, seed_ptr, step_ptr, temp_ptr, part_ptr, bad_ptr, V, P, BLOCK: tl.constexpr, ITERS: tl.constexpr
+    logits_ptr,
+    stride,
+    seed_ptr,
+    step_ptr,
+    step_stride,
+    temp_ptr,
+    part_ptr,
+    bad_ptr,
+    V,
+    P,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
 ):
     """Program (row, p) scans vocabulary chunk p: (max z, sum exp(z - max), best score, its index);
     sets *bad = 1 when a logit it read is NaN or infinite."""
@@ -48,7 +59,7 @@ def _partial_kernel(
     t = tl.load(temp_ptr)
     greedy = t <= 0.0
     tt = tl.where(greedy, 1.0, t)
-    key = _row_key(seed_ptr, step_ptr, row)
+    key = _row_key(seed_ptr, step_ptr, step_stride, row)
     base = logits_ptr + row.to(tl.int64) * stride
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
@@ -116,7 +127,8 @@ def _split(V: int) -> tuple[int, int]:
 
 def sample(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor, temperature, nonfinite=None) -> tuple:
     """(tokens [B] int64, logp [B] fp32) from logits [B, V] (any float dtype, read as fp32; last dim
-    contiguous), seeds [B] int64, step: int64 tensor of 1 element, temperature: 1-element fp32
+    contiguous), seeds [B] int64, step: int64 tensor of 1 element (every row) or B (each row's own
+    token index, as continuous batching needs), temperature: 1-element fp32
     tensor or float; `nonfinite` (int32 [1]) is set to 1 if a logit is NaN/Inf (else left alone).
     Two launches: per (row, vocabulary chunk) partials, then one combine per row."""
     B, V = logits.shape
@@ -127,6 +139,9 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor, temper
         temperature = torch.tensor([float(temperature)], dtype=torch.float32, device=dev)
     if not isinstance(step, torch.Tensor):
         step = torch.tensor([int(step)], dtype=torch.int64, device=dev)
+    if step.numel() not in (1, B):
+        raise ValueError(f"step has {step.numel()} elements for {B} rows (want 1 or {B})")
+    step = step.reshape(-1)
     if nonfinite is None:
         nonfinite = torch.zeros(1, dtype=torch.int32, device=dev)
     iters, P = _split(V)
@@ -138,6 +153,7 @@ def sample(logits: torch.Tensor, seeds: torch.Tensor, step: torch.Tensor, temper
         logits.stride(0),
         seeds,
         step,
+        0 if step.numel() == 1 else step.stride(0),
         temperature,
         part,
         nonfinite,

@@ -1,7 +1,8 @@
 """The asynchronous loop end to end: a real redis-server, the trainer and two rollout workers as
 separate processes talking gRPC and Redis, as `tandem run` starts them.
 
-One run exercises the fault paths in order: a rollout worker is SIGKILLed (the other finishes its
+Each worker keeps three prompt groups in flight (continuous batching). One run exercises the fault
+paths in order: a rollout worker is SIGKILLed (the other finishes its
 prompts), a stale and a wrong-fingerprint trajectory are injected (dropped and counted), and the
 trainer is SIGKILLed and restarted (it resumes from its checkpoint and uses no sample twice).
 """
@@ -52,7 +53,16 @@ def _config(tmp: Path, run_id: str, redis_url: str) -> Path:
             "checkpoint_every": 2,  # a restart redoes the steps since the last even one
             "collect_timeout_s": 60.0,
         },
-        "rollout": {"reclaim_idle_s": 2.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0, "read_block_ms": 200},
+        # Three groups in flight per worker (continuous batching): the killed worker leaves several
+        # prompts to reclaim, and every version swap drains groups in flight first.
+        "rollout": {
+            "reclaim_idle_s": 2.0,
+            "heartbeat_s": 0.5,
+            "heartbeat_ttl_s": 3.0,
+            "read_block_ms": 200,
+            "max_inflight_groups": 3,
+            "max_batch": 8,
+        },
     }
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -186,6 +196,8 @@ def test_async_loop_with_faults(tmp_path, redis_url, run_id):
     assert versions == sorted(versions) and versions[-1] > versions[0] >= 2
     assert rows[-1]["dropped_stale"] >= 1 and rows[-1]["dropped_fingerprint"] >= 1
     assert steps_before >= 3
+    # Publishing runs off the step: each step logs how long it waited for the previous publish.
+    assert all(r["publish_blocked_s"] >= 0 for r in rows)
 
     # No sample used twice, across the restart and the dead worker's reclaimed prompts.
     audit = _lines(run_dir / "audit.jsonl")

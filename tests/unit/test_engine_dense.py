@@ -28,8 +28,7 @@ def test_engine_matches_reference_on_dense_and_tied_models(name, recipe):
     plan = Recipe.load(recipe).plan(model)
     packed = qat.quantize_weights(model, plan)
     ref = Transformer(cfg, seed=None)
-    qat.load_packed(ref, packed)
-    qat.install_activation_quant(ref, plan)
+    qat.install_packed(ref, plan, packed)
     eng = PackedEngine(
         cfg, plan, packed, device="cpu", dtype=torch.float32, engine=EngineConfig(max_batch=8, max_seq_len=64)
     )

@@ -99,7 +99,7 @@ def test_fingerprint_covers_the_contract_and_nothing_else(tensors):
         "model config": make_contract(model_config=dataclasses.replace(CFG, rope_theta=20_000.0)),
         "recipe name": make_contract(recipe_name="other"),
         "recipe rules": make_contract(recipe_rules={**RULES, "keep_bf16": {"first": 1, "last_fraction": 0.0}}),
-        "quantizer spec": make_contract(quantizer_spec_version="tandem-quant-2"),
+        "quantizer spec": make_contract(quantizer_spec_version="tandem-quant-1"),  # the previous one
         "site scope": make_contract(
             activation_sites=[dataclasses.replace(site0, format="mxfp8", scope="block")]
             + list(base.activation_sites[1:])

@@ -41,8 +41,7 @@ def _packed(recipe: str):
 def _pair(model, recipe: str, **ecfg):
     plan, packed = _packed(recipe)
     ref = Transformer(CFG, seed=None)
-    qat.load_packed(ref, packed)
-    qat.install_activation_quant(ref, plan)
+    qat.install_packed(ref, plan, packed)
     eng = PackedEngine(
         CFG, plan, packed, device="cpu", dtype=torch.float32, engine=EngineConfig(max_batch=8, max_seq_len=64, **ecfg)
     )
@@ -207,8 +206,7 @@ def test_dense_and_mixed_layers_match_reference_generate(preset, overrides, reci
     plan = Recipe.load(recipe).plan(model)
     packed = qat.quantize_weights(model, plan)
     ref = Transformer(cfg, seed=None)
-    qat.load_packed(ref, packed)
-    qat.install_activation_quant(ref, plan)
+    qat.install_packed(ref, plan, packed)
     eng = PackedEngine(cfg, plan, packed, device="cpu", dtype=torch.float32, engine=EngineConfig(max_batch=4))
     a = generate(ref, PROMPTS, max_new_tokens=8, temperature=0.0)
     b = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0)

@@ -16,7 +16,7 @@ from policy.qat import (
     apply_qat,
     bits,
     dequantize_packed,
-    install_activation_quant,
+    install_packed,
     load_packed,
     probe_mismatch,
     quantize_weights,
@@ -53,16 +53,19 @@ def test_hp_backward_equals_plain_linear_gradient(nvfp4_plan):
     F.linear(x2, w2).backward(gy)
     torch.testing.assert_close(gx, x2.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gw, w2.grad, rtol=1e-6, atol=1e-6)
-    # ...while the forward really was quantized (weights per tensor, inputs per token).
-    x_hat = formats.nvfp4.fake_quant(x.detach().reshape(-1, 256), scope="row").view_as(x)
-    w_hat = formats.nvfp4.fake_quant(w.detach(), scope="tensor")
-    assert torch.equal(y.detach(), F.linear(x_hat, w_hat))
+    # ...while the forward really was the Compute contract's (weights per tensor, inputs per token):
+    # (x_values . w_values in fp32) * S_dec_x[row] * S_dec_w, with values e2m1 x sf.
+    xq = formats.nvfp4.quantize(x.detach().reshape(-1, 256), scope="row")
+    wq = formats.nvfp4.quantize(w.detach(), scope="tensor")
+    acc = formats.nvfp4.operand(xq).values.float() @ formats.nvfp4.operand(wq).values.float().T
+    assert torch.equal(y.detach().view(-1, 128), acc * xq.global_scale[:, None] * wq.global_scale)
     assert not torch.equal(y.detach(), F.linear(x.detach(), w.detach()))
 
 
 def test_dequant_backward_uses_the_forward_operands(nvfp4_plan):
     x, w, gy = _operands(1)
     QATHook(nvfp4_plan, backward="dequant").linear(SITE, x, w).backward(gy)
+    # The dequantized operands: values x their scales (here e2m1 x sf x S_dec, = the reference dequant).
     x_hat = formats.nvfp4.fake_quant(x.detach().reshape(-1, 256), scope="row").view_as(x).requires_grad_()
     w_hat = formats.nvfp4.fake_quant(w.detach(), scope="tensor").requires_grad_()
     F.linear(x_hat, w_hat).backward(gy)
@@ -108,8 +111,8 @@ def test_effective_weights_follow_optimizer_steps_even_fused():
 
 
 @pytest.mark.parametrize("recipe", BUILTINS)
-def test_qat_and_packed_weights_are_bitwise_identical(recipe):
-    """Trainer (QAT) and rollout (dequantized published tensors) compute with the same bits."""
+def test_qat_and_packed_operands_are_bitwise_identical(recipe):
+    """Trainer (QAT) and CPU rollout (the published tensors after transport) compute with the same operands."""
     g = torch.Generator().manual_seed(2)
     trainer = Transformer(TINY, seed=3)
     with torch.no_grad():  # make the weights less uniform than the init: heavier tails, an outlier
@@ -129,15 +132,18 @@ def test_qat_and_packed_weights_are_bitwise_identical(recipe):
         kw = {"scope": q.scope} if e.format == "nvfp4" else e.kwargs
         shipped[n] = formats.get(e.format).from_parts({k: v.clone() for k, v in q.parts().items()}, q.shape, **kw)
     rollout = Transformer(TINY, seed=99)
-    load_packed(rollout, shipped)
-    install_activation_quant(rollout, r)
+    packed_hook = install_packed(rollout, r, shipped)
 
-    eff = hook.effective_weights(trainer)
-    for n, p in rollout.named_parameters():
-        assert torch.equal(bits(eff[n]), bits(p)), n
+    for n, p in trainer.named_parameters():
+        a, b = hook.operand(n, p), packed_hook.operand(n, rollout.get_parameter(n))
+        assert a.values.dtype == torch.bfloat16 and a.block == b.block, n
+        for u, v in ((a.values, b.values), (a.scale, b.scale), (a.block_scale, b.block_scale)):
+            assert (u is None and v is None) or torch.equal(bits(u), bits(v)), n
+        assert torch.equal(bits(hook.effective(n, p)), bits(packed_hook.effective(n, p))), n
     toks = torch.randint(0, TINY.vocab_size, (3, 10), generator=g)
-    with torch.no_grad():
+    with torch.no_grad():  # the same code on the same shapes: outputs equal bit for bit too
         assert torch.equal(bits(trainer(toks)), bits(rollout(toks)))
+    eff = hook.effective_weights(trainer)
     if recipe != "bf16":  # the recipe really changed something
         assert not torch.equal(
             eff["model.layers.0.mlp.experts.0.down_proj.weight"],
@@ -163,9 +169,15 @@ def test_activation_quant_is_per_token(nvfp4_plan):
     name = "model.layers.1.mlp.experts.0.gate_up_proj.input"
     full = aq(name, x)
     for i in range(9):
-        assert torch.equal(bits(aq(name, x[i : i + 1])), bits(full[i : i + 1]))
-    assert torch.equal(full, formats.nvfp4.fake_quant(x, scope="row"))
-    assert aq("model.layers.1.self_attn.q_proj.input", x) is x  # bf16 site: untouched
+        one = aq(name, x[i : i + 1])
+        assert torch.equal(bits(one.values), bits(full.values[i : i + 1]))
+        assert torch.equal(bits(one.scale), bits(full.scale[i : i + 1]))
+    q = formats.nvfp4.quantize(x, scope="row")
+    assert torch.equal(bits(full.values), bits(formats.nvfp4.operand(q).values)) and torch.equal(
+        full.scale, q.global_scale
+    )
+    torch.testing.assert_close(full.dequantize(), formats.nvfp4.dequantize(q), rtol=2**-23, atol=0)
+    assert aq("model.layers.1.self_attn.q_proj.input", x) is None  # bf16 site: unquantized
 
 
 def test_grouped_input_quant_equals_per_site(nvfp4_plan):
@@ -175,18 +187,20 @@ def test_grouped_input_quant_equals_per_site(nvfp4_plan):
     counts = [2, 5, 3]
     for layers in ((0, 0, 0), (0, 3, 1)):  # layer 3 is kept in bf16: a mixed group
         names = [f"model.layers.{i}.mlp.experts.{e}.down_proj.input" for i, e in zip(layers, (0, 3, 5))]
-        grouped = aq.quantize_rows(names, x, counts)
-        per_site = torch.cat([aq(n, c) for n, c in zip(names, x.split(counts))])
-        assert torch.equal(bits(grouped), bits(per_site))
-    assert torch.equal(grouped[2:7], x[2:7])
+        grouped = aq.quantize_rows(names, x, counts).split(counts)
+        per_site = [aq(n, c) for n, c in zip(names, x.split(counts))]
+        for a, b in zip(grouped, per_site):
+            assert (a is None and b is None) or (
+                torch.equal(bits(a.values), bits(b.values)) and torch.equal(bits(a.scale), bits(b.scale))
+            )
+    assert grouped[1] is None  # the bf16 layer's chunk
     assert aq.quantize_rows(["model.layers.3.mlp.experts.0.down_proj.input"], x, [10]) is None
 
 
 def test_rollout_generation_is_batch_independent():
     m = Transformer(TINY, seed=5)
     r = Recipe.load("nvfp4_moe")
-    load_packed(m, quantize_weights(m, r))
-    install_activation_quant(m, r)
+    install_packed(m, r, quantize_weights(m, r))
     prompts = [[1, 2, 3, 4], [5], [6, 7]]
     batch = generate(m, prompts, max_new_tokens=6, seeds=[1, 2, 3])
     alone = generate(m, [prompts[1]], max_new_tokens=6, seeds=[2])

@@ -9,7 +9,7 @@ import torch
 from mixed_formats import same_parts as _same  # tests/mixed_formats.py (conftest puts tests/ on sys.path)
 
 import rollout.kernels as RK
-from policy import formats
+from policy import compute, formats
 from policy.formats import fp8_block, int4, mxfp8, nvfp4
 from policy.kernels import bitmath
 from rollout.kernels.routing import BLOCK_M, moe_align
@@ -36,18 +36,22 @@ def test_pack_unpack_round_trip():
     assert torch.equal(bitmath.unrepack(RK.pack(q).codes).to(torch.int16) - 8, q.codes.to(torch.int16))
 
 
-def test_reference_qmatmul_is_dequant_matmul():
+def test_reference_qmatmul_is_the_contract_matmul():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(48, 256, generator=g)
     x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
     for q in (nvfp4.quantize(w), int4.quantize(w), mxfp8.quantize(w), formats.bf16.quantize(w)):
         y = RK.qmatmul(x, q)
         assert y.dtype == torch.bfloat16 and y.shape == (5, 48)
-        assert torch.equal(y, (x.float() @ formats.get(formats.format_of(q)).dequantize(q).T).to(torch.bfloat16))
+        assert torch.equal(y, compute.matmul(compute.plain(x), formats.operand(q), torch.bfloat16))
+    # nvfp4: the global scale is applied to the fp32 accumulator of x . (e2m1 x sf)
+    q = nvfp4.quantize(w)
+    acc = x.float() @ nvfp4.operand(q).values.float().T
+    assert torch.equal(RK.qmatmul(x, q), (acc * q.global_scale).to(torch.bfloat16))
     # fp8_block is W8A8: x goes through 1x128 tiles first, on every backend.
     q = fp8_block.quantize(w, block=(128, 128))
-    xq = fp8_block.dequantize(fp8_block.quantize(x, block=(1, 128)))
-    assert torch.equal(RK.qmatmul(x, q), (xq @ fp8_block.dequantize(q).T).to(torch.bfloat16))
+    xq = fp8_block.quantize(x, block=(1, 128))
+    assert torch.equal(RK.qmatmul(x, q), compute.matmul(formats.operand(xq), formats.operand(q), torch.bfloat16))
     with pytest.raises(ValueError, match=r"x must be \[M, 256\]"):
         RK.qmatmul(x[:, :128], q)
 

@@ -1,0 +1,444 @@
+"""A published version as pre-framed gRPC messages in one reusable host buffer (what PolicyServer serves).
+
+Layout. A version's bytes live in one host buffer laid out as the `TensorChunk` messages FetchTensors
+sends, back to back in chunk-index order. Each message is its head, fields 1-7 as protobuf serializes
+them (`xxh3` is fixed64 and a tensor's last chunk carries the 32-byte `tensor_sha256`, so the head's
+length is known before the bytes are), then field 15's tag and length, then the chunk's data:
+
+    [head: version, chunk_index, tensor_name, tensor_nbytes, offset | xxh3 slot | sha256 slot] [15, len] [data]
+
+Publishing is then: write the heads, copy each tensor's parts into its chunks' data regions (from the
+GPU: device-to-host copies straight into the buffer, which is page-locked), hash each chunk in place
+(xxh3) and each tensor (sha256) in a thread pool (both release the GIL), and write the digests into
+their slots. Nothing is copied on the host; a message is a slice of the buffer. The message bytes are
+exactly `TensorChunk(..., xxh3=, tensor_sha256=).SerializeToString(deterministic=True)` followed by
+field 15 (tested; the only difference is an xxh3 that happens to be 0, written out instead of omitted,
+which parses the same), so workers are unchanged.
+
+What gRPC copies. grpcio (1.85) sends a response message only as a `bytes` object and copies it once
+into its own slice (`grpc_slice_from_copied_buffer`, GIL held); a buffer or memoryview is refused
+("Expected bytes"). Serving a chunk from the buffer therefore costs the server's `bytes()` of the message
+slice plus gRPC's own copy, per fetch; the publish itself copies nothing on the host.
+
+Buffer reuse (`BufferPool`). A freshly allocated buffer costs page faults on first touch (1.5 GB/s
+single-threaded on the H200 host) and, on CUDA, page-locking; a reused one costs neither. The rule: a
+version's buffer goes back to the pool when the PolicyServer has evicted the version (it keeps the last
+`keep_versions`) and no FetchTensors stream or TP shard cut is still reading it; the next publish takes
+the smallest free buffer that fits, or allocates one. So a trainer that keeps K versions cycles through
+K + 1 buffers (K served, one being filled); a stream still reading an evicted version delays only the
+reuse of that one buffer (a new one is allocated meanwhile), never its bytes.
+
+Publishing in two steps (`stage`, then `StagedPublish.run`): `stage` runs on the training thread and only
+describes the tensors, records where the producing CUDA stream is, and clones any part that aliases a
+live parameter (a later optimizer step updates parameters in place); `run` may run on another thread
+while training continues: it copies on its own CUDA stream after that point and keeps the parts alive
+until their copies are done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import struct
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from policy import manifest as mf
+from tandem.v1 import manifest_pb2, policy_pb2
+
+log = logging.getLogger("tandem.frames")
+
+_XXH3_TAG = bytes([(6 << 3) | 1])  # TensorChunk.xxh3: field 6, fixed64
+_SHA_TAG = bytes([(7 << 3) | 2, 32])  # TensorChunk.tensor_sha256: field 7, 32 bytes
+_DATA_TAG = bytes([(15 << 3) | 2])  # TensorChunk.data: field 15, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+# -- layout ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorFrames:
+    """Where one tensor's chunk messages sit in the buffer (positions are absolute byte offsets)."""
+
+    name: str
+    nbytes: int
+    first_index: int  # chunk_index of its first chunk
+    messages: tuple[tuple[int, int], ...]  # (start, stop) of each chunk's message
+    data: tuple[tuple[int, int], ...]  # (start, stop) of each chunk's data
+    xxh3_at: tuple[int, ...]  # each chunk's 8-byte xxh3 slot
+    sha256_at: int  # the 32-byte sha256 slot in the last chunk's head
+
+
+@dataclass(frozen=True)
+class FrameLayout:
+    version: int
+    chunk_bytes: int
+    tensors: tuple[TensorFrames, ...]
+    heads: tuple[tuple[int, bytes], ...]  # (position, head bytes with zeroed digest slots)
+    size: int
+
+
+def frame_layout(version: int, tensors: Iterable[tuple[str, int, int]], chunk_bytes: int) -> FrameLayout:
+    """The layout of `tensors` = (name, nbytes, first chunk index), in the order given."""
+    pos, frames, heads = 0, [], []
+    for name, nbytes, first in tensors:
+        n = mf.chunk_count(nbytes, chunk_bytes)
+        messages, data, xxh3_at, sha_at = [], [], [], 0
+        for j in range(n):
+            length = min(chunk_bytes, nbytes - j * chunk_bytes)
+            head = policy_pb2.TensorChunk(
+                version=version, chunk_index=first + j, tensor_name=name, tensor_nbytes=nbytes, offset=j * chunk_bytes
+            ).SerializeToString(deterministic=True)
+            xxh3_at.append(pos + len(head) + 1)
+            head += _XXH3_TAG + bytes(8)
+            if j == n - 1:
+                sha_at = pos + len(head) + 2
+                head += _SHA_TAG + bytes(32)
+            head += _DATA_TAG + _varint(length)
+            heads.append((pos, head))
+            data.append((pos + len(head), pos + len(head) + length))
+            messages.append((pos, pos + len(head) + length))
+            pos += len(head) + length
+        frames.append(TensorFrames(name, nbytes, first, tuple(messages), tuple(data), tuple(xxh3_at), sha_at))
+    return FrameLayout(version, chunk_bytes, tuple(frames), tuple(heads), pos)
+
+
+# -- host buffers --------------------------------------------------------------------------------------
+
+
+class HostBuffer:
+    """`capacity` bytes of host memory (a numpy uint8 array), page-locked for the GPU when `pin`:
+    registered with cudaHostRegister, or torch's pinned allocator if registering fails."""
+
+    def __init__(self, capacity: int, *, pin: bool):
+        self.capacity = capacity
+        self._registered = 0
+        self._keep = None
+        if pin and capacity:
+            arr = np.empty(capacity, dtype=np.uint8)
+            rc = int(torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, capacity, 0))
+            if rc == 0:
+                self._registered = arr.ctypes.data
+            else:
+                log.warning(
+                    "cudaHostRegister of %d bytes failed (cudaError %d); using torch pinned memory", capacity, rc
+                )
+                self._keep = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+                arr = self._keep.numpy()
+        else:
+            arr = np.empty(capacity, dtype=np.uint8)
+        self.array = arr
+        self.pinned = bool(pin and capacity)
+
+    def close(self) -> None:
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = 0
+
+
+class BufferPool:
+    """Free host buffers for the next versions (the reuse rule: the module docstring). Thread-safe."""
+
+    def __init__(self, *, pin: bool = False):
+        self.pin = pin
+        self._lock = threading.Lock()
+        self._free: list[HostBuffer] = []
+        self.allocated = 0  # buffers ever allocated (a steady trainer stops at keep_versions + 1)
+
+    def acquire(self, nbytes: int) -> HostBuffer:
+        with self._lock:
+            fits = [b for b in self._free if b.capacity >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.capacity)
+                self._free.remove(buf)
+                return buf
+            self.allocated += 1
+        return HostBuffer(nbytes, pin=self.pin)
+
+    def release(self, buf: HostBuffer) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    def free_buffers(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for b in free:
+            b.close()
+
+
+# -- a framed version ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FramedPolicy:
+    """A manifest and its messages framed in `data` (the first `layout.size` bytes of a host buffer).
+    `release` gives the buffer back to its pool; PolicyServer calls it once nothing reads the version."""
+
+    manifest: manifest_pb2.Manifest
+    layout: FrameLayout
+    data: np.ndarray
+    release: Callable[[], None] | None = None
+
+
+def _flat(t):
+    """A part's raw bytes, flat uint8, no copy: a torch tensor on CUDA, else a numpy array."""
+    if isinstance(t, torch.Tensor):
+        t = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        return t if t.device.type == "cuda" else t.numpy()
+    return np.frombuffer(t, dtype=np.uint8)
+
+
+def _on_cuda(t) -> bool:
+    return isinstance(t, torch.Tensor)
+
+
+def _pieces(frames: TensorFrames, part_sizes: Sequence[int]):
+    """(part index, start in the part, destination start, length) covering the tensor's data regions:
+    the parts concatenated, cut at chunk boundaries."""
+    out, part, pos_in_part = [], 0, 0
+    for start, stop in frames.data:
+        dst, left = start, stop - start
+        while left:
+            while part_sizes[part] == pos_in_part:
+                part, pos_in_part = part + 1, 0
+            n = min(left, part_sizes[part] - pos_in_part)
+            out.append((part, pos_in_part, dst, n))
+            dst, left, pos_in_part = dst + n, left - n, pos_in_part + n
+    return out
+
+
+def _xxh3_into(data: np.ndarray, frames: TensorFrames) -> list[int]:
+    """xxh3 of every chunk, computed in the buffer and written into the chunks' slots."""
+    mv = memoryview(data)
+    digests = []
+    for (start, stop), at in zip(frames.data, frames.xxh3_at):
+        d = xxhash.xxh3_64_intdigest(mv[start:stop])
+        struct.pack_into("<Q", mv, at, d)
+        digests.append(d)
+    return digests
+
+
+def _sha256_into(data: np.ndarray, frames: TensorFrames) -> bytes:
+    """sha256 of the tensor (its chunks' data in order), written into the last chunk's slot."""
+    mv = memoryview(data)
+    sha = hashlib.sha256()
+    for start, stop in frames.data:
+        sha.update(mv[start:stop])
+    digest = sha.digest()
+    mv[frames.sha256_at : frames.sha256_at + 32] = digest
+    return digest
+
+
+def fill(
+    data: np.ndarray,
+    layout: FrameLayout,
+    sources: Sequence[Sequence[object]],
+    *,
+    threads: int | None = None,
+    after: torch.cuda.Event | None = None,
+) -> list[tuple[list[int], bytes]]:
+    """Write the heads, copy every tensor's parts (`sources[i]`: torch tensors on any device, or
+    buffers) into its data regions and seal it; returns (chunk xxh3s, sha256) per tensor.
+
+    CUDA parts are copied on a side stream (after `after`, an event on the producing stream; else
+    after the current stream's work so far), largest tensors first, one event per tensor; the
+    hashing threads wait for their tensor's event; a tensor's xxh3s and its sha256 are two tasks (the
+    sha256 of the largest tensor, sequential by nature, is the critical path). CPU parts are copied
+    by the hashing threads."""
+    mv = memoryview(data)
+    for pos, head in layout.heads:
+        mv[pos : pos + len(head)] = head
+    flat = [[_flat(t) for t in ts] for ts in sources]
+    order = sorted(range(len(flat)), key=lambda i: -layout.tensors[i].nbytes)
+    cuda_parts = [t for ts in flat for t in ts if _on_cuda(t)]
+    host = torch.from_numpy(data) if cuda_parts else None
+    stream = None
+    if cuda_parts:
+        stream = torch.cuda.Stream(device=cuda_parts[0].device)
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+    def work(i: int, event, what: str):
+        frames, parts = layout.tensors[i], flat[i]
+        if event is not None:
+            event.synchronize()  # releases the GIL
+        if what == "xxh3":
+            return _xxh3_into(data, frames)
+        if what == "sha256":
+            return _sha256_into(data, frames)
+        for part, src, dst, n in _pieces(frames, [len(t) for t in parts]):
+            if not _on_cuda(parts[part]):
+                np.copyto(data[dst : dst + n], parts[part][src : src + n])
+        return _xxh3_into(data, frames), _sha256_into(data, frames)
+
+    workers = threads or min(32, os.cpu_count() or 1)
+    results: dict[int, object] = {}
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frame") as pool, _drained(stream):
+        for i in order:
+            event = None
+            parts = flat[i]
+            if stream is not None and any(_on_cuda(t) for t in parts):
+                with torch.cuda.stream(stream):
+                    for part, src, dst, n in _pieces(layout.tensors[i], [len(t) for t in parts]):
+                        if _on_cuda(parts[part]):
+                            host[dst : dst + n].copy_(parts[part][src : src + n], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+            if event is not None and all(_on_cuda(t) for t in parts):
+                results[i] = (pool.submit(work, i, event, "xxh3"), pool.submit(work, i, event, "sha256"))
+            else:
+                results[i] = (pool.submit(work, i, event, "all"),)
+        out = [tuple(f.result() for f in results[i]) for i in range(len(flat))]
+    return [r if len(r) == 2 else r[0] for r in out]  # `flat` (and the parts it holds) lives until every copy is done
+
+
+@contextlib.contextmanager
+def _drained(stream):
+    """On the way out (an error included), no copy into the buffer is still in flight."""
+    try:
+        yield
+    finally:
+        if stream is not None:
+            stream.synchronize()
+
+
+@dataclass
+class StagedPublish:
+    """A version described on the training thread; `run()` (any thread) frames and hashes it."""
+
+    version: int
+    parent_version: int | None
+    contract: mf.Contract
+    entries: list
+    parts: list[list[torch.Tensor]]
+    pool: BufferPool
+    chunk_bytes: int
+    threads: int | None
+    after: object  # a torch.cuda.Event on the producing stream, or None
+    created_unix_ns: int | None = None
+
+    def run(self) -> FramedPolicy:
+        firsts, index = [], 0
+        for e in self.entries:
+            firsts.append(index)
+            index += mf.chunk_count(e.nbytes, self.chunk_bytes)
+        layout = frame_layout(
+            self.version, ((e.name, e.nbytes, f) for e, f in zip(self.entries, firsts)), self.chunk_bytes
+        )
+        buf = self.pool.acquire(layout.size)
+        try:
+            data = buf.array[: layout.size]
+            sealed = fill(data, layout, self.parts, threads=self.threads, after=self.after)
+            for e, (xxh3s, sha) in zip(self.entries, sealed):
+                del e.chunk_xxh3[:]
+                e.chunk_xxh3.extend(xxh3s)
+                e.sha256 = sha
+            manifest = mf.finish_manifest(
+                version=self.version,
+                parent_version=self.parent_version,
+                contract=self.contract,
+                entries=self.entries,
+                chunk_bytes=self.chunk_bytes,
+                created_unix_ns=self.created_unix_ns,
+            )
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        finally:
+            self.parts = []  # the device parts may be freed now (their copies are done)
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                self.pool.release(buf)
+
+        return FramedPolicy(manifest, layout, data, release)
+
+
+def stage(
+    *,
+    version: int,
+    parent_version: int | None,
+    contract: mf.Contract,
+    tensors: Mapping[str, mf.QuantizedParam],
+    pool: BufferPool,
+    live: Iterable[torch.Tensor] = (),
+    chunk_bytes: int = mf.CHUNK_BYTES,
+    threads: int | None = None,
+    created_unix_ns: int | None = None,
+) -> StagedPublish:
+    """Describe a version for publishing (cheap; on the thread that produced `tensors`). Parts that
+    share storage with a tensor in `live` (the model's parameters) are cloned here, so the optimizer
+    may update the parameters while `run()` copies."""
+    mf.check_build(
+        version=version, parent_version=parent_version, contract=contract, tensors=tensors, chunk_bytes=chunk_bytes
+    )
+    entries, parts = mf.describe_tensors(contract, tensors)
+    storages = {p.untyped_storage().data_ptr() for p in live}
+    parts = [[t.clone() if t.untyped_storage().data_ptr() in storages else t for t in ts] for ts in parts]
+    after = None
+    if any(t.device.type == "cuda" for ts in parts for t in ts):
+        after = torch.cuda.Event()
+        after.record()
+    return StagedPublish(
+        version, parent_version, contract, entries, parts, pool, chunk_bytes, threads, after, created_unix_ns
+    )
+
+
+def build_framed(*, pool: BufferPool, **kw) -> FramedPolicy:
+    """`stage(...)` and `run()` in one call (kwargs as stage's)."""
+    return stage(pool=pool, **kw).run()
+
+
+def frame_buffers(
+    version: int, items: Sequence[tuple[str, int, object]], chunk_bytes: int, *, threads: int | None = None
+) -> tuple[FrameLayout, np.ndarray, list[tuple[list[int], bytes]]]:
+    """Tensors' bytes (name, first chunk index, a buffer) framed into a new buffer, in the order given;
+    also each one's (chunk xxh3s, sha256)."""
+    layout = frame_layout(version, ((name, len(memoryview(b)), first) for name, first, b in items), chunk_bytes)
+    data = np.empty(layout.size, dtype=np.uint8)
+    sealed = fill(data, layout, [[b] for _, _, b in items], threads=threads)
+    return layout, data, sealed
+
+
+def frame_packed(policy: mf.PackedPolicy, *, threads: int | None = None) -> FramedPolicy:
+    """A PackedPolicy (blobs by name) copied into a new framed buffer; every chunk's xxh3 and every
+    tensor's sha256 must match its manifest (ValueError naming the first tensor that does not)."""
+    m = policy.manifest
+    firsts = mf.first_chunk_indices(m)
+    items = [(t.name, firsts[t.name], policy.blobs[t.name]) for t in m.tensors]
+    layout, data, sealed = frame_buffers(m.version, items, m.chunk_bytes, threads=threads)
+    for t, (xxh3s, sha) in zip(m.tensors, sealed):
+        bad = [j for j, (a, b) in enumerate(zip(xxh3s, t.chunk_xxh3)) if a != b]
+        if bad or len(xxh3s) != len(t.chunk_xxh3):
+            raise ValueError(f"publish: tensor {t.name} chunk {bad[:1]}: bytes do not match the manifest's xxh3")
+        if sha != t.sha256:
+            raise ValueError(f"publish: tensor {t.name}: bytes do not match the manifest's sha256")
+    return FramedPolicy(m, layout, data)
