@@ -86,6 +86,9 @@ class State:
     # and after Redis lost the queue (its prompt_seq marker is gone) these are fed again.
     prompt_seq: int = 0
     outstanding: dict = field(default_factory=dict)
+    # Groups settled without training since the last audit line: listed in the next one, also when
+    # that line is written after a stop and resume (a stop mid-collect writes no audit line).
+    dropped_unaudited: list = field(default_factory=list)
     # Totals over the whole run (persisted: a restart does not reset them).
     invalid: int = 0  # samples refused by trainer.validation, dead-lettered with the reason
     malformed: int = 0  # undecodable trajectory entries, dead-lettered
@@ -185,7 +188,6 @@ class Trainer:
             max_abs_reward=cfg.max_abs_reward,
         )
         self._fed_tokens: dict[str, np.ndarray] = {}  # group_id -> prompt tokens, of outstanding groups
-        self._dropped_groups: list[str] = []  # settled without training since the last audit line
         self._settled_recent: dict[str, None] = {}  # recently settled group ids (insertion-ordered, capped)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -397,9 +399,9 @@ class Trainer:
             "step": self.state.step,
             "version": self.state.version,
             "groups": [[g[0].group_id, g[0].policy_version, g[0].worker_id] for g in groups],
-            "dropped": self._dropped_groups,
+            "dropped": self.state.dropped_unaudited,
         }
-        self._dropped_groups = []
+        self.state.dropped_unaudited = []
         with open(self.run_dir / "audit.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -536,7 +538,7 @@ class Trainer:
     def _settle(self, group_id: str, *, dropped: bool) -> None:
         """The group was used or dropped (listed in the next audit line): any later sample of it is refused."""
         if self.state.outstanding.pop(group_id, None) is not None and dropped:
-            self._dropped_groups.append(group_id)
+            self.state.dropped_unaudited.append(group_id)
         self._fed_tokens.pop(group_id, None)
         self._settled_recent[group_id] = None
         while len(self._settled_recent) > 100_000:

@@ -297,7 +297,7 @@ def test_partition_then_a_stalled_policy_fetch(tmp_path, redis_server, run_id, f
         to_redis.close()
         to_trainer.close()
     assert "failed, will retry" in run.log_tail("w1", 100_000), run.log_tail("w1")
-    figures = audit(run.run_dir, steps)
+    figures = audit(run.run_dir, steps, stopped=True)
     report("partition", faults=1, partition_s=round(PARTITION_S + carried_on, 1), recovery_s_p50=rejoin,
            recovery_s_max=rejoin, **figures)  # fmt: skip
     report("stalled_fetch", faults=1, recovery_s_p50=after_stall, recovery_s_max=after_stall, **figures)
