@@ -15,7 +15,8 @@ shard, and the shard's size against the layout the TP plan predicts.
 Recovery, bounded by `max_attempts` stream restarts per fetch: a chunk that fails its checksum
 is fetched again (the stream restarts at that chunk's index, at most `max_refetch_per_chunk`
 times per chunk); a stream that drops (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) resumes at
-the chunk after the last good one. Every call has a deadline.
+the chunk after the last good one. Every call has a deadline; one fetch, all its streams together,
+has `fetch_timeout_s`.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class PolicyClientConfig:
     address: str
     expected_fingerprint: str | None = None
     call_timeout_s: float = 10.0  # GetManifest, health
-    fetch_timeout_s: float = 600.0  # one FetchTensors stream
+    fetch_timeout_s: float = 600.0  # one fetch: all its FetchTensors streams (resumes included)
     max_attempts: int = 8  # stream restarts per fetch (resumes + re-fetches)
     max_refetch_per_chunk: int = 3
     retry_backoff_s: float = 0.05
@@ -302,6 +303,9 @@ class PolicyClient:
         next_index = 0
         refetches: dict[int, int] = {}
         restarts = 0
+        # One deadline for the whole fetch: a connection that stalls (the peer stopped sending, a
+        # partition) costs fetch_timeout_s once, not on every one of max_attempts restarts.
+        deadline = time.monotonic() + self.config.fetch_timeout_s
         while True:
             req = policy_pb2.FetchTensorsRequest(
                 version=manifest.version,
@@ -314,7 +318,7 @@ class PolicyClient:
             # Not wait_for_ready: the manifest just came from this server, so if it is gone now (a trainer
             # that died mid-fetch; its successor listens elsewhere) fail fast instead of waiting out
             # fetch_timeout_s on every one of max_attempts restarts.
-            call = self._fetch(req, timeout=self.config.fetch_timeout_s, wait_for_ready=False)
+            call = self._fetch(req, timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=False)
             bad_index = None
             try:
                 for chunk in call:
@@ -325,7 +329,7 @@ class PolicyClient:
                     stats.bytes += len(chunk.data)
                     next_index = chunk.chunk_index + 1
             except grpc.RpcError as e:
-                if e.code() not in _RETRYABLE or restarts >= self.config.max_attempts:
+                if e.code() not in _RETRYABLE or restarts >= self.config.max_attempts or time.monotonic() >= deadline:
                     raise
                 restarts += 1
                 stats.resumed_streams += 1

@@ -28,8 +28,13 @@ requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL
 above the transport limit (`max_receive_message_bytes`) are refused by gRPC itself with
 RESOURCE_EXHAUSTED. Health (grpc.health.v1) reports NOT_SERVING until the first publish.
 
+A FetchTensors stream has a server-side deadline (`fetch_deadline_s`): a reader that stops reading
+is ended with DEADLINE_EXCEEDED (counted: `fetch_deadline_exceeded`) and resumes at its next chunk.
+`stats()` has two gauges, `active_fetches` and `active_watches` (handlers running now), also exported
+to Prometheus (`prometheus_samples`).
+
 Faults (corrupted chunks, dropped streams) are injected by the tests, from outside: a subclass that
-wraps the FetchTensors handler (tests/integration/test_policy_grpc.py) and a TCP proxy.
+wraps the FetchTensors message generator `_fetch_messages` (tests/integration/test_policy_grpc.py) and a TCP proxy.
 """
 
 from __future__ import annotations
@@ -91,6 +96,11 @@ class PolicyServerConfig:
     keepalive_s: float = 60.0
     min_ping_interval_s: float = 10.0
     idle_s: float = 600.0
+    # Server-side deadline of one FetchTensors stream (a reader that stops reading is ended, counted in
+    # `fetch_deadline_exceeded`, and the client resumes at its next chunk). gRPC's asyncio server cannot
+    # reset an HTTP/2 stream from a handler, so the transport buffers a stalled stream holds go when its
+    # connection goes: connections are closed after fetch_deadline_s (GOAWAY) + fetch_deadline_s (grace).
+    fetch_deadline_s: float = 300.0
 
     def __post_init__(self) -> None:
         bad = []
@@ -123,7 +133,14 @@ class PolicyServerConfig:
         if isinstance(self.max_send_message_bytes, int) and self.max_send_message_bytes < (2 << 20):
             bad.append(f"max_send_message_bytes={self.max_send_message_bytes} must be >= 2 MiB (1 MiB chunks)")
         bad += self.tls.missing_files()
-        for name in ("start_timeout_s", "stop_grace_s", "keepalive_s", "min_ping_interval_s", "idle_s"):
+        for name in (
+            "start_timeout_s",
+            "stop_grace_s",
+            "keepalive_s",
+            "min_ping_interval_s",
+            "idle_s",
+            "fetch_deadline_s",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 bad.append(f"{name}={v!r} must be a number > 0")
@@ -264,7 +281,16 @@ class PolicyServer:
         self._stopping: asyncio.Event | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-shard")
         self._port = 0
-        self._counters = {"fetch_streams": 0, "chunks_sent": 0, "bytes_sent": 0, "rejected_requests": 0}
+        # Totals, and two gauges: the FetchTensors / WatchVersions handlers running now.
+        self._counters = {
+            "fetch_streams": 0,
+            "chunks_sent": 0,
+            "bytes_sent": 0,
+            "rejected_requests": 0,
+            "fetch_deadline_exceeded": 0,
+            "active_fetches": 0,
+            "active_watches": 0,
+        }
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -335,6 +361,8 @@ class PolicyServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", int(cfg.min_ping_interval_s * 1000)),
                 ("grpc.http2.max_ping_strikes", 2),
                 ("grpc.max_connection_idle_ms", int(cfg.idle_s * 1000)),
+                ("grpc.max_connection_age_ms", int(cfg.fetch_deadline_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(cfg.fetch_deadline_s * 1000)),
             ],
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
         )
@@ -475,6 +503,32 @@ class PolicyServer:
         with self._lock:
             return dict(self._counters)
 
+    def prometheus_samples(self):
+        """(kind, name, help, value) of stats() for broker.metrics.MetricsEndpoint.add_callback."""
+        s = self.stats()
+        yield (
+            "gauge",
+            "tandem_policy_active_fetches",
+            "FetchTensors streams being served now (streams)",
+            s["active_fetches"],
+        )
+        yield "gauge", "tandem_policy_active_watches", "WatchVersions streams open now (streams)", s["active_watches"]
+        yield (
+            "counter",
+            "tandem_policy_fetch_streams_total",
+            "FetchTensors streams started (streams)",
+            s["fetch_streams"],
+        )
+        yield (
+            "counter",
+            "tandem_policy_fetch_deadline_exceeded_total",
+            "FetchTensors streams ended by the server's fetch deadline (streams)",
+            s["fetch_deadline_exceeded"],
+        )
+        yield "counter", "tandem_policy_chunks_sent_total", "tensor chunks handed to gRPC (chunks)", s["chunks_sent"]
+        yield "counter", "tandem_policy_sent_bytes_total", "TensorChunk bytes handed to gRPC (bytes)", s["bytes_sent"]
+        yield "counter", "tandem_policy_rejected_requests_total", "requests refused (requests)", s["rejected_requests"]
+
     # -- handlers -----------------------------------------------------------------------------
 
     def _parse(self, cls, request: bytes):
@@ -571,7 +625,30 @@ class PolicyServer:
         finally:
             self._unhold(v)
 
-    async def _fetch_tensors(self, request: bytes, context):
+    async def _fetch_tensors(self, request: bytes, context) -> None:
+        """FetchTensors: the messages of `_fetch_messages`, written within the server's deadline."""
+        stream = self._fetch_messages(request, context)
+        with self._lock:
+            self._counters["active_fetches"] += 1
+        try:
+            async with asyncio.timeout(self.config.fetch_deadline_s):
+                async for msg in stream:
+                    await context.write(msg)
+        except TimeoutError:
+            with self._lock:
+                self._counters["fetch_deadline_exceeded"] += 1
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"FetchTensors ran past the server's deadline of {self.config.fetch_deadline_s} s; "
+                f"resume at the next chunk",
+            )
+        finally:
+            await stream.aclose()  # the counters are final when the RPC ends
+            with self._lock:
+                self._counters["active_fetches"] -= 1
+
+    async def _fetch_messages(self, request: bytes, context):
+        """The requested chunk messages, in order (or an abort naming what is wrong with the request)."""
         try:
             req = self._parse(policy_pb2.FetchTensorsRequest, request)
             tp_size = req.tp_size or 1
@@ -624,14 +701,20 @@ class PolicyServer:
             await self._reject(context, e)
             return
         last = req.after_version
-        while not self._stopping.is_set():
+        with self._lock:
+            self._counters["active_watches"] += 1
+        try:
+            while not self._stopping.is_set():
+                with self._lock:
+                    newer = [v for k, v in self._versions.items() if k > last]
+                for v in newer:
+                    yield v.announcement_bytes
+                    last = v.version
+                async with self._changed:
+                    await self._changed.wait_for(lambda: self._latest > last or self._stopping.is_set())  # noqa: B023 (called here)
+        finally:
             with self._lock:
-                newer = [v for k, v in self._versions.items() if k > last]
-            for v in newer:
-                yield v.announcement_bytes
-                last = v.version
-            async with self._changed:
-                await self._changed.wait_for(lambda: self._latest > last or self._stopping.is_set())  # noqa: B023 (called here)
+                self._counters["active_watches"] -= 1
 
 
 def _new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:

@@ -56,6 +56,10 @@ class RolloutConfig:
     flight: more than max_batch / n_samples keeps the slots full (docs/benchmarks.md)."""
     max_policy_bytes: int = 64 << 30
     """A manifest declaring more tensor bytes than this is refused (policy.manifest_check)."""
+    policy_address: str = ""
+    """host:port to dial for policies instead of the trainer address in policy:latest ("" = the
+    pointer's): a local proxy or port-forward in front of the trainer. Versions, fingerprints and the
+    pointer's signature are checked as always."""
 
     def __post_init__(self):
         errors = []
@@ -76,5 +80,9 @@ class RolloutConfig:
             errors.append(f"memory_fraction={self.memory_fraction} (want 0 < f <= 1, or 0 = no cap)")
         if self.max_batch < 1 or self.kv_capacity < 2:
             errors.append(f"max_batch={self.max_batch}, kv_capacity={self.kv_capacity} (need >= 1 and >= 2)")
+        if self.policy_address:
+            host, _, port = self.policy_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                errors.append(f"policy_address={self.policy_address!r} (want host:port or '')")
         if errors:
             raise ValueError("RolloutConfig: " + "; ".join(errors))

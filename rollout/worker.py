@@ -315,19 +315,22 @@ class RolloutWorker:
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
             self.metrics.fetch_failures.inc()
             self.log(
-                f"{self.worker_id}: fetching v{pointer.version} from {pointer.address} failed, will retry: {why(e)}"
+                f"{self.worker_id}: fetching v{pointer.version} from {self.cfg.policy_address or pointer.address} "
+                f"failed, will retry: {why(e)}"
             )
             return False
 
     async def _load(self, pointer: PolicyPointer) -> None:
         """Fetch and verify a version (in a thread: the gRPC client is blocking), then swap it in."""
 
+        address = self.cfg.policy_address or pointer.address
+
         def fetch():
             # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
             # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
-            check_reachable(pointer.address)
+            check_reachable(address)
             cfg = PolicyClientConfig(
-                address=pointer.address,
+                address=address,
                 expected_fingerprint=self.fingerprint,
                 fetch_timeout_s=self.cfg.fetch_timeout_s,
                 tls=self.cfg.tls,

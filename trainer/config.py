@@ -93,6 +93,9 @@ class TrainerConfig:
     grpc_reflection: bool = True
     """gRPC server reflection on the policy port (grpcurl-style tools list the services); on for
     `tandem run`, off in the Kubernetes overlays."""
+    fetch_deadline_s: float = 300.0
+    """Server-side deadline of one FetchTensors stream (seconds): a rollout that stops reading is cut
+    off and resumes at its next chunk; connections live at most twice this (broker.policy_server)."""
     collect_timeout_s: float = 300.0
     """Give up waiting for trajectories after this long (seconds)."""
     max_abs_reward: float = 1e3
@@ -147,6 +150,8 @@ class TrainerConfig:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} (want host:port)")
             elif self.grpc_port == 0:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} needs a fixed grpc_port (it is 0: a free port)")
+        if not self.fetch_deadline_s > 0:
+            errors.append(f"fetch_deadline_s={self.fetch_deadline_s} (must be > 0)")
         if not -1 <= self.metrics_port <= 65535:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if errors:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -55,6 +56,16 @@ from .sequences import pack, scatter_rows
 from .validation import TrajectoryRules, check_trajectory
 from .warmstart import warm_start
 
+# Test hook of tests/faults: TANDEM_FAULT_POINT=<name>@<step> SIGKILLs the trainer at that point of
+# that step (read once, at import). Points: "mid_checkpoint" (the checkpoint's temporary file
+# written, not yet renamed), "before_commit" (the checkpoint durable, the samples not yet committed).
+_FAULT_POINT = os.environ.get("TANDEM_FAULT_POINT", "")
+
+
+def fault_point(name: str, step: int) -> None:
+    if _FAULT_POINT == f"{name}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 @dataclass
 class State:
@@ -76,6 +87,9 @@ class State:
     # and after Redis lost the queue (its prompt_seq marker is gone) these are fed again.
     prompt_seq: int = 0
     outstanding: dict = field(default_factory=dict)
+    # Groups settled without training since the last audit line: listed in the next one, also when
+    # that line is written after a stop and resume (a stop mid-collect writes no audit line).
+    dropped_unaudited: list = field(default_factory=list)
     # Totals over the whole run (persisted: a restart does not reset them).
     invalid: int = 0  # samples refused by trainer.validation, dead-lettered with the reason
     malformed: int = 0  # undecodable trajectory entries, dead-lettered
@@ -168,7 +182,6 @@ class Trainer:
             max_abs_reward=cfg.max_abs_reward,
         )
         self._fed_tokens: dict[str, np.ndarray] = {}  # group_id -> prompt tokens, of outstanding groups
-        self._dropped_groups: list[str] = []  # settled without training since the last audit line
         self._settled_recent: dict[str, None] = {}  # recently settled group ids (insertion-ordered, capped)
         self.state = State()
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> master weights at publish
@@ -183,6 +196,7 @@ class Trainer:
                 keep_versions=self.max_staleness + 2,
                 reflection=cfg.grpc_reflection,
                 tls=cfg.tls,
+                fetch_deadline_s=cfg.fetch_deadline_s,
             )
         )
         # Versions are framed into reusable page-locked host buffers and published off the step.
@@ -194,6 +208,8 @@ class Trainer:
         self.metrics = MetricsSink(
             self.run_dir / "metrics.jsonl", port=cfg.metrics_port, state=lambda: vars(self.state)
         )
+        if self.metrics.endpoint is not None:
+            self.metrics.endpoint.add_callback(self.server.prometheus_samples)
         self._stop = asyncio.Event()
         self._backlog = admission.Backlog()  # incomplete groups and surplus complete ones, between steps
         # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
@@ -302,6 +318,7 @@ class Trainer:
     async def _checkpoint_and_commit(self) -> None:
         if self.cfg.checkpoint_every:  # 0 = never: commit alone (no resume)
             self._save_checkpoint()
+        fault_point("before_commit", self.state.step)
         await self._commit()
 
     async def _commit(self) -> None:
@@ -369,9 +386,9 @@ class Trainer:
             "step": self.state.step,
             "version": self.state.version,
             "groups": [[g[0].group_id, g[0].policy_version, g[0].worker_id] for g in groups],
-            "dropped": self._dropped_groups,
+            "dropped": self.state.dropped_unaudited,
         }
-        self._dropped_groups = []
+        self.state.dropped_unaudited = []
         with open(self.run_dir / "audit.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -413,6 +430,7 @@ class Trainer:
                 f,
             )
             f.flush()
+            fault_point("mid_checkpoint", self.state.step)
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fd = os.open(self.ckpt_dir, os.O_RDONLY)
@@ -506,7 +524,7 @@ class Trainer:
     def _settle(self, group_id: str, *, dropped: bool) -> None:
         """The group was used or dropped (listed in the next audit line): any later sample of it is refused."""
         if self.state.outstanding.pop(group_id, None) is not None and dropped:
-            self._dropped_groups.append(group_id)
+            self.state.dropped_unaudited.append(group_id)
         self._fed_tokens.pop(group_id, None)
         self._settled_recent[group_id] = None
         while len(self._settled_recent) > 100_000:
@@ -764,8 +782,11 @@ def checkpoint_of_version(folder: Path, version: int | None = None) -> tuple[Pat
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:
+    """Keep the lines of steps <= max_step; a last line without its newline (a write cut short) is
+    dropped. Rewritten in place: the MetricsSink already holds the file open for appending."""
     if path.exists():
-        keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= max_step]
+        complete = path.read_text().split("\n")[:-1]  # what follows the last newline is incomplete
+        keep = [ln for ln in complete if ln.strip() and json.loads(ln)["step"] <= max_step]
         path.write_text("".join(ln + "\n" for ln in keep))
 
 

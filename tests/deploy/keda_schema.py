@@ -1,4 +1,5 @@
-"""Validation of KEDA `ScaledObject`s (keda.sh/v1alpha1) and of the redis-streams trigger, offline.
+"""Validation of KEDA `ScaledObject`s and `TriggerAuthentication`s (keda.sh/v1alpha1) and of the
+redis-streams trigger, offline.
 
 No Python package ships KEDA's CRD schema, so this is written by hand from the structure of
 KEDA 2.x's CRD (scaledobjects.keda.sh) for the fields a ScaledObject may carry, with their types,
@@ -103,6 +104,45 @@ SCALED_OBJECT = {
     },
 }
 
+TRIGGER_AUTHENTICATION = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "keda.sh/v1alpha1"},
+        "kind": {"const": "TriggerAuthentication"},
+        "metadata": SCALED_OBJECT["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                # Only the kinds of reference Tandem uses; others (podIdentity, vaults, ...) are errors here.
+                "secretTargetRef": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["parameter", "name", "key"],
+                        "additionalProperties": False,
+                        "properties": {"parameter": _STR, "name": _NAME, "key": _STR},
+                    },
+                },
+                "env": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["parameter", "name"],
+                        "additionalProperties": False,
+                        "properties": {"parameter": _STR, "name": _STR, "containerName": _STR},
+                    },
+                },
+            },
+        },
+    },
+}
+# The redis-streams scaler's authentication parameters (from a TriggerAuthentication).
+REDIS_AUTH_PARAMETERS = {"username", "password", "tls", "ca", "cert", "key", "keyPassword"}
+
 # The redis-streams scaler's metadata keys (KEDA 2.x docs), all strings.
 REDIS_STREAMS_KEYS = {
     "address",
@@ -129,13 +169,19 @@ _COUNT_KEYS = ("pendingEntriesCount", "streamLength", "lagCount", "activationLag
 
 
 def errors(doc: dict) -> list[str]:
-    """Every problem with a ScaledObject, as `path: message` strings (empty when valid)."""
+    """Every problem with a ScaledObject or TriggerAuthentication, as `path: message` strings (empty
+    when valid)."""
+    schema = TRIGGER_AUTHENTICATION if doc.get("kind") == "TriggerAuthentication" else SCALED_OBJECT
     out = [
         f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-        for e in jsonschema.Draft7Validator(SCALED_OBJECT).iter_errors(doc)
+        for e in jsonschema.Draft7Validator(schema).iter_errors(doc)
     ]
-    if out:
-        return out
+    if out or schema is TRIGGER_AUTHENTICATION:
+        return out + [
+            f"spec.secretTargetRef: unknown redis parameter {r['parameter']!r}"
+            for r in doc.get("spec", {}).get("secretTargetRef", [])
+            if r["parameter"] not in REDIS_AUTH_PARAMETERS
+        ]
     spec = doc["spec"]
     if spec.get("minReplicaCount", 0) > spec.get("maxReplicaCount", 100):
         out.append(f"spec: minReplicaCount {spec['minReplicaCount']} > maxReplicaCount {spec['maxReplicaCount']}")

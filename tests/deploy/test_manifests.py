@@ -15,7 +15,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import keda_schema
 import kubernetes_validate
@@ -34,7 +34,7 @@ OVERLAYS = ("cpu", "gpu")
 K8S_VERSION = "1.33.0"  # the schemas validated against (kubernetes-validate bundles 1.25 ... 1.37)
 TEST_PASSWORD = "test-only-password"
 # Secrets the cluster provides (cert-manager or kubectl create secret tls), named in deploy/README.md.
-EXTERNAL_TLS_SECRETS = {"tandem-trainer-tls", "tandem-rollout-tls"}
+EXTERNAL_TLS_SECRETS = {"tandem-trainer-tls", "tandem-rollout-tls", "tandem-redis-tls", "tandem-redis-client-tls"}
 TLS_KEYS = {"tls.crt", "tls.key", "ca.crt"}
 NAMESPACE = "tandem"
 
@@ -139,6 +139,7 @@ def test_every_rendered_manifest_is_valid(rendered, overlay):
             "PodDisruptionBudget",
             "NetworkPolicy",
             "NetworkPolicy",
+            *(["TriggerAuthentication"] if overlay == "gpu" else []),  # KEDA's Redis client certificate
         ]
     )
     problems = []
@@ -181,6 +182,16 @@ def test_the_validators_catch_typical_mistakes(rendered):
     del bad["spec"]["scaleTargetRef"]["nmae"]
     errs = "\n".join(keda_schema.errors(bad))
     assert "needs consumerGroup" in errs and "needs activationLagCount" in errs
+
+    auth = get(rendered["gpu"], "TriggerAuthentication", "tandem-redis-tls")
+    assert keda_schema.errors(auth) == []
+    bad = yaml.safe_load(yaml.safe_dump(auth))
+    bad["spec"]["secretTargetRef"][0]["parameter"] = "cafile"
+    del bad["spec"]["secretTargetRef"][1]["key"]
+    errs = "\n".join(keda_schema.errors(bad))
+    assert "'key' is a required property" in errs
+    del bad["spec"]["secretTargetRef"][1]
+    assert keda_schema.errors(bad) == ["spec.secretTargetRef: unknown redis parameter 'cafile'"]
 
 
 # ---------------------------------------------------------------------------------------- wiring
@@ -373,7 +384,8 @@ def test_redis_and_keda_point_at_the_same_stream(rendered, overlay, tmp_path):
     svc = get(docs, "Service", "tandem-redis")
     (svc_port,) = svc["spec"]["ports"]
     url = urlsplit(get(docs, "ConfigMap", "tandem-config")["data"]["redis-url"])
-    assert (url.scheme, url.hostname, url.port, url.password) == ("redis", "tandem-redis", svc_port["port"], None)
+    scheme = "rediss" if overlay == "gpu" else "redis"  # gpu: TLS only (test_gpu_redis_is_tls_only_...)
+    assert (url.scheme, url.hostname, url.port, url.password) == (scheme, "tandem-redis", svc_port["port"], None)
     parsed = urlsplit(cfg.redis_url)  # what the pod connects with: the Secret's password merged in
     assert parsed.password == TEST_PASSWORD and parsed.hostname == "tandem-redis"
 
@@ -456,3 +468,114 @@ def test_kustomize_lite_renders_what_kubectl_kustomize_renders(tree, rendered, o
     assert sorted(mine) == sorted(real)
     for key in real:
         assert mine[key] == real[key], key
+
+
+# ---------------------------------------------------------------------------------------- Redis TLS (gpu)
+REDIS_TLS_DIR, CLIENT_TLS_DIR = "/etc/redis-tls/", "/etc/tandem-redis-tls/"
+
+
+def test_gpu_redis_is_tls_only_with_client_certificates(rendered, tmp_path):
+    """gpu: Redis listens on TLS only and requires client certificates; its files, the pods' and
+    KEDA's come from the documented Secrets; the config each pod loads is rediss:// with CA, cert and
+    key; KEDA's trigger is the cpu one plus TLS. cpu: none of it."""
+    gpu, cpu = rendered["gpu"], rendered["cpu"]
+    sts = get(gpu, "StatefulSet", "tandem-redis")
+    redis = container(sts)
+    args = " ".join(redis["args"])
+    for flag in ("--port 0", "--tls-port 6379", "--tls-auth-clients yes"):
+        assert flag in args, flag
+    for flag, key in (("--tls-cert-file", "tls.crt"), ("--tls-key-file", "tls.key"), ("--tls-ca-cert-file", "ca.crt")):
+        path = re.search(rf"{flag} (\S+)", args).group(1)
+        assert _file_behind(sts, redis, path) == ("secret", "tandem-redis-tls", key), flag
+    assert port_of(redis, "redis") == 6379
+    assert "--tls" in " ".join(redis["readinessProbe"]["exec"]["command"])
+    assert "--tls-port" not in " ".join(container(get(cpu, "StatefulSet", "tandem-redis"))["args"])
+
+    for kind, name in (("StatefulSet", "tandem-trainer"), ("Deployment", "tandem-rollout")):
+        w = get(gpu, kind, name)
+        env = resolve_env(gpu, container(w))
+        for var, key in (("TANDEM_REDIS_CA_FILE", "ca.crt"), ("TANDEM_REDIS_CERT_FILE", "tls.crt"),
+                         ("TANDEM_REDIS_KEY_FILE", "tls.key")):  # fmt: skip
+            assert _file_behind(w, container(w), env[var]) == ("secret", "tandem-redis-client-tls", key), (name, var)
+        url = urlsplit(loaded_config(gpu, tmp_path, name).redis_url)
+        query = {k: v for k, (v,) in parse_qs(url.query).items()}
+        assert url.scheme == "rediss" and url.password == TEST_PASSWORD, name
+        assert {query["ssl_ca_certs"], query["ssl_certfile"], query["ssl_keyfile"]} == {
+            env["TANDEM_REDIS_CA_FILE"],
+            env["TANDEM_REDIS_CERT_FILE"],
+            env["TANDEM_REDIS_KEY_FILE"],
+        }
+        assert "ssl" not in loaded_config(cpu, tmp_path, name).redis_url
+
+    (gpu_trigger,) = get(gpu, "ScaledObject", "tandem-rollout")["spec"]["triggers"]
+    (cpu_trigger,) = get(cpu, "ScaledObject", "tandem-rollout")["spec"]["triggers"]
+    assert gpu_trigger["metadata"] == {**cpu_trigger["metadata"], "enableTLS": "true"}
+    assert {k: v for k, v in gpu_trigger.items() if k not in ("metadata", "authenticationRef")} == {
+        k: v for k, v in cpu_trigger.items() if k != "metadata"
+    }
+    auth = get(gpu, "TriggerAuthentication", gpu_trigger["authenticationRef"]["name"])
+    assert {(r["parameter"], r["name"], r["key"]) for r in auth["spec"]["secretTargetRef"]} == {
+        ("ca", "tandem-redis-client-tls", "ca.crt"),
+        ("cert", "tandem-redis-client-tls", "tls.crt"),
+        ("key", "tandem-redis-client-tls", "tls.key"),
+    }
+    readme = (REPO / "deploy" / "README.md").read_text()
+    assert "tandem-redis-tls" in readme and "tandem-redis-client-tls" in readme
+
+
+@pytest.mark.integration
+def test_gpu_redis_tls_runs_on_a_real_redis(rendered, tmp_path, free_port):
+    """The gpu Redis container's own command line, run by a real redis-server (the Secret files and
+    the volume swapped for local ones), accepts the URL a trainer pod builds from its environment,
+    and refuses it without the client certificate."""
+    import asyncio
+
+    from tls_certs import make_certs
+
+    from broker.outage import RedisOutage
+    from broker.streams import connect
+
+    gpu = rendered["gpu"]
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    make_certs(certs, ("server", "client"))
+    for name, src in (("tls.crt", "server.crt"), ("tls.key", "server.key")):
+        (certs / "server").mkdir(exist_ok=True)
+        (certs / "server" / name).write_bytes((certs / src).read_bytes())
+    (certs / "server" / "ca.crt").write_bytes((certs / "ca.crt").read_bytes())
+    (tmp_path / "data").mkdir()
+    port = free_port()
+    cmd = " ".join(container(get(gpu, "StatefulSet", "tandem-redis"))["args"])
+    cmd = cmd.replace(REDIS_TLS_DIR, f"{certs}/server/").replace("--dir /data", f"--dir {tmp_path / 'data'}")
+    cmd = cmd.replace("--tls-port 6379", f"--tls-port {port} --bind 127.0.0.1")
+    proc = subprocess.Popen(["sh", "-c", cmd], env={"REDIS_PASSWORD": TEST_PASSWORD, "PATH": "/usr/bin:/bin"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        env = resolve_env(gpu, container(get(gpu, "StatefulSet", "tandem-trainer")))
+        for var, name in (("TANDEM_REDIS_CA_FILE", "ca.crt"), ("TANDEM_REDIS_CERT_FILE", "client.crt"),
+                          ("TANDEM_REDIS_KEY_FILE", "client.key")):  # fmt: skip
+            env[var] = str(certs / name)
+        env["TANDEM_REDIS_URL"] = env["TANDEM_REDIS_URL"].replace("tandem-redis:6379", f"127.0.0.1:{port}")
+        url = run_config.load(None, run_config.env_overrides(env)).redis_url
+        without_cert = run_config.redis_url_with(
+            env["TANDEM_REDIS_URL"], password=TEST_PASSWORD, ca_file=str(certs / "ca.crt")
+        )
+
+        async def main() -> None:
+            deadline = asyncio.get_running_loop().time() + 60
+            while True:  # until redis-server listens
+                assert proc.poll() is None, f"redis-server exited {proc.returncode}: {cmd}"
+                try:
+                    async with connect(url, outage_s=1, log=lambda s: None) as r:
+                        assert await r.ping()
+                    break
+                except RedisOutage:
+                    assert asyncio.get_running_loop().time() < deadline, "the TLS Redis never answered"
+            async with connect(without_cert, outage_s=1, log=lambda s: None) as r:
+                with pytest.raises(RedisOutage):
+                    await r.ping()
+
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait()

@@ -80,8 +80,8 @@ class Run:
         self.trainer: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, args: list[str], log: str) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    def _spawn(self, args: list[str], log: str, env: dict | None = None) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         return subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", *args],
             stdout=open(self.logs / log, "ab"),
@@ -90,13 +90,14 @@ class Run:
             env=env,
         )
 
-    def start_trainer(self, *overrides: str) -> None:
+    def start_trainer(self, *overrides: str, env: dict | None = None) -> None:
+        """`env`: extra environment, e.g. TANDEM_FAULT_POINT (trainer/service.fault_point)."""
         args = ["trainer", "--config", str(self.cfg), "--run-dir", str(self.run_dir), *overrides]
-        self.trainer = self._spawn(args, "trainer.log")
+        self.trainer = self._spawn(args, "trainer.log", env)
 
-    def start_worker(self, worker_id: str) -> None:
+    def start_worker(self, worker_id: str, *overrides: str) -> None:
         self.workers[worker_id] = self._spawn(
-            ["rollout", "--config", str(self.cfg), "--worker-id", worker_id], f"{worker_id}.log"
+            ["rollout", "--config", str(self.cfg), "--worker-id", worker_id, *overrides], f"{worker_id}.log"
         )
 
     def kill(self, proc: subprocess.Popen) -> None:
@@ -151,8 +152,16 @@ class Run:
                 p.wait()
 
 
+def trained_by(run_dir: Path, worker_id: str) -> list[int]:
+    """The steps that trained a group of `worker_id`, from audit.jsonl."""
+    return [r["step"] for r in lines(run_dir / "audit.jsonl") for g in r["groups"] if g[2] == worker_id]
+
+
 def lines(path: Path) -> list[dict]:
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    """The complete lines of a JSONL file another process appends to (a last line still being
+    written, without its newline, is left out)."""
+    complete = path.read_text().split("\n")[:-1] if path.exists() else []
+    return [json.loads(ln) for ln in complete if ln.strip()]
 
 
 def checkpoint_state(run_dir: Path) -> dict:
@@ -161,13 +170,15 @@ def checkpoint_state(run_dir: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)["state"]
 
 
-def audit(run_dir: Path, max_steps: int) -> dict:
-    """The exactly-once audit (module docstring); returns the figures. Fails on any violation."""
+def audit(run_dir: Path, max_steps: int, *, stopped: bool = False) -> dict:
+    """The exactly-once audit (module docstring); returns the figures. Fails on any violation.
+    `stopped`: the trainer was stopped (SIGTERM) rather than finishing max_steps, so what it dropped
+    in its last, unfinished collect is in the checkpoint but in no audit or metrics line."""
     rows = lines(run_dir / "audit.jsonl")
     assert [r["step"] for r in rows] == list(range(1, max_steps + 1)), [r["step"] for r in rows]
-    trained = [g[0] for r in rows for g in r["groups"]]
-    dropped = [g for r in rows for g in r.get("dropped", [])]
     state = checkpoint_state(run_dir)
+    trained = [g[0] for r in rows for g in r["groups"]]
+    dropped = [g for r in rows for g in r.get("dropped", [])] + list(state.get("dropped_unaudited", []))
     fed = {f"p{i}" for i in range(state["prompt_seq"])}
     outstanding = set(state["outstanding"])
     doubled = len(trained) - len(set(trained))
@@ -180,7 +191,7 @@ def audit(run_dir: Path, max_steps: int) -> dict:
     for key in ("dropped_stale", "dropped_fingerprint", "duplicates", "malformed", "invalid", "unsigned", "refed"):
         values = [m[key] for m in metrics]
         assert values == sorted(values), f"{key} went down (reset by a restart?): {values}"
-        assert values[-1] == state[key], (key, values[-1], state[key])
+        assert values[-1] <= state[key] if stopped else values[-1] == state[key], (key, values[-1], state[key])
     lost = fed - set(trained) - set(dropped) - outstanding
     assert not lost, f"{len(lost)} fed prompts neither trained, dropped nor outstanding: {sorted(lost)[:5]}"
     return {

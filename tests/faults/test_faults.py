@@ -1,24 +1,32 @@
 """Fault scenarios against real processes (issue 13): random SIGKILLs of workers and the trainer,
-Redis restarts with AOF, a Redis wiped clean (mid-run and between resumes), poison trajectories
-injected live. Each ends with the exactly-once audit of tests/faults/harness.py: no fed prompt
+SIGKILLs of the trainer pinned mid-checkpoint and between checkpoint and commit, Redis restarts with
+AOF, a Redis wiped clean (mid-run and between resumes), a worker partitioned from Redis and the
+trainer, a slow consumer, a policy fetch stalled mid-stream (tests/faults/proxy.py), poison
+trajectories injected live. Each ends with the exactly-once audit of tests/faults/harness.py: no fed prompt
 lost, no group trained twice, nothing trained that the trainer did not feed."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from harness import TRIALS, Run, audit, checkpoint_state, config, lines, report
+import redis
+from harness import TRIALS, Run, audit, checkpoint_state, config, lines, report, trained_by
+from proxy import Proxy
 from restartable_redis import RestartableRedis
 
 from broker.codec import Trajectory, decode_prompt_group
 from broker.keys import Keys
+from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.signing import load_signer
 from broker.streams import DATA_FIELD, TrajectoryStream, add_entries, connect, read_deadletter
+from policy import manifest as mf
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults]
 
@@ -206,3 +214,149 @@ def test_poison_trajectories_injected_live(tmp_path, redis_server, run_id):
     trained = {g[0] for r in lines(run.run_dir / "audit.jsonl") for g in r["groups"]}
     assert poisoned in trained or poisoned in state["outstanding"], poisoned
     report("poison", faults=n_bad + 2, **figures)
+
+
+def _sample_backlog(run: Run, redis_port: int, run_id: str, until: Callable[[], bool], timeout_s: float) -> int:
+    """Poll (every 0.2 s) fed - settled prompt groups, from Redis's prompt_seq marker and the audit,
+    until `until()`; the peak."""
+    r = redis.Redis(port=redis_port, socket_timeout=2.0)
+    peak, t0 = 0, time.monotonic()
+    try:
+        while not until():
+            assert time.monotonic() - t0 < timeout_s, f"timed out:\n{run.log_tail('trainer')}"
+            raw = r.get(Keys(run_id=run_id).prefix + "prompt_seq")
+            rows = lines(run.run_dir / "audit.jsonl")
+            settled = sum(len(x["groups"]) + len(x.get("dropped", [])) for x in rows)
+            peak = max(peak, int(raw or 0) - settled)
+            time.sleep(0.2)
+    finally:
+        r.close()
+    return peak
+
+
+def _until_trained_by(run: Run, worker_id: str, after_step: int, timeout_s: float = 180.0) -> float:
+    """Wait until a step after `after_step` trained a group of `worker_id`; the seconds it took."""
+    t0 = time.monotonic()
+    while not [s for s in trained_by(run.run_dir, worker_id) if s > after_step]:
+        for name, p in [("trainer", run.trainer), *run.workers.items()]:
+            assert p.poll() is None, f"{name} exited {p.returncode}:\n{run.log_tail(name)}"
+        assert time.monotonic() - t0 < timeout_s, f"{worker_id} never came back:\n{run.log_tail(worker_id)}"
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def _stop_trainer(run: Run) -> int:
+    """SIGTERM (a graceful stop: checkpoint and commit), then the steps it took."""
+    run.trainer.send_signal(signal.SIGTERM)
+    assert run.wait_trainer() == 0, run.log_tail("trainer")
+    return run.steps()
+
+
+PARTITION_S = 6.0  # longer than the heartbeat TTL (3 s) + the reclaim idle time (2 s) of harness.config
+
+
+def test_partition_then_a_stalled_policy_fetch(tmp_path, redis_server, run_id, free_port):
+    """w1 reaches Redis and the trainer only through proxies (one run, two faults, to save CI time).
+    1. A partition: both go dark until the run has gone on without w1 (at least PARTITION_S), then
+       heal. w0 reclaims what w1 held; w1 rides the outage out and trains again.
+    2. A stall: replies stop halfway through w1's next policy fetch; the fetch times out
+       (rollout.fetch_timeout_s), w1 retries on a new connection and trains again.
+    Nothing is lost or trained twice."""
+    grpc_port = free_port()
+    to_redis = Proxy(("127.0.0.1", redis_server.port)).start()
+    to_trainer = Proxy(("127.0.0.1", grpc_port)).start()
+    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=1000, grpc_port=grpc_port))
+    try:
+        run.start_trainer()
+        run.start_worker("w0")
+        run.start_worker("w1", f"redis_url={to_redis.url()}/0", f"rollout.policy_address={to_trainer.address}",
+                         "rollout.fetch_timeout_s=4")  # fmt: skip
+        _until_trained_by(run, "w1", 0)
+        t_fault = time.time()
+        to_redis.blackhole()
+        to_trainer.blackhole()
+        time.sleep(PARTITION_S)
+        carried_on = run.wait_step_after(t_fault + PARTITION_S)  # w0 alone, w1 still cut off
+        step_at_heal = run.steps()
+        to_redis.heal()
+        to_trainer.heal()
+        rejoin = _until_trained_by(run, "w1", step_at_heal)
+
+        with PolicyClient(PolicyClientConfig(address=f"127.0.0.1:{grpc_port}")) as c:
+            m = c.get_manifest()
+        to_trainer.stall_after(len(mf.manifest_to_bytes(m)) + m.total_bytes // 2)  # the next fetch, mid-stream
+        deadline = time.monotonic() + 120
+        while not to_trainer.stalled_connections:
+            assert time.monotonic() < deadline, f"no fetch went through the proxy:\n{run.log_tail('w1')}"
+            time.sleep(0.1)
+        after_stall = _until_trained_by(run, "w1", run.steps())
+        steps = _stop_trainer(run)
+        assert run.workers["w1"].poll() is None, run.log_tail("w1")
+    finally:
+        run.close()
+        to_redis.close()
+        to_trainer.close()
+    assert "failed, will retry" in run.log_tail("w1", 100_000), run.log_tail("w1")
+    figures = audit(run.run_dir, steps, stopped=True)
+    report("partition", faults=1, partition_s=round(PARTITION_S + carried_on, 1), recovery_s_p50=rejoin,
+           recovery_s_max=rejoin, **figures)  # fmt: skip
+    report("stalled_fetch", faults=1, recovery_s_p50=after_stall, recovery_s_max=after_stall, **figures)
+
+
+def test_slow_consumer(tmp_path, redis_server, run_id):
+    """The trainer's link to Redis slowed (every chunk 100 ms late) for 4 steps, then restored: the
+    workers run ahead only as far as the backlog bound lets them, and nothing is lost or doubled."""
+    max_steps = 8
+    link = Proxy(("127.0.0.1", redis_server.port)).start()
+    cfg = config(tmp_path, run_id, redis_server.url, max_steps=max_steps)
+    run = Run(tmp_path, cfg)
+    bound = 2 * 2 + 2  # queued_groups (groups_per_step 2 x max_staleness 1) + the step being trained + a surplus
+    try:
+        run.start_trainer(f"redis_url={link.url()}/0")
+        for w in ("w0", "w1"):
+            run.start_worker(w)
+        run.wait_steps(2)
+        link.delay_s = 0.1
+        t_slow = time.time()
+        peak = _sample_backlog(run, redis_server.port, run_id, lambda: run.steps() >= 6, timeout_s=240)
+        slow_s = (time.time() - t_slow) / 4
+        link.delay_s = 0.0
+        assert run.wait_trainer() == 0, run.log_tail("trainer")
+    finally:
+        run.close()
+        link.close()
+    figures = audit(run.run_dir, max_steps)
+    assert peak <= bound, f"{peak} prompt groups fed and not settled while the trainer was slow (bound {bound})"
+    report("slow_consumer", faults=1, backlog_peak=peak, slow_step_s=round(slow_s, 2), **figures)
+
+
+def test_trainer_killed_mid_checkpoint_and_before_commit(tmp_path, redis_server, run_id):
+    """SIGKILL pinned (trainer/service.fault_point): at step 2 with the checkpoint's temporary file
+    written but not renamed, then at step 4 with the checkpoint durable and its samples not committed.
+    Each resume is from the right checkpoint, and the run is exactly-once."""
+    max_steps = 5
+    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=max_steps, checkpoint_every=1))
+    ckpts = run.run_dir / "checkpoints"
+    recovery = []
+    try:
+        run.start_trainer(env={"TANDEM_FAULT_POINT": "mid_checkpoint@2"})
+        for w in ("w0", "w1"):
+            run.start_worker(w)
+        assert run.wait_trainer() == -signal.SIGKILL, run.log_tail("trainer")
+        assert (ckpts / "step-000002.pt.tmp").exists() and not (ckpts / "step-000002.pt").exists()
+        for point, resumed_at in (("before_commit@4", 1), (None, 4)):
+            t_fault = time.time()
+            run.start_trainer(env={"TANDEM_FAULT_POINT": point} if point else None)
+            if point:
+                assert run.wait_trainer() == -signal.SIGKILL, run.log_tail("trainer")
+                assert (ckpts / "step-000004.pt").exists()
+            else:
+                assert run.wait_trainer() == 0, run.log_tail("trainer")
+            assert f"step-{resumed_at:06d}.pt: step {resumed_at}," in run.log_tail("trainer", 100_000)
+            recovery.append(max(0.0, min(m["time"] for m in lines(run.run_dir / "metrics.jsonl")
+                                         if m["step"] == resumed_at + 1) - t_fault))  # fmt: skip
+    finally:
+        run.close()
+    figures = audit(run.run_dir, max_steps)
+    report("pinned_trainer_kills", faults=2, recovery_s_p50=statistics.median(recovery),
+           recovery_s_max=max(recovery), **figures)  # fmt: skip

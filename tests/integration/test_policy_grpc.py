@@ -99,14 +99,14 @@ class FaultyPolicyServer(PolicyServer):
             self._corrupt[key] = left - 1
         return msg[:-1] + bytes([msg[-1] ^ 0xFF])
 
-    async def _fetch_tensors(self, request: bytes, context):
+    async def _fetch_messages(self, request: bytes, context):
         try:
             req = policy_pb2.FetchTensorsRequest.FromString(request)
         except DecodeError:  # malformed: the server itself answers it
             req = None
         with self._faults:
             drop_after = self._drop_after.pop(0) if self._drop_after else None
-        stream = super()._fetch_tensors(request, context)
+        stream = super()._fetch_messages(request, context)
         try:
             sent = 0
             async for msg in stream:

@@ -5,12 +5,12 @@ and the same URL without the client certificate is refused."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
 
 import pytest
+from tls_certs import make_certs
 
 from broker.local_redis import free_port
 from broker.outage import RedisOutage
@@ -20,22 +20,9 @@ from tandem import config as run_config
 pytestmark = pytest.mark.integration
 
 
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture
 def tls_redis(tmp_path):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed: cannot make test certificates")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
-             "-subj", "/CN=tandem-test-ca", cwd=tmp_path)  # fmt: skip
-    (tmp_path / "ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", "/CN=127.0.0.1", cwd=tmp_path)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.crt", "-days", "1", "-extfile", "ext", cwd=tmp_path)  # fmt: skip
+    make_certs(tmp_path, ("server", "client"))
     port = free_port()
     proc = subprocess.Popen(
         ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
