@@ -105,6 +105,9 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
     wall = (steady[-1]["time"] - steady[0]["time"]) / (n - 1) if n > 1 else None
     # time of a row = end of that step (before its publish); the window starts one step earlier
     t_start = steady[0]["time"] - (wall or 0)
+    # Row k's timers (step k, plus collect and the previous step's publish) cover the interval from
+    # row k-1's time to row k's: the per-step means take the rows whose interval is inside the window.
+    win = steady[1:] if n > 1 else steady
     cfg = _run_config(run)
     gps = groups_per_step or cfg.get("groups_per_step") or 1
     workers = cfg.get("num_rollout_workers") or 1
@@ -123,7 +126,7 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
         w["gen_s_per_group"] = w["gen_s"] / w["groups"] if w["groups"] else None
     group_s = _mean([w["gen_s_per_group"] for w in per_worker.values()])
     rollout_per_step = gps * group_s / workers if group_s else None
-    train_per_step = _mean([r["step_time_s"] + r.get("publish_s", 0.0) for r in steady])
+    train_per_step = _mean([r["step_time_s"] + r.get("publish_s", 0.0) for r in win])
     versions = sorted({e["version"] for e in live if e["version"] > first_v})
     slowest = [max(e["after_publish_s"] for e in live if e["version"] == v) for v in versions]
     everyone = [v for v in versions if len({e["worker"] for e in live if e["version"] == v}) == workers]
@@ -137,11 +140,11 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
         "steady_steps": n,
         "wall_per_step_s": wall,
         "train_per_step_s": train_per_step,
-        "step_time_s": _mean([r["step_time_s"] for r in steady]),
-        "recompute_s": _mean([r.get("recompute_s") for r in steady]),
-        "publish_s": _mean([r.get("publish_s") for r in steady]),
-        "snapshot_s": _mean([r.get("snapshot_s") for r in steady]),
-        "collect_s": _mean([r.get("collect_s") for r in steady]),
+        "step_time_s": _mean([r["step_time_s"] for r in win]),
+        "recompute_s": _mean([r.get("recompute_s") for r in win]),
+        "publish_s": _mean([r.get("publish_s") for r in win]),
+        "snapshot_s": _mean([r.get("snapshot_s") for r in win]),
+        "collect_s": _mean([r.get("collect_s") for r in win]),
         "rollout_per_step_s": rollout_per_step,
         "workers": per_worker,
         "publish_to_live_median_s": statistics.median(slowest) if slowest else None,

@@ -1,0 +1,32 @@
+"""bench/e2e_report.py's per-step figures, hand-checked on a run folder written here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("e2e_report", Path(__file__).parents[2] / "bench" / "e2e_report.py")
+e2e_report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e_report)
+
+
+def _row(step, time, step_time, publish):
+    return {
+        "step": step, "policy_version": step + 1, "time": time, "step_time_s": step_time, "publish_s": publish,
+        "staleness_mean": 1.0, "logp_abs_diff": 0.0, "logp_abs_diff_quant": 0.0, "logp_abs_diff_stale": 0.0,
+        "reward_mean": 0.0, "completion_tokens": 64,
+    }  # fmt: skip
+
+
+def test_per_step_means_cover_the_same_window_as_wall_per_step(tmp_path: Path):
+    # Row k's timers describe the interval (row k-1, row k]. With --skip 1 the window is rows 2..4:
+    # wall = (130 - 100) / 2 = 15; the per-step means take rows 3 and 4 only (row 2's interval,
+    # with its 40 s first publish, lies before the window).
+    rows = [_row(1, 60.0, 5.0, 30.0), _row(2, 100.0, 5.0, 40.0), _row(3, 116.0, 6.0, 9.0), _row(4, 130.0, 4.0, 9.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = e2e_report.summarize(tmp_path, skip=1)
+    assert r["wall_per_step_s"] == 15.0
+    assert r["step_time_s"] == 5.0  # (6 + 4) / 2
+    assert r["train_per_step_s"] == 14.0  # (6 + 9 + 4 + 9) / 2
+    assert r["steady_steps"] == 3
