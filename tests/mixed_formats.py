@@ -17,6 +17,20 @@ def same_parts(a, b) -> bool:
     )
 
 
+def mixed_tensors(cfg, seed: int) -> dict:
+    """Every parameter of `cfg` (random, 1-D ones as [1, N]) quantized as format_for says."""
+    from policy import manifest as M
+    from policy.model import parameter_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in parameter_shapes(cfg).items():
+        w = torch.randn(*shape, generator=g) if len(shape) == 2 else torch.randn(1, shape[0], generator=g)
+        fmt, kw = format_for(name)
+        out[name] = M.quantize_param(w, fmt, **kw)
+    return out
+
+
 def format_for(name: str) -> tuple[str, dict]:
     if ".experts." in name:
         return "nvfp4", {"scope": "tensor"}

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 from google.protobuf.message import DecodeError
-from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
+from mixed_formats import mixed_tensors  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
 from broker.policy_client import ChecksumMismatch, FingerprintMismatch, PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
@@ -27,13 +27,7 @@ CHUNK = 8192  # small chunks: most tensors span several
 
 
 def make_tensors(seed: int) -> dict[str, M.QuantizedParam]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in parameter_shapes(CFG).items():
-        w = torch.randn(*shape, generator=g) if len(shape) == 2 else torch.randn(1, shape[0], generator=g)
-        fmt, kw = format_for(name)
-        out[name] = M.quantize_param(w, fmt, **kw)
-    return out
+    return mixed_tensors(CFG, seed)
 
 
 def with_one_change(tensors: dict[str, M.QuantizedParam], seed: int) -> dict[str, M.QuantizedParam]:

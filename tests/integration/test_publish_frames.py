@@ -7,13 +7,13 @@ import time
 import grpc
 import pytest
 import torch
-from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
+from mixed_formats import mixed_tensors  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
 from broker import frames
 from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from policy import manifest as M
-from policy.model import ModelConfig, parameter_shapes
+from policy.model import ModelConfig
 from tandem.v1 import policy_pb2
 
 pytestmark = pytest.mark.integration
@@ -23,13 +23,7 @@ CHUNK = 8192  # most tensors span several chunks
 
 
 def make_tensors(seed: int) -> dict[str, M.QuantizedParam]:
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in parameter_shapes(CFG).items():
-        w = torch.randn(*shape, generator=g) if len(shape) == 2 else torch.randn(1, shape[0], generator=g)
-        fmt, kw = format_for(name)
-        out[name] = M.quantize_param(w, fmt, **kw)
-    return out
+    return mixed_tensors(CFG, seed)
 
 
 CONTRACT = M.Contract(model_config=CFG, recipe_name="mixed", recipe_rules={"rules": ["test"]})
