@@ -30,19 +30,17 @@ class _Callback:
 
 
 class MetricsEndpoint:
-    """port: -1 = off (`registry` still works, nothing listens), 0 = a free port on 127.0.0.1
-    (see `.port`), else that port on 0.0.0.0 (a pod's metrics port)."""
+    """port: -1 = off (`registry` still works, nothing listens), 0 = a free port (see `.port`),
+    else that port; on `host` (loopback by default, the pod IP in Kubernetes)."""
 
-    def __init__(self, port: int = -1):
+    def __init__(self, port: int = -1, host: str = "127.0.0.1"):
         self.registry = prom.CollectorRegistry()
         prom.ProcessCollector(registry=self.registry)
         prom.PlatformCollector(registry=self.registry)
         self.port: int | None = None
         self._server = None
         if port >= 0:
-            self._server, self._thread = prom.start_http_server(
-                port, addr="127.0.0.1" if port == 0 else "0.0.0.0", registry=self.registry
-            )
+            self._server, self._thread = prom.start_http_server(port, addr=host, registry=self.registry)
             self.port = self._server.server_port
 
     def add_callback(self, fn: Callable[[], Iterable[Sample]]) -> None:

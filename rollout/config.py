@@ -35,7 +35,10 @@ class RolloutConfig:
     """grpc.health.v1 for Kubernetes probes: SERVING once a verified policy is loaded, NOT_SERVING
     before and while draining."""
     metrics_port: int = 0
-    """Prometheus metrics of this worker: 0 = a free port on 127.0.0.1, -1 = off, else that port on 0.0.0.0."""
+    """Prometheus metrics of this worker: 0 = a free port, -1 = off, else that port (bound on metrics_host)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus port binds: loopback by default; in a pod its IP (status.podIP,
+    through TANDEM_ROLLOUT_METRICS_HOST)."""
     device: str = "cpu"
     """Where generation runs: "cpu" (rollout/engine.py on dequantized weights, the default) or
     "cuda" / "cuda:N" (rollout/cuda_engine.py: packed 4-bit weights, CUDA graphs, on-device sampling)."""

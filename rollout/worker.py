@@ -62,10 +62,10 @@ class WorkerMetrics:
     """The worker's Prometheus metrics (`tandem_rollout_*`, labelled by nothing: one worker per
     endpoint; Prometheus adds the pod as `instance`)."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, host: str = "127.0.0.1"):
         import prometheus_client as prom
 
-        self.endpoint = MetricsEndpoint(port)
+        self.endpoint = MetricsEndpoint(port, host)
         reg = self.endpoint.registry
         self.groups = prom.Counter(
             "tandem_rollout_groups", "prompt groups generated and committed (groups)", registry=reg
@@ -157,7 +157,7 @@ class RolloutWorker:
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
         self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH, host=cfg.health.host)
-        self.metrics = WorkerMetrics(cfg.metrics_port)
+        self.metrics = WorkerMetrics(cfg.metrics_port, cfg.metrics_host)
         if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
             PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
 

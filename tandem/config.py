@@ -353,6 +353,8 @@ ENV_KEYS = {
     "TANDEM_ROLLOUT_TLS_SERVER_NAME": "rollout.tls.server_name",
     "TANDEM_TRAINER_HEALTH_HOST": "trainer.health.host",  # the pod IP (downward API status.podIP)
     "TANDEM_ROLLOUT_HEALTH_HOST": "rollout.health.host",
+    "TANDEM_TRAINER_METRICS_HOST": "trainer.metrics_host",  # the pod IP, where Prometheus scrapes
+    "TANDEM_ROLLOUT_METRICS_HOST": "rollout.metrics_host",
 }
 REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE", "TANDEM_REDIS_CERT_FILE", "TANDEM_REDIS_KEY_FILE")
 

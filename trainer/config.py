@@ -89,7 +89,10 @@ class TrainerConfig:
     """grpc.health.v1 for Kubernetes probes (plaintext: kubelet's gRPC probe cannot speak TLS):
     SERVING once a policy is published."""
     metrics_port: int = 0
-    """Prometheus metrics port; 0 = a free port on 127.0.0.1, -1 = off, else that port on 0.0.0.0."""
+    """Prometheus metrics port; 0 = a free port, -1 = off, else that port (bound on metrics_host)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus port binds: loopback by default; in a pod its IP (the downward API's
+    status.podIP, through TANDEM_TRAINER_METRICS_HOST), which Prometheus scrapes."""
     grpc_reflection: bool = True
     """gRPC server reflection on the policy port (grpcurl-style tools list the services); on for
     `tandem run`, off in the Kubernetes overlays."""

@@ -72,13 +72,13 @@ STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class MetricsSink:
-    def __init__(self, path: Path, *, port: int = -1, state: Callable[[], dict] | None = None):
+    def __init__(self, path: Path, *, port: int = -1, host: str = "127.0.0.1", state: Callable[[], dict] | None = None):
         """port: -1 = no Prometheus endpoint, 0 = a free port (see `.port`), else that port.
         state: returns the trainer's State as a dict; its integers are exported (see module doc)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
-        self.endpoint = MetricsEndpoint(port) if port >= 0 else None
+        self.endpoint = MetricsEndpoint(port, host) if port >= 0 else None
         self.port = self.endpoint.port if self.endpoint else None
         if self.endpoint is None:
             return

@@ -206,7 +206,7 @@ class Trainer:
             port=cfg.health.port, service=TRAINER_HEALTH, host=cfg.health.host
         )  # Kubernetes probes
         self.metrics = MetricsSink(
-            self.run_dir / "metrics.jsonl", port=cfg.metrics_port, state=lambda: vars(self.state)
+            self.run_dir / "metrics.jsonl", port=cfg.metrics_port, host=cfg.metrics_host, state=lambda: vars(self.state)
         )
         if self.metrics.endpoint is not None:
             self.metrics.endpoint.add_callback(self.server.prometheus_samples)

@@ -169,3 +169,24 @@ def test_health_binds_where_configured():
     assert h.host == "127.0.0.1"
     assert HealthServer(port=8080, service="x").host == "127.0.0.1"  # a fixed port no longer means 0.0.0.0
     assert HealthServer(port=8080, service="x", host="10.1.2.3").host == "10.1.2.3"
+
+
+def test_prometheus_binds_where_configured():
+    """A fixed Prometheus port binds metrics_host (loopback by default), not 0.0.0.0; the
+    Kubernetes env var sets it to the pod IP."""
+    import socket
+    import urllib.request
+
+    from broker.metrics import MetricsEndpoint
+    from tandem.config import env_overrides
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = MetricsEndpoint(port)
+    try:
+        assert ep._server.server_address == ("127.0.0.1", port)
+        assert b"process_cpu_seconds_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read()
+    finally:
+        ep.close()
+    assert env_overrides({"TANDEM_ROLLOUT_METRICS_HOST": "10.1.2.3"}) == ['rollout.metrics_host="10.1.2.3"']
