@@ -215,7 +215,8 @@ class Trainer:
         # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
         self._rejected: list[tuple[TrajectoryRecord, str]] = []
         self._consumed: list[TrajectoryRecord] = []  # consumed by the _collect in progress
-        self._publish_s = self._snapshot_s = 0.0  # seconds the last snapshot (+ publish) took (metrics)
+        # seconds the last snapshot (+ publish) took, and of it producing the quantized parts (metrics)
+        self._publish_s = self._snapshot_s = self._quantize_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -264,7 +265,12 @@ class Trainer:
                     break
                 collect_s = time.perf_counter() - t_collect
                 row = self.optimize(self.recompute_logprobs(groups))
-                row.update(collect_s=collect_s, publish_s=self._publish_s, snapshot_s=self._snapshot_s)
+                row.update(
+                    collect_s=collect_s,
+                    publish_s=self._publish_s,
+                    snapshot_s=self._snapshot_s,
+                    quantize_s=self._quantize_s,
+                )
                 self.state.step += 1
                 self.state.samples += row["samples"]
                 self.state.completion_tokens += row["completion_tokens"]
@@ -453,10 +459,12 @@ class Trainer:
         if self.backend.qat_hook is None:
             self.backend.apply_qat()
         v = self.state.version
+        t0 = time.perf_counter()
         if self.contract_breaking:  # the rollout_recipe ablation: quantized as the rollouts' recipe says
             tensors = mf.quantize_params(self.backend.canonical(), self.publish_plan)
         else:
             tensors = self.backend.quantized_params()  # the QAT forward's own quantized parts
+        self._quantize_s = time.perf_counter() - t0  # GPU work may still be queued: staging waits for it
         t0 = time.perf_counter()
         staged = frames.stage(
             version=v,

@@ -198,6 +198,7 @@ def test_async_loop_with_faults(tmp_path, redis_url, run_id):
     assert steps_before >= 3
     # Publishing runs off the step: each step logs how long it waited for the previous publish.
     assert all(r["publish_blocked_s"] >= 0 for r in rows)
+    assert all(0 <= r["quantize_s"] <= r["publish_s"] for r in rows)  # the same publish's part
 
     # No sample used twice, across the restart and the dead worker's reclaimed prompts.
     audit = _lines(run_dir / "audit.jsonl")
