@@ -7,12 +7,10 @@ its own experts under their global names, with the same bytes as the torch backe
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
-import os
-import queue
 import traceback
 
+import gloo  # tests/gloo.py: conftest.py puts tests/ on sys.path
 import pytest
 import torch
 
@@ -31,14 +29,7 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
         from policy.recipe import Recipe
         from trainer import megatron_backend as mb
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        gloo.init(rank, port, WORLD, timeout_s=60)
         mb.init_parallel(ep=WORLD)
         cfg = ModelConfig.preset("tiny", n_layers=2)
         ref = Transformer(cfg, seed=5).to(torch.bfloat16)
@@ -71,34 +62,7 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
 @pytest.mark.integration
 def test_expert_parallel_load_gather_and_qat_bytes(free_port):
     pytest.importorskip("megatron.core")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    env_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers
-    try:
-        procs = [ctx.Process(target=_worker, args=(r, port, out), daemon=True) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-    finally:
-        if env_before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_before
-    results = {}
-    try:
-        for _ in range(WORLD):
-            rank, result, error = out.get(timeout=TIMEOUT_S)
-            assert error is None, f"rank {rank} failed:\n{error}"
-            results[rank] = result
-    except queue.Empty:
-        pytest.fail(f"EP workers did not report within {TIMEOUT_S} s (got ranks {sorted(results)})")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    results = gloo.run_ranks(_worker, world=WORLD, port=free_port(), timeout_s=TIMEOUT_S, what="EP workers")
     for rank, res in results.items():
         assert res["local_experts"] == 4, res
         assert res["gathered_equal"], f"rank {rank}: gathered canonical weights differ"

@@ -10,12 +10,10 @@ One spawn of 4 processes holds TP groups of 1 ([r]), 2 ([0, 1] and [2, 3]) and 4
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing as mp
-import os
-import queue
 import traceback
 
+import gloo  # tests/gloo.py: conftest.py puts tests/ on sys.path
 import pytest
 import torch
 
@@ -52,14 +50,7 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
         from policy import formats
         from policy.tp import quantize_activation
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=30),
-        )
+        gloo.init(rank, port, WORLD, timeout_s=30)
         # Every rank creates every group, in the same order: TP groups of 1, 2 and 4 processes.
         singles = [dist.new_group([r]) for r in range(WORLD)]
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -121,36 +112,10 @@ def _worker(rank: int, port: int, out: mp.Queue) -> None:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_global_scales_are_bitwise_tp_invariant_and_shard_mismatch_is_refused(free_port):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    env_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned workers: 4 processes on 2 cores
-    try:
-        procs = [ctx.Process(target=_worker, args=(r, port, out), daemon=True) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-    finally:
-        if env_before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_before
-    results = {}
-    try:
-        for _ in range(WORLD):
-            rank, result, error = out.get(timeout=TIMEOUT_S)
-            assert error is None, f"rank {rank} failed:\n{error}"
-            for key in [k for k in result if k[0] == "parts"]:
-                result[key] = {name: _from_bytes(v) for name, v in result[key].items()}
-            results[rank] = result
-    except queue.Empty:
-        pytest.fail(f"TP workers did not report within {TIMEOUT_S} s (got ranks {sorted(results)})")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    results = gloo.run_ranks(_worker, world=WORLD, port=free_port(), timeout_s=TIMEOUT_S, what="TP workers")
+    for result in results.values():
+        for key in [k for k in result if k[0] == "parts"]:
+            result[key] = {name: _from_bytes(v) for name, v in result[key].items()}
 
     for rank, res in results.items():
         for tps in (1, 2, 4):
