@@ -28,7 +28,7 @@ FETCH = "/tandem.v1.PolicyService/FetchTensors"
 
 @pytest.fixture(scope="module")
 def packed():
-    # ~7.6 MB: more than gRPC buffers for a stream that is not read (~4 MB), so a stalled handler blocks
+    # ~7.6 MB: more than gRPC buffers for a stream that is not read, so a stalled handler blocks
     cfg = ModelConfig.preset("tiny", n_layers=1, dim=1024, n_experts=2, top_k=1)
     recipe = Recipe.load("bf16")
     tensors = mf.quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), recipe.plan(cfg))
@@ -38,7 +38,9 @@ def packed():
 
 def _stalled_streams(address: str, n: int, names: list[str] | None = None) -> tuple[grpc.Channel, list]:
     """n FetchTensors calls on one connection whose reader never reads."""
-    ch = grpc.insecure_channel(address)
+    # No BDP probing: the client's receive window stays at its initial size instead of growing with
+    # the measured bandwidth (under load it grew to hold the whole policy, and the stream never stalled).
+    ch = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
     # One call first: the server's SETTINGS (its stream cap) arrive before the streams are opened, else
     # streams opened past the cap before the client knew it are refused (REFUSED_STREAM) at once.
     ch.unary_unary("/tandem.v1.PolicyService/GetManifest")(b"", timeout=30, wait_for_ready=True)
