@@ -140,7 +140,7 @@ def target_chunks() -> Callable[[random.Random], None]:
     blob = packed.blobs[name]
     chunk = policy_pb2.TensorChunk(
         version=1, tensor_name=name, chunk_index=first[name], tensor_nbytes=len(blob), offset=0,
-        data=bytes(blob[: m.chunk_bytes]), xxh3=mf.chunk_digests(blob[: m.chunk_bytes], m.chunk_bytes)[0],
+        data=bytes(blob[: m.chunk_bytes]), xxh3=entries[name].chunk_xxh3[0],
     )  # fmt: skip
     raw = chunk.SerializeToString()
     hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1)

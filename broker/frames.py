@@ -9,8 +9,9 @@ length is known before the bytes are), then field 15's tag and length, then the 
 
 Publishing is then: write the heads, copy each tensor's parts into its chunks' data regions (from the
 GPU: device-to-host copies straight into the buffer, which is page-locked), hash each chunk in place
-(xxh3) and each tensor (sha256) in a thread pool (both release the GIL), and write the digests into
-their slots. Nothing is copied on the host; a message is a slice of the buffer. The message bytes are
+(xxh3 and sha256) in a thread pool over runs of chunks (both release the GIL; no tensor is one
+sequential stream, since the manifest's sha256 is over the chunks' sha256s, policy.manifest.tensor_sha256),
+and write the digests into their slots. Nothing is copied on the host; a message is a slice of the buffer. The message bytes are
 exactly `TensorChunk(..., xxh3=, tensor_sha256=).SerializeToString(deterministic=True)` followed by
 field 15 (tested; the only difference is an xxh3 that happens to be 0, written out instead of omitted,
 which parses the same), so workers are unchanged.
@@ -38,7 +39,6 @@ until their copies are done.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import struct
@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from policy import manifest as mf
 from tandem.v1 import manifest_pb2, policy_pb2
@@ -87,6 +86,7 @@ class TensorFrames:
     data: tuple[tuple[int, int], ...]  # (start, stop) of each chunk's data
     xxh3_at: tuple[int, ...]  # each chunk's 8-byte xxh3 slot
     sha256_at: int  # the 32-byte sha256 slot in the last chunk's head
+    chunk_bytes: int  # chunk j holds the tensor's bytes [j * chunk_bytes, ...)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,9 @@ def frame_layout(version: int, tensors: Iterable[tuple[str, int, int]], chunk_by
             data.append((pos + len(head), pos + len(head) + length))
             messages.append((pos, pos + len(head) + length))
             pos += len(head) + length
-        frames.append(TensorFrames(name, nbytes, first, tuple(messages), tuple(data), tuple(xxh3_at), sha_at))
+        frames.append(
+            TensorFrames(name, nbytes, first, tuple(messages), tuple(data), tuple(xxh3_at), sha_at, chunk_bytes)
+        )
     return FrameLayout(version, chunk_bytes, tuple(frames), tuple(heads), pos)
 
 
@@ -216,41 +218,26 @@ def _on_cuda(t) -> bool:
     return isinstance(t, torch.Tensor)
 
 
-def _pieces(frames: TensorFrames, part_sizes: Sequence[int]):
-    """(part index, start in the part, destination start, length) covering the tensor's data regions:
-    the parts concatenated, cut at chunk boundaries."""
-    out, part, pos_in_part = [], 0, 0
-    for start, stop in frames.data:
-        dst, left = start, stop - start
-        while left:
-            while part_sizes[part] == pos_in_part:
-                part, pos_in_part = part + 1, 0
-            n = min(left, part_sizes[part] - pos_in_part)
-            out.append((part, pos_in_part, dst, n))
-            dst, left, pos_in_part = dst + n, left - n, pos_in_part + n
+def _pieces(frames: TensorFrames, part_sizes: Sequence[int], j0: int, j1: int):
+    """(part index, start in the part, destination start, length) covering chunks [j0, j1)'s data
+    regions: the parts concatenated, cut at chunk boundaries."""
+    out = []
+    for j in range(j0, j1):
+        start, stop = frames.data[j]
+        base = j * frames.chunk_bytes  # the chunk's offset in the tensor
+        for part, src, at, n in mf.part_pieces(part_sizes, base, base + stop - start):
+            out.append((part, src, start + at - base, n))
     return out
 
 
-def _xxh3_into(data: np.ndarray, frames: TensorFrames) -> list[int]:
-    """xxh3 of every chunk, computed in the buffer and written into the chunks' slots."""
+def _seal_run(data: np.ndarray, frames: TensorFrames, j0: int, j1: int) -> tuple[list[int], list[bytes]]:
+    """xxh3 and sha256 of chunks [j0, j1), computed in the buffer; the xxh3s are also written into
+    their slots."""
+    xxh3s, shas = mf.chunk_checksums(data, frames.data[j0:j1])
     mv = memoryview(data)
-    digests = []
-    for (start, stop), at in zip(frames.data, frames.xxh3_at):
-        d = xxhash.xxh3_64_intdigest(mv[start:stop])
+    for at, d in zip(frames.xxh3_at[j0:j1], xxh3s):
         struct.pack_into("<Q", mv, at, d)
-        digests.append(d)
-    return digests
-
-
-def _sha256_into(data: np.ndarray, frames: TensorFrames) -> bytes:
-    """sha256 of the tensor (its chunks' data in order), written into the last chunk's slot."""
-    mv = memoryview(data)
-    sha = hashlib.sha256()
-    for start, stop in frames.data:
-        sha.update(mv[start:stop])
-    digest = sha.digest()
-    mv[frames.sha256_at : frames.sha256_at + 32] = digest
-    return digest
+    return xxh3s, shas
 
 
 def fill(
@@ -264,11 +251,12 @@ def fill(
     """Write the heads, copy every tensor's parts (`sources[i]`: torch tensors on any device, or
     buffers) into its data regions and seal it; returns (chunk xxh3s, sha256) per tensor.
 
-    CUDA parts are copied on a side stream (after `after`, an event on the producing stream; else
-    after the current stream's work so far), largest tensors first, one event per tensor; the
-    hashing threads wait for their tensor's event; a tensor's xxh3s and its sha256 are two tasks (the
-    sha256 of the largest tensor, sequential by nature, is the critical path). CPU parts are copied
-    by the hashing threads."""
+    The work is cut into runs of a tensor's chunks (about mf.HASH_TASK_BYTES each, mf.hash_runs),
+    one thread-pool task each: every chunk's xxh3 and sha256 are independent (the manifest's
+    sha256 is over the chunks' sha256s, mf.tensor_sha256, taken here once a tensor's runs are done),
+    so even the largest tensor is hashed by every core. CUDA parts are copied on a side stream (after
+    `after`, an event on the producing stream; else after the current stream's work so far), largest
+    tensors first, one event per tensor that its runs wait for; CPU parts are copied by the runs."""
     mv = memoryview(data)
     for pos, head in layout.heads:
         mv[pos : pos + len(head)] = head
@@ -284,38 +272,45 @@ def fill(
         else:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
 
-    def work(i: int, event, what: str):
+    def work(i: int, j0: int, j1: int, event):
         frames, parts = layout.tensors[i], flat[i]
         if event is not None:
             event.synchronize()  # releases the GIL
-        if what == "xxh3":
-            return _xxh3_into(data, frames)
-        if what == "sha256":
-            return _sha256_into(data, frames)
-        for part, src, dst, n in _pieces(frames, [len(t) for t in parts]):
+        for part, src, dst, n in _pieces(frames, [len(t) for t in parts], j0, j1):
             if not _on_cuda(parts[part]):
                 np.copyto(data[dst : dst + n], parts[part][src : src + n])
-        return _xxh3_into(data, frames), _sha256_into(data, frames)
+        return _seal_run(data, frames, j0, j1)
 
     workers = threads or min(32, os.cpu_count() or 1)
-    results: dict[int, object] = {}
+    runs: dict[int, list] = {}
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frame") as pool, _drained(stream):
         for i in order:
+            frames, parts = layout.tensors[i], flat[i]
             event = None
-            parts = flat[i]
             if stream is not None and any(_on_cuda(t) for t in parts):
                 with torch.cuda.stream(stream):
-                    for part, src, dst, n in _pieces(layout.tensors[i], [len(t) for t in parts]):
+                    for part, src, dst, n in _pieces(frames, [len(t) for t in parts], 0, len(frames.data)):
                         if _on_cuda(parts[part]):
                             host[dst : dst + n].copy_(parts[part][src : src + n], non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
-            if event is not None and all(_on_cuda(t) for t in parts):
-                results[i] = (pool.submit(work, i, event, "xxh3"), pool.submit(work, i, event, "sha256"))
-            else:
-                results[i] = (pool.submit(work, i, event, "all"),)
-        out = [tuple(f.result() for f in results[i]) for i in range(len(flat))]
-    return [r if len(r) == 2 else r[0] for r in out]  # `flat` (and the parts it holds) lives until every copy is done
+            runs[i] = [pool.submit(work, i, j0, j1, event) for j0, j1 in mf.hash_runs(_bounds(frames))]
+        out = []
+        for i, frames in enumerate(layout.tensors):
+            xxh3s, shas = [], []
+            for f in runs[i]:
+                x, h = f.result()
+                xxh3s += x
+                shas += h
+            sha = mf.tensor_sha256(frames.nbytes, shas)
+            mv[frames.sha256_at : frames.sha256_at + 32] = sha
+            out.append((xxh3s, sha))
+    return out  # `flat` (and the parts it holds) lives until every copy is done
+
+
+def _bounds(frames: TensorFrames) -> list[tuple[int, int]]:
+    """Each chunk's [start, stop) in the tensor (what mf.hash_runs sizes runs by)."""
+    return [(j * frames.chunk_bytes, j * frames.chunk_bytes + b - a) for j, (a, b) in enumerate(frames.data)]
 
 
 @contextlib.contextmanager

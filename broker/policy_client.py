@@ -8,9 +8,10 @@
 What is checked: the manifest's internal consistency and contract fingerprint (recomputed from
 the contract, then compared with `expected_fingerprint`: FingerprintMismatch names both); the TP
 degree against the contract; each chunk's xxh3 against the chunk; for a tensor received whole,
-each chunk's xxh3 and the tensor's sha256 against the *manifest* (end to end); for a TP shard,
-whose bytes the manifest does not describe, the sha256 the server computed when it cut the
-shard, and the shard's size against the layout the TP plan predicts.
+each chunk's xxh3 and the tensor's sha256 (over its chunks' sha256s, policy.manifest.tensor_sha256)
+against the *manifest* (end to end); for a TP shard, whose bytes the manifest does not describe,
+the digest the server computed when it cut the shard, and the shard's size against the layout
+the TP plan predicts. Chunks are sha256-hashed in a thread pool as they arrive.
 
 Recovery, bounded by `max_attempts` stream restarts per fetch: a chunk that fails its checksum
 is fetched again (the stream restarts at that chunk's index, at most `max_refetch_per_chunk`
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +49,7 @@ from policy.manifest import (
     manifest_from_bytes,
     rebuild,
     tensor_layout,
+    tensor_sha256,
     tp_plan_of,
 )
 from policy.tp import check_tp
@@ -62,6 +65,7 @@ __all__ = [
 ]
 
 SERVICE = "/tandem.v1.PolicyService/"
+HASH_THREADS = 16  # chunk sha256 threads per fetch (at most one per core)
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -139,10 +143,11 @@ class FetchedPolicy:
 
 
 class _Tensor:
-    """Reassembly state of one tensor: bytes received so far, in order, and their sha256.
+    """Reassembly state of one tensor: bytes received so far, in order, and their chunks' sha256s.
 
-    The buffer is np.empty (no zero-fill pass: the copy in is its first touch), and sha256 runs
-    on a worker thread (hashlib releases the GIL), overlapping the hashing with receiving.
+    The buffer is np.empty (no zero-fill pass: the copy in is its first touch), and each chunk's
+    sha256 runs in a thread pool (hashlib releases the GIL), overlapping the hashing with receiving;
+    the tensor's digest (policy.manifest.tensor_sha256) is taken over them once all are in.
     """
 
     def __init__(self, layout: TensorLayout, entry: manifest_pb2.TensorEntry, first_index: int, chunk_bytes: int):
@@ -150,11 +155,14 @@ class _Tensor:
         self.data = np.empty(layout.nbytes, dtype=np.uint8)
         self.view = memoryview(self.data)
         self.filled = 0
-        self.sha = hashlib.sha256()
+        self.chunk_sha256: list[concurrent.futures.Future] = []  # one per chunk received, in order
         self.n_chunks = chunk_count(layout.nbytes, chunk_bytes)
         self.done = False
-        self.digest: concurrent.futures.Future | None = None
         self.expected_sha256 = b""
+
+    def sha256(self) -> bytes:
+        """The tensor's digest over its chunks' sha256s (once every chunk is in)."""
+        return tensor_sha256(self.layout.nbytes, [f.result() for f in self.chunk_sha256])
 
 
 class PolicyClient:
@@ -285,14 +293,15 @@ class PolicyClient:
         }
         stats = FetchStats()
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
+        workers = min(HASH_THREADS, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as hasher:
             self._stream(manifest, state, names, selected, tp_rank, tp_size, stats, hasher)
         missing = [n for n, t in state.items() if not t.done]
         if missing:
             raise ChecksumMismatch(
                 f"version {manifest.version}: stream ended before tensor(s) {missing[:5]} were complete"
             )
-        bad = [n for n, t in state.items() if t.digest.result() != t.expected_sha256]
+        bad = [n for n, t in state.items() if t.sha256() != t.expected_sha256]
         if bad:
             raise ChecksumMismatch(f"version {manifest.version}: tensor(s) {bad[:5]} failed the sha256 check")
         stats.seconds = time.perf_counter() - t0
@@ -383,7 +392,7 @@ class PolicyClient:
             return False  # the server sent bytes other than the manifest's: fetch again
         end = t.filled + len(data)
         t.view[t.filled : end] = data
-        hasher.submit(t.sha.update, t.view[t.filled : end])  # one worker: updates stay in order
+        t.chunk_sha256.append(hasher.submit(_sha256, t.view[t.filled : end]))
         t.filled = end
         if j == t.n_chunks - 1:
             # A whole tensor is checked against the manifest (end to end); a shard against the
@@ -393,9 +402,12 @@ class PolicyClient:
                 raise ChecksumMismatch(
                     f"version {v}: tensor {t.layout.name}: the server's sha256 differs from the manifest's"
                 )
-            t.digest = hasher.submit(t.sha.digest)
             t.done = True
         return True
+
+
+def _sha256(chunk) -> bytes:
+    return hashlib.sha256(chunk).digest()
 
 
 def check_reachable(target: str, timeout_s: float = 3.0) -> None:

@@ -239,7 +239,7 @@ class _Version:
             if tl.sharded:
                 cut[name] = shard_tensor_bytes(entry, self.full.tensor_bytes(name), tl)
         items = [(name, first_index[name], data) for name, data in cut.items()]
-        frames, data, _ = frame_buffers(self.version, items, self.manifest.chunk_bytes, threads=1)
+        frames, data, _ = frame_buffers(self.version, items, self.manifest.chunk_bytes)  # hashed in a pool
         framed = {f.name: f for f in frames.tensors}
         layout = _Layout()
         for name in self.entries:

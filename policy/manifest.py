@@ -8,7 +8,8 @@ deterministically. It holds:
 - the `Contract`: model config (canonical JSON + sha256), recipe (name + full rules + sha256),
   quantizer spec version, activation sites (format, scope, TP scale mode) and the TP plan;
 - per tensor: name, format, format params, logical shape, each part's dtype/shape/byte range,
-  the fp32 global scale when there is one, the TP style, xxh3_64 per chunk and sha256 overall.
+  the fp32 global scale when there is one, the TP style, xxh3_64 per chunk and a sha256 over the
+  chunks' sha256s (below).
 
 Every hash here is `policy.hashing.sha256_json` of a canonical JSON form: `model_config_sha256` is
 `ModelConfig.fingerprint()` and `recipe_sha256` is `Recipe.fingerprint()` (what `tandem plan` prints).
@@ -21,6 +22,23 @@ and rollout may differ in TP degree and still agree on the fingerprint.
 A tensor's bytes are its parts (`q.parts()`, in the order the format lists them) concatenated,
 each part as its raw little-endian element bytes. They are cut into chunks of `chunk_bytes`
 (the last one shorter; an empty tensor has one empty chunk), the unit of transport and of xxh3.
+
+A tensor's `sha256` (schema 2, `tensor_sha256`) is a sha256 over its chunks' sha256s, with the
+manifest's own `chunk_bytes`:
+
+    H = sha256(b"tandem-tensor-sha256-v2\0" || uint64_le(nbytes) || sha256(chunk_0) || ... || sha256(chunk_{n-1}))
+
+Why (decided for issue 17, publishing at memory speed): a sha256 over the tensor's bytes is one
+sequential stream, so the largest tensor (a 622 MB embedding) took >= 0.5 s on one core however
+many cores the trainer host has, and every worker verified with one hashing thread (~1.2 GB/s).
+Over chunks, every chunk's sha256 is independent: trainer and workers hash chunks in a thread
+pool (hashlib releases the GIL), and the result is still one collision-resistant digest of the
+whole tensor: the chunk digests are a fixed-fanout hash list, the domain string separates it from
+any other use of sha256, and the byte count fixes the chunking (a forged, reordered, truncated or
+extended tensor changes some chunk digest, their order or the length). DESIGN.md's "sha256 over
+the tensor" means this digest. A TP shard's digest (the server's, on its last chunk) is the same
+definition over the shard's bytes and chunks. A manifest of schema 1 (sha256 over the raw bytes)
+is refused with one line naming the schema, not by failing every tensor's checksum.
 
 Simplifications: the manifest is one message (a 48-layer, 128-expert model is ~4 MB, under
 MAX_MANIFEST_BYTES); a tensor's `shape` is its quantized [M, K] shape, so 1-D parameters such
@@ -49,7 +67,11 @@ from policy.hashing import canonical_json, sha256_hex
 from policy.tp import TP_SCALE_MODES, ShardCut, TPPlan, check_tp, from_parts_kwargs, part_index
 from tandem.v1 import manifest_pb2 as pb
 
-SCHEMA_VERSION = 1
+# 2: a tensor's sha256 is `tensor_sha256` (over its chunks' sha256s); 1 was a sha256 over its bytes.
+SCHEMA_VERSION = 2
+_FINGERPRINT_SCHEMA = 1  # the contract fingerprint's own form: unchanged by schema 2 (same contract, same hash)
+TENSOR_SHA256_DOMAIN = b"tandem-tensor-sha256-v2\0"
+HASH_TASK_BYTES = 8 << 20  # bytes of chunks one hashing task covers (a thread pool's unit of work)
 CHUNK_BYTES = 1 << 20  # at most 1 MiB of tensor bytes per chunk (and per gRPC message)
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_NAME_CHARS = 512
@@ -218,7 +240,7 @@ def recipe_sha256(rules_json: str) -> str:
 def contract_fingerprint(contract: pb.Contract) -> str:
     """sha256 hex over a canonical JSON of the contract's parts (see the module docstring)."""
     doc = {
-        "schema": SCHEMA_VERSION,
+        "schema": _FINGERPRINT_SCHEMA,
         "model_config_sha256": sha256_hex(contract.model_config_json),
         "recipe_name": contract.recipe_name,
         "recipe_sha256": recipe_sha256(contract.recipe_rules_json),
@@ -288,28 +310,82 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
-def _pack(views: Sequence[memoryview], chunk_bytes: int) -> tuple[memoryview, list[int], bytes]:
-    """One tensor's bytes: its parts copied into one new buffer, then its chunk xxh3s and sha256.
-
-    Runs in a worker thread: numpy's copy, xxhash and hashlib release the GIL, so tensors are packed
-    and hashed in parallel. The copy is what makes a published version immutable (a bf16 part can be
-    the live parameter itself); the buffer is returned read-only."""
-    buf = np.empty(sum(len(v) for v in views), dtype=np.uint8)
-    offset = 0
-    for v in views:
-        np.copyto(buf[offset : offset + len(v)], np.frombuffer(v, dtype=np.uint8))
-        offset += len(v)
-    buf.flags.writeable = False
-    blob = memoryview(buf)
-    return blob, chunk_digests(blob, chunk_bytes), hashlib.sha256(blob).digest()
+# -- checksums ----------------------------------------------------------------------------------------
 
 
-def chunk_digests(data, chunk_bytes: int) -> list[int]:
+def chunk_bounds(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk of a tensor of `nbytes` bytes (an empty tensor: one empty chunk)."""
+    return [(i, min(i + chunk_bytes, nbytes)) for i in range(0, nbytes, chunk_bytes)] or [(0, 0)]
+
+
+def chunk_checksums(data, bounds: Sequence[tuple[int, int]]) -> tuple[list[int], list[bytes]]:
+    """xxh3_64 and sha256 of each chunk `data[a:b]` for (a, b) in `bounds`, both over the chunk while
+    it is in cache. xxhash and hashlib release the GIL, so threads hash different chunks in parallel."""
     mv = memoryview(data)
-    n = len(mv)
-    if n == 0:
-        return [xxhash.xxh3_64_intdigest(b"")]
-    return [xxhash.xxh3_64_intdigest(mv[i : i + chunk_bytes]) for i in range(0, n, chunk_bytes)]
+    xxh3s, shas = [], []
+    for a, b in bounds:
+        piece = mv[a:b]
+        xxh3s.append(xxhash.xxh3_64_intdigest(piece))
+        shas.append(hashlib.sha256(piece).digest())
+    return xxh3s, shas
+
+
+def tensor_sha256(nbytes: int, chunk_sha256s: Sequence[bytes]) -> bytes:
+    """A tensor's manifest sha256 from its chunks' sha256s, in order (the definition: module docstring)
+    H = sha256(TENSOR_SHA256_DOMAIN || uint64_le(nbytes) || sha256(chunk_0) || sha256(chunk_1) || ...)."""
+    h = hashlib.sha256(TENSOR_SHA256_DOMAIN)
+    h.update(nbytes.to_bytes(8, "little"))
+    for d in chunk_sha256s:
+        h.update(d)
+    return h.digest()
+
+
+def hash_runs(bounds: Sequence[tuple[int, int]], task_bytes: int = HASH_TASK_BYTES) -> list[tuple[int, int]]:
+    """Consecutive chunks grouped into runs [j0, j1) of about `task_bytes`: a thread pool's tasks."""
+    runs, j0, size = [], 0, 0
+    for j, (a, b) in enumerate(bounds):
+        size += b - a
+        if size >= task_bytes:
+            runs.append((j0, j + 1))
+            j0, size = j + 1, 0
+    if j0 < len(bounds):
+        runs.append((j0, len(bounds)))
+    return runs
+
+
+def checksums(data, chunk_bytes: int, *, pool: ThreadPoolExecutor | None = None) -> tuple[list[int], bytes]:
+    """A tensor's chunk xxh3s and its sha256 (`tensor_sha256`); runs of chunks hashed in `pool` if given."""
+    bounds = chunk_bounds(len(memoryview(data)), chunk_bytes)
+    if pool is None:
+        xxh3s, shas = chunk_checksums(data, bounds)
+    else:
+        done = pool.map(lambda r: chunk_checksums(data, bounds[r[0] : r[1]]), hash_runs(bounds))
+        xxh3s, shas = [], []
+        for x, h in done:
+            xxh3s += x
+            shas += h
+    return xxh3s, tensor_sha256(bounds[-1][1], shas)
+
+
+def part_pieces(part_sizes: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
+    """(part index, offset in that part, offset in the tensor, length) covering the tensor's bytes
+    [start, stop), the tensor being its parts concatenated."""
+    out, base = [], 0
+    for i, size in enumerate(part_sizes):
+        a, b = max(start, base), min(stop, base + size)
+        if a < b:
+            out.append((i, a - base, a, b - a))
+        base += size
+    return out
+
+
+def _pack_run(buf: np.ndarray, views: Sequence[np.ndarray], bounds, run: tuple[int, int]):
+    """Copy chunks [j0, j1) of one tensor from its parts into `buf` and hash them (a worker thread:
+    numpy's copy, xxhash and hashlib release the GIL)."""
+    a, b = bounds[run[0]][0], bounds[run[1] - 1][1]
+    for part, src, dst, n in part_pieces([len(v) for v in views], a, b):
+        np.copyto(buf[dst : dst + n], views[part][src : src + n])
+    return chunk_checksums(buf, bounds[run[0] : run[1]])
 
 
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:
@@ -444,12 +520,15 @@ def build_manifest(
     chunk_bytes: int = CHUNK_BYTES,
     threads: int | None = None,
 ) -> PackedPolicy:
-    """Pack quantized tensors and describe them: one copy of the bytes, sha256 and xxh3 computed here.
+    """Pack quantized tensors and describe them: one copy of the bytes, xxh3 and sha256 computed here.
 
     Device tensors are copied to pinned host memory asynchronously (one synchronization for all),
-    then `threads` worker threads (default: one per CPU core, at most 32) copy each tensor's parts
-    into one immutable buffer and hash it. Each blob is a read-only memoryview. (The trainer
-    publishes through broker.frames instead: straight into reusable, pre-framed host buffers.)"""
+    then `threads` worker threads (default: one per CPU core, at most 32) copy runs of each tensor's
+    chunks (about HASH_TASK_BYTES each) from its parts into one new buffer and hash them; a tensor's
+    sha256 is then `tensor_sha256` of its chunk digests. The copy is what makes a published version
+    immutable (a bf16 part can be the live parameter itself); each blob is a read-only memoryview.
+    (The trainer publishes through broker.frames instead: straight into reusable, pre-framed host
+    buffers.)"""
     check_build(
         version=version, parent_version=parent_version, contract=contract, tensors=tensors, chunk_bytes=chunk_bytes
     )
@@ -457,14 +536,22 @@ def build_manifest(
     host_parts = [[_to_host(t) for t in ts] for ts in parts]
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the pinned host copies above were asynchronous
+    views = [[np.frombuffer(_part_bytes(t), dtype=np.uint8) for t in ts] for ts in host_parts]
+    bufs = [np.empty(e.nbytes, dtype=np.uint8) for e in entries]  # untouched: each run's copy faults its own pages
+    bounds = [chunk_bounds(e.nbytes, chunk_bytes) for e in entries]
+    tasks = [(i, run) for i in range(len(entries)) for run in hash_runs(bounds[i])]
     workers = threads or min(32, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack") as pool:
-        packed = list(pool.map(lambda ts: _pack([_part_bytes(t) for t in ts], chunk_bytes), host_parts))
+        done = list(pool.map(lambda t: _pack_run(bufs[t[0]], views[t[0]], bounds[t[0]], t[1]), tasks))
+    shas: list[list[bytes]] = [[] for _ in entries]
+    for (i, _), (xxh3s, chunk_shas) in zip(tasks, done):
+        entries[i].chunk_xxh3.extend(xxh3s)
+        shas[i] += chunk_shas
     blobs = {}
-    for entry, (blob, xxh3s, sha) in zip(entries, packed):
-        entry.chunk_xxh3.extend(xxh3s)
-        entry.sha256 = sha
-        blobs[entry.name] = blob
+    for entry, buf, chunk_shas in zip(entries, bufs, shas):
+        entry.sha256 = tensor_sha256(entry.nbytes, chunk_shas)
+        buf.flags.writeable = False
+        blobs[entry.name] = memoryview(buf)
     manifest = finish_manifest(
         version=version,
         parent_version=parent_version,
@@ -515,7 +602,13 @@ def verify_manifest(m: pb.Manifest) -> None:
     """Check a manifest's internal consistency; ValueError naming every problem found (up to 10)."""
     bad = []
     if m.schema_version != SCHEMA_VERSION:
-        bad.append(f"schema_version={m.schema_version}, this code reads {SCHEMA_VERSION}")
+        # Nothing else is checked: another schema's checksums mean something else (schema 1 hashed each
+        # tensor's bytes as one stream), so its every tensor would fail, and that is not the problem.
+        raise ValueError(
+            f"invalid manifest (version {m.version}): schema_version={m.schema_version}, this code reads "
+            f"schema {SCHEMA_VERSION} only (schema 2: a tensor's sha256 is over its chunks' sha256s); "
+            f"run the same Tandem release on the trainer and the rollouts"
+        )
     if m.version < 1:
         bad.append(f"version={m.version} must be >= 1")
     if m.HasField("parent_version") and m.parent_version >= m.version:
@@ -614,15 +707,18 @@ def check_tp_compatible(manifest: pb.Manifest, tp_size: int) -> None:
         )
 
 
-def verify_tensor_bytes(entry: pb.TensorEntry, data, chunk_bytes: int) -> None:
-    """Check a full tensor's bytes against its manifest entry (size, every chunk's xxh3, sha256)."""
+def verify_tensor_bytes(
+    entry: pb.TensorEntry, data, chunk_bytes: int, *, pool: ThreadPoolExecutor | None = None
+) -> None:
+    """Check a full tensor's bytes against its manifest entry (size, every chunk's xxh3, the sha256
+    over the chunks); runs of chunks are hashed in `pool` if given."""
     if len(data) != entry.nbytes:
         raise ChecksumMismatch(f"tensor {entry.name}: {len(data)} bytes, manifest says {entry.nbytes}")
-    got = chunk_digests(data, chunk_bytes)
+    got, sha = checksums(data, chunk_bytes, pool=pool)
     bad = [i for i, (a, b) in enumerate(zip(got, entry.chunk_xxh3)) if a != b]
     if bad or len(got) != len(entry.chunk_xxh3):
         raise ChecksumMismatch(f"tensor {entry.name}: xxh3 mismatch in chunk(s) {bad[:10]}")
-    if hashlib.sha256(data).digest() != entry.sha256:
+    if sha != entry.sha256:
         raise ChecksumMismatch(f"tensor {entry.name}: sha256 mismatch")
 
 

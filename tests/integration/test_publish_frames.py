@@ -180,3 +180,26 @@ def test_corrupt_framed_buffer_is_caught_by_the_worker(tensors):
         server.publish(f)
         with pytest.raises(Exception, match="xxh3|checksum|sha256"):
             c.fetch(1)
+
+
+def test_worker_checks_the_sha256_over_chunks_end_to_end(tensors):
+    """Every chunk passes its xxh3, but the manifest's (and the server's) sha256 says other bytes: the
+    worker's own digest over the chunks' sha256s, hashed in its pool, refuses the tensor. A clean
+    version fetches whole and as TP shards (the server's shard digests, same definition)."""
+    pool = frames.BufferPool()
+    ok = framed(1, tensors, pool)
+    bad = framed(2, tensors, pool)
+    big = max(bad.layout.tensors, key=lambda t: t.nbytes)
+    assert len(big.data) > 2
+    entry = next(t for t in bad.manifest.tensors if t.name == big.name)
+    entry.sha256 = bytes(32)
+    bad.data[big.sha256_at : big.sha256_at + 32] = 0  # the served slot agrees with the manifest
+    with PolicyServer(PolicyServerConfig()) as server, client(server) as c:
+        server.publish(ok)
+        server.publish(bad)
+        got = c.fetch(1)
+        assert set(got.tensors) == set(tensors)
+        for rank in range(2):
+            c.fetch(1, tp_rank=rank, tp_size=2)
+        with pytest.raises(M.ChecksumMismatch, match=f"{big.name}.*failed the sha256 check"):
+            c.fetch(2)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import xxhash
 from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
 from policy import formats, tp
@@ -182,6 +186,98 @@ def test_verify_tensor_bytes_detects_one_flipped_bit(packed):
         M.verify_tensor_bytes(e, bad, packed.manifest.chunk_bytes)
     with pytest.raises(M.ChecksumMismatch, match="bytes, manifest says"):
         M.verify_tensor_bytes(e, blob[:-1], packed.manifest.chunk_bytes)
+
+
+def sha256_by_hand(chunks: list[bytes]) -> bytes:
+    """The manifest's tensor sha256, written out: over the domain, the length and each chunk's sha256."""
+    head = b"tandem-tensor-sha256-v2\0" + struct.pack("<Q", sum(len(c) for c in chunks))
+    return hashlib.sha256(head + b"".join(hashlib.sha256(c).digest() for c in chunks)).digest()
+
+
+def three_chunk_tensor() -> tuple[M.PackedPolicy, bytes]:
+    """A bf16 [1, 2500] tensor (5,000 bytes) in chunks of 2,048: 2,048 + 2,048 + 904 bytes."""
+    q = M.quantize_param(torch.arange(2500.0).reshape(1, 2500) * 0.37, "bf16")
+    raw = q.value.parts()["values"].contiguous().view(torch.uint8).numpy().tobytes()
+    packed = M.build_manifest(
+        version=1, parent_version=None, contract=make_contract(), tensors={"w.weight": q}, chunk_bytes=2048
+    )
+    return packed, raw
+
+
+def test_tensor_sha256_is_a_sha256_over_the_chunks_sha256s():
+    packed, raw = three_chunk_tensor()
+    e = packed.manifest.tensors[0]
+    assert len(raw) == e.nbytes == 5000 and len(e.chunk_xxh3) == 3
+    want = sha256_by_hand([raw[:2048], raw[2048:4096], raw[4096:]])
+    assert e.sha256 == want
+    assert want != hashlib.sha256(raw).digest()  # not schema 1's sha256 over the bytes
+    assert e.chunk_xxh3 == [xxhash.xxh3_64_intdigest(raw[a : a + 2048]) for a in (0, 2048, 4096)]
+    with ThreadPoolExecutor(max_workers=3) as pool:  # a pool hashes runs of chunks: the same digest
+        assert M.checksums(raw, 2048) == M.checksums(raw, 2048, pool=pool) == (list(e.chunk_xxh3), want)
+        M.verify_tensor_bytes(e, raw, 2048, pool=pool)
+    # Runs smaller than the tensor: each chunk still hashed once, in order.
+    assert M.hash_runs(M.chunk_bounds(5000, 2048), task_bytes=4096) == [(0, 2), (2, 3)]
+    # An empty tensor has one empty chunk.
+    empty = M.build_manifest(
+        version=1, parent_version=None, contract=make_contract(),
+        tensors={"e.weight": M.quantize_param(torch.empty(0, 16), "bf16")}, chunk_bytes=2048,
+    ).manifest.tensors[0]  # fmt: skip
+    assert empty.nbytes == 0 and empty.chunk_xxh3 == [xxhash.xxh3_64_intdigest(b"")]
+    assert (
+        empty.sha256
+        == sha256_by_hand([b""])
+        == hashlib.sha256(b"tandem-tensor-sha256-v2\0" + bytes(8) + hashlib.sha256(b"").digest()).digest()
+    )
+    M.verify_tensor_bytes(empty, b"", 2048)
+
+
+def forged(e, data: bytes, chunk_bytes: int = 2048):
+    """`e` re-described for `data` the way a forger can without breaking sha256: nbytes and chunk
+    xxh3s (not cryptographic) recomputed, the sha256 kept."""
+    f = type(e)()
+    f.CopyFrom(e)
+    f.nbytes = len(data)
+    f.chunk_xxh3[:] = [xxhash.xxh3_64_intdigest(data[a : a + chunk_bytes]) for a in range(0, len(data), chunk_bytes)]
+    return f
+
+
+def test_forged_reordered_and_truncated_tensors_fail_the_sha256():
+    packed, raw = three_chunk_tensor()
+    e = packed.manifest.tensors[0]
+    c0, c1, c2 = raw[:2048], raw[2048:4096], raw[4096:]
+    flipped = bytearray(raw)
+    flipped[3000] ^= 0x01
+    cases = {
+        "forged": bytes(flipped),
+        "reordered": c1 + c0 + c2,
+        "truncated": c0 + c1,
+        "extended": raw + c2,
+        "last chunk cut short": raw[:-1],
+    }
+    for what, data in cases.items():
+        with pytest.raises(M.ChecksumMismatch, match="sha256 mismatch"):
+            M.verify_tensor_bytes(forged(e, data), data, 2048)
+            pytest.fail(what)
+
+
+def test_a_manifest_of_another_schema_is_refused_in_one_line(packed, monkeypatch):
+    """Schema 2 changed what a tensor's sha256 means: a schema-1 manifest (an older trainer) is refused
+    for its schema alone, and so is a schema-2 manifest by code that reads schema 1 (an older
+    worker; simulated by its SCHEMA_VERSION), instead of failing every tensor's checksum."""
+    assert packed.manifest.schema_version == M.SCHEMA_VERSION == 2
+    old = type(packed.manifest)()
+    old.CopyFrom(packed.manifest)
+    old.schema_version = 1
+    with pytest.raises(ValueError) as e:
+        M.verify_manifest(old)
+    msg = str(e.value)
+    assert "schema_version=1" in msg and "reads schema 2" in msg and "\n" not in msg
+    assert "fingerprint" not in msg and "sha256 mismatch" not in msg
+    monkeypatch.setattr(M, "SCHEMA_VERSION", 1)
+    with pytest.raises(ValueError, match="schema_version=2") as e:
+        M.verify_manifest(packed.manifest)
+    assert "fingerprint" not in str(e.value)  # the contract fingerprint is the same under both schemas
+    M.verify_manifest(old)
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
