@@ -43,9 +43,10 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -198,12 +199,14 @@ class BufferPool:
 @dataclass(frozen=True)
 class FramedPolicy:
     """A manifest and its messages framed in `data` (the first `layout.size` bytes of a host buffer).
-    `release` gives the buffer back to its pool; PolicyServer calls it once nothing reads the version."""
+    `release` gives the buffer back to its pool; PolicyServer calls it once nothing reads the version.
+    `seconds`: where building it went (StagedPublish.run: layout, acquire, fill, manifest)."""
 
     manifest: manifest_pb2.Manifest
     layout: FrameLayout
     data: np.ndarray
     release: Callable[[], None] | None = None
+    seconds: Mapping[str, float] = field(default_factory=dict)
 
 
 def _flat(t):
@@ -339,6 +342,7 @@ class StagedPublish:
     created_unix_ns: int | None = None
 
     def run(self) -> FramedPolicy:
+        t0 = time.perf_counter()
         firsts, index = [], 0
         for e in self.entries:
             firsts.append(index)
@@ -346,10 +350,13 @@ class StagedPublish:
         layout = frame_layout(
             self.version, ((e.name, e.nbytes, f) for e, f in zip(self.entries, firsts)), self.chunk_bytes
         )
+        t1 = time.perf_counter()
         buf = self.pool.acquire(layout.size)
+        t2 = time.perf_counter()
         try:
             data = buf.array[: layout.size]
             sealed = fill(data, layout, self.parts, threads=self.threads, after=self.after)
+            t3 = time.perf_counter()
             for e, (xxh3s, sha) in zip(self.entries, sealed):
                 del e.chunk_xxh3[:]
                 e.chunk_xxh3.extend(xxh3s)
@@ -362,6 +369,7 @@ class StagedPublish:
                 chunk_bytes=self.chunk_bytes,
                 created_unix_ns=self.created_unix_ns,
             )
+            t4 = time.perf_counter()
         except BaseException:
             self.pool.release(buf)
             raise
@@ -374,7 +382,8 @@ class StagedPublish:
                 released.set()
                 self.pool.release(buf)
 
-        return FramedPolicy(manifest, layout, data, release)
+        seconds = {"layout": t1 - t0, "acquire": t2 - t1, "fill": t3 - t2, "manifest": t4 - t3}
+        return FramedPolicy(manifest, layout, data, release, seconds)
 
 
 def stage(

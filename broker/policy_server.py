@@ -211,7 +211,6 @@ class _Version:
         self.manifest = m
         self.version = m.version
         self.manifest_bytes = manifest_to_bytes(m)
-        self.content_digest = content_digest(m)
         self.plan = tp_plan_of(m)
         self.entries = {t.name: t for t in m.tensors}
         self.full = _Layout()

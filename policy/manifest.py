@@ -340,8 +340,10 @@ def tensor_sha256(nbytes: int, chunk_sha256s: Sequence[bytes]) -> bytes:
     return h.digest()
 
 
-def hash_runs(bounds: Sequence[tuple[int, int]], task_bytes: int = HASH_TASK_BYTES) -> list[tuple[int, int]]:
-    """Consecutive chunks grouped into runs [j0, j1) of about `task_bytes`: a thread pool's tasks."""
+def hash_runs(bounds: Sequence[tuple[int, int]], task_bytes: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive chunks grouped into runs [j0, j1) of about `task_bytes` (default HASH_TASK_BYTES):
+    a thread pool's tasks."""
+    task_bytes = task_bytes or HASH_TASK_BYTES
     runs, j0, size = [], 0, 0
     for j, (a, b) in enumerate(bounds):
         size += b - a
@@ -434,6 +436,7 @@ def describe_tensors(
     plan = contract.tp_plan
     pinned = contract.partition_tp_size  # once: it scans every activation site
     entries, all_parts, scales = [], [], []
+    params_json_of: dict[str, str] = {}  # repr(kwargs) -> canonical JSON: a model has a handful of distinct ones
     for name in sorted(tensors):
         param = tensors[name]
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
@@ -441,7 +444,8 @@ def describe_tensors(
         if not isinstance(param, QuantizedParam):
             raise ValueError(f"build_manifest: {name}: expected a QuantizedParam, got {type(param).__name__}")
         formats.get(param.format)
-        params_json = canonical_json(param.kwargs)
+        key = repr(param.kwargs)
+        params_json = params_json_of.get(key) or params_json_of.setdefault(key, canonical_json(param.kwargs))
         shape = tuple(int(s) for s in param.value.shape)
         parts, offset = [], 0
         all_parts.append([])

@@ -26,8 +26,11 @@ def tensors(seed: int) -> dict[str, M.QuantizedParam]:
     return out
 
 
-@pytest.mark.parametrize("chunk", [M.CHUNK_BYTES, 4096 + 3])
-def test_framed_bytes_and_checksums_equal_build_manifest(chunk):
+@pytest.mark.parametrize(("chunk", "task_chunks"), [(M.CHUNK_BYTES, 0), (4096 + 3, 0), (4096 + 3, 5)])
+def test_framed_bytes_and_checksums_equal_build_manifest(chunk, task_chunks, monkeypatch):
+    """task_chunks > 0: every tensor hashed in runs of that many chunks (several tasks waiting on its D2H)."""
+    if task_chunks:
+        monkeypatch.setattr(M, "HASH_TASK_BYTES", task_chunks * chunk)
     t = tensors(0)
     ref = M.build_manifest(
         version=2, parent_version=1, contract=CONTRACT, tensors=t, chunk_bytes=chunk, created_unix_ns=5

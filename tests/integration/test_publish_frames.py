@@ -203,3 +203,28 @@ def test_worker_checks_the_sha256_over_chunks_end_to_end(tensors):
             c.fetch(1, tp_rank=rank, tp_size=2)
         with pytest.raises(M.ChecksumMismatch, match=f"{big.name}.*failed the sha256 check"):
             c.fetch(2)
+
+
+@pytest.mark.parametrize("task_chunks", [1, 3])
+def test_tensors_hashed_in_runs_of_chunks_give_the_same_manifest(tensors, monkeypatch, task_chunks):
+    """A tensor cut into several hashing tasks (runs of `task_chunks` chunks, in a pool of 4 threads)
+    gets the same chunk xxh3s, sha256 and framed bytes as one task per tensor, in broker.frames and in
+    build_manifest alike."""
+    one = framed(1, tensors, frames.BufferPool())
+    ref = M.build_manifest(
+        version=1, parent_version=None, contract=CONTRACT, tensors=tensors, chunk_bytes=CHUNK, created_unix_ns=1
+    )
+    monkeypatch.setattr(M, "HASH_TASK_BYTES", task_chunks * CHUNK)
+    runs = [M.hash_runs(M.chunk_bounds(t.nbytes, CHUNK)) for t in one.manifest.tensors]
+    assert max(len(r) for r in runs) >= 4  # some tensors really are cut into several tasks
+    cut = frames.build_framed(
+        version=1, parent_version=None, contract=CONTRACT, tensors=tensors, pool=frames.BufferPool(),
+        chunk_bytes=CHUNK, created_unix_ns=1, threads=4,
+    )  # fmt: skip
+    packed = M.build_manifest(
+        version=1, parent_version=None, contract=CONTRACT, tensors=tensors, chunk_bytes=CHUNK, created_unix_ns=1,
+        threads=4,
+    )  # fmt: skip
+    assert cut.manifest == one.manifest == ref.manifest == packed.manifest
+    assert bytes(cut.data) == bytes(one.data)
+    assert all(bytes(packed.blobs[n]) == bytes(ref.blobs[n]) for n in tensors)
