@@ -2,6 +2,7 @@
 
     python3 bench/bench_publish.py                 # CUDA: Qwen3-30B-A3B widths x 6 layers, nvfp4_moe (<= 90 s on an H200)
     python3 bench/bench_publish.py --bytes 1e9     # CPU: the same model's tensors, scaled to ~1 GB (~1 min, 2 cores)
+    python3 bench/bench_publish.py --source qat --preset tiny --layers 2   # CPU: the CUDA run's code path, small
 
 Issue 17's target: >= 8 GB/s quantize -> manifest -> servable, i.e. <= 4 s for a 26 GB
 Qwen3-30B-A3B nvfp4_moe version. What one publish of version v costs, each timed per version:
@@ -195,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--recipe", default="nvfp4_moe")
-    parser.add_argument("--bytes", type=float, default=1e9, help="CPU: packed size the model is scaled to")
+    parser.add_argument("--bytes", type=float, default=1e9, help="synthetic: packed size the model is scaled to")
+    parser.add_argument(
+        "--source",
+        choices=("auto", "qat", "synthetic"),
+        default="auto",
+        help="qat: the model's QAT cache refill (auto on CUDA); synthetic: random bytes in its shapes (auto on CPU)",
+    )
     parser.add_argument("--versions", type=int, default=5, help="versions published (>= 3; v >= 3 are steady)")
     parser.add_argument("--threads", type=int, default=0, help="hashing threads (0: one per core, <= 32)")
     parser.add_argument("--budget-s", type=float, default=70.0, help="skip the optional checks past this")
@@ -223,13 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.preset(args.preset, n_layers=args.layers)
     recipe = Recipe.load(args.recipe)
 
+    qat_source = args.source == "qat" or (args.source == "auto" and cuda)
+
     def setup():
-        """(config, quantize(), description): the real model on CUDA, random bytes of its shapes on the CPU."""
-        if cuda:
+        """(config, quantize(), description): the model's QAT refill, or random bytes in its tensors' shapes."""
+        if qat_source:
             from policy import qat
             from policy.model import Transformer
 
-            with torch.device("cuda"):
+            with torch.device(args.device):
                 model = Transformer(cfg, seed=0)
             hook = qat.apply_qat(model, recipe)
             n_params = sum(p.numel() for p in model.parameters())
@@ -242,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             quantize()  # compiles the kernels
             sync()
-            print(f"first quantize (compiles the Triton kernels): {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"first quantize (compiles the Triton kernels on CUDA): {time.perf_counter() - t0:.1f} s", flush=True)
             return cfg, quantize, what
         small = scaled_config(cfg, recipe, args.bytes)
         synthetic = synthetic_tensors(small, recipe.plan(small))
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rows, last = (section("publish", publish_versions) if quantize else None) or ([], None)
         if last is not None:
-            report(rows, last, what, cuda, args.versions)
+            report(rows, last, what, qat_source, args.versions)
 
             def reference():
                 """build_manifest over the same tensors: its checksums must equal the framed path's."""
@@ -335,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if FAILED else 0
 
 
-def report(rows, last, what: str, cuda: bool, versions: int) -> None:
+def report(rows, last, what: str, quantized: bool, versions: int) -> None:
     gb = last.total_bytes / 1e9
     chunks = sum(len(t.chunk_xxh3) for t in last.tensors)
     print(f"{what}: {len(last.tensors)} tensors, {gb:.3f} GB packed, {chunks} chunks")
@@ -356,10 +365,10 @@ def report(rows, last, what: str, cuda: bool, versions: int) -> None:
         print(f"{label:<66} {s:8.3f} s  {rate}", flush=True)
 
     print(f"steady state: median of v3..v{versions}")
-    if cuda:
-        line("quantize (QAT cache refill on the GPU, every weight)", med(lambda r: r[2]))
+    if quantized:
+        line("quantize (the QAT cache refill, every weight)", med(lambda r: r[2]))
     else:
-        print("quantize: n/a on the CPU (random bytes stand in for the quantized parts)")
+        print("quantize: n/a (synthetic: random bytes stand in for the quantized parts)")
     line("  stage (describe the tensors: the training thread)", med(lambda r: r[3]))
     line("  frame (layout, D2H, xxh3 + sha256 of every chunk, the manifest)", med(lambda r: r[4]))
     for k in steady[0][6]:
@@ -370,8 +379,8 @@ def report(rows, last, what: str, cuda: bool, versions: int) -> None:
     line("quantize -> manifest -> servable", total)
     verdict = "met" if gb / total >= 8 else "missed"
     print(f"target >= 8 GB/s quantize -> manifest -> servable: {verdict} ({gb / total:.2f} GB/s)", flush=True)
-    if not cuda:
-        print("(the CPU run has no quantize stage; the target is the CUDA run's)")
+    if not quantized:
+        print("(a synthetic run has no quantize stage; the target is the CUDA run's)")
 
 
 def timed(sync, fn):
