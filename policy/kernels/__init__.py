@@ -96,6 +96,9 @@ def quantize(fmt: str, x: torch.Tensor, *, check_finite: bool = True, **kw):
     ValueError on NaN/Inf like the reference; pass False on a hot path whose inputs are known
     finite (the bytes for non-finite input are then unspecified)."""
     mod = formats.get(fmt)
+    if fmt == "bf16" and not check_finite and isinstance(x, torch.Tensor) and x.device.type != "cpu":
+        _check(fmt, x, 1)  # the reference's cast without its fp32 copy and finite check (a host sync)
+        return mod.BF16Tensor(x.detach().to(torch.bfloat16, copy=True), tuple(x.shape))
     if not isinstance(x, torch.Tensor) or x.device.type == "cpu" or fmt == "bf16":
         return mod.quantize(x, **kw)  # bf16 is a plain cast: torch does it on any device
     if backend(x) != "triton":

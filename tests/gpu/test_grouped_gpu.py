@@ -35,7 +35,7 @@ def _experts(e: int, m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("fmt", "kw"),
     [("nvfp4", {"scope": "tensor"}), ("nvfp4", {"scope": "row"}), ("int4", {"group_size": 32}), ("mxfp8", {}),
-     ("fp8_block", {"block": (128, 128)})],
+     ("fp8_block", {"block": (128, 128)}), ("bf16", {})],
 )  # fmt: skip
 @pytest.mark.parametrize(("m", "k"), [(256, 2048), (2048, 768), (5, 64)])
 def test_quantize_stacked_cuda_equals_the_cpu_reference(fmt, kw, dtype, m, k):
@@ -93,9 +93,11 @@ def test_grouped_moe_matches_the_loop_on_cuda(recipe, backward, n_tokens):
     assert err <= 0.05 * ref_logits.abs().max().item(), err
     assert set(ref_grads) <= set(grads)
     assert all(not grads[n].any() for n in set(grads) - set(ref_grads))  # experts without tokens
+    # expert weights (what the grouped path computes) tightly; the rest (router, attention) see the
+    # experts' bf16 noise through the routing probabilities
     for n, ref in ref_grads.items():
         if ref.abs().max() > 0:
-            assert _cos(grads[n], ref) > 0.99, n
+            assert _cos(grads[n], ref) > (0.99 if ".experts." in n else 0.95), n
 
 
 def test_grouped_moe_and_refill_do_not_sync():
