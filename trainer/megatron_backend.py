@@ -4,7 +4,8 @@ the canonical names, and QAT on its linears with policy.qat's quantizers.
 Architecture: `build_gpt_model(cfg)` builds the same decoder as `policy.model.Transformer` from the
 local (non-TransformerEngine) layer spec: RMSNorm, grouped-query attention with per-head q/k RMSNorm
 and rotate-half RoPE (base `rope_theta`), MoE with a softmax top-k router, SwiGLU routed experts
-(`SequentialMLP`, one MLP per expert) and the optional always-on shared expert, or a dense SwiGLU MLP
+(`SequentialMLP`, one MLP per expert; on CUDA in bf16 its forward is one grouped GEMM per projection,
+`_experts_forward`) and the optional always-on shared expert, or a dense SwiGLU MLP
 per `cfg.is_moe_layer` (Qwen3 dense and mixed models: megatron's moe_layer_freq pattern), final
 RMSNorm and an output layer, tied to the embedding when `tie_word_embeddings`. No biases, no dropout, no auxiliary loss, no capacity limit. A routed expert
 weights its output by the router probability (megatron would scale fc2's input: see
