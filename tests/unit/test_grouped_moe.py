@@ -94,7 +94,8 @@ def _loss_and_grads(model: Transformer, tokens: torch.Tensor, grouped: bool):
 def test_grouped_equals_loop(recipe, backward, n_tokens):
     model = _model()
     if recipe is not None:
-        apply_qat(model, Recipe.load(recipe), backward)
+        hook = apply_qat(model, Recipe.load(recipe), backward)
+        assert all(hook.can_group(s) for layer in model.model.layers for s in layer.mlp._sites)  # really grouped
     tokens = torch.randint(0, model.cfg.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_grads = _loss_and_grads(model, tokens, grouped=False)
     logits, grads = _loss_and_grads(model, tokens, grouped=True)
