@@ -26,10 +26,12 @@ class RolloutConfig:
     """Prompt entries idle this long in a dead worker are claimed by another."""
     fetch_timeout_s: float = 60.0
     """Deadline of one policy fetch (seconds)."""
-    fetch_streams: int = 4
-    """Concurrent FetchTensors streams (one connection each) per policy fetch, the version's
-    tensors split between them by bytes (broker.policy_client; measured in docs/benchmarks.md,
-    "Publish → live")."""
+    fetch_streams: int = 1
+    """Concurrent FetchTensors streams (one connection and thread each) per policy fetch, the
+    version's tensors split between them by bytes (broker.policy_client). 1 is the fastest measured
+    on the H200 host (1.04 GB/s; 2/4/8 streams 0.77/0.65/0.56 GB/s: the receive threads and the one
+    sha256 thread contend for the GIL; docs/benchmarks.md, "Publish → live"): measure again with
+    bench/bench_swap.py when the client's hashing changes."""
     read_block_ms: int = 500
     """How long one read of the prompts stream blocks."""
     tls: ClientTLS = field(default_factory=ClientTLS)
