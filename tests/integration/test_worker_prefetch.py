@@ -7,6 +7,8 @@ methods are driven directly)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +22,10 @@ from tandem import config as run_config
 from tandem.services import make_worker, task_and_model
 
 pytestmark = pytest.mark.integration
+
+_spec = importlib.util.spec_from_file_location("e2e_report", Path(__file__).parents[2] / "bench" / "e2e_report.py")
+e2e_report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e_report)
 
 CFG = run_config.load(
     None,
@@ -75,6 +81,7 @@ async def test_prefetch_while_draining_supersede_and_retry(free_port):
         live = [ln for ln in logs if "policy v3 live" in ln]
         assert len(live) == 1 and "receive" in live[0] and "drain_wait" in live[0] and "3 stream(s)" in live[0]
         assert not any("policy v2 live" in ln for ln in logs)
+        assert e2e_report.LIVE.search(live[0]) and e2e_report.SPLIT.search(live[0])  # the report reads it
         assert worker.metrics.swap_part.labels("receive")._value.get() > 0
 
         # A failed fetch (nothing listens at the pointer's address): v3 stays, groups start again,
