@@ -147,6 +147,8 @@ class _Prefetch:
 
 
 class RolloutWorker:
+    retry_s = 0.5  # a failed fetch is started again this long after it failed
+
     def __init__(
         self,
         cfg: RolloutConfig,
@@ -264,6 +266,8 @@ class RolloutWorker:
                         refused_logged = registry.refused
                     if latest is not None and (self.version is None or latest.version > self.version):
                         await self._swap_when_drained(latest)  # on failure keep the current one
+                    elif latest is not None and self._prefetch is not None:  # the pointer went back (a restart)
+                        await self._give_up_prefetch()
                 if self.version is None:
                     await self._wait_prefetch(0.5)
                     continue
@@ -327,6 +331,7 @@ class RolloutWorker:
         A failed fetch is logged at once, groups start again under the current version, and the
         next call retries it."""
         if not self._loadable(pointer):
+            await self._give_up_prefetch()  # the newest is not for us: an older fetch is not either
             return False
         pf = await self._start_prefetch(pointer)
         if pf is None:  # a failed fetch waits a moment before its retry
@@ -394,6 +399,13 @@ class RolloutWorker:
             if not pf.task.cancelled():
                 pf.task.exception()  # retrieved: a superseded fetch's error is not news
 
+    async def _give_up_prefetch(self) -> None:
+        """Drop the fetch (if any) and start groups again under the current version."""
+        if self._prefetch is not None:
+            await self._drop_prefetch()
+            if self.batcher is not None:
+                self.batcher.cancel_swap()
+
     async def _wait_prefetch(self, timeout: float) -> None:
         """Sleep up to `timeout` seconds, less if the version being fetched comes in first."""
         pf = self._prefetch
@@ -438,7 +450,7 @@ class RolloutWorker:
             pass
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
             self.metrics.fetch_failures.inc()
-            self._retry_at = time.monotonic() + 0.5
+            self._retry_at = time.monotonic() + self.retry_s
             self.log(
                 f"{self.worker_id}: fetching v{pointer.version} from {self.cfg.policy_address or pointer.address} "
                 f"failed, will retry: {why(e)}"

@@ -87,6 +87,7 @@ async def test_prefetch_while_draining_supersede_and_retry(free_port):
         # A failed fetch (nothing listens at the pointer's address): v3 stays, groups start again,
         # the fetch is retried on a later call (after a short wait), not at once in a tight loop.
         failures = worker.metrics.fetch_failures._value.get()
+        worker.retry_s = 60.0  # long enough that the retry below cannot be due yet, however loaded the box
         dead = pointer(4, f"127.0.0.1:{free_port()}")
         worker._submit(group)
         worker.batcher.step()
@@ -97,7 +98,17 @@ async def test_prefetch_while_draining_supersede_and_retry(free_port):
         assert worker.metrics.fetch_failures._value.get() == failures + 1
         assert any("fetching v4" in ln and "failed, will retry" in ln for ln in logs)
         assert not await worker._swap_when_drained(dead) and worker._prefetch is None  # waits before retrying
+        worker._retry_at = 0.0  # the retry is due
+
+        # A newest pointer that is not for this worker's contract: the fetch of an older one is
+        # dropped too and groups start again under v3 (the worker only ever moves to the newest).
+        server.publish(build(5))
+        assert not await worker._swap_when_drained(pointer(5))
+        assert worker._prefetch is not None and worker.batcher.draining
+        foreign = PolicyPointer(version=6, address=server.address, contract_fingerprint="0" * 64)
+        assert not await worker._swap_when_drained(foreign)
+        assert worker._prefetch is None and not worker.batcher.draining and worker.version == 3
+        assert any("refusing v6" in ln for ln in logs)
         while not worker.batcher.step():
             pass
         worker.inflight.clear()
-        await worker._drop_prefetch()
