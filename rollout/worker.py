@@ -384,6 +384,9 @@ class RolloutWorker:
             return pf
         if not now and time.monotonic() < self._retry_at:
             return None
+        if pf is not None:
+            done = "fetched" if pf.task.done() else "fetching"
+            self.log(f"{self.worker_id}: v{pointer.version} announced while {done} v{pf.pointer.version}: superseded")
         await self._drop_prefetch()
         cancel = FetchCancel()
         task = asyncio.create_task(asyncio.to_thread(self._fetch, pointer, cancel))

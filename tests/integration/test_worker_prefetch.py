@@ -68,7 +68,7 @@ async def test_prefetch_while_draining_supersede_and_retry(free_port):
         assert worker._prefetch.pointer.version == 2 and worker.batcher.draining
         # v3 before v2 went live: v2's fetch is dropped, v3's runs.
         assert not await worker._swap_when_drained(pointer(3))
-        assert worker._prefetch.pointer.version == 3
+        assert worker._prefetch.pointer.version == 3 and "v3 announced while" in logs[-1] and "v2" in logs[-1]
         await asyncio.wait({worker._prefetch.task})
         assert not await worker._swap_when_drained(pointer(3))  # fetched, but a group is in flight
         assert worker.version == 1
