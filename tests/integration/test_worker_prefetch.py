@@ -83,6 +83,15 @@ async def test_prefetch_while_draining_supersede_and_retry(free_port):
         assert not any("policy v2 live" in ln for ln in logs)
         assert e2e_report.LIVE.search(live[0]) and e2e_report.SPLIT.search(live[0])  # the report reads it
         assert worker.metrics.swap_part.labels("receive")._value.get() > 0
+        # The CPU model and backend are kept across versions: what they generate under v3 is what
+        # a worker that loaded v3 first generates.
+        fresh = make_worker(CFG, "w1")
+        fresh.log = lambda _: None
+        assert await fresh._try_load(pointer(3))
+        for a, b in zip(worker._rollout_group(group), fresh._rollout_group(group)):
+            assert a.policy_version == b.policy_version == 3
+            assert np.array_equal(a.completion_tokens, b.completion_tokens)
+            assert np.array_equal(a.behavior_logprobs, b.behavior_logprobs)
 
         # A failed fetch (nothing listens at the pointer's address): v3 stays, groups start again,
         # the fetch is retried on a later call (after a short wait), not at once in a tight loop.
