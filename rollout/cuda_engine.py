@@ -432,9 +432,12 @@ def _copy_into(dst, src, what: str) -> None:
     a, b = _leaves(dst, []), _leaves(src, [])
     if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b)):
         raise RuntimeError(f"PackedEngine.update: {what} was built with another structure")  # a bug: layouts matched
+    done = set()  # a buffer reachable twice (an operand's values that are also the plain weight) is copied once
     for x, y in zip(a, b):
-        if x.data_ptr() != y.data_ptr():
+        key = (x.data_ptr(), x.shape, x.stride())
+        if key not in done and x.data_ptr() != y.data_ptr():
             x.copy_(y)
+            done.add(key)
 
 
 # --------------------------------------------------------------------------------------------------
