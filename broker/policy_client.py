@@ -441,9 +441,15 @@ class PolicyClient:
         stats = FetchStats()
         t0 = time.perf_counter()
         workers = min(HASH_THREADS, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256") as hasher:
+        hasher = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256")
+        try:
             self._stream_all(manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel)
             stats.receive_s = time.perf_counter() - t0
+        except BaseException:
+            hasher.shutdown(cancel_futures=True)  # a failed or cancelled fetch hashes nothing more
+            raise
+        finally:
+            hasher.shutdown()  # every chunk's sha256 is done
         missing = [n for n, t in state.items() if not t.done]
         if missing:
             raise ChecksumMismatch(
