@@ -18,10 +18,11 @@ makes new tensors from them) are cloned so that the optimizer cannot change them
 
 `token_logprobs` runs `policy.model.Transformer`'s forward on a scratch model whose parameters are
 on the meta device (no memory: every read of a parameter goes through the hook) with a
-`policy.qat.PackedHook` over v's objects: the QAT forward's code with v's operands, so the result
-equals, bit for bit, the QAT forward (`policy.qat.apply_qat`, the training recipe) of v's master
-weights on the same rows and device (tests/unit/test_versions.py). The hook and its operands (bf16
-values of every weight, plus the fp32 dequantized embedding and norms) exist only during the call.
+hook that is `policy.qat.PackedHook` over v's objects (QATHook's forward with v's operands), except
+that each operand is built when its matmul runs and dropped after it. The result equals, bit for
+bit, the QAT forward (`policy.qat.apply_qat`, the training recipe) of v's master weights on the same
+rows and device (tests/unit/test_versions.py). Transient memory: one weight's operand at a time
+plus the fp32 dequantized embedding and norms (as the QAT forward holds them), during the call.
 
 Memory: per retained version, the bytes of its packed parts (`nbytes`): 4.38 GB for the 6-layer
 Qwen3-30B-A3B of configs/gpu-h200.yaml under nvfp4_moe, against 17.4 GB of fp32 master weights.
@@ -43,7 +44,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-from policy import qat
+from policy import formats, qat
 from policy.manifest import QuantizedParam
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Plan
@@ -82,6 +83,9 @@ class RetainedVersions:
     def add(self, version: int, tensors: Mapping[str, QuantizedParam], *, live: Iterable[Tensor] = ()) -> None:
         """Hold `version`'s quantized objects (references; parts aliasing a tensor of `live`, the
         model's parameters, are cloned) and release the versions below version - keep."""
+        missing = sorted({e.name for e in self.plan.params} - set(tensors))
+        if missing:
+            raise ValueError(f"version {version}: no quantized tensor for {missing[:3]} (of {len(missing)})")
         shared = set(aliasing(tensors, live))
         self._packed[version] = {n: _cloned(q.value) if n in shared else q.value for n, q in tensors.items()}
         for v in [v for v in self._packed if v < version - self.keep]:
@@ -99,11 +103,28 @@ class RetainedVersions:
     ) -> Tensor:  # fmt: skip
         """[B, T] fp32 log-probs of `targets` under `version` (the caller's autocast applies, as
         for the trainer's own forward)."""
-        self.scratch.quant_hook = qat.PackedHook(self.plan, self._packed[version])
+        self.scratch.quant_hook = _PackedOperands(self.plan, self._packed[version])
         try:
             return self.scratch.token_logprobs(tokens, targets, attention_mask=attention_mask, temperature=temperature)
         finally:
             self.scratch.quant_hook = None  # its operands are freed with it
+
+
+class _PackedOperands(qat.QATHook):
+    """policy.qat.PackedHook's forward (QATHook's code, the operands from a version's quantized
+    objects), each operand built when its matmul asks for it and dropped after: the forward holds one
+    weight's bf16 operand at a time, not all of them (6+ GB for the 4B model) as PackedHook does."""
+
+    def __init__(self, plan: Plan, packed: Mapping[str, object]):
+        super().__init__(plan)
+        self._packed = packed
+
+    def invalidate(self, *_: object) -> None:
+        self._dense.clear()
+
+    def _entry(self, name: str, p: Tensor) -> tuple[int, object, formats.Operand]:
+        q = self._packed[name]
+        return -1, q, formats.operand(q)
 
 
 def _cloned(value):

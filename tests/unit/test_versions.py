@@ -14,7 +14,7 @@ from broker.codec import Trajectory
 from broker.registry import PolicyRegistry
 from broker.streams import connect
 from policy import formats, qat
-from policy.manifest import QuantizedParam, quantize_param
+from policy.manifest import QuantizedParam
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from tandem import config as run_config
@@ -54,11 +54,11 @@ def test_at_version_is_the_qat_forward_of_that_versions_weights_bitwise(recipe_n
             p.add_(torch.randn_like(p) * 0.02)
     hook.invalidate()
     tokens, targets, attn = _batch(0)
+    with torch.no_grad():  # refills the cache first: v1's retained objects must not be written over
+        now = model.token_logprobs(tokens, targets, attention_mask=attn, temperature=0.7)
     got = versions.token_logprobs(1, tokens, targets, attention_mask=attn, temperature=0.7)
     want = _qat_logprobs(v1, recipe, tokens, targets, attn)
     assert torch.equal(qat.bits(got), qat.bits(want))  # same operands, same code: bit for bit
-    with torch.no_grad():
-        now = model.token_logprobs(tokens, targets, attention_mask=attn, temperature=0.7)
     assert not torch.equal(now, got)  # the test can fail: the current weights give other log-probs
     assert versions.scratch.quant_hook is None  # the operands live only during the call
     assert all(p.device.type == "meta" for p in versions.scratch.parameters())  # the scratch model holds nothing
@@ -80,21 +80,28 @@ def test_versions_beyond_keep_are_released_and_bytes_are_the_packed_parts():
     versions.add(6, packed)
     assert versions.nbytes(6) < versions.nbytes(5)  # 4-bit experts: less than bf16
     assert RetainedVersions(CFG, recipe.plan(CFG), keep=0).keep == 0
+    partial = {n: q for n, q in packed.items() if n != "model.norm.weight"}
+    with pytest.raises(ValueError, match=r"version 7: no quantized tensor for \['model\.norm\.weight'\] \(of 1\)"):
+        versions.add(7, partial)
     with pytest.raises(ValueError, match="keep=-1"):
         RetainedVersions(CFG, recipe.plan(CFG), keep=-1)
 
 
 def test_parts_aliasing_a_live_parameter_are_cloned():
-    w = torch.randn(4, 8).to(torch.bfloat16)  # a live bf16 parameter, and a bf16 object holding it as is
-    q = QuantizedParam("bf16", {}, formats.bf16.BF16Tensor(w, (4, 8)))
-    assert aliasing({"x": q, "y": quantize_param(w, "bf16")}, [w]) == ["x"]  # quantize_param copies
-    versions = RetainedVersions(CFG, Recipe.load("bf16").plan(CFG), keep=1)
-    versions.add(1, {"x": q}, live=[w])
+    recipe = Recipe.load("bf16")
+    model = Transformer(CFG, seed=0)
+    tensors = qat.apply_qat(model, recipe).quantized_params(model)
+    w = torch.randn(1, CFG.dim).to(torch.bfloat16)  # a live bf16 parameter, and a bf16 object holding it as is
+    tensors["model.norm.weight"] = QuantizedParam("bf16", {}, formats.bf16.BF16Tensor(w, (1, CFG.dim)))
+    assert aliasing(tensors, [w]) == ["model.norm.weight"]  # quantize_param itself always copies
+    assert aliasing(tensors, list(model.parameters())) == []
+    versions = RetainedVersions(CFG, recipe.plan(CFG), keep=1)
+    versions.add(1, tensors, live=[w])
     before = w.clone()
     w.add_(1.0)  # the optimizer writes the parameter in place
-    assert torch.equal(versions._packed[1]["x"].values, before)
-    versions.add(2, {"x": q})  # not live: held as is
-    assert versions._packed[2]["x"] is q.value
+    assert torch.equal(versions._packed[1]["model.norm.weight"].values, before)
+    versions.add(2, tensors)  # not live: held as is
+    assert versions._packed[2]["model.norm.weight"].values is w
 
 
 # --------------------------------------------------------------------------------------------------
