@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             seen.append(ev)
             print(f"\nwarm start of the model ({r['run']}'s model.json): " + "; ".join(
                 f"{k} reward {v['reward_mean']:.3f}, ended with <eos> {v['eos_frac']:.2f}, mean length {v['mean_len']:.1f}"
-                for k, v in ev.items()))  # fmt: skip
+                for k, v in ev.items() if isinstance(v, dict)))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(reports, indent=2, default=str) + "\n")
     return 0

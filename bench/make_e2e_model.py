@@ -5,7 +5,8 @@
 The model is a preset's widths (default Qwen3-30B-A3B: 4.36B parameters at 6 layers) cut to
 `--layers`, RANDOM INIT (no weights can be downloaded on the GPU machine; say so wherever its
 numbers are quoted), then `--warmstart-steps` supervised steps on the run config's task (its
-reference answers, trainer/warmstart.py, bf16 autocast on CUDA) so that GRPO has some reward signal,
+reference answers, trainer/warmstart.py, bf16 autocast on CUDA; AdamW, `--warmstart-warmup` steps of
+linear warmup to `--warmstart-lr`, then cosine decay to 0) so that GRPO has some reward signal,
 saved in bf16 with policy.checkpoint.save_hf. The folder gets `tandem_e2e.json` with these
 arguments: a second call with the same arguments reuses the folder instead of writing it again.
 
@@ -38,6 +39,7 @@ from policy.recipe import Recipe
 from rollout.engine import generate
 from rollout.tasks import make_task
 from tandem import config as run_config
+from trainer.sequences import pack
 from trainer.warmstart import warm_start
 
 
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a ModelConfig field (e.g. dim=128 for a CPU dry run); repeatable")  # fmt: skip
     ap.add_argument("--warmstart-steps", type=int, default=120)
     ap.add_argument("--warmstart-batch", type=int, default=64)
-    ap.add_argument("--warmstart-lr", type=float, default=5e-4)
+    ap.add_argument("--warmstart-lr", type=float, default=1e-3, help="peak learning rate")
+    ap.add_argument("--warmstart-warmup", type=int, default=12, help="linear warmup steps, then cosine decay to 0")
     ap.add_argument(
         "--eval-prompts", type=int, default=64, help="prompts of the evaluation after the warm start (0: none)"
     )
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 batch=args.warmstart_batch,
                 lr=args.warmstart_lr,
                 pad_id=task.tokenizer.pad_id,
+                warmup=args.warmstart_warmup,
+                cosine=True,
                 log=lambda s: print(f"[make_e2e_model] {s}", flush=True),
             )
     t_eval = time.perf_counter()
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[make_e2e_model] eval over {args.eval_prompts} of the run's prompts ({cfg.recipe}, max "
               f"{task.max_new_tokens} new tokens): " + "; ".join(
                   f"{k} reward {v['reward_mean']:.3f}, ended with eos {v['eos_frac']:.2f}, mean length {v['mean_len']:.1f}"
-                  for k, v in scores.items()) + f" ({time.perf_counter() - t_eval:.1f}s)", flush=True)  # fmt: skip
+                  for k, v in scores.items() if isinstance(v, dict)) + f"; probability outside the tokenizer's "
+              f"vocabulary {scores['outside_vocab_mass']:.3f} ({time.perf_counter() - t_eval:.1f}s)", flush=True)  # fmt: skip
     t1 = time.perf_counter()
     marker.unlink(missing_ok=True)  # a folder half rewritten is never taken as up to date
     save_hf(out, model_config, model.named_parameters(), metadata={"tandem_init": "random + warm start"})
@@ -126,17 +132,30 @@ def main(argv: list[str] | None = None) -> int:
 
 @torch.no_grad()
 def evaluate(model: Transformer, task, cfg, *, n: int) -> dict:
-    """{"sampled": ..., "greedy": ...}: reward_mean, eos_frac (completions that ended with <eos>
-    before max_new_tokens), mean_len over the run's first `n` prompts, under the run's recipe (QAT)."""
+    """What the RL run starts from, over its first `n` prompts (max_new_tokens of the task):
+    sampled       one completion per prompt at the run's temperature under the run's recipe (QAT:
+                  the operands its rollouts compute with): reward_mean, eos_frac (ended with <eos>
+                  before max_new_tokens), mean_len
+    greedy        the same at temperature 0
+    sampled_bf16  sampled under the bf16 recipe (what the warm start trained: the difference to
+                  `sampled` is the recipe's quantization)
+    outside_vocab_mass  mean probability (run's recipe, teacher-forced on the reference answers)
+                  on token ids the tokenizer never produces (ids >= its vocab_size: the model's
+                  151,936-token vocabulary is kept), which a temperature-1 sample can draw."""
     device = model.lm_head.weight.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     saved = model.quant_hook
-    qat.apply_qat(model, Recipe.load(cfg.recipe))
     prompts = [task.prompt(i) for i in range(n)]
     tok = task.tokenizer
     out = {}
     try:
-        for name, temperature in (("sampled", cfg.loop.temperature), ("greedy", 0.0)):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        for name, recipe, temperature in (
+            ("sampled", cfg.recipe, cfg.loop.temperature),
+            ("greedy", cfg.recipe, 0.0),
+            ("sampled_bf16", "bf16", cfg.loop.temperature),
+        ):
+            qat.apply_qat(model, Recipe.load(recipe))
+            with autocast:
                 gen = generate(
                     model,
                     [p.tokens for p in prompts],
@@ -148,11 +167,20 @@ def evaluate(model: Transformer, task, cfg, *, n: int) -> dict:
                 )
             rewards = [task.score(gen.tokens[i, : gen.lengths[i]].tolist(), p.fields) for i, p in enumerate(prompts)]
             out[name] = {
+                "recipe": recipe,
                 "temperature": temperature,
                 "reward_mean": round(sum(rewards) / n, 4),
                 "eos_frac": round(float(gen.stopped.float().mean()), 4),
                 "mean_len": round(float(gen.lengths.float().mean()), 2),
             }
+        qat.apply_qat(model, Recipe.load(cfg.recipe))
+        tokens, targets, attn, mask = (
+            t.to(device) for t in pack([p.tokens for p in prompts], [p.reference for p in prompts], tok.pad_id)
+        )
+        with autocast:
+            logp = model(tokens, attention_mask=attn).float().log_softmax(-1)
+        outside = logp[..., tok.vocab_size :].logsumexp(-1).exp()[mask > 0]
+        out["outside_vocab_mass"] = round(float(outside.mean()), 4) if outside.numel() else 0.0
     finally:
         model.quant_hook = saved
     return out
