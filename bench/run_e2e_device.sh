@@ -76,7 +76,7 @@ if ! "$PYTHON" -c "import redis" 2>/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$E2E_PKGS"/redis-*.whl || exit 1
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site
 fi
-if [[ " $RUNS " == *" megatron "* ]] && ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
+if [[ " $RUNS " == *" megatron "* ]] && [ "${E2E_SMALL:-0}" != 1 ] && ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
   whl=$(ls "$E2E_PKGS"/megatron_core-*.whl .whl/megatron_core-*.whl 2>/dev/null | head -1)
   [ -n "$whl" ] || { echo "run_e2e_device: RUNS has megatron but megatron-core is missing (no megatron_core-*.whl in $E2E_PKGS or .whl/)" >&2; exit 2; }
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$whl" || exit 1
@@ -145,5 +145,6 @@ done
 # --- report ---------------------------------------------------------------------------------------
 dirs=()
 for run in $RUNS; do [ -d "$E2E_DIR/$run" ] && dirs+=("$E2E_DIR/$run"); done
+if [ "${#dirs[@]}" = 0 ]; then echo "run_e2e_device: no run made, no report"; exit $status; fi
 "$PYTHON" bench/e2e_report.py "${dirs[@]}" --sync sync --json "$OUT/report.json" | tee "$OUT/report.md"
 exit $status
