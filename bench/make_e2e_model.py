@@ -6,7 +6,7 @@ The model is a preset's widths (default Qwen3-30B-A3B: 4.36B parameters at 6 lay
 `--layers`, RANDOM INIT (no weights can be downloaded on the GPU machine; say so wherever its
 numbers are quoted), then `--warmstart-steps` supervised steps on the run config's task (its
 reference answers, trainer/warmstart.py, bf16 autocast on CUDA; AdamW, `--warmstart-warmup` steps of
-linear warmup to `--warmstart-lr`, then cosine decay to 0) so that GRPO has some reward signal,
+linear warmup to `--warmstart-lr`, then cosine decay to 0 by default) so that GRPO has some reward signal,
 saved in bf16 with policy.checkpoint.save_hf. The folder gets `tandem_e2e.json` with these
 arguments: a second call with the same arguments reuses the folder instead of writing it again.
 
@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmstart-steps", type=int, default=120)
     ap.add_argument("--warmstart-batch", type=int, default=64)
     ap.add_argument("--warmstart-lr", type=float, default=1e-3, help="peak learning rate")
-    ap.add_argument("--warmstart-warmup", type=int, default=12, help="linear warmup steps, then cosine decay to 0")
+    ap.add_argument("--warmstart-warmup", type=int, default=12, help="linear warmup steps")
+    ap.add_argument("--warmstart-schedule", choices=("cosine", "constant"), default="cosine",
+                    help="after the warmup: cosine decay to 0, or constant (the fixture before: 5e-4, no warmup)")  # fmt: skip
     ap.add_argument(
         "--eval-prompts", type=int, default=64, help="prompts of the evaluation after the warm start (0: none)"
     )
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 lr=args.warmstart_lr,
                 pad_id=task.tokenizer.pad_id,
                 warmup=args.warmstart_warmup,
-                cosine=True,
+                cosine=args.warmstart_schedule == "cosine",
                 log=lambda s: print(f"[make_e2e_model] {s}", flush=True),
             )
     model.zero_grad(set_to_none=True)  # the warm start's last gradients (17 GB at 4B parameters)
