@@ -49,7 +49,7 @@ if [ "${E2E_SMALL:-0}" = 1 ]; then  # the same launch path on the CPU with a tin
   STEPS=${STEPS:-3}
   MODEL=${MODEL:-$E2E_DIR/model-tiny}
   MAKE_ARGS=(--preset tiny --layers 2 --override shared_expert_ffn_dim=0 --warmstart-steps 30 --warmstart-lr 3e-3
-             --warmstart-warmup 3 --device cpu)
+             --warmstart-warmup 3 --eval-prompts 256 --device cpu)  # 256: reward > 0 beyond doubt
   DEVICE_ARGS=(trainer.device=cpu rollout.device=cpu trainer.memory_fraction=0 rollout.memory_fraction=0
                task.max_new_tokens=6 model.overrides.max_seq_len=64 trainer.collect_timeout_s=120)
 else
