@@ -34,6 +34,10 @@ contract's operands) of version v as published, from the quantized objects of v'
 the rollout_recipe ablation the trainer keeps the training recipe's objects (its QAT forward's),
 not the rollouts' (trainer.service). Versions from before a restart are not held (nothing of this
 is checkpointed): their samples are left out of the split (`known`), as before.
+With trainer.backend=megatron the objects are its hook's canonical QuantizedParams (the same bytes
+as the torch backend's for the same weights) and at_version still runs policy.model's forward, as
+the fp32 scratch model did before; prox runs megatron's, so their accumulation-order difference
+lands in the staleness part.
 """
 
 from __future__ import annotations
