@@ -10,7 +10,11 @@ AdamW, bf16 autocast on CUDA, the QAT cache of bf16 operands; `--ckpt` turns act
 on), takes `--warmup` untimed steps (Triton compiles, the allocator settles), then `--steps` timed
 ones: forward + backward of a token log-prob loss, clip, optimizer step (`backend.update`, the
 trainer's). Under QAT the update invalidates the cache, so every timed step pays one quantization
-of every weight (what the trainer pays), inside the step, on the GPU.
+of every weight (what the trainer pays), inside the step, on the GPU: each MoE projection's experts
+in one stacked call (policy.qat expert groups). The MoE runs as one grouped GEMM per projection on
+CUDA (policy.model MoE.grouped; megatron's SequentialMLP likewise); `--moe loop` times the loop over
+experts instead. "cache refill" is one refill alone (`hook.quantized_params`: quantization and
+operands of every weight, no dequantized copies).
 Printed per configuration: ms per step, tokens/s, the ratio to plain (issue 17's target: QAT
 <= 1.3x plain, goal 1.1x), peak memory and its excess over plain (target: <= one copy of the
 quantized weights), and a publish of the current version: the quantized parts from the QAT cache
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-publish", action="store_true", help="time the steps only")
     parser.add_argument("--profile", default="", help="recipes to profile one step of (torch.profiler table)")
     parser.add_argument("--publish-steps", type=int, default=3, help="steps with a background publish after each")
+    parser.add_argument("--moe", choices=("auto", "grouped", "loop"), default="auto", help="MoE expert dispatch")
     args = parser.parse_args(argv)
 
     from policy.model import ModelConfig
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             recipe = Recipe.load(name)
             backend = make_backend(tcfg, cfg, recipe, seed=0)
             params = sum(p.numel() for p in backend.parameters())
+            if args.moe != "auto":
+                _set_moe(backend, args.moe == "grouped")
             if name != "bf16":
                 backend.apply_qat()
 
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 backend.qat_hook.invalidate()
                 sync()
                 t0 = time.perf_counter()
-                backend.qat_hook.effective_weights(getattr(backend, "gpt", backend.module))
+                backend.qat_hook.quantized_params(getattr(backend, "gpt", backend.module))
                 sync()
                 requant = f"  (cache refill {(time.perf_counter() - t0) * 1e3:.0f} ms)"
             base_s, base_peak = results.get((backend_name, "bf16"), (step_s, peak))
@@ -137,6 +144,17 @@ def main(argv: list[str] | None = None) -> int:
             del backend, step
             gc.collect()  # megatron's modules hold reference cycles: free this model before the next
     return 0
+
+
+def _set_moe(backend, grouped: bool) -> None:
+    """Force the MoE dispatch of either backend: grouped GEMMs or the loop over experts."""
+    from policy.model import MoE
+
+    for mod in getattr(backend, "gpt", backend.module).modules():
+        if isinstance(mod, MoE):
+            mod.grouped = grouped
+        elif type(mod).__name__ == "SequentialMLP":
+            mod.tandem_grouped = grouped
 
 
 def _publish(args, backend, cfg, recipe, step, sync, step_s) -> tuple[str, str | None]:

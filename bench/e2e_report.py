@@ -39,6 +39,9 @@ LIVE = re.compile(
     r"(?P<after>[-\d.na]+)s after publish\); under v(?P<prev>\w+): (?P<groups>\d+) groups, "
     r"(?P<tokens>\d+) tokens in (?P<gen>[\d.]+)s generating"
 )
+# The swap's split, on the same line (rollout/worker.py since issue 18's prefetch).
+SPLIT_PARTS = ("receive", "verify", "drain_wait", "h2d", "swap")
+SPLIT = re.compile(", ".join(rf"{p} (?P<{p}>[\d.]+)s" for p in SPLIT_PARTS))
 
 
 def _mean(xs):
@@ -71,6 +74,9 @@ def read_live(run: Path) -> list[dict]:
                         "gen_s": float(d["gen"]),
                     }
                 )
+                split = SPLIT.search(line)
+                if split:
+                    out[-1].update({p + "_s": float(v) for p, v in split.groupdict().items()})
     return out
 
 
@@ -162,6 +168,11 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
         "versions_live_on_every_worker": f"{len(everyone)}/{len(versions)}",
         "policy_bytes": live[-1]["bytes"] if live else None,
         "load_s": _mean([e["load_s"] for e in live if e["version"] > first_v]),
+        "swap_split_median_s": {
+            p: statistics.median(xs) if xs else None
+            for p in SPLIT_PARTS
+            for xs in [[e[p + "_s"] for e in live if e["version"] > first_v and p + "_s" in e]]
+        },
         "dropped_stale": last.get("dropped_stale"),
         "dropped_fingerprint": last.get("dropped_fingerprint"),
         "invalid": last.get("invalid"),

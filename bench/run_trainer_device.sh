@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The trainer's backends on the CUDA machine: the GPU tests of both backends (tests/gpu/
-# test_megatron_backend.py, test_trainer_gpu.py), then bench/bench_trainer.py for torch and
+# test_grouped_gpu.py, test_megatron_backend.py, test_trainer_gpu.py), then bench/bench_trainer.py for torch and
 # megatron-core, plain bf16 and QAT. megatron-core comes as a carried wheel (see
 # bench/run_megatron_device.sh for how to fetch it); install it on PYTHONPATH first. From the repo root:
 #     OUT=/tmp/out bash bench/run_trainer_device.sh
@@ -16,7 +16,8 @@ python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 
 status=0
 # --noconftest: the shared conftest imports the Redis helpers; the GPU tests need none of them.
 timeout "${TEST_TIMEOUT:-120}" python3 -m pytest --noconftest -q -s -p no:cacheprovider -W ignore \
-  tests/gpu/test_megatron_backend.py tests/gpu/test_trainer_gpu.py 2>&1 | tee "$OUT/trainer_tests.log"
+  tests/gpu/test_grouped_gpu.py tests/gpu/test_megatron_backend.py tests/gpu/test_trainer_gpu.py 2>&1 \
+  | tee "$OUT/trainer_tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 # shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-170}" python3 -W ignore bench/bench_trainer.py \

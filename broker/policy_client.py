@@ -17,13 +17,22 @@ is fetched again (the stream restarts at that chunk's index, at most `max_refetc
 times per chunk); a stream that drops (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) resumes at
 the chunk after the last good one. Every call has a deadline; one fetch, all its streams together,
 has `fetch_timeout_s`.
+
+Speed (`bench/bench_swap.py`): `streams` > 1 splits one fetch's tensors into that many groups of
+about equal bytes, each fetched by its own FetchTensors stream on its own connection (the RPC
+selects tensors by name), in parallel threads; `fetch(buffers=ReceiveBuffers(...))` receives into
+host memory kept from one fetch to the next (page-locked for a GPU worker) instead of fresh
+memory; `fetch(cancel=FetchCancel())` lets another thread end a fetch at once (a newer version
+superseded it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import heapq
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -54,11 +63,14 @@ from tandem.v1 import manifest_pb2, policy_pb2
 
 __all__ = [
     "ChecksumMismatch",
+    "FetchCancel",
+    "FetchCancelled",
     "FetchStats",
     "FetchedPolicy",
     "FingerprintMismatch",
     "PolicyClient",
     "PolicyClientConfig",
+    "ReceiveBuffers",
 ]
 
 SERVICE = "/tandem.v1.PolicyService/"
@@ -85,6 +97,7 @@ class PolicyClientConfig:
     retry_backoff_s: float = 0.05
     max_receive_message_bytes: int = MAX_MANIFEST_BYTES + (1 << 20)
     max_send_message_bytes: int = 4 << 20
+    streams: int = 1  # concurrent FetchTensors streams (one connection each) per fetch, tensors split by bytes
     tls: ClientTLS = field(default_factory=ClientTLS)  # plaintext unless tls.ca is set
 
     def __post_init__(self) -> None:
@@ -105,7 +118,13 @@ class PolicyClientConfig:
             or not 0 <= self.retry_backoff_s <= 10
         ):
             bad.append(f"retry_backoff_s={self.retry_backoff_s!r} must be a number in [0, 10]")
-        for name in ("max_attempts", "max_refetch_per_chunk", "max_receive_message_bytes", "max_send_message_bytes"):
+        for name in (
+            "max_attempts",
+            "max_refetch_per_chunk",
+            "max_receive_message_bytes",
+            "max_send_message_bytes",
+            "streams",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad.append(f"{name}={v!r} must be an int >= 1")
@@ -122,6 +141,101 @@ class FetchStats:
     refetched_chunks: int = 0
     resumed_streams: int = 0
     seconds: float = 0.0
+    receive_s: float = 0.0  # until the last chunk arrived (hashing overlaps it)
+    verify_s: float = 0.0  # after that, until every tensor's digest was checked
+
+    def add(self, other: FetchStats) -> None:
+        """Another stream's counts into these."""
+        for name in ("chunks", "bytes", "streams", "refetched_chunks", "resumed_streams"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class FetchCancelled(Exception):
+    """The fetch was cancelled (`FetchCancel.cancel`) before it completed."""
+
+
+class FetchCancel:
+    """Ends a fetch in progress from another thread: its streams are cancelled at once (a stream
+    waiting for data included) and `fetch` raises FetchCancelled."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set = False
+        self._calls: set = set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._set = True
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def _register(self, call) -> None:
+        with self._lock:
+            if not self._set:
+                self._calls.add(call)
+                return
+        call.cancel()
+
+    def _unregister(self, call) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+
+class ReceiveBuffers:
+    """Host memory that fetches receive into, kept from one fetch to the next: one slab holding
+    every tensor (each at a 4 KiB-aligned offset), reallocated only when the tensors' names or
+    sizes change. Memory filled before costs nothing to fill again, while fresh memory pays a page
+    fault per page (seconds per GB on the hosts measured: docs/benchmarks.md). `pinned=True` also
+    page-locks the slab (cudaHostRegister), so host-to-device copies from it run at DMA speed and
+    need no staging copy. A fetch's tensors alias the slab: the next fetch overwrites them, so a
+    caller must be done with one version's bytes (e.g. copied them to the GPU) before fetching
+    the next."""
+
+    ALIGN = 4096
+
+    def __init__(self, *, pinned: bool = False):
+        self.pinned = pinned
+        self._key: tuple | None = None
+        self._slab: np.ndarray | None = None
+        self._views: dict[str, np.ndarray] = {}
+        self.allocations = 0  # slabs allocated so far (1 while the layout stays the same)
+
+    def views(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+        """name -> a uint8 array of that many bytes, in the kept slab (a new one if the set changed)."""
+        key = tuple(sorted(sizes.items()))
+        if key != self._key:
+            self.close()
+            offsets, total = {}, 0
+            for name, n in key:
+                offsets[name] = total
+                total += -(-n // self.ALIGN) * self.ALIGN
+            self._slab = np.empty(max(total, 1), dtype=np.uint8)
+            if self.pinned:
+                self._pin(self._slab)
+            self._views = {n: self._slab[offsets[n] : offsets[n] + sizes[n]] for n in sizes}
+            self._key = key
+            self.allocations += 1
+        return self._views
+
+    @staticmethod
+    def _pin(slab: np.ndarray) -> None:
+        import torch
+
+        rc = torch.cuda.cudart().cudaHostRegister(slab.ctypes.data, slab.nbytes, 0)
+        if int(rc) != 0:
+            raise OSError(f"cudaHostRegister of {slab.nbytes} bytes failed (error {int(rc)})")
+
+    def close(self) -> None:
+        """Give the slab back (unpinned first)."""
+        if self._slab is not None and self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._slab.ctypes.data)
+        self._slab, self._views, self._key = None, {}, None
 
 
 @dataclass
@@ -160,6 +274,23 @@ class _Tensor:
 class PolicyClient:
     def __init__(self, config: PolicyClientConfig):
         self.config = config
+        self._channel = self._make_channel()
+        self._extra_channels: list = []  # streams 2..N of a fetch, one connection each
+        self._get_manifest = self._channel.unary_unary(
+            SERVICE + "GetManifest",
+            request_serializer=policy_pb2.GetManifestRequest.SerializeToString,
+            response_deserializer=None,
+        )  # raw bytes: parsed and verified by manifest_from_bytes
+        self._fetch = self._fetch_callable(self._channel)
+        self._watch = self._channel.unary_stream(
+            SERVICE + "WatchVersions",
+            request_serializer=policy_pb2.WatchVersionsRequest.SerializeToString,
+            response_deserializer=policy_pb2.VersionAnnouncement.FromString,
+        )
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _make_channel(self, extra_options: Sequence = ()):
+        config = self.config
         options = [
             ("grpc.max_receive_message_length", config.max_receive_message_bytes),
             ("grpc.max_send_message_length", config.max_send_message_bytes),
@@ -175,27 +306,26 @@ class PolicyClient:
             )
             if tls.server_name:
                 options.append(("grpc.ssl_target_name_override", tls.server_name))
-            self._channel = grpc.secure_channel(config.address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(config.address, options=options)
-        self._get_manifest = self._channel.unary_unary(
-            SERVICE + "GetManifest",
-            request_serializer=policy_pb2.GetManifestRequest.SerializeToString,
-            response_deserializer=None,
-        )  # raw bytes: parsed and verified by manifest_from_bytes
-        self._fetch = self._channel.unary_stream(
+            return grpc.secure_channel(config.address, creds, options=options + list(extra_options))
+        return grpc.insecure_channel(config.address, options=options + list(extra_options))
+
+    @staticmethod
+    def _fetch_callable(channel):
+        return channel.unary_stream(
             SERVICE + "FetchTensors",
             request_serializer=policy_pb2.FetchTensorsRequest.SerializeToString,
             response_deserializer=policy_pb2.TensorChunk.FromString,
         )
-        self._watch = self._channel.unary_stream(
-            SERVICE + "WatchVersions",
-            request_serializer=policy_pb2.WatchVersionsRequest.SerializeToString,
-            response_deserializer=policy_pb2.VersionAnnouncement.FromString,
-        )
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _fetchers(self, n: int) -> list:
+        """FetchTensors callables on n distinct connections (the first is the main channel's)."""
+        while len(self._extra_channels) < n - 1:  # a local subchannel pool: a connection of its own
+            self._extra_channels.append(self._make_channel([("grpc.use_local_subchannel_pool", 1)]))
+        return [self._fetch] + [self._fetch_callable(c) for c in self._extra_channels[: n - 1]]
 
     def close(self) -> None:
+        for c in self._extra_channels:
+            c.close()
         self._channel.close()
 
     def __enter__(self) -> PolicyClient:
@@ -254,22 +384,34 @@ class PolicyClient:
         tp_rank: int = 0,
         tp_size: int = 1,
         check: Callable[[manifest_pb2.Manifest], None] | None = None,
+        buffers: ReceiveBuffers | None = None,
+        cancel: FetchCancel | None = None,
     ) -> FetchedPolicy:
         """Manifest + tensors of `version` (latest if None), all verified, rebuilt via from_parts.
-        `check(manifest)` runs before anything is allocated (e.g. policy.manifest_check)."""
+        `check(manifest)` runs before anything is allocated (e.g. policy.manifest_check); the bytes
+        land in `buffers` when given (the tensors then alias them), else in fresh memory."""
         manifest = self.get_manifest(version)
         if check is not None:
             check(manifest)
-        raw, layouts, stats = self.fetch_bytes(manifest, names=names, tp_rank=tp_rank, tp_size=tp_size)
+        raw, layouts, stats = self.fetch_bytes(
+            manifest, names=names, tp_rank=tp_rank, tp_size=tp_size, buffers=buffers, cancel=cancel
+        )
         entries = {t.name: t for t in manifest.tensors}
         tensors = {n: rebuild(entries[n], layouts[n], data) for n, data in raw.items()}
         return FetchedPolicy(manifest, tensors, layouts, stats, tp_rank, tp_size)
 
     def fetch_bytes(
-        self, manifest: manifest_pb2.Manifest, *, names: Sequence[str] | None = None, tp_rank: int = 0, tp_size: int = 1
+        self,
+        manifest: manifest_pb2.Manifest,
+        *,
+        names: Sequence[str] | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        buffers: ReceiveBuffers | None = None,
+        cancel: FetchCancel | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, TensorLayout], FetchStats]:
         """The verified bytes (uint8 numpy arrays) of each selected tensor (or TP shard) of a verified
-        manifest."""
+        manifest, over `config.streams` concurrent streams."""
         check_tp(tp_rank, tp_size)
         check_tp_compatible(manifest, tp_size)
         entries = {t.name: t for t in manifest.tensors}
@@ -283,10 +425,16 @@ class PolicyClient:
         state = {
             n: _Tensor(tensor_layout(entries[n], plan, tp_rank, tp_size), entries[n], first[n], cb) for n in selected
         }
+        if buffers is not None:
+            views = buffers.views({n: t.layout.nbytes for n, t in state.items()})
+            for n, t in state.items():
+                t.data = views[n]
+                t.view = memoryview(t.data)
         stats = FetchStats()
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as hasher:
-            self._stream(manifest, state, names, selected, tp_rank, tp_size, stats, hasher)
+            self._stream_all(manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel)
+            stats.receive_s = time.perf_counter() - t0
         missing = [n for n, t in state.items() if not t.done]
         if missing:
             raise ChecksumMismatch(
@@ -296,10 +444,51 @@ class PolicyClient:
         if bad:
             raise ChecksumMismatch(f"version {manifest.version}: tensor(s) {bad[:5]} failed the sha256 check")
         stats.seconds = time.perf_counter() - t0
+        stats.verify_s = stats.seconds - stats.receive_s
         return ({n: t.data for n, t in state.items()}, {n: t.layout for n, t in state.items()}, stats)
 
-    def _stream(self, manifest, state, names, selected, tp_rank, tp_size, stats, hasher) -> None:
-        """Run FetchTensors until every selected chunk arrived, resuming and re-fetching as needed."""
+    def _stream_all(self, manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel) -> None:
+        """`_stream` over config.streams groups of the selected tensors (about equal bytes each, the
+        largest first onto the least loaded group), each on its own connection and thread. A failing
+        stream cancels the others; its error is raised."""
+        n = min(self.config.streams, len(selected))
+        if n <= 1:
+            return self._stream(manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel=cancel)
+        loads = [(0, i, []) for i in range(n)]
+        for name in sorted(selected, key=lambda x: -state[x].layout.nbytes):
+            load, i, group = heapq.heappop(loads)
+            group.append(name)
+            heapq.heappush(loads, (load + state[name].layout.nbytes, i, group))
+        order = {name: state[name].first_index for name in selected}
+        groups = [sorted(g, key=order.__getitem__) for _, _, g in sorted(loads, key=lambda x: x[1]) if g]
+        cancel = cancel or FetchCancel()
+        errors: list = []
+
+        def run(group, fetch) -> FetchStats:
+            part = FetchStats()
+            try:
+                mine = {x: state[x] for x in group}
+                self._stream(manifest, mine, group, group, tp_rank, tp_size, part, hasher, fetch=fetch, cancel=cancel)
+            except BaseException as e:
+                if not isinstance(e, FetchCancelled) or not errors:
+                    errors.append(e)
+                cancel.cancel()  # the others end now
+            return part
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="fetch") as pool:
+            parts = list(pool.map(run, groups, self._fetchers(len(groups))))
+        for part in parts:
+            stats.add(part)
+        real = [e for e in errors if not isinstance(e, FetchCancelled)]
+        if real or errors:
+            raise (real or errors)[0]
+
+    def _stream(
+        self, manifest, state, names, selected, tp_rank, tp_size, stats, hasher, *, fetch=None, cancel=None
+    ) -> None:
+        """Run FetchTensors until every selected chunk arrived, resuming and re-fetching as needed
+        (on `fetch`: one connection's FetchTensors; the main channel's by default)."""
+        fetch = fetch or self._fetch
         next_index = 0
         refetches: dict[int, int] = {}
         restarts = 0
@@ -318,7 +507,11 @@ class PolicyClient:
             # Not wait_for_ready: the manifest just came from this server, so if it is gone now (a trainer
             # that died mid-fetch; its successor listens elsewhere) fail fast instead of waiting out
             # fetch_timeout_s on every one of max_attempts restarts.
-            call = self._fetch(req, timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=False)
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled(f"version {manifest.version}: fetch cancelled")
+            call = fetch(req, timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=False)
+            if cancel is not None:
+                cancel._register(call)
             bad_index = None
             try:
                 for chunk in call:
@@ -329,6 +522,8 @@ class PolicyClient:
                     stats.bytes += len(chunk.data)
                     next_index = chunk.chunk_index + 1
             except grpc.RpcError as e:
+                if cancel is not None and cancel.is_set():
+                    raise FetchCancelled(f"version {manifest.version}: fetch cancelled") from None
                 if e.code() not in _RETRYABLE or restarts >= self.config.max_attempts or time.monotonic() >= deadline:
                     raise
                 restarts += 1
@@ -337,6 +532,8 @@ class PolicyClient:
                 continue
             finally:
                 call.cancel()
+                if cancel is not None:
+                    cancel._unregister(call)
             if bad_index is None:
                 return
             refetches[bad_index] = refetches.get(bad_index, 0) + 1

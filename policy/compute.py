@@ -12,6 +12,13 @@ with fp32 products and sums (the K order inside a block is the implementation's:
 equal up to accumulation order; the operands are equal bit for bit). A factor that an operand does
 not have is 1 and is skipped. `matmul` below is the reference: plain torch, any device (on CUDA the
 bf16 products go to cuBLAS with an fp32 result; elsewhere the operands are upcast to fp32).
+
+`grouped_matmul` is the same product for an MoE layer's experts at once: rows of x sorted by
+expert, the weights stacked [E, N, K], one grouped GEMM (`torch._grouped_mm`). Its one departure
+from `matmul`, where an operand has a post-accumulator scale (nvfp4) and the grouped GEMM cannot
+write fp32 (torch's CUDA kernel writes bf16 for bf16 inputs): the accumulator is rounded to bf16
+before the scales: one extra rounding (relative error <= 2^-9). The operands are the same bits.
+`GroupedLinear` is its autograd (straight-through, as policy.qat's `_QATLinear`).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from torch import Tensor
 
 from policy.formats import Operand, operand
 
-__all__ = ["Operand", "compute_dtype", "matmul", "operand", "plain"]
+__all__ = ["GroupedLinear", "Operand", "compute_dtype", "grouped_matmul", "grouped_mm", "matmul", "operand", "plain"]
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -77,3 +84,91 @@ def matmul(x: Operand, w: Operand, dtype: torch.dtype) -> Tensor:
         if w.scale is not None:
             acc = acc * w.scale.view(1, -1)
         return acc.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped (MoE experts)
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """torch._grouped_mm where this torch has it, else a loop (the reference; a host sync for offs).
+
+    a [M, K], b [E, K, N], offs int32 [E] (group e = rows offs[e-1]:offs[e] of a) -> [M, N];
+    a [N, M], b [M, K], groups along M -> [E, N, K] (the weight gradient). Output in a's dtype
+    (torch's CUDA kernel has no fp32 output for bf16 inputs; its other paths loop on the host)."""
+    if hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(a, b, offs=offs)
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:
+        return torch.cat([a[s:t] @ b[e] for e, (s, t) in enumerate(zip(starts, ends))])
+    return torch.stack([a[:, s:t] @ b[s:t] for s, t in zip(starts, ends)])
+
+
+def grouped_matmul(x: Operand, w: Operand, offs: Tensor, groups: Tensor, dtype: torch.dtype) -> Tensor:
+    """y [M, N] in `dtype`: row m of x [M, K] times expert groups[m]'s w, per the Compute contract.
+
+    x's rows are sorted by expert, offs [E] int32 is where each expert's rows end, groups [M] int64
+    is each row's expert. w.values [E, N, K]; w.scale None, [E, 1] or [E, N]; x.scale None or [M];
+    no block scales (fp8_block: `matmul` per expert). See the module docstring for the rounding."""
+    if x.block_scale is not None or w.block_scale is not None:
+        raise ValueError("compute.grouped_matmul: per-K-block scales (fp8_block) are not supported")
+    xv, wv = x.values.to(dtype), w.values.to(dtype)
+    if x.scale is None and w.scale is None:
+        return grouped_mm(xv, wv.transpose(1, 2), offs)
+    with torch.autocast(xv.device.type, enabled=False):
+        acc = grouped_mm(xv, wv.transpose(1, 2), offs).float()
+        if x.scale is not None:
+            acc = acc * x.scale.view(-1, 1)
+        if w.scale is not None:
+            acc = acc * w.scale.index_select(0, groups)
+        return acc.to(dtype)
+
+
+def _nonempty(g: Tensor, offs: Tensor) -> Tensor:
+    """The weight gradient g [E, N, K] with zeros for experts that got no rows (whatever the
+    grouped GEMM leaves there)."""
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.where((counts > 0).view(-1, 1, 1), g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+class GroupedLinear(torch.autograd.Function):
+    """y = grouped_matmul(x̂, Ŵ) for the experts of one MoE projection, with the straight-through
+    backward of policy.qat: hp uses (x, W) (the master weights, stacked in the backward), dequant
+    the dequantized operands (x̂, Ŵ). Plain training is the case x̂ = x, Ŵ = W in the compute dtype.
+
+    apply(x [M, K], x_op, w_op (values [E, N, K]), offs, groups, hp, dtype, *weights [N, K] each)."""
+
+    @staticmethod
+    def forward(ctx, x, x_op, w_op, offs, groups, hp: bool, dtype, *weights):
+        if hp:
+            ctx.save_for_backward(x, offs, *weights)
+        else:
+            ctx.save_for_backward(offs)
+            ctx.ops = (x_op, w_op)
+        ctx.hp, ctx.x_dtype, ctx.w_dtype = hp, x.dtype, weights[0].dtype
+        return grouped_matmul(x_op, w_op, offs, groups, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.hp:
+            xs, offs, *weights = ctx.saved_tensors
+            ws = torch.stack(weights).to(grad.dtype)
+        else:
+            (offs,) = ctx.saved_tensors
+            x_op, w_op = ctx.ops
+            xs = x_op.dequantize()
+            ws = w_op.values.to(torch.float32)
+            if w_op.scale is not None:
+                ws = ws * w_op.scale.unsqueeze(-1)
+            ws = ws.to(grad.dtype)
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grouped_mm(grad, ws, offs).to(ctx.x_dtype)
+        if any(ctx.needs_input_grad[7:]):
+            g = _nonempty(grouped_mm(grad.t(), xs.to(grad.dtype), offs), offs).to(ctx.w_dtype)
+            grad_w = g.unbind(0)
+        else:
+            grad_w = (None,) * ws.shape[0]
+        return (grad_x, None, None, None, None, None, None, *grad_w)

@@ -21,10 +21,16 @@ per-token routing, per-row attention masks, no batch statistics. Float results c
 the last bits between batch shapes because BLAS blocking depends on the matrix sizes; an exact mode is
 future work (see DESIGN.md).
 
+MoE dispatch: the (token, slot) assignments sorted by expert, then either one grouped GEMM per
+projection for all experts (`policy.compute.grouped_matmul`, `torch._grouped_mm`: the default on CUDA
+in bf16, no host sync) or a loop over experts on gathered tokens (the reference; the default on the
+CPU, and wherever the hook cannot group, e.g. fp8_block's per-K-block scales). `MoE.grouped` forces
+either (None: that default). Both give the same function up to accumulation order; parameters stay
+per expert (canonical names), the grouped path stacks them per forward.
+
 Simplifications, on purpose: no dropout, no biases (Qwen3 has none), no router auxiliary loss or
 capacity limits (RL fine-tuning of a pretrained router; the tiny demo does not need balancing), no
-sliding-window attention, MoE dispatch as a loop over experts with gathered tokens (readable and fast
-enough on CPU; GPU serving uses fused kernels elsewhere).
+sliding-window attention.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from policy import compute
 from policy.hashing import sha256_json
 
 __all__ = [
@@ -318,12 +325,30 @@ class QuantHook:
         giving each chunk's x_hat: policy.qat returns a Compute-contract operand), or None when
         no site quantizes. Rows are quantized independently, so one call over all chunks gives the
         same bits as one call per chunk, minus the per-call overhead.
+    `can_group(sites)` / `grouped_linear(sites, x, weights, offs, groups)`: the matmuls of several
+        sites at once (an MoE projection's experts): x [M, K] rows sorted by site, offs [E] int32
+        where each site's rows end, groups [M] each row's site index; y [M, N] as `linear` per row,
+        in one grouped GEMM (no host sync). The MoE uses it only where `can_group` says so.
     `param(name, p)`: the effective value of a non-matmul parameter (embeddings, norm weights).
     Implementations must treat rows independently (per-row scales only): no batch statistics.
     """
 
     def linear(self, site: str, x: Tensor, weight: Tensor, x_hat: Tensor | None = None) -> Tensor:
         return F.linear(x if x_hat is None else x_hat, weight)
+
+    def can_group(self, sites: Sequence[str]) -> bool:
+        return True
+
+    def grouped_linear(
+        self, sites: Sequence[str], x: Tensor, weights: Sequence[Tensor], offs: Tensor, groups: Tensor
+    ) -> Tensor:
+        dtype = compute.compute_dtype(x)
+        with torch.no_grad():
+            w_op = compute.Operand(torch.stack([w.detach() for w in weights]).to(dtype))
+        x_op = compute.plain(x.detach().to(dtype))
+        if torch.is_grad_enabled() and (x.requires_grad or weights[0].requires_grad):
+            return compute.GroupedLinear.apply(x, x_op, w_op, offs, groups, True, dtype, *weights)
+        return compute.grouped_matmul(x_op, w_op, offs, groups, dtype)
 
     def quantize_inputs(self, sites: Sequence[str], x: Tensor, counts: Sequence[int]) -> Tensor | None:
         return None
@@ -437,6 +462,37 @@ class MoE(nn.Module):
         self.shared_expert = (
             Expert(cfg.dim, cfg.shared_expert_ffn_dim, f"{prefix}.shared_expert") if cfg.has_shared_expert else None
         )
+        self.grouped: bool | None = None  # grouped GEMM (True) or the loop over experts; None: grouped on CUDA bf16
+        self._sites = (
+            [e.gate_up_proj.site for e in self.experts],
+            [e.down_proj.site for e in self.experts],
+        )
+
+    def expert_groups(self) -> list[tuple[list[str], list[Tensor]]]:
+        """(weight names, parameters) of the experts' gate_up_proj, then of their down_proj."""
+        return [
+            ([s + ".weight" for s in self._sites[0]], [e.gate_up_proj.weight for e in self.experts]),
+            ([s + ".weight" for s in self._sites[1]], [e.down_proj.weight for e in self.experts]),
+        ]
+
+    def _use_grouped(self, x: Tensor, hook: QuantHook) -> bool:
+        grouped = self.grouped
+        if grouped is None:
+            grouped = x.is_cuda and compute.compute_dtype(x) == torch.bfloat16
+        return grouped and hook.can_group(self._sites[0]) and hook.can_group(self._sites[1])
+
+    def _grouped_experts(self, xg: Tensor, flat: Tensor, order: Tensor, hook: QuantHook) -> Tensor:
+        """All experts' outputs for the sorted rows xg, one grouped GEMM per projection: no host sync
+        (the counts stay on the device)."""
+        groups = flat.index_select(0, order)
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))  # not bincount: on CUDA it syncs for max()
+        offs = counts.cumsum(0).to(torch.int32)
+        gu_sites, down_sites = self._sites
+        gu = hook.grouped_linear(gu_sites, xg, [e.gate_up_proj.weight for e in self.experts], offs, groups)
+        gate, up = gu.split(self.experts[0].ffn_dim, dim=-1)
+        h = F.silu(gate) * up
+        return hook.grouped_linear(down_sites, h, [e.down_proj.weight for e in self.experts], offs, groups)
 
     def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
         shape = x.shape
@@ -454,10 +510,23 @@ class MoE(nn.Module):
         # quantization of all experts' inputs is one hook call per matmul kind, not one per expert.
         flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
+        xg = x.index_select(0, order // k)
+        if self._use_grouped(x, hook):
+            ys = self._grouped_experts(xg, flat, order, hook)
+        else:
+            ys = self._loop_experts(xg, flat, hook)
+        y = ys.new_empty(N * k, shape[-1])  # the experts' dtype: bf16 under autocast, x's otherwise
+        y[order] = ys
+        out = (y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x, hook)
+        return out.view(shape)
+
+    def _loop_experts(self, xg: Tensor, flat: Tensor, hook: QuantHook) -> Tensor:
+        """The reference: each expert once on its gathered rows (a host sync for the counts)."""
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()
         used = [e for e in range(self.n_experts) if counts[e]]
         sizes = [counts[e] for e in used]
-        xg = x.index_select(0, order // k)
         xs = xg.split(sizes)
         xg_hat = hook.quantize_inputs([self.experts[e].gate_up_proj.site for e in used], xg, sizes)
         xs_hat = xs if xg_hat is None else xg_hat.split(sizes)
@@ -465,13 +534,7 @@ class MoE(nn.Module):
         hs = h.split(sizes)
         h_hat = hook.quantize_inputs([self.experts[e].down_proj.site for e in used], h, sizes)
         hs_hat = hs if h_hat is None else h_hat.split(sizes)
-        ys = torch.cat([self.experts[e].down_proj(hs[i], hook, hs_hat[i]) for i, e in enumerate(used)])
-        y = ys.new_empty(N * k, shape[-1])  # the experts' dtype: bf16 under autocast, x's otherwise
-        y[order] = ys
-        out = (y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x, hook)
-        return out.view(shape)
+        return torch.cat([self.experts[e].down_proj(hs[i], hook, hs_hat[i]) for i, e in enumerate(used)])
 
 
 class Block(nn.Module):

@@ -31,6 +31,12 @@ that steps an optimizer it did not register must call `hook.invalidate()` itself
 copy of the operands plus the packed parts; publishing reuses those parts
 (`hook.quantized_params(model)`) instead of quantizing every weight again.
 
+Expert groups: the experts of one MoE projection (`hook.add_group`; `apply_qat` adds every MoE
+layer's two) are refilled together, stacked into one [E, N, K] tensor and quantized in one call
+(`policy.kernels.quantize_stacked`: the same bytes as one call per expert), and their operands are
+rows of one stacked operand, which the grouped MoE forward (`grouped_linear`) multiplies in one
+grouped GEMM. Each expert's QuantizedParam and operand are views of the stacked ones.
+
 `probe_mismatch` compares BF16, QAT and packed-weight forwards (mean |Δ log-prob| and KL per pair).
 """
 
@@ -44,8 +50,9 @@ from torch import Tensor
 from policy import compute, formats, kernels
 from policy.formats import Operand
 from policy.manifest import QuantizedParam, quantize_param
-from policy.model import QuantHook, Transformer
+from policy.model import MoE, QuantHook, Transformer
 from policy.recipe import Plan, Recipe
+from policy.tp import from_parts_kwargs
 
 __all__ = [
     "BACKWARD_MODES",
@@ -96,8 +103,9 @@ class ActivationQuantizer:
         spec = self.sites.get(name)
         if spec is None:
             return None
-        with torch.no_grad():
-            return formats.operand(kernels.quantize(spec[0], x.detach().reshape(-1, x.shape[-1]), **spec[1]))
+        with torch.no_grad():  # no NaN/Inf check (a host sync per call): a non-finite input shows in the loss
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            return formats.operand(kernels.quantize(spec[0], x2, check_finite=False, **spec[1]))
 
     def quantize_rows(self, names: Sequence[str], x: Tensor, counts: Sequence[int]) -> Operand | _Chunks | None:
         """x [sum(counts), K], chunk i (counts[i] rows) feeding site names[i] -> the operand of all
@@ -158,6 +166,36 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def _rows_op(op: Operand, i: int, n: int) -> Operand:
+    """Operand i of n stacked along rows in `op` (values, scale and block_scale rows split n ways)."""
+
+    def part(t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        r = t.shape[0] // n
+        return t[i * r : (i + 1) * r]
+
+    return Operand(part(op.values), scale=part(op.scale), block_scale=part(op.block_scale), block=op.block)
+
+
+def _stack_operands(ops: Sequence[Operand]) -> Operand:
+    """One [E, N, K] operand of E weight operands without block scales (scale [E, 1 or N] or None)."""
+    values = torch.stack([o.values for o in ops])
+    if ops[0].scale is None:
+        return Operand(values)
+    return Operand(values, scale=torch.stack([o.scale for o in ops]))
+
+
+class _Group:
+    """Parameters quantized together (one MoE projection's experts): their names and parameters, and
+    the last refill's cache entries with the stacked operand they are rows of."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[Tensor]):
+        self.names, self.params = tuple(names), tuple(params)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.stacked: tuple[tuple, Operand | None] | None = None
+
+
 class QATHook(QuantHook):
     """The QAT `QuantHook`: Compute-contract matmuls on cached weight operands and per-token activation
     operands, straight-through backward."""
@@ -173,16 +211,62 @@ class QATHook(QuantHook):
         # name -> (the parameter's autograd version, its QuantizedParam, its operand)
         self._cache: dict[str, tuple[int, QuantizedParam, Operand]] = {}
         self._dense: dict[str, tuple[Operand, Tensor]] = {}  # effective(): keyed by the operand it came from
+        self._groups: dict[str, _Group] = {}  # name -> the group it is refilled with
+        self._groupable: dict[str, bool] = {}  # first site -> can_group()
 
     def invalidate(self, *_: object) -> None:
         """Forget every cached weight (also an optimizer step post-hook: it is called with the optimizer)."""
         self._cache.clear()
         self._dense.clear()
+        for g in self._groups.values():
+            g.stacked = None
+
+    def add_group(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
+        """Refill these parameters together (one MoE projection's experts, same recipe entry and
+        shape): one stacked quantization instead of one per parameter. Ignored if they differ."""
+        entries = [self._params.get(n) for n in names]
+        first = entries[0]
+        if (
+            len(names) < 2
+            or any(e is None or (e.format, e.kwargs) != (first.format, first.kwargs) for e in entries)
+            or any(p.shape != params[0].shape or p.dtype != params[0].dtype or p.dim() != 2 for p in params)
+        ):
+            return
+        g = _Group(names, params)
+        for n in names:
+            self._groups[n] = g
+
+    def _refill(self, g: _Group) -> None:
+        spec = self._params[g.names[0]]
+        with torch.no_grad():
+            stacked = torch.stack([p.detach() for p in g.params])
+            kw = from_parts_kwargs(spec.format, spec.kwargs)
+            flat, qs = kernels.quantize_stacked(spec.format, stacked, check_finite=False, **kw)
+            del stacked
+            n = len(qs)
+            if flat is None:
+                ops, stacked_op = [formats.operand(q) for q in qs], None
+            else:
+                op = formats.operand(flat)
+                ops = [_rows_op(op, i, n) for i in range(n)]
+                stacked_op = None
+                if op.block_scale is None:
+                    scale = None if op.scale is None else op.scale.view(n, -1)
+                    stacked_op = Operand(op.values.view(n, -1, op.values.shape[-1]), scale=scale)
+        entries = []
+        for name, p, q, o in zip(g.names, g.params, qs, ops):
+            entries.append((p._version, QuantizedParam(spec.format, dict(spec.kwargs), q), o))
+            self._cache[name] = entries[-1]
+        g.stacked = (tuple(entries), stacked_op)
 
     def _entry(self, name: str, p: Tensor) -> tuple[int, QuantizedParam, Operand]:
         hit = self._cache.get(name)
         if hit is not None and hit[0] == p._version and hit[2].values.device == p.device:
             return hit
+        g = self._groups.get(name)
+        if g is not None and g.params[g.index[name]] is p:
+            self._refill(g)
+            return self._cache[name]
         with torch.no_grad():
             # No NaN/Inf check here (a host sync per weight, every step): the trainer checks the
             # master weights once per publish (trainer.backends), a NaN forward shows in the loss.
@@ -236,6 +320,45 @@ class QATHook(QuantHook):
             y = compute.matmul(x_op, w_op, dtype)
         return y.view(*lead, y.shape[-1])
 
+    def can_group(self, sites: Sequence[str]) -> bool:
+        """Whether these sites' matmuls can run as one grouped GEMM: one weight spec and one
+        activation spec for all, and no per-K-block scales (fp8_block)."""
+        hit = self._groupable.get(sites[0])
+        if hit is None:
+            w = [self._params.get(self._names(s)[0]) for s in sites]
+            a = [self.act_quant.sites.get(self._names(s)[1]) for s in sites]
+            hit = self._groupable[sites[0]] = (
+                all(e is not None and (e.format, e.kwargs) == (w[0].format, w[0].kwargs) for e in w)
+                and w[0].format != "fp8_block"
+                and all(spec == a[0] for spec in a)
+                and (a[0] is None or a[0][0] != "fp8_block")
+            )
+        return hit
+
+    def grouped_linear(
+        self, sites: Sequence[str], x: Tensor, weights: Sequence[Tensor], offs: Tensor, groups: Tensor
+    ) -> Tensor:
+        names = [self._names(s)[0] for s in sites]
+        entries = [self._entry(n, w) for n, w in zip(names, weights)]
+        g = self._groups.get(names[0])
+        stacked = g.stacked if g is not None else None
+        if (
+            stacked is not None
+            and stacked[1] is not None
+            and len(stacked[0]) == len(entries)
+            and all(a is b for a, b in zip(stacked[0], entries))
+        ):
+            w_op = stacked[1]
+        else:  # not refilled as a group (e.g. a PackedHook's operands): stack them now
+            w_op = _stack_operands([e[2] for e in entries])
+        dtype = compute.compute_dtype(x)
+        x_op = self.act_quant(self._names(sites[0])[1], x)
+        if x_op is None:
+            x_op = compute.plain(x.detach().to(dtype))
+        if torch.is_grad_enabled() and (x.requires_grad or weights[0].requires_grad):
+            return compute.GroupedLinear.apply(x, x_op, w_op, offs, groups, self.backward == "hp", dtype, *weights)
+        return compute.grouped_matmul(x_op, w_op, offs, groups, dtype)
+
     def param(self, name: str, p: Tensor) -> Tensor:
         p_hat = self.effective(name, p)
         if torch.is_grad_enabled() and p.requires_grad:
@@ -267,6 +390,10 @@ def apply_qat(
 ) -> QATHook:
     """Install QAT on `model` (in place) and return the hook; `optimizer`'s steps refresh its cache."""
     hook = QATHook(_as_plan(model, recipe), backward)
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            for names, params in mod.expert_groups():
+                hook.add_group(names, params)
     model.quant_hook = hook
     if optimizer is not None:
         optimizer.register_step_post_hook(hook.invalidate)

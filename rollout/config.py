@@ -26,6 +26,12 @@ class RolloutConfig:
     """Prompt entries idle this long in a dead worker are claimed by another."""
     fetch_timeout_s: float = 60.0
     """Deadline of one policy fetch (seconds)."""
+    fetch_streams: int = 1
+    """Concurrent FetchTensors streams (one connection and thread each) per policy fetch, the
+    version's tensors split between them by bytes (broker.policy_client). 1 is the fastest measured
+    on the H200 host (1.04 GB/s; 2/4/8 streams 0.77/0.65/0.56 GB/s: the receive threads and the one
+    sha256 thread contend for the GIL; docs/benchmarks.md, "Publish → live"): measure again with
+    bench/bench_swap.py when the client's hashing changes."""
     read_block_ms: int = 500
     """How long one read of the prompts stream blocks."""
     tls: ClientTLS = field(default_factory=ClientTLS)
@@ -77,6 +83,8 @@ class RolloutConfig:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
+        if not isinstance(self.fetch_streams, int) or not 1 <= self.fetch_streams <= 16:
+            errors.append(f"fetch_streams={self.fetch_streams!r} (need an int in [1, 16])")
         if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
             errors.append(f"max_inflight_groups={self.max_inflight_groups!r} (need an int >= 1)")
         if not 0 <= self.memory_fraction <= 1:

@@ -30,7 +30,9 @@ published tensors (the quantized objects a worker fetched) without dequantizing 
   once; a request that does not fit (too many rows, prompt + max_new_tokens over capacity) is
   refused with a ValueError naming the numbers;
 - sampling is `rollout.sampling` (counter-based RNG keyed by (row seed, step), Gumbel-max,
-  temperature, optional top-k / top-p), log-probs in fp32 from the same logits.
+  temperature, optional top-k / top-p), log-probs in fp32 from the same logits;
+- a new version of the same layout is copied into the live engine (`update`: one piece at a time,
+  no reallocation, graphs and KV cache kept), so a version swap costs its host-to-device copy.
 
 Numerics follow `policy.model.Transformer` op for op (fp32 RMSNorm statistics, fp32 RoPE, bf16
 SwiGLU and expert-weighted sum, fp32 softmax router), and its matmuls consume the operands QAT's
@@ -46,6 +48,7 @@ which is how the unit tests check its logic against `rollout.engine.generate`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import warnings
@@ -66,7 +69,7 @@ from rollout import kernels as RK
 from rollout import sampling
 from rollout.engine import Generation, check_request
 
-__all__ = ["EngineConfig", "PackedEngine", "resolve_device"]
+__all__ = ["EngineConfig", "PackedEngine", "layout_of", "resolve_device"]
 
 
 def _matmul_triton():
@@ -390,6 +393,53 @@ class _Layer:
     pass
 
 
+def layout_of(tensors: dict) -> tuple:
+    """What a set of published tensors looks like to the engine, values aside: per name (sorted),
+    each field of its format object: (field, dtype, shape) for a tensor, the value otherwise
+    (scope, group size, ...). Two versions with equal layouts build identical engine structures
+    (PackedEngine.update relies on it; the contract fingerprint guarantees it for one run)."""
+
+    def fields(q):
+        out = []
+        for f in dataclasses.fields(q):
+            v = getattr(q, f.name)
+            out.append((f.name, str(v.dtype), tuple(v.shape)) if isinstance(v, Tensor) else (f.name, repr(v)))
+        return tuple(out)
+
+    return tuple((n, type(tensors[n]).__name__, fields(tensors[n])) for n in sorted(tensors))
+
+
+def _leaves(obj, out: list) -> list:
+    """The device tensors of a piece of the engine's weights, in a fixed order."""
+    if isinstance(obj, Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _leaves(x, out)
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            _leaves(obj[k], out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _leaves(getattr(obj, f.name), out)
+    elif isinstance(obj, (_Layer, _Linear, _Experts, _ActQuant)):
+        _leaves(vars(obj), out)
+    return out
+
+
+def _copy_into(dst, src, what: str) -> None:
+    """Copy every tensor of piece `src` into the same-placed tensor of `dst` (same structure)."""
+    a, b = _leaves(dst, []), _leaves(src, [])
+    if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b)):
+        raise RuntimeError(f"PackedEngine.update: {what} was built with another structure")  # a bug: layouts matched
+    done = set()  # a buffer reachable twice (an operand's values that are also the plain weight) is copied once
+    for x, y in zip(a, b):
+        key = (x.data_ptr(), x.shape, x.stride())
+        if key not in done and x.data_ptr() != y.data_ptr():
+            x.copy_(y)
+            done.add(key)
+
+
 # --------------------------------------------------------------------------------------------------
 # Engine
 
@@ -437,59 +487,96 @@ class PackedEngine:
         return PK.dequantize(PK.to_device(tensors[name], self.device)).to(self.dtype).reshape(self.plan[name].shape)
 
     def _load(self, tensors: dict) -> None:
-        cfg, dev, dt = self.cfg, self.device, self.dtype
         missing = sorted(set(self.plan._index) - set(tensors) - {e.name for e in self.plan.activations})
         if missing:
             raise ValueError(f"PackedEngine: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        self.embed = self._dense(tensors, "model.embed_tokens.weight")
-        self.norm = self._dense(tensors, "model.norm.weight")
+        self._layout = layout_of(tensors)
+        top = self._top(tensors)
+        self.embed, self.norm, self.lm_head = top.embed, top.norm, top.lm_head
+        self.layers = [self._layer(i, tensors) for i in range(self.cfg.n_layers)]
+        hd = self.cfg.head_dim
+        self.inv_freq = 1.0 / (
+            self.cfg.rope_theta ** (torch.arange(0, hd, 2, device=self.device, dtype=torch.float32) / hd)
+        )
+
+    def _top(self, tensors: dict) -> _Layer:
+        """The embedding, the final norm and the LM head, on the device."""
+        cfg, dev, dt = self.cfg, self.device, self.dtype
+        top = _Layer()
+        top.embed = self._dense(tensors, "model.embed_tokens.weight")
+        top.norm = self._dense(tensors, "model.norm.weight")
         if cfg.tie_word_embeddings:  # logits = x @ embed_tokens.weight.T, as policy.model.TiedHead
-            self.lm_head = _Linear(tensors["model.embed_tokens.weight"], None, dev, dt)
+            top.lm_head = _Linear(tensors["model.embed_tokens.weight"], None, dev, dt)
         else:
-            self.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
-        self.layers = []
-        for i in range(cfg.n_layers):
-            p = f"model.layers.{i}"
-            L = _Layer()
-            L.ln1 = self._dense(tensors, f"{p}.input_layernorm.weight")
-            L.ln2 = self._dense(tensors, f"{p}.post_attention_layernorm.weight")
-            L.q_norm = self._dense(tensors, f"{p}.self_attn.q_norm.weight")
-            L.k_norm = self._dense(tensors, f"{p}.self_attn.k_norm.weight")
-            L.q, L.k, L.v, L.o = (
-                _Linear(tensors[f"{p}.self_attn.{n}_proj.weight"], self._act(f"{p}.self_attn.{n}_proj.input"), dev, dt)
-                for n in "qkvo"
+            top.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
+        return top
+
+    def _layer(self, i: int, tensors: dict) -> _Layer:
+        """Layer i's weights on the device, in the layout the decode step reads."""
+        cfg, dev, dt = self.cfg, self.device, self.dtype
+        p = f"model.layers.{i}"
+        L = _Layer()
+        L.ln1 = self._dense(tensors, f"{p}.input_layernorm.weight")
+        L.ln2 = self._dense(tensors, f"{p}.post_attention_layernorm.weight")
+        L.q_norm = self._dense(tensors, f"{p}.self_attn.q_norm.weight")
+        L.k_norm = self._dense(tensors, f"{p}.self_attn.k_norm.weight")
+        L.q, L.k, L.v, L.o = (
+            _Linear(tensors[f"{p}.self_attn.{n}_proj.weight"], self._act(f"{p}.self_attn.{n}_proj.input"), dev, dt)
+            for n in "qkvo"
+        )
+        if all(x.weight is not None and x.act is None for x in (L.q, L.k, L.v)):  # one matmul for q, k, v
+            L.qkv = torch.cat([L.q.weight, L.k.weight, L.v.weight])
+        else:
+            L.qkv = None
+        L.gate = L.experts = L.shared = L.dense = None
+        if not cfg.is_moe_layer(i):  # a dense SwiGLU MLP (Qwen3 dense, mlp_only_layers)
+            L.dense = (
+                _Linear(tensors[f"{p}.mlp.gate_up_proj.weight"], self._act(f"{p}.mlp.gate_up_proj.input"), dev, dt),
+                _Linear(tensors[f"{p}.mlp.down_proj.weight"], self._act(f"{p}.mlp.down_proj.input"), dev, dt),
             )
-            if all(x.weight is not None and x.act is None for x in (L.q, L.k, L.v)):  # one matmul for q, k, v
-                L.qkv = torch.cat([L.q.weight, L.k.weight, L.v.weight])
-            else:
-                L.qkv = None
-            L.gate = L.experts = L.shared = L.dense = None
-            if not cfg.is_moe_layer(i):  # a dense SwiGLU MLP (Qwen3 dense, mlp_only_layers)
-                L.dense = (
-                    _Linear(tensors[f"{p}.mlp.gate_up_proj.weight"], self._act(f"{p}.mlp.gate_up_proj.input"), dev, dt),
-                    _Linear(tensors[f"{p}.mlp.down_proj.weight"], self._act(f"{p}.mlp.down_proj.input"), dev, dt),
-                )
-                self.layers.append(L)
-                continue
-            L.gate = _Linear(tensors[f"{p}.mlp.gate.weight"], self._act(f"{p}.mlp.gate.input"), dev, dt)
-            E = range(cfg.n_experts)
-            L.experts = _Experts(
-                [tensors[f"{p}.mlp.experts.{e}.gate_up_proj.weight"] for e in E],
-                [tensors[f"{p}.mlp.experts.{e}.down_proj.weight"] for e in E],
-                self._act(f"{p}.mlp.experts.0.gate_up_proj.input"),
-                self._act(f"{p}.mlp.experts.0.down_proj.input"),
-                dev,
-                dt,
+            return L
+        L.gate = _Linear(tensors[f"{p}.mlp.gate.weight"], self._act(f"{p}.mlp.gate.input"), dev, dt)
+        E = range(cfg.n_experts)
+        L.experts = _Experts(
+            [tensors[f"{p}.mlp.experts.{e}.gate_up_proj.weight"] for e in E],
+            [tensors[f"{p}.mlp.experts.{e}.down_proj.weight"] for e in E],
+            self._act(f"{p}.mlp.experts.0.gate_up_proj.input"),
+            self._act(f"{p}.mlp.experts.0.down_proj.input"),
+            dev,
+            dt,
+        )
+        if cfg.has_shared_expert:
+            s = f"{p}.mlp.shared_expert"
+            L.shared = (
+                _Linear(tensors[f"{s}.gate_up_proj.weight"], self._act(f"{s}.gate_up_proj.input"), dev, dt),
+                _Linear(tensors[f"{s}.down_proj.weight"], self._act(f"{s}.down_proj.input"), dev, dt),
             )
-            if cfg.has_shared_expert:
-                s = f"{p}.mlp.shared_expert"
-                L.shared = (
-                    _Linear(tensors[f"{s}.gate_up_proj.weight"], self._act(f"{s}.gate_up_proj.input"), dev, dt),
-                    _Linear(tensors[f"{s}.down_proj.weight"], self._act(f"{s}.down_proj.input"), dev, dt),
-                )
-            self.layers.append(L)
-        hd = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
+        return L
+
+    @torch.no_grad()
+    def update(self, tensors: dict) -> bool:
+        """Serve another version of the same layout from now on, in place: each piece (the
+        embedding + head, then one layer at a time) is built from `tensors` as `__init__` would
+        and copied into this engine's device buffers, then dropped, so at most one piece of the new
+        version sits on the device beside the old weights. The KV cache, the captured graphs and
+        the compiled glue keep their addresses and stay valid: nothing is reallocated or
+        recaptured. Call it only with no row in flight (the batcher drains first); the next
+        `begin` / `prefill` starts from clean state.
+
+        Returns False, changing nothing, when `tensors` do not have the layout this engine was
+        built from (`layout_of`: names, formats, shapes, dtypes, format parameters): build a fresh
+        engine then. On the CPU the engine's weights may be the tensors it was built from (no
+        device copy), which this overwrites."""
+        if layout_of(tensors) != self._layout:
+            return False
+        top = self._top(tensors)
+        _copy_into((self.embed, self.norm, self.lm_head), (top.embed, top.norm, top.lm_head), "the embedding / head")
+        del top
+        for i, L in enumerate(self.layers):
+            _copy_into(L, self._layer(i, tensors), f"layer {i}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return True
 
     def _alloc_state(self) -> None:
         cfg, e, dev = self.cfg, self.ecfg, self.device

@@ -1,9 +1,12 @@
 """The rollout worker: prompt groups in, scored trajectory groups out, always with a verified policy.
 
 Loop (up to `rollout.max_inflight_groups` groups in flight, continuous batching):
-    newest policy announced? -> stop starting groups, let the started ones finish (drain), then
-                                fetch it through the broker client (checksums + fingerprint
-                                verified) and swap it in; resume
+    newest policy announced? -> fetch it in the background (a thread: the broker client over
+                                `rollout.fetch_streams` streams, checksums + fingerprint verified,
+                                into host memory kept across versions) and stop starting groups,
+                                while the started ones keep decoding (drain); once both are done,
+                                swap it in (copied into the live engine) and resume. A newer
+                                pointer arriving meanwhile cancels that fetch and starts its own.
     room for a group? -> read prompt groups (own pending entries first, then entries reclaimed from
     dead workers, then new ones) -> refuse to start one with a policy more than `max_staleness`
     versions behind the newest -> submit it to the batcher (rollout/batching.py,
@@ -15,15 +18,19 @@ Loop (up to `rollout.max_inflight_groups` groups in flight, continuous batching)
 Every token of a group comes from the version that started it (tagged on its trajectories): versions
 swap only when no started group is in flight, so no sequence, KV row or prefix spans two versions.
 Prometheus on `rollout.metrics_port` (`WorkerMetrics`): generated tokens, groups, tokens/s,
-policy fetch seconds and bytes, the live version, refused versions, the staleness of the policy in use.
+policy fetch seconds and bytes, the split of the last swap (receive, verify, drain wait, h2d, swap), the
+live version, refused versions, the staleness of the policy in use.
 
 SIGTERM sets a flag: no group is read any more, the groups in flight are finished and committed,
 then the worker exits (a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
 
 Generation: with `rollout.device=cpu` (default) the CPU KV-cache engine of rollout/engine.py
 (`rollout.batching.CpuBackend`) with weights dequantized once per version (weight-only formats are exact after dequantization); with `cuda` / `cuda:N` the
-packed-weight engine of rollout/cuda_engine.py (`PackedBackend`), rebuilt per version from the fetched tensors (its
-KV cache and graphs never outlive the version that filled them).
+packed-weight engine of rollout/cuda_engine.py (`PackedBackend`), built once from the first version's tensors;
+each later version of the same layout is copied into it (`PackedEngine.update`: its CUDA graphs, KV cache and
+compiled glue stay; what the KV cache held is never read again once the batch drained), and a version of
+another layout gets a fresh engine (logged). Never two versions' weights on the GPU at once: the next version
+waits in page-locked host memory (`ReceiveBuffers`, reused across versions) until the swap.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import signal
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -41,7 +49,15 @@ from broker.codec import PromptGroup, Trajectory, sample_id_for
 from broker.health import ROLLOUT_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.metrics import MetricsEndpoint
-from broker.policy_client import PolicyClient, PolicyClientConfig, check_reachable
+from broker.policy_client import (
+    FetchCancel,
+    FetchCancelled,
+    FetchedPolicy,
+    PolicyClient,
+    PolicyClientConfig,
+    ReceiveBuffers,
+    check_reachable,
+)
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, connect
@@ -88,6 +104,14 @@ class WorkerMetrics:
         self.fetch_bytes = prom.Counter(
             "tandem_rollout_policy_fetch_bytes", "policy tensor bytes fetched over gRPC (bytes)", registry=reg
         )
+        self.swap_part = prom.Gauge(
+            "tandem_rollout_policy_swap_part_seconds",
+            "the last version's swap, by part: receive (gRPC streams), verify (digests after the last chunk), "
+            "drain_wait (fetched, waiting for the groups in flight), h2d (copy into the engine or model), "
+            "swap (the batcher and bookkeeping) (seconds)",
+            ["part"],
+            registry=reg,
+        )
         self.fetch_failures = prom.Counter(
             "tandem_rollout_policy_fetch_failures", "policy fetches that failed and will be retried", registry=reg
         )
@@ -112,7 +136,19 @@ class WorkerMetrics:
         self.port = self.endpoint.port
 
 
+@dataclass
+class _Prefetch:
+    """A version being fetched in a thread (or fetched, waiting for the drain)."""
+
+    pointer: PolicyPointer
+    cancel: FetchCancel
+    task: asyncio.Task  # -> (FetchedPolicy, perf_counter when it was complete)
+    seen: float  # perf_counter when the worker started fetching it
+
+
 class RolloutWorker:
+    retry_s = 0.5  # a failed fetch is started again this long after it failed
+
     def __init__(
         self,
         cfg: RolloutConfig,
@@ -140,9 +176,15 @@ class RolloutWorker:
 
             torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device.index or 0)
         self.model_config = model_config
-        # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine per version.
+        # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine, updated in place.
         self.model = Transformer(model_config, seed=None) if self.device.type == "cpu" else None
         self.engine: PackedEngine | None = None
+        # Where versions are received: on CUDA page-locked memory kept across versions (the engine
+        # copies out of it at the swap); on the CPU fresh memory per version (the model's packed
+        # tensors alias the fetched bytes, so the next fetch must not overwrite them).
+        self.host_buffers = ReceiveBuffers(pinned=True) if self.device.type == "cuda" else None
+        self._prefetch: _Prefetch | None = None
+        self._retry_at = 0.0  # monotonic time before which a failed fetch is not started again
         self.batcher: ContinuousBatcher | None = None  # made at the first version, swapped per version
         self.inflight: dict = {}  # group_id -> (prompt record or None, its PromptGroup, start time)
         self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
@@ -211,7 +253,8 @@ class RolloutWorker:
             while not (self.stop.is_set() and not self.inflight):
                 now = time.monotonic()
                 busy = bool(self.inflight)
-                swap_now = self.batcher is not None and self.batcher.draining and self.batcher.drained
+                fetched = self._prefetch is not None and self._prefetch.task.done()
+                swap_now = fetched and (self.batcher is None or self.batcher.drained)
                 if not busy or swap_now or now - last_pointer >= 0.25:  # generating: a few looks a second
                     last_pointer = now
                     latest = await registry.latest()
@@ -223,14 +266,17 @@ class RolloutWorker:
                         refused_logged = registry.refused
                     if latest is not None and (self.version is None or latest.version > self.version):
                         await self._swap_when_drained(latest)  # on failure keep the current one
+                    elif latest is not None and self._prefetch is not None:  # the pointer went back (a restart)
+                        await self._give_up_prefetch()
                 if self.version is None:
-                    await asyncio.sleep(0.5)
+                    await self._wait_prefetch(0.5)
                     continue
                 room = self.cfg.max_inflight_groups - len(self.inflight)
                 if not self.stop.is_set() and room > 0 and (not busy or now - last_read >= 0.1):
                     last_read = now
-                    if not carried:  # do not block while samples are decoding
-                        carried = await queue.read(count=room, block_ms=0 if busy else None)
+                    if not carried:  # do not block while samples are decoding or a version is coming
+                        block = 0 if busy or self._prefetch is not None else None
+                        carried = await queue.read(count=room, block_ms=block)
                     while carried and len(self.inflight) < self.cfg.max_inflight_groups:
                         # Never start a group with a policy already more than max_staleness behind
                         # the newest; if the newest cannot be loaded now (or the groups in flight
@@ -241,7 +287,7 @@ class RolloutWorker:
                         if stale and not await self._swap_when_drained(latest):
                             await queue.keep_alive(carried)  # still ours: no other janitor claims them
                             if not self.inflight:
-                                await asyncio.sleep(0.5)
+                                await self._wait_prefetch(0.5)
                             break
                         if latest is not None:
                             self.metrics.staleness.set(latest.version - self.version)
@@ -266,30 +312,56 @@ class RolloutWorker:
                         self.metrics.groups.inc()
                         self.metrics.tokens.inc(n_tokens)
                     await asyncio.sleep(0)  # heartbeats and signals between decode chunks
+                if self._prefetch is not None and (self.batcher is None or self.batcher.drained):
+                    await self._wait_prefetch(0.05)  # nothing decoding: wait for the fetch, do not spin
             self.log(f"{self.worker_id}: drained after {self.groups_done} groups")
             return 0
         finally:
             self.stop.set()
+            await self._drop_prefetch()
             await beats
             await self.redis.aclose()
             self.health.stop()
             self.metrics.endpoint.close()
 
     async def _swap_when_drained(self, pointer: PolicyPointer) -> bool:
-        """Load `pointer`'s version now if no started group is in flight (True when it is live);
-        else stop starting groups so that the in-flight ones drain, and load it on a later call."""
-        if self.batcher is None or self.batcher.drained:
-            ok = await self._try_load(pointer)
-            if not ok and self.batcher is not None:
-                self.batcher.cancel_swap()  # not loadable now: go on with the current version
-            return ok
-        if pointer.version not in self.refused_versions and pointer.contract_fingerprint == self.fingerprint:
-            self.batcher.request_swap()
-        return False
+        """Make `pointer`'s version live as soon as it is fetched and no started group is in flight
+        (True when it is live now). Until then: its fetch runs in the background (started here, or
+        replacing the fetch of an older pointer) and no group starts, so the started ones drain.
+        A failed fetch is logged at once, groups start again under the current version, and the
+        next call retries it."""
+        if not self._loadable(pointer):
+            await self._give_up_prefetch()  # the newest is not for us: an older fetch is not either
+            return False
+        pf = await self._start_prefetch(pointer)
+        if pf is None:  # a failed fetch waits a moment before its retry
+            return False
+        if pf.task.done() and pf.task.exception() is not None:
+            return await self._finish_or_log(pf)
+        if (self.batcher is not None and not self.batcher.drained) or not pf.task.done():
+            if self.batcher is not None:
+                self.batcher.request_swap()
+            return False
+        return await self._finish_or_log(pf)
 
     async def _try_load(self, pointer: PolicyPointer | None) -> bool:
-        """Load `pointer`'s version; False (logged) when it is not for our contract or not reachable
-        now, e.g. a trainer that restarted and has not republished yet."""
+        """Load `pointer`'s version now (fetch, then swap: no group may be in flight); False
+        (logged) when it is not for our contract or not reachable now, e.g. a trainer that
+        restarted and has not republished yet."""
+        if not self._loadable(pointer):
+            return False
+        pf = await self._start_prefetch(pointer, now=True)
+        await asyncio.wait({pf.task})
+        return await self._finish_or_log(pf)
+
+    async def _load(self, pointer: PolicyPointer) -> None:
+        """Fetch and verify a version, then swap it in; raises what went wrong."""
+        pf = await self._start_prefetch(pointer, now=True)
+        await asyncio.wait({pf.task})
+        await self._finish(pf)
+
+    def _loadable(self, pointer: PolicyPointer | None) -> bool:
+        """False for a version refused before or a contract fingerprint not ours (logged once)."""
         if pointer is None or pointer.version in self.refused_versions:
             return False
         if pointer.contract_fingerprint != self.fingerprint:
@@ -301,8 +373,74 @@ class RolloutWorker:
                     f"{pointer.contract_fingerprint[:12]} is not ours ({self.fingerprint[:12]})"
                 )
             return False
+        return True
+
+    async def _start_prefetch(self, pointer: PolicyPointer, *, now: bool = False) -> _Prefetch | None:
+        """The background fetch of `pointer`'s version: the one running, else a new one (an older
+        pointer's fetch is cancelled first: one fetch at a time, into the same host buffers).
+        None while a failed fetch waits for its retry (`now` skips that wait)."""
+        pf = self._prefetch
+        if pf is not None and pf.pointer == pointer:
+            return pf
+        if not now and time.monotonic() < self._retry_at:
+            return None
+        if pf is not None:
+            done = "fetched" if pf.task.done() else "fetching"
+            self.log(f"{self.worker_id}: v{pointer.version} announced while {done} v{pf.pointer.version}: superseded")
+        await self._drop_prefetch()
+        cancel = FetchCancel()
+        task = asyncio.create_task(asyncio.to_thread(self._fetch, pointer, cancel))
+        self._prefetch = _Prefetch(pointer, cancel, task, time.perf_counter())
+        return self._prefetch
+
+    async def _drop_prefetch(self) -> None:
+        """Cancel the fetch in progress (if any) and wait for its thread to let go of the buffers."""
+        pf, self._prefetch = self._prefetch, None
+        if pf is not None:
+            pf.cancel.cancel()
+            await asyncio.wait({pf.task})
+            if not pf.task.cancelled():
+                pf.task.exception()  # retrieved: a superseded fetch's error is not news
+
+    async def _give_up_prefetch(self) -> None:
+        """Drop the fetch (if any) and start groups again under the current version."""
+        if self._prefetch is not None:
+            await self._drop_prefetch()
+            if self.batcher is not None:
+                self.batcher.cancel_swap()
+
+    async def _wait_prefetch(self, timeout: float) -> None:
+        """Sleep up to `timeout` seconds, less if the version being fetched comes in first."""
+        pf = self._prefetch
+        if pf is None or pf.task.done():
+            await asyncio.sleep(timeout if pf is None else 0)
+        else:
+            await asyncio.wait({pf.task}, timeout=timeout)
+
+    def _fetch(self, pointer: PolicyPointer, cancel: FetchCancel) -> tuple[FetchedPolicy, float]:
+        """The fetch thread: the verified version (bytes in `host_buffers` on CUDA)."""
+        address = self.cfg.policy_address or pointer.address
+        # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
+        # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
+        check_reachable(address)
+        cfg = PolicyClientConfig(
+            address=address,
+            expected_fingerprint=self.fingerprint,
+            fetch_timeout_s=self.cfg.fetch_timeout_s,
+            streams=self.cfg.fetch_streams,
+            tls=self.cfg.tls,
+        )
+        with PolicyClient(cfg) as client:
+            fetched = client.fetch(
+                pointer.version, check=self._check_manifest, buffers=self.host_buffers, cancel=cancel
+            )
+        return fetched, time.perf_counter()
+
+    async def _finish_or_log(self, pf: _Prefetch) -> bool:
+        """`_finish`; False (logged, counted; groups resume under the current version) on failure."""
+        pointer = pf.pointer
         try:
-            await self._load(pointer)
+            await self._finish(pf)
             return True
         except ManifestRefused as e:
             self.refused_versions.add(pointer.version)
@@ -311,40 +449,35 @@ class RolloutWorker:
                 f"{self.worker_id}: {str(e)[:400]}; keeping v{self.version} "
                 f"({len(self.refused_versions)} version(s) refused)"
             )
-            return False
+        except FetchCancelled:
+            pass
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
             self.metrics.fetch_failures.inc()
+            self._retry_at = time.monotonic() + self.retry_s
             self.log(
                 f"{self.worker_id}: fetching v{pointer.version} from {self.cfg.policy_address or pointer.address} "
                 f"failed, will retry: {why(e)}"
             )
-            return False
+        if self.batcher is not None:
+            self.batcher.cancel_swap()  # not loadable now: go on with the current version
+        return False
 
-    async def _load(self, pointer: PolicyPointer) -> None:
-        """Fetch and verify a version (in a thread: the gRPC client is blocking), then swap it in."""
-
-        address = self.cfg.policy_address or pointer.address
-
-        def fetch():
-            # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
-            # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
-            check_reachable(address)
-            cfg = PolicyClientConfig(
-                address=address,
-                expected_fingerprint=self.fingerprint,
-                fetch_timeout_s=self.cfg.fetch_timeout_s,
-                tls=self.cfg.tls,
-            )
-            with PolicyClient(cfg) as client:
-                return client.fetch(pointer.version, check=self._check_manifest)
-
+    async def _finish(self, pf: _Prefetch) -> None:
+        """Swap a fetched version in: copied into the engine (or the CPU model), then the batcher."""
+        if self._prefetch is pf:
+            self._prefetch = None
+        fetched, fetched_at = pf.task.result()  # raises the fetch's error
         if self.batcher is not None and not self.batcher.drained:
             raise RuntimeError("policy swap while groups are in flight")  # the loop drains first
         t0 = time.perf_counter()
-        fetched = await asyncio.to_thread(fetch)
+        how = "cpu model"
         if self.model is not None:
             qat.install_packed(self.model, self.recipe, fetched.tensors)
+        elif self.engine is not None and await asyncio.to_thread(self.engine.update, fetched.tensors):
+            how = "in place"
         else:
+            if self.engine is not None:
+                self.log(f"{self.worker_id}: v{fetched.version} has another tensor layout: building a fresh engine")
             self.engine = None  # free the previous version's weights, KV cache and graphs first
             if self.batcher is not None:
                 self.batcher.backend = None
@@ -353,27 +486,42 @@ class RolloutWorker:
             except BaseException:
                 self.version = None  # the old engine is gone: serve nothing until a version loads
                 raise
-        backend = self._backend()
+            how = "fresh engine"
+        t1 = time.perf_counter()
         if self.batcher is None:
             self.batcher = ContinuousBatcher(
-                backend, max_inflight_groups=self.cfg.max_inflight_groups, version=fetched.version
+                self._backend(), max_inflight_groups=self.cfg.max_inflight_groups, version=fetched.version
             )
-        else:
-            self.batcher.swap(fetched.version, backend)
+        else:  # the same backend unless the engine was built anew
+            self.batcher.swap(fetched.version, self._backend() if how == "fresh engine" else None)
         previous, self.version = self.version, fetched.version
+        t2 = time.perf_counter()
+        st = fetched.stats
+        parts = {
+            "receive": st.receive_s,
+            "verify": st.verify_s,
+            "drain_wait": max(0.0, t0 - fetched_at),
+            "h2d": t1 - t0,
+            "swap": t2 - t1,
+        }
+        for part, sec in parts.items():
+            self.metrics.swap_part.labels(part).set(sec)
         # The pointer's published_at is the trainer's clock: exact on one machine, skewed across hosts.
+        pointer = pf.pointer
         after_publish = time.time() - pointer.published_at if pointer.published_at else float("nan")
-        self.metrics.fetch_seconds.observe(time.perf_counter() - t0)
-        self.metrics.fetch_bytes.inc(fetched.stats.bytes)
+        self.metrics.fetch_seconds.observe(st.seconds + parts["h2d"])
+        self.metrics.fetch_bytes.inc(st.bytes)
         self.metrics.version.set(self.version)
         self.metrics.publish_to_live.set(after_publish)
         self.health.set_serving(not self.stop.is_set())
         groups, tokens, gen_s = self._since_swap
         self._since_swap = [0, 0, 0.0]
         self.log(
-            f"{self.worker_id}: policy v{self.version} live ({fetched.stats.bytes} bytes, "
-            f"{time.perf_counter() - t0:.2f}s, {after_publish:.2f}s after publish); "
-            f"under v{previous}: {groups} groups, {tokens} tokens in {gen_s:.2f}s generating"
+            f"{self.worker_id}: policy v{self.version} live ({st.bytes} bytes, "
+            f"{t2 - pf.seen:.2f}s, {after_publish:.2f}s after publish); "
+            f"under v{previous}: {groups} groups, {tokens} tokens in {gen_s:.2f}s generating; "
+            + ", ".join(f"{k} {v:.2f}s" for k, v in parts.items())
+            + f" ({how}, {self.cfg.fetch_streams} stream(s))"
         )
 
     def _check_manifest(self, manifest) -> None:

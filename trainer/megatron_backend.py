@@ -4,7 +4,8 @@ the canonical names, and QAT on its linears with policy.qat's quantizers.
 Architecture: `build_gpt_model(cfg)` builds the same decoder as `policy.model.Transformer` from the
 local (non-TransformerEngine) layer spec: RMSNorm, grouped-query attention with per-head q/k RMSNorm
 and rotate-half RoPE (base `rope_theta`), MoE with a softmax top-k router, SwiGLU routed experts
-(`SequentialMLP`, one MLP per expert) and the optional always-on shared expert, or a dense SwiGLU MLP
+(`SequentialMLP`, one MLP per expert; on CUDA in bf16 its forward is one grouped GEMM per projection,
+`_experts_forward`) and the optional always-on shared expert, or a dense SwiGLU MLP
 per `cfg.is_moe_layer` (Qwen3 dense and mixed models: megatron's moe_layer_freq pattern), final
 RMSNorm and an output layer, tied to the embedding when `tie_word_embeddings`. No biases, no dropout, no auxiliary loss, no capacity limit. A routed expert
 weights its output by the router probability (megatron would scale fc2's input: see
@@ -54,8 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from policy import compute
 from policy.formats import Operand
-from policy.model import ModelConfig
+from policy.model import ModelConfig, QuantHook
 from policy.qat import QATHook
 from policy.recipe import Plan, Recipe
 
@@ -188,6 +190,40 @@ def _scale_expert_outputs(model: nn.Module) -> None:
         if isinstance(mod, SequentialMLP):
             for expert in mod.local_experts:
                 expert.forward = partial(_expert_forward, expert)
+            mod.forward = partial(_experts_forward, mod, mod.forward)
+
+
+_PLAIN_HOOK = QuantHook()
+
+
+def _experts_forward(mlp: nn.Module, loop, hidden: Tensor, tokens_per_expert: Tensor, permuted_probs: Tensor):
+    """SequentialMLP.forward: on CUDA under bf16 (or with `mlp.tandem_grouped = True`), one grouped
+    GEMM per projection for all local experts, as policy.model's grouped MoE (through the QAT hook
+    that apply_qat left in `mlp._tandem_grouped`, or a plain one), with no host sync; otherwise (or
+    where the hook cannot group, e.g. fp8_block) megatron's loop over experts (`loop`), which syncs
+    for the counts. hidden's rows are grouped by local expert, tokens_per_expert [E] counts them."""
+    hook, sites = mlp.__dict__.get("_tandem_grouped") or (_PLAIN_HOOK, None)
+    n = len(mlp.local_experts)
+    grouped = mlp.__dict__.get("tandem_grouped")
+    if grouped is None:
+        grouped = hidden.is_cuda and compute.compute_dtype(hidden) == torch.bfloat16
+    if sites is None:
+        sites = ([""] * n, [""] * n)  # the plain hook ignores them
+    if (
+        not grouped
+        or n == 1
+        or mlp.config.moe_apply_probs_on_input
+        or not (hook.can_group(sites[0]) and hook.can_group(sites[1]))
+    ):
+        return loop(hidden, tokens_per_expert, permuted_probs)
+    counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int64)
+    offs = counts.cumsum(0).to(torch.int32)
+    groups = torch.repeat_interleave(torch.arange(n, device=hidden.device), counts, output_size=hidden.shape[0])
+    fc1 = [e.linear_fc1.weight for e in mlp.local_experts]
+    gate, up = torch.chunk(hook.grouped_linear(sites[0], hidden, fc1, offs, groups), 2, dim=-1)
+    fc2 = [e.linear_fc2.weight for e in mlp.local_experts]
+    y = hook.grouped_linear(sites[1], F.silu(gate) * up, fc2, offs, groups)
+    return y * permuted_probs.unsqueeze(-1).to(y.dtype), None
 
 
 def _expert_forward(mlp: nn.Module, hidden_states: Tensor, per_token_scale: Tensor | None = None, **_: object):
@@ -602,6 +638,32 @@ class MegatronQATHook(QATHook):
         return {n: e[1] for n, e in self._canonical_entries(model).items()}
 
 
+def _add_expert_groups(model: nn.Module, hook: MegatronQATHook, expert_offset: int) -> None:
+    """Each layer's local experts' linear_fc1s, and their linear_fc2s, are refilled together (one
+    stacked quantization each: policy.qat.QATHook.add_group)."""
+    groups: dict[tuple[str, str], list[tuple[str, Tensor]]] = {}
+    for mname, p in model.named_parameters():
+        m = _M_EXPERT.search(mname)
+        if m:
+            name = canonical_name(mname, expert_offset=expert_offset)
+            groups.setdefault((mname[: m.start()], m.group(2)), []).append((name, p))
+    for members in groups.values():
+        hook.add_group([n for n, _ in members], [p for _, p in members])
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for path, mod in model.named_modules():
+        if isinstance(mod, SequentialMLP):
+            i = _M_LAYER.match(path.removeprefix("module.")).group(1)
+            experts = range(expert_offset, expert_offset + len(mod.local_experts))
+            mod._tandem_grouped = (
+                hook,
+                tuple(
+                    [f"model.layers.{i}.mlp.experts.{e}.{proj}" for e in experts]
+                    for proj in ("gate_up_proj", "down_proj")
+                ),
+            )
+
+
 def _qat_forwards(model: nn.Module, hook: MegatronQATHook, expert_offset: int) -> dict[nn.Module, object]:
     """The replacement forward of every module that owns a parameter, keyed by module."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -672,6 +734,7 @@ def apply_qat(
             raise ValueError(f"megatron QAT: layer {i} quantizes q/k/v inputs differently; linear_qkv fuses them")
     remove_qat(model)
     hook = MegatronQATHook(plan, backward)
+    _add_expert_groups(model, hook, ep_rank * (cfg.n_experts // ep))
     for mod, (attr, fn) in _qat_forwards(model, hook, ep_rank * (cfg.n_experts // ep)).items():
         mod._tandem_qat = (attr, mod.__dict__.get(attr))  # what remove_qat restores
         setattr(mod, attr, fn)
@@ -683,6 +746,7 @@ def apply_qat(
 def remove_qat(model: nn.Module) -> None:
     """Restore megatron's own forwards (undo `apply_qat`)."""
     for mod in model.modules():
+        mod.__dict__.pop("_tandem_grouped", None)
         saved = mod.__dict__.pop("_tandem_qat", None)
         if saved is not None:
             attr, previous = saved

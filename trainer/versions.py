@@ -21,8 +21,10 @@ on the meta device (no memory: every read of a parameter goes through the hook) 
 hook that is `policy.qat.PackedHook` over v's objects (QATHook's forward with v's operands), except
 that each operand is built when its matmul runs and dropped after it. The result equals, bit for
 bit, the QAT forward (`policy.qat.apply_qat`, the training recipe) of v's master weights on the same
-rows and device (tests/unit/test_versions.py). Transient memory: one weight's operand at a time
-plus the fp32 dequantized embedding and norms (as the QAT forward holds them), during the call.
+rows and device, on the MoE's loop over experts and on its grouped GEMM alike
+(tests/unit/test_versions.py). Transient memory, during the call: one weight's operand at a time
+(in the grouped GEMM, the operands of one MoE projection's experts, stacked: 0.8 GB here), plus the
+fp32 dequantized embedding and norms (as the QAT forward holds them).
 
 Memory: per retained version, the bytes of its packed parts (`nbytes`): 4.38 GB for the 6-layer
 Qwen3-30B-A3B of configs/gpu-h200.yaml under nvfp4_moe, against 17.4 GB of fp32 master weights.
@@ -117,7 +119,8 @@ class RetainedVersions:
 class _PackedOperands(qat.QATHook):
     """policy.qat.PackedHook's forward (QATHook's code, the operands from a version's quantized
     objects), each operand built when its matmul asks for it and dropped after: the forward holds one
-    weight's bf16 operand at a time, not all of them (6+ GB for the 4B model) as PackedHook does."""
+    weight's bf16 operand at a time (one projection's experts in the grouped GEMM, which stacks
+    them), not all of them (6+ GB for the 4B model) as PackedHook does."""
 
     def __init__(self, plan: Plan, packed: Mapping[str, object]):
         super().__init__(plan)

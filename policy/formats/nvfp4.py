@@ -139,9 +139,9 @@ def e2m1_value(codes: torch.Tensor) -> torch.Tensor:
 
 def operand_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
     """bf16 [M, K] = e2m1 x sf: at most 6 significant bits in [2^-10, 2688], exact in bf16."""
-    m = codes.shape[0]
-    v = e2m1_value(unpack_codes(codes)).view(m, -1, BLOCK) * block_scales.to(torch.float32).unsqueeze(-1)
-    return v.view(m, -1).to(torch.bfloat16)
+    m, k = codes.shape[0], 2 * codes.shape[1]  # explicit K: a [0, K] tensor (an expert without tokens)
+    v = e2m1_value(unpack_codes(codes)).view(m, k // BLOCK, BLOCK) * block_scales.to(torch.float32).unsqueeze(-1)
+    return v.view(m, k).to(torch.bfloat16)
 
 
 def operand(q: NVFP4Tensor) -> Operand:

@@ -6,6 +6,8 @@ the Triton quantizers in `quant_triton` run; everywhere else the CPU reference i
 (`tandem-rl[gpu]`); nothing here imports it until a CUDA tensor asks for it.
 
     quantize(fmt, x, **kw)          -> the format's quantized object (NVFP4Tensor, ...)
+    quantize_stacked(fmt, x, **kw)  -> x [E, M, K]: each x[e] quantized as its own tensor, in one
+                                       call (an MoE layer's experts); the same bytes as E calls
     dequantize(q) / fake_quant(...) -> fp32 / x.dtype, via the reference (device-agnostic torch)
     backend(x)                      -> "triton" or "reference" for x's device
 
@@ -94,6 +96,9 @@ def quantize(fmt: str, x: torch.Tensor, *, check_finite: bool = True, **kw):
     ValueError on NaN/Inf like the reference; pass False on a hot path whose inputs are known
     finite (the bytes for non-finite input are then unspecified)."""
     mod = formats.get(fmt)
+    if fmt == "bf16" and not check_finite and isinstance(x, torch.Tensor) and x.device.type != "cpu":
+        _check(fmt, x, 1)  # the reference's cast without its fp32 copy and finite check (a host sync)
+        return mod.BF16Tensor(x.detach().to(torch.bfloat16, copy=True), tuple(x.shape))
     if not isinstance(x, torch.Tensor) or x.device.type == "cpu" or fmt == "bf16":
         return mod.quantize(x, **kw)  # bf16 is a plain cast: torch does it on any device
     if backend(x) != "triton":
@@ -131,6 +136,67 @@ def quantize(fmt: str, x: torch.Tensor, *, check_finite: bool = True, **kw):
     return out
 
 
+def quantize_stacked(fmt: str, x: torch.Tensor, *, check_finite: bool = True, **kw):
+    """Quantize each of the E tensors x[e] of x [E, M, K] on its own (as `quantize(fmt, x[e], **kw)`,
+    bit for bit) in one call -> (flat, [q_0, ..., q_{E-1}]).
+
+    `flat` is one object over the E * M rows whose parts hold every q_e's, stacked along rows
+    (q_e's parts are views of them): nvfp4 tensor scope has a global_scale [E], one per tensor;
+    every other case is `quantize` of the flat [E * M, K] tensor, because its scales are row-local
+    (per row, per row group, per 1 x 16/32 block; fp8_block when its block rows divide M).
+    nvfp4 tensor scope runs one Triton launch pair on CUDA (per-tensor amax, then the codes); on the
+    CPU, the reference with each tensor's amax given per row, the same arithmetic as tensor scope.
+    Shapes that fit none of these (fp8_block with M not a multiple of its block rows, M = 0) are
+    quantized tensor by tensor; `flat` is then None."""
+    if x.dim() != 3:
+        raise ValueError(f"quantize_stacked: expected an [E, M, K] tensor, got shape {tuple(x.shape)}")
+    e, m, k = x.shape
+    kw = dict(kw)
+    if m == 0 or (fmt == "fp8_block" and m % tuple(kw.get("block", _fp8_block.WEIGHT_BLOCK))[0]):
+        return None, [quantize(fmt, x[i], check_finite=check_finite, **kw) for i in range(e)]
+    flat_x = x.reshape(e * m, k)
+    if fmt == "nvfp4" and kw.get("scope", "tensor") == "tensor":
+        flat = _nvfp4_stacked(flat_x, e, check_finite)
+    else:
+        flat = quantize(fmt, flat_x, check_finite=check_finite, **kw)
+    return flat, [_rows_of(flat, i, e, (m, k)) for i in range(e)]
+
+
+def _nvfp4_stacked(x: torch.Tensor, groups: int, check_finite: bool):
+    """nvfp4 tensor scope over `groups` stacked tensors: NVFP4Tensor over all rows, global_scale [groups]."""
+    if isinstance(x, torch.Tensor) and x.device.type == "cuda" and backend(x) == "triton":
+        from . import quant_triton as qt
+
+        if qt.kernel_supports("nvfp4", x, {}):
+            x = x.detach().contiguous()
+            _check("nvfp4", x, _nvfp4.BLOCK)
+            codes, sf, gs, status = qt.nvfp4_quantize(x, "tensor", groups=groups)
+            if check_finite:
+                _raise_if_nonfinite("nvfp4", status)
+            return _nvfp4.NVFP4Tensor(codes, sf, gs, tuple(x.shape), "tensor")
+    # The reference: row scope with every row given its tensor's amax is tensor scope's arithmetic
+    # (the same fp32 operations on the same values, per row instead of broadcast).
+    xc = x.detach().cpu()
+    _check("nvfp4", xc, _nvfp4.BLOCK)
+    m = xc.shape[0] // groups
+    amax = xc.float().abs().view(groups, -1).amax(dim=1)  # exact; the reference rejects non-finite x
+    q = _nvfp4.quantize(xc, scope="row", amax=amax.repeat_interleave(m))
+    flat = _nvfp4.NVFP4Tensor(q.codes, q.block_scales, q.global_scale[::m].contiguous(), q.shape, "tensor")
+    return to_device(flat, x.device)
+
+
+def _rows_of(flat, i: int, n: int, shape: tuple[int, int]):
+    """Tensor i of n stacked in `flat`: every part's rows i * (rows / n) ... (i + 1) * (rows / n)
+    (codes and scales per row, per block row, or per tensor: a global_scale [n])."""
+    parts = {}
+    for f in dataclasses.fields(flat):
+        t = getattr(flat, f.name)
+        if isinstance(t, torch.Tensor):
+            r = t.shape[0] // n
+            parts[f.name] = t[i * r : (i + 1) * r]
+    return dataclasses.replace(flat, shape=shape, **parts)
+
+
 def dequantize(q) -> torch.Tensor:
     """fp32 [M, K], by the reference formula (plain torch: runs on the tensors' device)."""
     return _module_of(q).dequantize(q)
@@ -153,5 +219,6 @@ __all__ = [
     "dequantize",
     "fake_quant",
     "quantize",
+    "quantize_stacked",
     "to_device",
 ]

@@ -137,17 +137,20 @@ def _e2m1_code_biased(a, x_bits):
 
 @triton.jit
 def _amax_bits_kernel(x_ptr, status_ptr, numel, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """status = max(status, max |bits| of x): the tensor amax (non-finite shows as >= 0x7F800000).
+    """status[g] = max(status[g], max |bits| of group g): the amax of each of the tensors stacked in
+    x, `numel` elements each (g = program_id(1); one group: the tensor amax). Non-finite shows as
+    >= 0x7F800000.
 
     A grid of a few programs per SM strides over the tensor, so only a few hundred atomics hit
     the one status word (same-address atomics serialize in L2)."""
     pid = tl.program_id(0)
+    base = tl.program_id(1).to(tl.int64) * numel
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(pid.to(tl.int64) * BLOCK, numel, step):
         offs = start + tl.arange(0, BLOCK)
-        acc = tl.maximum(acc, _load_bits(x_ptr, offs, offs < numel, IN_KIND) & 0x7FFFFFFF)
-    tl.atomic_max(status_ptr, tl.max(acc, axis=0))
+        acc = tl.maximum(acc, _load_bits(x_ptr, base + offs, offs < numel, IN_KIND) & 0x7FFFFFFF)
+    tl.atomic_max(status_ptr + tl.program_id(1), tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -210,6 +213,7 @@ def _nvfp4_kernel(
     K,
     x_row_words,
     code_row_words,
+    group_rows,
     IN_KIND: tl.constexpr,
     ROW_SCOPE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -226,7 +230,9 @@ def _nvfp4_kernel(
     Row scope: one program owns whole rows (the row amax needs all of it first). Tensor scope:
     the amax is already known, so the grid also splits K (program_id(1) = chunk), and it walks
     the tensor from the end: the amax pass read the end last, so the first programs find it
-    in L2."""
+    in L2. Tensor scope over stacked tensors: row r belongs to tensor r // group_rows, whose amax
+    is amax_ptr[r // group_rows] and whose global scale goes to gs_ptr[r // group_rows] (one
+    tensor: group_rows = M)."""
     pid = tl.program_id(0)
     pid_c = tl.program_id(1)
     if not ROW_SCOPE:
@@ -263,7 +269,7 @@ def _nvfp4_kernel(
                 amax_bits = tl.maximum(amax_bits, tl.max(_block_absmax(a0, a1, a2, a3), axis=1))
         _flag_nonfinite(status_ptr, amax_bits)
     else:
-        amax_bits = tl.load(amax_ptr + r * 0)  # the tensor amax, broadcast to every row
+        amax_bits = tl.load(amax_ptr + r // group_rows, mask=rmask, other=0)  # the row's tensor amax
 
     amax = _as_f32(amax_bits)
     s_enc = tl.minimum(_div_rn(tl.full([ROWS], 2688.0, tl.float32), amax), FLT_MAX)
@@ -275,7 +281,7 @@ def _nvfp4_kernel(
         c_start = 0
         c_end = nblocks
     else:
-        tl.store(gs_ptr + r * 0, s_dec, mask=rmask & (r == 0) & (pid_c == 0))
+        tl.store(gs_ptr + r // group_rows, s_dec, mask=rmask & (r % group_rows == 0) & (pid_c == 0))
         c_start = c_first
         c_end = c_start + CHUNK
 
@@ -490,19 +496,24 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=None):
-    """-> (codes uint8 [M, K/2], block_scales fp8 [M, K/16], global_scale fp32, status int32 [1])."""
+def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=None, groups: int = 1):
+    """-> (codes uint8 [M, K/2], block_scales fp8 [M, K/16], global_scale fp32, status int32 [1]).
+
+    groups > 1 (tensor scope): x is that many tensors of M / groups rows stacked, each quantized as
+    its own tensor (its own amax and global scale: global_scale is [groups]), in one launch."""
     m, k = x.shape
     nblocks = k // 16
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     sf = torch.empty(m, nblocks, dtype=torch.float8_e4m3fn, device=x.device)
-    gs = torch.empty(m if scope == "row" else 1, dtype=torch.float32, device=x.device)
+    gs = torch.empty(m if scope == "row" else groups, dtype=torch.float32, device=x.device)
     status = _status(x.device)
+    amax = status if groups == 1 else torch.zeros(groups, dtype=torch.int32, device=x.device)
     kind = _IN_KIND[x.dtype]
     if scope == "tensor":
         block = 4096
-        grid = min(triton.cdiv(x.numel(), block), 4 * _sm_count(x.device))
-        _amax_bits_kernel[(grid,)](_bits_view(x), status, x.numel(), IN_KIND=kind, BLOCK=block, num_warps=8)
+        per_group = x.numel() // groups
+        grid = min(triton.cdiv(per_group, block), max(1, 4 * _sm_count(x.device) // groups))
+        _amax_bits_kernel[(grid, groups)](_bits_view(x), amax, per_group, IN_KIND=kind, BLOCK=block, num_warps=8)
     chunk, rows, single, warps = config or _nvfp4_config(m, nblocks, scope)
     grid = (triton.cdiv(m, rows), 1 if scope == "row" else triton.cdiv(nblocks, chunk))
     _nvfp4_kernel[grid](  # x as int32 words: element pairs for 16-bit inputs, elements for fp32
@@ -510,12 +521,13 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
         codes.view(torch.int32),
         sf.view(torch.uint8),
         gs,
-        status,
+        amax,
         status,
         m,
         k,
         k // 2,
         k // 8,
+        m // groups,
         IN_KIND=kind,
         ROW_SCOPE=scope == "row",
         ROWS=rows,
@@ -524,6 +536,8 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
         E4M3_SW=e4m3_sw,
         num_warps=warps,
     )
+    if groups > 1:  # non-finite input shows in some tensor's amax
+        status = torch.maximum(status, amax.amax().view(1))
     return codes, sf, gs, status
 
 

@@ -260,7 +260,8 @@ def test_partition_then_a_stalled_policy_fetch(tmp_path, redis_server, run_id, f
     1. A partition: both go dark until the run has gone on without w1 (at least PARTITION_S), then
        heal. w0 reclaims what w1 held; w1 rides the outage out and trains again.
     2. A stall: replies stop halfway through w1's next policy fetch; the fetch times out
-       (rollout.fetch_timeout_s), w1 retries on a new connection and trains again.
+       (rollout.fetch_timeout_s) or a newer version's fetch supersedes it, w1 fetches again on a
+       new connection and trains again.
     Nothing is lost or trained twice."""
     grpc_port = free_port()
     to_redis = Proxy(("127.0.0.1", redis_server.port)).start()
@@ -296,7 +297,9 @@ def test_partition_then_a_stalled_policy_fetch(tmp_path, redis_server, run_id, f
         run.close()
         to_redis.close()
         to_trainer.close()
-    assert "failed, will retry" in run.log_tail("w1", 100_000), run.log_tail("w1")
+    # The stalled fetch ends by its deadline, or earlier when a newer version supersedes it.
+    log = run.log_tail("w1", 100_000)
+    assert "failed, will retry" in log or "superseded" in log, run.log_tail("w1")
     figures = audit(run.run_dir, steps, stopped=True)
     report("partition", faults=1, partition_s=round(PARTITION_S + carried_on, 1), recovery_s_p50=rejoin,
            recovery_s_max=rejoin, **figures)  # fmt: skip

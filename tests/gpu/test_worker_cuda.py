@@ -1,6 +1,7 @@
 """`rollout.device=cuda` end to end, minus Redis: a trainer-side manifest served by a real gRPC
 PolicyServer on loopback, fetched and verified by the worker, which builds its PackedEngine from the
-packed bytes and rolls out a prompt group. Device machine only (bench/run_device.sh)."""
+packed bytes (version 1), copies version 2 into that engine in place (received into the same
+page-locked host slab), and rolls out a prompt group. Device machine only (bench/run_device.sh)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,24 @@ def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
     plan = recipe.plan(model_config)
     tensors = mf.quantize_params(dict(model.named_parameters()), plan)
     contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
-    packed = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
+    packed = mf.build_manifest(version=2, parent_version=1, contract=contract, tensors=tensors)
+    logs: list[str] = []
+    worker.log = logs.append
+    other = Transformer(model_config, seed=1)
+    v1 = mf.quantize_params(dict(other.named_parameters()), plan)
     with PolicyServer(PolicyServerConfig(port=0)) as server:
-        server.publish(packed)
+        server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=v1))
         pointer = PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)
         asyncio.run(worker._load(pointer))
+        first = worker.engine
+        assert worker.host_buffers.pinned and worker.host_buffers.allocations == 1
+        server.publish(packed)  # version 2: the model's weights, checked against its QAT recompute below
+        pointer = PolicyPointer(version=2, address=server.address, contract_fingerprint=worker.fingerprint)
+        asyncio.run(worker._load(pointer))
     eng = worker.engine
-    assert worker.version == 1 and eng is not None and eng.device.type == "cuda"
+    assert eng is first and worker.host_buffers.allocations == 1  # copied into the live engine, same host slab
+    assert "(in place," in logs[-1] and "h2d" in logs[-1], logs[-1]
+    assert worker.version == 2 and eng is not None and eng.device.type == "cuda"
     assert any(L.experts.kernel is not None for L in eng.layers)  # the routed experts stay packed
     p = task.prompt(0)
     group = PromptGroup(
@@ -48,7 +60,7 @@ def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
     )
     trajs = worker._rollout_group(group)  # 8 samples in chunks of max_batch=4
     assert len(trajs) == 8
-    assert all(t.policy_version == 1 and t.contract_fingerprint == worker.fingerprint for t in trajs)
+    assert all(t.policy_version == 2 and t.contract_fingerprint == worker.fingerprint for t in trajs)
     again = worker._rollout_group(group)
     for a, b in zip(trajs, again):  # per-sample seeds: the same group gives the same samples
         assert np.array_equal(a.completion_tokens, b.completion_tokens)

@@ -12,7 +12,15 @@ import torch
 from google.protobuf.message import DecodeError
 from mixed_formats import mixed_tensors  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
-from broker.policy_client import ChecksumMismatch, FingerprintMismatch, PolicyClient, PolicyClientConfig
+from broker.policy_client import (
+    ChecksumMismatch,
+    FetchCancel,
+    FetchCancelled,
+    FingerprintMismatch,
+    PolicyClient,
+    PolicyClientConfig,
+    ReceiveBuffers,
+)
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.tls import ClientTLS, ServerTLS
 from policy import manifest as M
@@ -186,6 +194,59 @@ def test_fetch_by_name_and_by_tp_shard(server, policy, tensors):
         with pytest.raises(grpc.RpcError) as e:
             list(raw)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lm_head.weight" in e.value.details()
+
+
+def test_several_streams_and_kept_buffers_fetch_the_same_bytes(server, policy, tensors):
+    server.publish(policy)
+    buffers = ReceiveBuffers()
+    with client(server, streams=3) as c:
+        fetched = c.fetch(buffers=buffers)
+        assert fetched.stats.streams == 3  # one stream per group, nothing resumed
+        assert_bitwise_equal(fetched.tensors, tensors)
+        assert server.stats()["chunks_sent"] == fetched.stats.chunks  # every chunk sent once
+        name = "model.layers.0.mlp.experts.1.gate_up_proj.weight"
+        before = fetched.tensors[name].parts()["codes"].data_ptr()
+        fetched.tensors[name].parts()["codes"].zero_()  # the next fetch rewrites the same memory
+        again = c.fetch(buffers=buffers)
+        assert again.tensors[name].parts()["codes"].data_ptr() == before and buffers.allocations == 1
+        assert_bitwise_equal(again.tensors, tensors)
+        part = c.fetch(names=[name, "model.norm.weight"], buffers=buffers)  # another set: a new slab
+        assert buffers.allocations == 2 and sorted(part.tensors) == sorted([name, "model.norm.weight"])
+    # A corrupt chunk in one of the streams is fetched again by that stream alone.
+    index = M.first_chunk_indices(policy.manifest)["lm_head.weight"] + 1
+    server.corrupt_chunk(version=1, chunk_index=index)
+    with client(server, streams=4) as c:
+        fetched = c.fetch()
+    assert fetched.stats.refetched_chunks == 1 and fetched.stats.streams == 5
+    assert_bitwise_equal(fetched.tensors, tensors)
+    # One stream that cannot succeed ends the fetch with its error (the others are cancelled).
+    server.corrupt_chunk(version=1, chunk_index=index, times=100)
+    with client(server, streams=4, max_refetch_per_chunk=1) as c, pytest.raises(ChecksumMismatch):
+        c.fetch()
+
+
+def test_a_cancelled_fetch_ends_at_once(server, policy):
+    server.publish(policy)
+    cancel = FetchCancel()
+    cancel.cancel()
+    with client(server, streams=2) as c, pytest.raises(FetchCancelled):
+        c.fetch(cancel=cancel)
+    # Cancelled mid-stream (as the worker does from its loop when a newer version appears).
+    cancel = FetchCancel()
+    with client(server) as c:
+        manifest = c.get_manifest(1)
+        accepted = []
+        real = c._accept
+
+        def accept_then_cancel(chunk, *a):
+            accepted.append(chunk.chunk_index)
+            threading.Thread(target=cancel.cancel).start()
+            return real(chunk, *a)
+
+        c._accept = accept_then_cancel
+        with pytest.raises(FetchCancelled):
+            c.fetch_bytes(manifest, cancel=cancel)
+        assert 0 < len(accepted) < sum(M.chunk_count(t.nbytes, CHUNK) for t in manifest.tensors)
 
 
 def test_corrupted_chunk_is_detected_and_fetched_again(server, policy, tensors):

@@ -61,3 +61,19 @@ def test_the_warm_start_evaluation_comes_from_model_json(tmp_path: Path):
     (run / "model.json").write_text(json.dumps({"args": {}, "eval": ev}))
     assert e2e_report.summarize(run, skip=0)["warmstart_eval"] == ev
     assert e2e_report.main([str(run)]) == 0
+
+
+def test_live_lines_and_the_swap_split_are_read(tmp_path: Path):
+    (tmp_path / "logs").mkdir()
+    line = (
+        "w0: policy v{v} live (4381011968 bytes, {t}s, {t}s after publish); under v{p}: 2 groups, 512 tokens in "
+        "0.50s generating; receive {r}s, verify 0.20s, drain_wait 0.00s, h2d 0.41s, swap 0.00s (in place, 1 stream(s))"
+    )
+    old = (
+        "w0: policy v1 live (10 bytes, 9.00s, 9.50s after publish); under vNone: 0 groups, 0 tokens in 0.00s generating"
+    )
+    lines = [old, line.format(v=2, t="4.60", p=1, r="3.70"), line.format(v=3, t="5.00", p=2, r="4.10")]
+    (tmp_path / "logs" / "rollout-0.log").write_text("\n".join(lines) + "\n")
+    live = e2e_report.read_live(tmp_path)
+    assert [e["version"] for e in live] == [1, 2, 3] and "receive_s" not in live[0]  # a line from before the split
+    assert live[1]["receive_s"] == 3.70 and live[2]["h2d_s"] == 0.41 and live[2]["after_publish_s"] == 5.0

@@ -212,3 +212,31 @@ def test_dense_and_mixed_layers_match_reference_generate(preset, overrides, reci
     b = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0)
     assert torch.equal(a.tokens, b.tokens)
     torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "nvfp4_moe"])
+def test_update_in_place_equals_a_fresh_engine(recipe):
+    plan = Recipe.load(recipe).plan(CFG)
+    a = qat.quantize_weights(Transformer(CFG, seed=1), plan)
+    b = qat.quantize_weights(Transformer(CFG, seed=2), plan)
+    ecfg = EngineConfig(max_batch=8, max_seq_len=64)
+    fresh = PackedEngine(CFG, plan, b, device="cpu", dtype=torch.float32, engine=ecfg)
+    want = fresh.generate(PROMPTS, n_samples=2, max_new_tokens=10, temperature=1.0, seeds=list(range(6)))
+    eng = PackedEngine(CFG, plan, dict(a), device="cpu", dtype=torch.float32, engine=ecfg)
+    before = eng.generate(PROMPTS, n_samples=2, max_new_tokens=10, temperature=1.0, seeds=list(range(6)))
+    assert not torch.equal(before.logprobs, want.logprobs)  # the versions differ
+    kv, head = eng.k_cache[0], eng.embed
+    assert eng.update(b)
+    assert eng.k_cache[0] is kv and eng.embed is head  # in place: the same buffers
+    got = eng.generate(PROMPTS, n_samples=2, max_new_tokens=10, temperature=1.0, seeds=list(range(6)))
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
+
+
+def test_update_refuses_another_layout():
+    plan = Recipe.load("nvfp4_moe").plan(CFG)
+    a = qat.quantize_weights(Transformer(CFG, seed=1), plan)
+    eng = PackedEngine(CFG, plan, dict(a), device="cpu", dtype=torch.float32, engine=EngineConfig(max_batch=2))
+    other = qat.quantize_weights(Transformer(CFG, seed=1), Recipe.load("int4_qat").plan(CFG))  # other formats
+    ref = eng.generate(PROMPTS[:1], max_new_tokens=4, temperature=0.0).logprobs
+    assert not eng.update(other)
+    assert torch.equal(eng.generate(PROMPTS[:1], max_new_tokens=4, temperature=0.0).logprobs, ref)  # unchanged

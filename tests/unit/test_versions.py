@@ -15,7 +15,7 @@ from broker.registry import PolicyRegistry
 from broker.streams import connect
 from policy import formats, qat
 from policy.manifest import QuantizedParam
-from policy.model import ModelConfig, Transformer
+from policy.model import ModelConfig, MoE, Transformer
 from policy.recipe import Recipe
 from tandem import config as run_config
 from tandem.services import make_trainer
@@ -32,21 +32,31 @@ def _batch(seed: int, rows: int = 3, length: int = 9) -> tuple[torch.Tensor, tor
     return tokens, tokens.roll(-1, dims=1), attn
 
 
-def _qat_logprobs(weights: dict, recipe, tokens, targets, attn, temperature=0.7, cfg=CFG) -> torch.Tensor:
+def _grouped(model: Transformer, grouped: bool | None) -> Transformer:
+    """Force the MoE layers' grouped GEMM (True) or their loop over experts (False)."""
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            mod.grouped = grouped
+    return model
+
+
+def _qat_logprobs(weights: dict, recipe, tokens, targets, attn, temperature=0.7, cfg=CFG, grouped=None) -> torch.Tensor:
     """The reference: a fresh model holding `weights` under the QAT forward."""
-    m = Transformer(cfg, seed=None)
+    m = _grouped(Transformer(cfg, seed=None), grouped)
     m.load_weights(weights)
     qat.apply_qat(m, recipe)
     with torch.no_grad():
         return m.token_logprobs(tokens, targets, attention_mask=attn, temperature=temperature)
 
 
-@pytest.mark.parametrize("recipe_name", ["nvfp4_moe", "mxfp8", "bf16"])
-def test_at_version_is_the_qat_forward_of_that_versions_weights_bitwise(recipe_name):
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+@pytest.mark.parametrize("recipe_name", ["nvfp4_moe", "mxfp8", "bf16", "int4_qat"])
+def test_at_version_is_the_qat_forward_of_that_versions_weights_bitwise(recipe_name, grouped):
     recipe = Recipe.load(recipe_name)
-    model = Transformer(CFG, seed=3)
-    hook = qat.apply_qat(model, recipe)
+    model = _grouped(Transformer(CFG, seed=3), grouped)
+    hook = qat.apply_qat(model, recipe)  # its experts are refilled as stacked groups
     versions = RetainedVersions(CFG, recipe.plan(CFG), keep=2)
+    _grouped(versions.scratch, grouped)
     v1 = {n: p.detach().clone() for n, p in model.named_parameters()}
     versions.add(1, hook.quantized_params(model), live=list(model.parameters()))
     with torch.no_grad():  # an optimizer step: the master weights move in place, the cache is refilled
@@ -57,7 +67,7 @@ def test_at_version_is_the_qat_forward_of_that_versions_weights_bitwise(recipe_n
     with torch.no_grad():  # refills the cache first: v1's retained objects must not be written over
         now = model.token_logprobs(tokens, targets, attention_mask=attn, temperature=0.7)
     got = versions.token_logprobs(1, tokens, targets, attention_mask=attn, temperature=0.7)
-    want = _qat_logprobs(v1, recipe, tokens, targets, attn)
+    want = _qat_logprobs(v1, recipe, tokens, targets, attn, grouped=grouped)
     assert torch.equal(qat.bits(got), qat.bits(want))  # same operands, same code: bit for bit
     assert not torch.equal(now, got)  # the test can fail: the current weights give other log-probs
     assert versions.scratch.quant_hook is None  # the operands live only during the call

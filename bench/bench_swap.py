@@ -1,0 +1,243 @@
+"""Publish -> live on a rollout worker, by part: gRPC fetch over 1 vs N streams, and the swap into
+the engine in place vs building a fresh one, each against a baseline measured in the same run.
+
+    python3 bench/bench_swap.py                    # CUDA: Qwen3-30B-A3B widths x 6 layers, nvfp4_moe (the e2e version)
+    python3 bench/bench_swap.py --small            # CPU box: the `small` preset cut to 2 layers, 8 experts
+    python3 bench/bench_swap.py --streams 1,2,4,8 --repeats 2 --json out.json
+
+A spawned child process plays the trainer: random-init model (seed 0), quantized with the recipe
+(QAT's cache on CUDA, what a trainer publishes), `build_manifest`, `PolicyServer.publish`, then
+serves on 127.0.0.1. This process plays a worker:
+
+- fetch: `PolicyClient.fetch` (every chunk's xxh3 and every tensor's sha256 checked) into one
+  `ReceiveBuffers` slab kept across fetches (page-locked on CUDA, as the worker's), for each
+  `--streams` value; the first fetch (fresh slab) is reported apart, then the median of `--repeats`.
+  Baseline: a host memcpy of the same bytes between touched buffers.
+- swap (the fetched tensors): `PackedEngine(...)` + graph capture, twice (the first pays
+  torch.compile / Triton compilation in this process, the second is what a worker pays per version
+  when it builds one per version), against `PackedEngine.update` (copied into the live engine, the
+  worker's path), median of `--repeats`. Baseline: one host-to-device copy of the slab (CUDA).
+  The engine is the e2e config's (max_batch 8, KV 256).
+
+The expected pointer -> live of a worker is then about max(fetch, the drain of its groups) +
+update: the fetch runs while the groups in flight finish (rollout/worker.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def model_config(args):
+    from policy.model import ModelConfig
+
+    over = {"n_layers": args.layers}
+    if args.experts:
+        over["n_experts"] = args.experts
+    return ModelConfig.preset(args.preset, **over)
+
+
+def _serve(args, out, stop) -> None:
+    """The trainer: build, quantize, publish one version, serve until told to stop."""
+    import torch
+
+    from broker.policy_server import PolicyServer, PolicyServerConfig
+    from policy import manifest as M
+    from policy import qat
+    from policy.model import Transformer
+    from policy.recipe import Recipe
+
+    cfg, recipe = model_config(args), Recipe.load(args.recipe)
+    cuda = args.device == "cuda"
+    with torch.device(args.device):
+        model = Transformer(cfg, seed=0)
+    if cuda:
+        tensors = qat.apply_qat(model, recipe).quantized_params(model)
+    else:
+        tensors = M.quantize_params(dict(model.named_parameters()), recipe.plan(cfg))
+    contract = M.contract_from_recipe(model_config=cfg, recipe=recipe)
+    t0 = time.perf_counter()
+    packed = M.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
+    build_s = time.perf_counter() - t0
+    del model, tensors
+    server = PolicyServer(PolicyServerConfig(max_streams_per_connection=16))
+    port = server.start()
+    server.publish(packed)
+    out.put({"port": port, "bytes": packed.manifest.total_bytes, "tensors": len(packed.manifest.tensors)})
+    out.put({"build_manifest_s": build_s})
+    del packed
+    stop.wait(args.timeout)
+    server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    cuda_here = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if cuda_here else "cpu")
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--experts", type=int, default=0, help="routed experts (0: the preset's)")
+    ap.add_argument("--recipe", default="nvfp4_moe")
+    ap.add_argument("--small", action="store_true", help="the `small` preset, 2 layers, 8 experts (CPU box)")
+    ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--kv", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=600.0, help="bound on the serving child, seconds")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    if args.small:
+        args.preset, args.layers, args.experts = "small", 2, 8
+    streams = [int(x) for x in args.streams.split(",")]
+    if args.repeats < 1 or not streams or min(streams) < 1:
+        ap.error("--repeats >= 1 and --streams of ints >= 1")
+
+    import numpy as np
+
+    from broker.policy_client import PolicyClient, PolicyClientConfig, ReceiveBuffers
+    from policy.recipe import Recipe
+    from rollout.cuda_engine import EngineConfig, PackedEngine
+
+    cuda = args.device == "cuda"
+    dev = torch.device(args.device)
+    cfg = model_config(args)
+    plan = Recipe.load(args.recipe).plan(cfg)
+    print(
+        f"{torch.cuda.get_device_name() if cuda else 'cpu'}, {os.cpu_count()} CPU cores, torch {torch.__version__}; "
+        f"{args.preset} widths x {args.layers} layers ({cfg.num_parameters() / 1e9:.2f}B parameters), {args.recipe}",
+        flush=True,
+    )
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        r = fn()
+        sync()
+        return r, time.perf_counter() - t0
+
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_serve, args=(args, out, stop), daemon=True)
+    child.start()
+    res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "args": vars(args), "fetch": {}}
+    try:
+        info = out.get(timeout=args.timeout)
+        res.update(info)
+        res.update(out.get(timeout=60))
+        nbytes = info["bytes"]
+        gb = nbytes / 1e9
+        print(
+            f"version: {gb:.3f} GB in {info['tensors']} tensors; trainer build_manifest {res['build_manifest_s']:.2f} s",
+            flush=True,
+        )
+        address = f"127.0.0.1:{info['port']}"
+        buffers = ReceiveBuffers(pinned=cuda)
+
+        def fetch(n: int):
+            c = PolicyClientConfig(address=address, streams=n, fetch_timeout_s=300.0)
+            with PolicyClient(c) as client:
+                return client.fetch(1, buffers=buffers)
+
+        (fetched, first_s) = timed(lambda: fetch(streams[0]))
+        res["first_fetch_s"] = first_s
+        print(
+            f"first fetch (fresh slab{', pinned' if cuda else ''}), {streams[0]} stream(s): {first_s:.2f} s", flush=True
+        )
+
+        # Baseline: host memcpy of the same bytes between touched buffers.
+        views = list(buffers.views({n: lay.nbytes for n, lay in fetched.layouts.items()}).values())
+        dst = [np.empty_like(v) for v in views]
+        for d, v in zip(dst, views):
+            np.copyto(d, v)  # touch
+        memcpy_s = min(timed(lambda: [np.copyto(d, v) for d, v in zip(dst, views)])[1] for _ in range(3))
+        res["memcpy_s"] = memcpy_s
+        print(f"baseline host memcpy (touched buffers): {memcpy_s:.3f} s, {gb / memcpy_s:.2f} GB/s", flush=True)
+
+        for n in streams:
+            runs = []
+            for _ in range(args.repeats):
+                fetched, s = timed(lambda: fetch(n))
+                f = fetched
+                runs.append((s, f.stats.receive_s, f.stats.verify_s))
+            s, recv, ver = (statistics.median(x) for x in zip(*runs))
+            res["fetch"][n] = {"s": s, "receive_s": recv, "verify_s": ver}
+            print(
+                f"fetch, {n} stream(s): {s:.2f} s = {gb / s:.2f} GB/s (receive {recv:.2f} s, verify tail {ver:.2f} s); "
+                f"x{res['fetch'][streams[0]]['s'] / s:.2f} vs {streams[0]} stream(s), {memcpy_s / s:.3f} of memcpy",
+                flush=True,
+            )
+        tensors = fetched.tensors  # the last fetch's: they alias the slab
+
+        ecfg = EngineConfig(max_batch=args.max_batch, max_seq_len=min(args.kv, cfg.max_seq_len))
+
+        def build():
+            e = PackedEngine(cfg, plan, tensors, device=dev, engine=ecfg)
+            e.capture()
+            return e
+
+        if cuda:
+            slab = torch.from_numpy(buffers._slab)
+            dev_buf = torch.empty(slab.numel(), dtype=torch.uint8, device=dev)
+            dev_buf.copy_(slab, non_blocking=True)
+            h2d_s = min(timed(lambda: dev_buf.copy_(slab, non_blocking=True))[1] for _ in range(3))
+            dev_buf = None  # freed before the engines
+            res["h2d_s"] = h2d_s
+            print(
+                f"baseline host-to-device copy of the slab (pinned): {h2d_s:.3f} s, {gb / h2d_s:.1f} GB/s", flush=True
+            )
+        eng, build1 = timed(build)
+        del eng
+        if cuda:
+            torch.cuda.empty_cache()
+        eng, build2 = timed(build)
+        mem0 = torch.cuda.memory_allocated() if cuda else 0
+        ups = [timed(lambda: eng.update(tensors)) for _ in range(args.repeats + 1)]
+        assert all(ok for ok, _ in ups), "update refused the same layout"
+        update_s = statistics.median(s for _, s in ups[1:])
+        mem1 = torch.cuda.memory_allocated() if cuda else 0
+        res.update(build_first_s=build1, build_s=build2, update_s=update_s, update_mem_growth=mem1 - mem0)
+        print(f"fresh engine + graph capture: first {build1:.2f} s (compiles), then {build2:.2f} s", flush=True)
+        print(
+            f"update in place (h2d into the live engine): {update_s:.3f} s = {gb / update_s:.1f} GB/s; "
+            f"x{build2 / update_s:.1f} faster than a fresh build"
+            + (f", {res['h2d_s'] / update_s:.2f} of the raw copy's speed" if cuda else "")
+            + (f"; device memory after {len(ups)} updates: {mem1 - mem0:+d} bytes" if cuda else ""),
+            flush=True,
+        )
+        best = min(res["fetch"], key=lambda k: res["fetch"][k]["s"])
+        res["best_streams"] = best
+        expect = res["fetch"][best]["s"] + update_s
+        res["expected_pointer_to_live_s"] = expect
+        print(
+            f"expected pointer -> live (idle worker, or drain shorter than the fetch): fetch with {best} streams "
+            f"{res['fetch'][best]['s']:.2f} s + update {update_s:.2f} s = {expect:.2f} s "
+            f"(was: drain, then fetch with 1 stream {res['fetch'][streams[0]]['s']:.2f} s + fresh build {build2:.2f} s)",
+            flush=True,
+        )
+    finally:
+        stop.set()
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
