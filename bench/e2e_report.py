@@ -6,17 +6,22 @@ Per run, over the steady state (steps after the first `--skip`, i.e. past engine
 the first fetches), from `metrics.jsonl`, the workers' logs and the launcher-side GPU samples
 (`gpu_util.csv`, `gpu_procs.csv`, written by run_e2e_device.sh):
   wall/step      (time of the last row - time of the first steady row) / (rows - 1)
-  train/step     trainer busy per step: step_time_s (recompute + GRPO update) + publish_s (snapshot
-                 + quantize + manifest + serve + pointer of the version it publishes)
+  train/step     trainer busy per step: step_time_s (recompute + GRPO update) + publish_s (the
+                 publish's time on the training thread: the wait for the previous publish, the
+                 quantized parts; describing, framing, hashing and serving run in the publisher's
+                 thread, publish_bg_s, off the step)
   rollout/step   what the pool needs per step: groups_per_step x generating seconds per group / workers
   ideal          max(rollout/step, train/step) of the synchronous run (--sync; its two phases do not
-                 overlap there, so each is measured alone), else of the run itself
+                 overlap there, so each is measured alone) when it has the same recipe and trainer
+                 backend, else of the run itself (e.g. the `megatron` run: trainer.backend=megatron)
   publish->live  per version: the slowest worker's time from the pointer (published_at) to live;
                  median and max; plus the trainer's publish_s before the pointer exists
   tok/s          completion tokens per generating second, per worker (what the engine does while
                  it has a group) and per wall second (throughput, waits included)
   GPU idle       (1 - mean utilization.gpu / 100) x wall/step over the steady window (NVML's
                  utilization: the share of each sample period with any kernel running)
+  warm start     the model's own evaluation after its warm start (model.json, bench/make_e2e_model.py:
+                 reward and fraction ending in <eos>, sampled and greedy)
 """
 
 from __future__ import annotations
@@ -141,6 +146,7 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
     return {
         "run": run.name,
         "recipe": cfg.get("recipe"),
+        "backend": cfg.get("backend"),
         "max_staleness": cfg.get("max_staleness"),
         "steps": len(rows),
         "steady_steps": n,
@@ -149,7 +155,11 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
         "step_time_s": _mean([r["step_time_s"] for r in win]),
         "recompute_s": _mean([r.get("recompute_s") for r in win]),
         "publish_s": _mean([r.get("publish_s") for r in win]),
-        "snapshot_s": _mean([r.get("snapshot_s") for r in win]),
+        "snapshot_s": _mean([r.get("snapshot_s") for r in win]),  # runs before trainer.versions
+        "quantize_s": _mean([r.get("quantize_s") for r in win]),
+        "publish_blocked_s": _mean([r.get("publish_blocked_s") for r in steady]),
+        "publish_bg_s": _mean([r.get("publish_bg_s") for r in steady]),
+        "retained_bytes_max": max((r.get("retained_bytes", 0) for r in rows), default=None),
         "collect_s": _mean([r.get("collect_s") for r in win]),
         "rollout_per_step_s": rollout_per_step,
         "workers": per_worker,
@@ -176,7 +186,17 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
         "gpu_util_mean": gpu["util_mean"],
         "gpu_idle_per_step_s": (1 - gpu["util_mean"] / 100) * wall if gpu["util_mean"] is not None and wall else None,
         "gpu_mem_mib": gpu["mem_mib"],
+        "warmstart_eval": _model_eval(run),
     }
+
+
+def _model_eval(run: Path) -> dict | None:
+    """The warm start's evaluation that bench/make_e2e_model.py wrote (model.json), or None."""
+    path = run / "model.json"
+    try:
+        return json.loads(path.read_text()).get("eval") if path.exists() else None
+    except (json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _run_config(run: Path) -> dict:
@@ -189,6 +209,7 @@ def _run_config(run: Path) -> dict:
     cfg = yaml.safe_load(path.read_text()) or {}
     return {
         "recipe": cfg.get("recipe"),
+        "backend": (cfg.get("trainer") or {}).get("backend", "torch"),
         "num_rollout_workers": cfg.get("num_rollout_workers"),
         "max_staleness": (cfg.get("loop") or {}).get("max_staleness"),
         "groups_per_step": (cfg.get("trainer") or {}).get("groups_per_step"),
@@ -212,7 +233,11 @@ def table(reports: list[dict], sync: dict | None) -> str:
             lines.append(f"| {r['run']} | {r['error']} |" + " |" * 13)
             continue
         # the synchronous run's phases, of the same recipe, measured without overlap; else the run's own
-        same = ideal_src and "error" not in ideal_src and ideal_src.get("recipe") == r.get("recipe")
+        same = (
+            ideal_src
+            and "error" not in ideal_src
+            and (ideal_src.get("recipe"), ideal_src.get("backend")) == (r.get("recipe"), r.get("backend"))
+        )
         src = ideal_src if same else r
         ideal = max(x for x in (src.get("rollout_per_step_s"), src.get("train_per_step_s")) if x is not None) \
             if (src.get("rollout_per_step_s") or src.get("train_per_step_s")) else None  # fmt: skip
@@ -223,7 +248,8 @@ def table(reports: list[dict], sync: dict | None) -> str:
             for w, v in sorted(r["workers"].items())
         )
         lines.append(
-            f"| {r['run']} | {r['recipe']} | {r['max_staleness']} | {_fmt(r['wall_per_step_s'])} | "
+            f"| {r['run']} | {r['recipe']}{'' if r.get('backend') in (None, 'torch') else ' (' + r['backend'] + ')'} | "
+            f"{r['max_staleness']} | {_fmt(r['wall_per_step_s'])} | "
             f"{_fmt(r['train_per_step_s'])} ({_fmt(r['step_time_s'])} + {_fmt(r['publish_s'])}) | "
             f"{_fmt(r['rollout_per_step_s'])} | {_fmt(ideal)} | {_fmt(r['wall_over_ideal'])} | "
             f"{_fmt(r['publish_to_live_median_s'])} / {_fmt(r['publish_to_live_max_s'])} | {tok or '—'} | "
@@ -248,6 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     reports = [summarize(r, skip=args.skip) for r in args.runs]
     sync = next((r for r in reports if r["run"] == args.sync), None)
     print(table(reports, sync))
+    seen = []  # the runs share one model folder: its evaluation once
+    for r in reports:
+        ev = r.get("warmstart_eval")
+        if ev and ev not in seen:
+            seen.append(ev)
+            print(f"\nwarm start of the model ({r['run']}'s model.json): " + "; ".join(
+                f"{k} reward {v['reward_mean']:.3f}, ended with <eos> {v['eos_frac']:.2f}, mean length {v['mean_len']:.1f}"
+                for k, v in ev.items() if isinstance(v, dict)))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(reports, indent=2, default=str) + "\n")
     return 0

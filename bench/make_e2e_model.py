@@ -5,10 +5,20 @@
 The model is a preset's widths (default Qwen3-30B-A3B: 4.36B parameters at 6 layers) cut to
 `--layers`, RANDOM INIT (no weights can be downloaded on the GPU machine; say so wherever its
 numbers are quoted), then `--warmstart-steps` supervised steps on the run config's task (its
-reference answers, trainer/warmstart.py, bf16 autocast on CUDA) so that GRPO has some reward signal,
+reference answers, trainer/warmstart.py, bf16 autocast on CUDA; AdamW, `--warmstart-warmup` steps of
+linear warmup to `--warmstart-lr`, then cosine decay to 0 by default) so that GRPO has some reward signal,
 saved in bf16 with policy.checkpoint.save_hf. The folder gets `tandem_e2e.json` with these
 arguments: a second call with the same arguments reuses the folder instead of writing it again.
-Simplified: no schedule, no evaluation; this is a fixture for system measurements, not a model.
+
+The warm start is supervised on the task's own rows: prompt -> reference answer + <eos>, the
+completion the task's verifier rewards (rollout/jsonl_task.py: the last number of the completion
+decoded up to the first <eos>; a completion without <eos> gets 0). After it the script evaluates
+what the RL run starts from: `--eval-prompts` of the run's own prompts (task.prompt(0..n-1), what
+the trainer feeds first), one sampled completion each at the run's temperature under the run's
+recipe (QAT: the operands the rollouts compute with), at most the task's max_new_tokens, scored by
+the task; and the same greedily. The fraction ending in <eos>, the mean reward and the mean length
+go into `tandem_e2e.json` ("eval") and the log. Simplified: no schedule; a fixture for system
+measurements, not a model.
 """
 
 from __future__ import annotations
@@ -22,10 +32,14 @@ from pathlib import Path
 
 import torch
 
+from policy import qat
 from policy.checkpoint import save_hf
 from policy.model import ModelConfig, Transformer
+from policy.recipe import Recipe
+from rollout.engine import generate
 from rollout.tasks import make_task
 from tandem import config as run_config
+from trainer.sequences import pack
 from trainer.warmstart import warm_start
 
 
@@ -39,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="a ModelConfig field (e.g. dim=128 for a CPU dry run); repeatable")  # fmt: skip
     ap.add_argument("--warmstart-steps", type=int, default=120)
     ap.add_argument("--warmstart-batch", type=int, default=64)
-    ap.add_argument("--warmstart-lr", type=float, default=5e-4)
+    ap.add_argument("--warmstart-lr", type=float, default=1e-3, help="peak learning rate")
+    ap.add_argument("--warmstart-warmup", type=int, default=12, help="linear warmup steps")
+    ap.add_argument("--warmstart-schedule", choices=("cosine", "constant"), default="cosine",
+                    help="after the warmup: cosine decay to 0, or constant (the fixture before: 5e-4, no warmup)")  # fmt: skip
+    ap.add_argument(
+        "--eval-prompts", type=int, default=64, help="prompts of the evaluation after the warm start (0: none)"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
 
@@ -61,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_e2e_model: the tokenizer has {task.tokenizer.vocab_size} tokens, the model "
               f"{model_config.vocab_size}", file=sys.stderr)  # fmt: skip
         return 2
-    recipe = {k: v for k, v in vars(args).items() if k not in ("config", "out", "device")}
+    recipe = {k: v for k, v in vars(args).items() if k not in ("config", "out", "device", "eval_prompts")}
     recipe.update(model=model_config.to_dict(), task=cfg.task.path, seed=cfg.loop.seed, init="random")
     recipe = json.loads(json.dumps(recipe))  # as it reads back (tuples become lists)
     marker = out / "tandem_e2e.json"
@@ -90,16 +110,85 @@ def main(argv: list[str] | None = None) -> int:
                 batch=args.warmstart_batch,
                 lr=args.warmstart_lr,
                 pad_id=task.tokenizer.pad_id,
+                warmup=args.warmstart_warmup,
+                cosine=args.warmstart_schedule == "cosine",
                 log=lambda s: print(f"[make_e2e_model] {s}", flush=True),
             )
+    model.zero_grad(set_to_none=True)  # the warm start's last gradients (17 GB at 4B parameters)
+    t_eval = time.perf_counter()
+    scores = evaluate(model, task, cfg, n=args.eval_prompts) if args.eval_prompts else None
+    if scores:
+        print(f"[make_e2e_model] eval over {args.eval_prompts} of the run's prompts ({cfg.recipe}, max "
+              f"{task.max_new_tokens} new tokens): " + "; ".join(
+                  f"{k} reward {v['reward_mean']:.3f}, ended with eos {v['eos_frac']:.2f}, mean length {v['mean_len']:.1f}"
+                  for k, v in scores.items() if isinstance(v, dict)) + f"; probability outside the tokenizer's "
+              f"vocabulary {scores['outside_vocab_mass']:.3f} ({time.perf_counter() - t_eval:.1f}s)", flush=True)  # fmt: skip
     t1 = time.perf_counter()
     marker.unlink(missing_ok=True)  # a folder half rewritten is never taken as up to date
     save_hf(out, model_config, model.named_parameters(), metadata={"tandem_init": "random + warm start"})
     final_loss = round(losses[-1], 4) if args.warmstart_steps else None
-    marker.write_text(json.dumps({"args": recipe, "warmstart_final_loss": final_loss}, indent=2) + "\n")
+    marker.write_text(json.dumps({"args": recipe, "warmstart_final_loss": final_loss, "eval": scores}, indent=2) + "\n")
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"[make_e2e_model] wrote {out}: {size / 1e9:.2f} GB of bf16 safetensors in {time.perf_counter() - t1:.1f}s")
     return 0
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, task, cfg, *, n: int) -> dict:
+    """What the RL run starts from, over its first `n` prompts (max_new_tokens of the task):
+    sampled       one completion per prompt at the run's temperature under the run's recipe (QAT:
+                  the operands its rollouts compute with): reward_mean, eos_frac (ended with <eos>
+                  before max_new_tokens), mean_len
+    greedy        the same at temperature 0
+    sampled_bf16  sampled under the bf16 recipe (what the warm start trained: the difference to
+                  `sampled` is the recipe's quantization)
+    outside_vocab_mass  mean probability (run's recipe, teacher-forced on the reference answers)
+                  on token ids the tokenizer never produces (ids >= its vocab_size: the model's
+                  151,936-token vocabulary is kept), which a temperature-1 sample can draw."""
+    device = model.lm_head.weight.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    saved = model.quant_hook
+    prompts = [task.prompt(i) for i in range(n)]
+    tok = task.tokenizer
+    out, hooks = {}, {}  # one QAT hook per recipe: its cache is filled once
+    try:
+        for name, recipe, temperature in (
+            ("sampled", cfg.recipe, cfg.loop.temperature),
+            ("greedy", cfg.recipe, 0.0),
+            ("sampled_bf16", "bf16", cfg.loop.temperature),
+        ):
+            if recipe not in hooks:
+                hooks[recipe] = qat.apply_qat(model, Recipe.load(recipe))
+            model.quant_hook = hooks[recipe]
+            with autocast:
+                gen = generate(
+                    model,
+                    [p.tokens for p in prompts],
+                    max_new_tokens=task.max_new_tokens,
+                    temperature=temperature,
+                    seeds=list(range(n)),
+                    eos_id=tok.eos_id,
+                    pad_id=tok.pad_id,
+                )
+            rewards = [task.score(gen.tokens[i, : gen.lengths[i]].tolist(), p.fields) for i, p in enumerate(prompts)]
+            out[name] = {
+                "recipe": recipe,
+                "temperature": temperature,
+                "reward_mean": round(sum(rewards) / n, 4),
+                "eos_frac": round(float(gen.stopped.float().mean()), 4),
+                "mean_len": round(float(gen.lengths.float().mean()), 2),
+            }
+        model.quant_hook = hooks[cfg.recipe]
+        tokens, targets, attn, mask = (
+            t.to(device) for t in pack([p.tokens for p in prompts], [p.reference for p in prompts], tok.pad_id)
+        )
+        with autocast:
+            logp = model(tokens, attention_mask=attn).float().log_softmax(-1)
+        outside = logp[..., tok.vocab_size :].logsumexp(-1).exp()[mask > 0]
+        out["outside_vocab_mass"] = round(float(outside.mean()), 4) if outside.numel() else 0.0
+    finally:
+        model.quant_hook = saved
+    return out
 
 
 if __name__ == "__main__":

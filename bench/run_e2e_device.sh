@@ -2,9 +2,12 @@
 # Tandem end to end on one GPU (issue 18): `tandem run configs/gpu-h200.yaml` (trainer + 2 rollout
 # workers + a private redis-server, policy gRPC on loopback) for a bounded number of steps, then
 # the same synchronously (loop.max_staleness=0) and with the bf16 recipe; one report.
+# RUNS names the runs (default "async sync bf16"): async, sync, bf16, and megatron (the async run
+# with trainer.backend=megatron: the megatron-core GPTModel trainer, CUDA only).
 #
 #   bash bench/run_e2e_device.sh                     # on the GPU machine, from the repository root
 #   RUNS="async sync" STEPS=12 bash bench/run_e2e_device.sh
+#   RUNS="async megatron" bash bench/run_e2e_device.sh
 #   E2E_SMALL=1 bash bench/run_e2e_device.sh         # CPU dry run of the same path: tiny model, 3 steps
 #
 # What it needs besides the checkout (a machine without internet, e.g. the H200 image, which has
@@ -16,7 +19,10 @@
 #   - redis-py, if `import redis` fails: redis-8.1.0-py3-none-any.whl in $E2E_PKGS
 #       (pip download --no-deps redis==8.1.0);
 #   - grpcio-health-checking, if missing: its wheel, installed before this script (the device
-#     tool's .whl folder); grpcio-reflection is not needed (the config turns reflection off).
+#     tool's .whl folder); grpcio-reflection is not needed (the config turns reflection off);
+#   - for the megatron run, megatron-core if `import megatron.core` fails: megatron_core-*.whl in
+#     $E2E_PKGS or .whl/ (pip download --no-deps --only-binary=:all: --python-version 3.12
+#     --platform manylinux_2_28_x86_64 megatron-core==0.19.2; it needs only torch, numpy, packaging).
 # Writes the HF folder (bench/make_e2e_model.py: random init + a short warm start; reused when up to
 # date), runs each of $RUNS into $E2E_DIR/<run>, samples the GPU (nvidia-smi: utilization every
 # 200 ms, memory per process every 2 s), then bench/e2e_report.py. $OUT gets report.md,
@@ -34,12 +40,16 @@ RUNS=${RUNS:-async sync bf16}
 RUN_TIMEOUT=${RUN_TIMEOUT:-420}   # seconds per run at most
 BUDGET_S=${BUDGET_S:-0}           # > 0: the whole script's seconds; runs are cut (SIGINT) to end within it
 T0=$(date +%s)
+for run in $RUNS; do
+  case $run in async|sync|bf16|megatron) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron)" >&2; exit 2 ;; esac
+done
 mkdir -p "$OUT" "$E2E_DIR"
 CONFIG=configs/gpu-h200.yaml
 if [ "${E2E_SMALL:-0}" = 1 ]; then  # the same launch path on the CPU with a tiny model
   STEPS=${STEPS:-3}
   MODEL=${MODEL:-$E2E_DIR/model-tiny}
-  MAKE_ARGS=(--preset tiny --layers 2 --override shared_expert_ffn_dim=0 --warmstart-steps 20 --warmstart-lr 3e-3 --device cpu)
+  MAKE_ARGS=(--preset tiny --layers 2 --override shared_expert_ffn_dim=0 --warmstart-steps 30 --warmstart-lr 3e-3
+             --warmstart-warmup 3 --eval-prompts 256 --device cpu)  # 256: reward > 0 beyond doubt
   DEVICE_ARGS=(trainer.device=cpu rollout.device=cpu trainer.memory_fraction=0 rollout.memory_fraction=0
                task.max_new_tokens=6 model.overrides.max_seq_len=64 trainer.collect_timeout_s=120)
 else
@@ -66,6 +76,12 @@ if ! "$PYTHON" -c "import redis" 2>/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$E2E_PKGS"/redis-*.whl || exit 1
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site
 fi
+if [[ " $RUNS " == *" megatron "* ]] && [ "${E2E_SMALL:-0}" != 1 ] && ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
+  whl=$(ls "$E2E_PKGS"/megatron_core-*.whl .whl/megatron_core-*.whl 2>/dev/null | head -1)
+  [ -n "$whl" ] || { echo "run_e2e_device: RUNS has megatron but megatron-core is missing (no megatron_core-*.whl in $E2E_PKGS or .whl/)" >&2; exit 2; }
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$whl" || exit 1
+  case ":${PYTHONPATH:-}:" in *:/tmp/tandem-site:*) ;; *) export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site ;; esac
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PYTHON" -c "import grpc, google.protobuf, torch, redis; print('torch', torch.__version__, 'grpcio', grpc.__version__, \
 'protobuf', google.protobuf.__version__, 'redis-py', redis.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/versions.txt"
@@ -91,8 +107,12 @@ for run in $RUNS; do
     async) extra=() ;;
     sync) extra=(loop.max_staleness=0) ;;
     bf16) extra=(recipe=bf16) ;;
-    *) echo "run_e2e_device: unknown run $run (async, sync, bf16)" >&2; exit 2 ;;
+    megatron) extra=(trainer.backend=megatron) ;;
+    *) echo "run_e2e_device: unknown run $run (async, sync, bf16, megatron)" >&2; exit 2 ;;
   esac
+  if [ "$run" = megatron ] && [ "${E2E_SMALL:-0}" = 1 ]; then
+    echo "=== megatron: skipped (E2E_SMALL runs on the CPU; the megatron backend needs CUDA)"; continue
+  fi
   dir=$E2E_DIR/$run
   limit=$RUN_TIMEOUT
   if [ "$BUDGET_S" -gt 0 ]; then
@@ -125,5 +145,6 @@ done
 # --- report ---------------------------------------------------------------------------------------
 dirs=()
 for run in $RUNS; do [ -d "$E2E_DIR/$run" ] && dirs+=("$E2E_DIR/$run"); done
+if [ "${#dirs[@]}" = 0 ]; then echo "run_e2e_device: no run made, no report"; exit $status; fi
 "$PYTHON" bench/e2e_report.py "${dirs[@]}" --sync sync --json "$OUT/report.json" | tee "$OUT/report.md"
 exit $status

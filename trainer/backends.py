@@ -8,6 +8,7 @@ same loop for both:
     load_weights({name: tensor})     copy canonical tensors in (a Hugging Face checkpoint, a resume)
     apply_qat() / qat_hook           install QAT (once, after the warm start); the hook's cache
     quantized_params()               the quantized parts the QAT forward computed, for publishing
+    finite_check()                   queue the NaN/Inf test of the master weights; the check reads it
     state_dict() / load_state_dict() what a checkpoint holds: canonical master weights + optimizer
     parameters(), train(), eval()    so that trainer.warmstart.warm_start takes a backend as a model
 
@@ -93,18 +94,25 @@ class _Backend:
             self.qat_hook.invalidate()  # explicit: a fused optimizer bumps no version counter
         return norm
 
-    def quantized_params(self) -> dict:
-        self._check_finite()
+    def quantized_params(self, *, check_finite: bool = True) -> dict:
+        """check_finite=False: the caller checks the master weights itself (`finite_check`)."""
+        if check_finite:
+            self.finite_check()()
         return self.qat_hook.quantized_params(self.module)
 
-    def _check_finite(self) -> None:
-        """ValueError naming the first master weight with a NaN or Inf (one host sync for all: the
-        QAT cache quantizes without the per-tensor check, see policy.qat)."""
+    def finite_check(self) -> Callable[[], None]:
+        """Queue a NaN/Inf test of every master weight (no host sync: the QAT cache quantizes without
+        the per-tensor check, see policy.qat) and return the check: calling it (any thread) reads the
+        result in one sync and raises ValueError naming the first master weights that failed."""
         tensors = self.canonical()
-        ok = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()
-        bad = [n for n, good in zip(tensors, ok) if not good]
-        if bad:
-            raise ValueError(f"non-finite master weights, not published: {', '.join(bad[:3])}")
+        names, ok = list(tensors), torch.stack([t.isfinite().all() for t in tensors.values()])
+
+        def check() -> None:
+            bad = [n for n, good in zip(names, ok.tolist()) if not good]
+            if bad:
+                raise ValueError(f"non-finite master weights, not published: {', '.join(bad[:3])}")
+
+        return check
 
     def state_dict(self) -> dict:
         return {"model": self.canonical(), "optimizer": self.optimizer.state_dict(), "backend": self.name}
@@ -243,8 +251,9 @@ class MegatronBackend(_Backend):
     def apply_qat(self) -> None:
         self.qat_hook = self.mb.apply_qat(self.gpt, self.model_config, self.recipe, self.cfg.backward)
 
-    def quantized_params(self) -> dict:
-        self._check_finite()
+    def quantized_params(self, *, check_finite: bool = True) -> dict:
+        if check_finite:
+            self.finite_check()()
         return self.qat_hook.quantized_params(self.gpt)
 
 

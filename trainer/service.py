@@ -21,6 +21,8 @@ callables the `tandem trainer` command builds from the configured task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import signal
@@ -42,7 +44,6 @@ from broker.registry import PolicyPointer, PolicyRegistry
 from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect
 from policy import manifest as mf
-from policy import qat
 from policy.loop import AsyncConfig
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
@@ -54,6 +55,7 @@ from .metrics import MetricsSink
 from .publisher import Publisher
 from .sequences import pack, scatter_rows
 from .validation import TrajectoryRules, check_trajectory
+from .versions import RetainedVersions, aliasing
 from .warmstart import warm_start
 
 # Test hook of tests/faults: TANDEM_FAULT_POINT=<name>@<step> SIGKILLs the trainer at that point of
@@ -116,7 +118,7 @@ class Batch:
     at_version: torch.Tensor  # each sample's own version
     started: float  # perf_counter at the start of the step
     known: torch.Tensor | None = None  # [B] bool: rows whose version's weights are held (at_version valid)
-    recompute_s: float = 0.0  # seconds the recompute took (older versions' weights loaded included)
+    recompute_s: float = 0.0  # seconds the recompute took (older versions' forwards included)
 
 
 class Trainer:
@@ -184,11 +186,9 @@ class Trainer:
         self._fed_tokens: dict[str, np.ndarray] = {}  # group_id -> prompt tokens, of outstanding groups
         self._settled_recent: dict[str, None] = {}  # recently settled group ids (insertion-ordered, capped)
         self.state = State()
-        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # version -> master weights at publish
-        # Evaluates older versions' log-probs (a policy.model.Transformer with either backend), built
-        # when first needed.
-        self.scratch: Transformer | None = None
-        self._scratch_version: int | None = None
+        # The newest versions' packed tensors as their publish produced them, for the mismatch split's
+        # log-probs under each sample's own version (trainer.versions: no fp32 copy, no re-quantization).
+        self.versions = RetainedVersions(model_config, recipe.plan(model_config), keep=self.max_staleness)
         self.server = PolicyServer(
             PolicyServerConfig(
                 host=cfg.grpc_host,
@@ -215,8 +215,9 @@ class Trainer:
         # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
         self._rejected: list[tuple[TrajectoryRecord, str]] = []
         self._consumed: list[TrajectoryRecord] = []  # consumed by the _collect in progress
-        # seconds the last snapshot (+ publish) took, and of it producing the quantized parts (metrics)
-        self._publish_s = self._snapshot_s = self._quantize_s = 0.0
+        # The last publish on the training thread: its seconds, and of them producing the quantized parts
+        # (metrics); the background part of the last publish that finished (set by its thread).
+        self._publish_s = self._quantize_s = self._publish_bg_s = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -268,7 +269,6 @@ class Trainer:
                 row.update(
                     collect_s=collect_s,
                     publish_s=self._publish_s,
-                    snapshot_s=self._snapshot_s,
                     quantize_s=self._quantize_s,
                 )
                 self.state.step += 1
@@ -286,10 +286,10 @@ class Trainer:
                 row["publish_blocked_s"] = 0.0
                 if publish:
                     t_publish = time.perf_counter()
-                    self._snapshot()
-                    self._snapshot_s = time.perf_counter() - t_publish
                     row["publish_blocked_s"] = await self._publish()
                     self._publish_s = time.perf_counter() - t_publish
+                    row["publish_bg_s"] = self._publish_bg_s  # the previous publish's (awaited just now)
+                row.update(retained_versions=len(self.versions.versions()), retained_bytes=self.versions.nbytes())
                 if self._resumed_from is not None:  # the plots mark where the run resumed
                     row["resumed_from"], self._resumed_from = self._resumed_from, None
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
@@ -363,7 +363,6 @@ class Trainer:
                 self.state.version = max(self.state.version, latest.version if latest else 0) + 1
             self._ckpt_step = self._resumed_from = self.state.step
             self._weights_version = self.state.version
-            self._snapshot()
             self.log(f"resumed from {path}: step {self.state.step}, version {self.state.version}")
             return
         t0 = time.perf_counter()
@@ -381,7 +380,6 @@ class Trainer:
                 log=self.log,
             )
         self.state.version = self._weights_version = 1
-        self._snapshot()
         if self.cfg.checkpoint_every:
             self._save_checkpoint()
         self.backend.apply_qat()
@@ -398,30 +396,11 @@ class Trainer:
         with open(self.run_dir / "audit.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def _snapshot(self) -> None:
-        """Keep the current weights as version `state.version` (for the mismatch split), dropping
-        versions older than max_staleness. On the CPU: a GPU keeps its memory for the model (older
-        versions are loaded into `scratch` on demand). The copy goes into a dropped version's tensors
-        when there is one: fresh host memory costs a page fault per page (several seconds per copy of
-        a 4B-parameter model, docs/benchmarks.md), memory written before does not."""
-        v = self.state.version
-        dropped = sorted(k for k in self.snapshots if k < v - self.max_staleness and k != v)
-        reuse = self.snapshots.pop(dropped[0]) if dropped else None
-        for k in dropped[1:]:
-            del self.snapshots[k]
-        params = self.backend.canonical().items()
-        if reuse is None:
-            self.snapshots[v] = {n: p.detach().to("cpu", copy=True) for n, p in params}
-        else:
-            for n, p in params:
-                reuse[n].copy_(p.detach())
-            self.snapshots[v] = reuse
-
     def _save_checkpoint(self) -> None:
         """checkpoints/step-NNNNNN.pt, atomically (temporary file, fsync, rename, fsync of the
-        folder); then only the newest `keep_checkpoints` are kept. The version snapshots used for
-        the mismatch metrics are not saved: after a restart, samples of older versions are left
-        out of the quantization/staleness split until they are gone."""
+        folder); then only the newest `keep_checkpoints` are kept. The retained versions used for
+        the mismatch metrics (trainer.versions) are not saved: after a restart, samples of older
+        versions are left out of the quantization/staleness split until they are gone."""
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         path = self.ckpt_dir / f"step-{self.state.step:06d}.pt"
         tmp = path.with_name(path.name + ".tmp")
@@ -450,38 +429,54 @@ class Trainer:
 
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> float:
-        """Start publishing the current version (trainer.publisher): wait for the previous publish
-        (back-pressure), take and describe the quantized parts here; framing, hashing and installing
-        run in a thread while the next step trains, and policy:latest names the version once it is
-        servable. Returns the seconds this took on the training thread (`publish_blocked_s`): the wait
-        and the staging, not the QAT cache refill that the next forward would otherwise do."""
+        """Start publishing the current version (trainer.publisher) and retain its packed tensors
+        (trainer.versions). On the training thread: wait for the previous publish (back-pressure;
+        returned, `publish_blocked_s`), queue the NaN/Inf check of the master weights, produce the
+        quantized parts (the QAT cache refill, which the next forward needs anyway: `quantize_s`,
+        host time, its GPU work runs on behind it). Nothing here waits for the GPU. In the publisher's
+        thread (`publish_bg_s`): the check's result (a failure is raised by the next publish, the
+        version is never served), describing the parts (their global scales are read there: the
+        first wait for the refill's GPU work), framing, hashing and installing in the server; then
+        policy:latest names the version, once it is servable. Parts sharing storage with a live
+        parameter (none with fp32 master weights) are staged here instead, before the next update."""
         blocked = await self.publisher.idle()  # at most one publish in flight; raises if the previous one failed
         if self.backend.qat_hook is None:
             self.backend.apply_qat()
         v = self.state.version
         t0 = time.perf_counter()
-        if self.contract_breaking:  # the rollout_recipe ablation: quantized as the rollouts' recipe says
+        check = self.backend.finite_check()  # queued on the device; read in the thread
+        retained = self.backend.quantized_params(check_finite=False)  # the QAT forward's own quantized parts
+        if self.contract_breaking:  # the rollout_recipe ablation: published as the rollouts' recipe says
             tensors = mf.quantize_params(self.backend.canonical(), self.publish_plan)
         else:
-            tensors = self.backend.quantized_params()  # the QAT forward's own quantized parts
-        self._quantize_s = time.perf_counter() - t0  # GPU work may still be queued: staging waits for it
-        t0 = time.perf_counter()
-        staged = frames.stage(
+            tensors = retained
+        self._quantize_s = time.perf_counter() - t0
+        live = list(self.backend.parameters())
+        self.versions.add(v, retained, live=live)
+        stage = functools.partial(
+            frames.stage,
             version=v,
             parent_version=v - 1 if v > 1 else None,
             contract=self.publish_contract,
             tensors=tensors,
             pool=self.buffers,
-            live=list(self.backend.parameters()),
         )
+        staged = stage(live=live) if aliasing(tensors, live) else None
+
+        def prepare() -> None:
+            t = time.perf_counter()
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                check()
+                self.server.publish((staged or stage()).run())
+            self._publish_bg_s = time.perf_counter() - t
 
         async def announce() -> None:
             self.state.versions_published += 1
             await self._point_registry(v)
             self.health.set_serving(not self._stop.is_set())
 
-        self.publisher.start(v, lambda: self.server.publish(staged.run()), announce)
-        return blocked + time.perf_counter() - t0
+        self.publisher.start(v, prepare, announce)
+        return blocked
 
     async def _point_registry(self, version: int | None = None) -> None:
         """Point policy:latest at `version` (default: the newest version the server holds; none yet: nothing)."""
@@ -655,7 +650,8 @@ class Trainer:
     def recompute_logprobs(self, groups: list[list[Trajectory]]) -> Batch:
         """Pack the groups into one batch with advantages, and recompute its log-probs (no grad):
         `prox` under the current weights (the PPO proximal policy) and `at_version` under each
-        sample's own version v (the quantization part of the mismatch)."""
+        sample's own version v (the quantization part of the mismatch): from v's retained packed
+        tensors (trainer.versions), or `prox` itself where the weights are still v's."""
         t0 = time.perf_counter()
         samples = [t for g in groups for t in g]
         tokens, targets, attn, mask = pack(
@@ -674,15 +670,14 @@ class Trainer:
             at_version = prox.clone()
             known = torch.ones(len(samples), dtype=torch.bool)  # rows whose version's weights we hold
             for v in sorted(set(versions.tolist())):
-                if v == self.state.version:
-                    continue  # the current weights are version v (published after the last update)
-                if v not in self.snapshots:  # from before a restart: left out of the split
+                if v == self._weights_version:
+                    continue  # the current weights are version v (not moved since its publish): prox
+                if v not in self.versions:  # from before a restart: left out of the split
                     known[versions == v] = False
                     continue
-                rows = (versions == v).nonzero().squeeze(-1)
-                self._load_scratch(v)
-                at_version[rows] = self.scratch.token_logprobs(
-                    tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
+                rows = (versions == v).nonzero().squeeze(-1).to(self.device)
+                at_version[rows] = self.versions.token_logprobs(
+                    v, tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
                 )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # recompute_s is device time, not launch time
@@ -745,16 +740,6 @@ class Trainer:
             setattr(s, name, getattr(s, name) + getattr(c, name))
             setattr(c, name, 0)
         return {k: getattr(s, k) for k in ("duplicates", "malformed", "invalid", "dead_lettered", "unsigned", "refed")}
-
-    def _load_scratch(self, version: int) -> None:
-        if self.scratch is None:
-            with self.device:
-                self.scratch = Transformer(self.model_config, seed=None)
-        if self._scratch_version != version:
-            self.scratch.load_weights(self.snapshots[version])
-            if self.scratch.quant_hook is None:
-                qat.apply_qat(self.scratch, self.recipe, backward=self.cfg.backward)
-            self._scratch_version = version
 
 
 def checkpoints(folder: Path) -> list[Path]:

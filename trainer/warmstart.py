@@ -3,12 +3,18 @@
 RL needs a policy that is sometimes right: from a random init the reward is always 0 and GRPO
 has no signal. Stopping supervised training early leaves a policy that is right on a fraction of
 the prompts, which is where the demo's RL starts. Simplified: plain cross-entropy on the answer
-tokens only, AdamW, no schedule; the example source is any callable returning (prompt, answer)
-token lists, so the trainer stays task-agnostic.
+tokens only, AdamW; the example source is any callable returning (prompt, answer) token lists, so
+the trainer stays task-agnostic.
+
+Learning rate: constant `lr` by default; with `warmup` > 0 and `cosine=True` (bench/make_e2e_model.py)
+    lr_t = lr * (t + 1) / warmup                                          t < warmup
+    lr_t = lr * (1 + cos(pi * (t - warmup) / (steps - warmup))) / 2       after (0 at the end)
+for step t = 0..steps-1: a short warmup for a random init, and an annealed end (a sharper model).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -27,10 +33,13 @@ def warm_start(
     batch: int,
     lr: float,
     pad_id: int,
+    warmup: int = 0,
+    cosine: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[float]:
     """Train `model` in place; returns the loss of every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_factor(t, steps=steps, warmup=warmup, cosine=cosine))
     device = next(model.parameters()).device
     losses = []
     t0 = time.time()
@@ -43,8 +52,18 @@ def warm_start(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        sched.step()
         losses.append(loss.item())
         if step % 50 == 0 or step == steps - 1:
             log(f"warm start step {step + 1}/{steps} loss {losses[-1]:.3f} ({time.time() - t0:.0f}s)")
     model.eval()
     return losses
+
+
+def lr_factor(t: int, *, steps: int, warmup: int = 0, cosine: bool = False) -> float:
+    """lr_t / lr at step t (the module docstring's schedule)."""
+    if t < warmup:
+        return (t + 1) / warmup
+    if not cosine or steps <= warmup:
+        return 1.0
+    return (1 + math.cos(math.pi * (t - warmup) / (steps - warmup))) / 2

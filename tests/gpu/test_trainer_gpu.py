@@ -169,3 +169,32 @@ def test_activation_checkpointing_on_the_gpu_gives_the_same_gradients(backends):
         assert grads[0].keys() == grads[1].keys()
         for n, g in grads[0].items():
             torch.testing.assert_close(grads[1][n], g, rtol=1e-2, atol=1e-5, msg=f"{name} {n}")
+
+
+@pytest.mark.parametrize("recipe_name", ["nvfp4_moe", "fp8_block"])
+def test_retained_version_on_the_gpu_is_that_versions_qat_forward(recipe_name):
+    """trainer.versions on CUDA under bf16 autocast (as the trainer runs it): a version held as the
+    packed tensors of its publish gives the QAT forward of its weights after the weights moved and
+    the cache was refilled, from a scratch model on the meta device. Same code, same device, same
+    shapes: equal bit for bit (the CPU test asserts the same)."""
+    from trainer.versions import RetainedVersions
+
+    recipe = Recipe.load(recipe_name)
+    with torch.device("cuda"):
+        model = Transformer(CFG, seed=0)
+    hook = qat.apply_qat(model, recipe)
+    tokens = torch.randint(0, CFG.vocab_size, (3, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    targets, attn = tokens.roll(-1, 1), torch.ones_like(tokens, dtype=torch.bool)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        want = model.token_logprobs(tokens, targets, attention_mask=attn)
+    versions = RetainedVersions(CFG, recipe.plan(CFG), keep=1)
+    versions.add(1, hook.quantized_params(model), live=list(model.parameters()))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    hook.invalidate()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        moved = model.token_logprobs(tokens, targets, attention_mask=attn)  # refills the cache
+        got = versions.token_logprobs(1, tokens, targets, attention_mask=attn)
+    assert got.device.type == "cuda" and not torch.equal(moved, want)
+    assert torch.equal(qat.bits(got), qat.bits(want))

@@ -98,3 +98,12 @@ def test_publishing_refuses_non_finite_master_weights():
         ValueError, match=r"non-finite master weights, not published: model\.layers\.1\.mlp\.experts\.2"
     ):
         backend.quantized_params()
+    # The trainer's form: the test queued at the publish, its result read later (the publisher's thread).
+    with_nan = backend.finite_check()
+    with torch.no_grad():
+        backend.model.get_parameter("model.layers.1.mlp.experts.2.down_proj.weight")[0, 0] = 0.0
+    fixed = backend.finite_check()
+    assert len(backend.quantized_params(check_finite=False)) == len(backend.canonical())
+    fixed()  # the weights as they were when each was queued
+    with pytest.raises(ValueError, match=r"not published: model\.layers\.1\.mlp\.experts\.2\.down_proj\.weight"):
+        with_nan()

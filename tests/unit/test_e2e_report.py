@@ -32,6 +32,37 @@ def test_per_step_means_cover_the_same_window_as_wall_per_step(tmp_path: Path):
     assert r["steady_steps"] == 3
 
 
+def _run(folder: Path, rows: list[dict], *, recipe: str, backend: str | None) -> Path:
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trainer = {"groups_per_step": 2} | ({"backend": backend} if backend else {})
+    (folder / "config.yaml").write_text(json.dumps({"recipe": recipe, "num_rollout_workers": 1, "trainer": trainer}))
+    return folder
+
+
+def test_the_megatron_run_is_its_own_ideal_and_named_by_its_backend(tmp_path: Path):
+    rows = [_row(1, 0.0, 5.0, 1.0), _row(2, 10.0, 5.0, 1.0), _row(3, 20.0, 5.0, 1.0)]
+    slow = [_row(1, 0.0, 9.0, 1.0), _row(2, 12.0, 9.0, 1.0), _row(3, 24.0, 9.0, 1.0)]
+    sync = e2e_report.summarize(_run(tmp_path / "sync", rows, recipe="nvfp4_moe", backend=None), skip=0)
+    meg = e2e_report.summarize(_run(tmp_path / "megatron", slow, recipe="nvfp4_moe", backend="megatron"), skip=0)
+    asy = e2e_report.summarize(_run(tmp_path / "async", slow, recipe="nvfp4_moe", backend="torch"), skip=0)
+    assert (sync["backend"], meg["backend"], asy["backend"]) == ("torch", "megatron", "torch")
+    text = e2e_report.table([sync, meg, asy], sync)
+    assert "| megatron | nvfp4_moe (megatron) |" in text and "| async | nvfp4_moe |" in text
+    assert meg["ideal_per_step_s"] == 10.0  # its own train/step (9 + 1): the sync run has the torch backend
+    assert asy["ideal_per_step_s"] == 6.0  # the synchronous run's (5 + 1)
+    assert asy["wall_over_ideal"] == 2.0  # 12 / 6
+
+
+def test_the_warm_start_evaluation_comes_from_model_json(tmp_path: Path):
+    run = _run(tmp_path / "async", [_row(1, 0.0, 5.0, 1.0), _row(2, 10.0, 5.0, 1.0)], recipe="bf16", backend=None)
+    assert e2e_report.summarize(run, skip=0)["warmstart_eval"] is None
+    ev = {"sampled": {"temperature": 1.0, "reward_mean": 0.25, "eos_frac": 0.9, "mean_len": 2.5}}
+    (run / "model.json").write_text(json.dumps({"args": {}, "eval": ev}))
+    assert e2e_report.summarize(run, skip=0)["warmstart_eval"] == ev
+    assert e2e_report.main([str(run)]) == 0
+
+
 def test_live_lines_and_the_swap_split_are_read(tmp_path: Path):
     (tmp_path / "logs").mkdir()
     line = (

@@ -409,6 +409,30 @@ def test_a_wrong_qkv_layout_is_visible_in_the_logits(mb, pairs32, cpu_forward):
         assert (mb.logits(wrong, tokens) - ref(tokens)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("cfg", [CFG, MIXED], ids=["moe", "mixed-tied"])
+def test_retained_versions_take_the_megatron_hooks_packed_tensors(mb, pairs32, cfg):
+    """What the trainer service does at a publish with trainer.backend=megatron: the hook's quantized
+    params (canonical names, every parameter) are retained, and at_version computed from them is
+    the torch QAT forward of the same weights bit for bit (it runs policy.model's forward on CPU)."""
+    from trainer.versions import RetainedVersions
+
+    ref, gpt = pairs32(cfg)
+    recipe = Recipe.load("nvfp4_moe")
+    m_hook = mb.apply_qat(gpt, cfg, recipe)
+    try:
+        versions = RetainedVersions(cfg, recipe.plan(cfg), keep=1)
+        versions.add(1, m_hook.quantized_params(gpt), live=list(gpt.parameters()))
+        tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+        got = versions.token_logprobs(1, tokens, tokens.roll(-1, 1))
+        torch_apply_qat(ref, recipe)
+        with torch.no_grad():
+            want = ref.token_logprobs(tokens, tokens.roll(-1, 1))
+        assert torch.equal(bits(got), bits(want))
+    finally:
+        mb.remove_qat(gpt)
+        ref.quant_hook = None
+
+
 @pytest.mark.parametrize(("recipe", "backward"), [(None, "hp"), ("nvfp4_moe", "hp"), ("int4_qat", "dequant")])
 def test_grouped_experts_equal_megatrons_loop(mb, models, recipe, backward):
     """SequentialMLP's grouped forward (one grouped GEMM per projection, the QAT group's stacked

@@ -1,0 +1,224 @@
+"""trainer.versions: older versions for the mismatch split from the packed tensors their publish
+produced, and the trainer's use of them (publish -> retain -> at_version; restart)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from broker.codec import Trajectory
+from broker.registry import PolicyRegistry
+from broker.streams import connect
+from policy import formats, qat
+from policy.manifest import QuantizedParam
+from policy.model import ModelConfig, MoE, Transformer
+from policy.recipe import Recipe
+from tandem import config as run_config
+from tandem.services import make_trainer
+from trainer.versions import RetainedVersions, aliasing
+
+CFG = ModelConfig.preset("tiny", n_layers=2, dim=64, n_experts=4, expert_ffn_dim=64, shared_expert_ffn_dim=0)
+
+
+def _batch(seed: int, rows: int = 3, length: int = 9) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, CFG.vocab_size, (rows, length), generator=g)
+    attn = torch.ones(rows, length, dtype=torch.bool)
+    attn[1, -3:] = False  # a right-padded row
+    return tokens, tokens.roll(-1, dims=1), attn
+
+
+def _grouped(model: Transformer, grouped: bool | None) -> Transformer:
+    """Force the MoE layers' grouped GEMM (True) or their loop over experts (False)."""
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            mod.grouped = grouped
+    return model
+
+
+def _qat_logprobs(weights: dict, recipe, tokens, targets, attn, temperature=0.7, cfg=CFG, grouped=None) -> torch.Tensor:
+    """The reference: a fresh model holding `weights` under the QAT forward."""
+    m = _grouped(Transformer(cfg, seed=None), grouped)
+    m.load_weights(weights)
+    qat.apply_qat(m, recipe)
+    with torch.no_grad():
+        return m.token_logprobs(tokens, targets, attention_mask=attn, temperature=temperature)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+@pytest.mark.parametrize("recipe_name", ["nvfp4_moe", "mxfp8", "bf16", "int4_qat"])
+def test_at_version_is_the_qat_forward_of_that_versions_weights_bitwise(recipe_name, grouped):
+    recipe = Recipe.load(recipe_name)
+    model = _grouped(Transformer(CFG, seed=3), grouped)
+    hook = qat.apply_qat(model, recipe)  # its experts are refilled as stacked groups
+    versions = RetainedVersions(CFG, recipe.plan(CFG), keep=2)
+    _grouped(versions.scratch, grouped)
+    v1 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    versions.add(1, hook.quantized_params(model), live=list(model.parameters()))
+    with torch.no_grad():  # an optimizer step: the master weights move in place, the cache is refilled
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    hook.invalidate()
+    tokens, targets, attn = _batch(0)
+    with torch.no_grad():  # refills the cache first: v1's retained objects must not be written over
+        now = model.token_logprobs(tokens, targets, attention_mask=attn, temperature=0.7)
+    got = versions.token_logprobs(1, tokens, targets, attention_mask=attn, temperature=0.7)
+    want = _qat_logprobs(v1, recipe, tokens, targets, attn, grouped=grouped)
+    assert torch.equal(qat.bits(got), qat.bits(want))  # same operands, same code: bit for bit
+    assert not torch.equal(now, got)  # the test can fail: the current weights give other log-probs
+    assert versions.scratch.quant_hook is None  # the operands live only during the call
+    assert all(p.device.type == "meta" for p in versions.scratch.parameters())  # the scratch model holds nothing
+
+
+def test_versions_beyond_keep_are_released_and_bytes_are_the_packed_parts():
+    recipe = Recipe.load("bf16")  # every parameter one bf16 tensor: 2 bytes per parameter
+    model = Transformer(CFG, seed=0)
+    hook = qat.apply_qat(model, recipe)
+    versions = RetainedVersions(CFG, recipe.plan(CFG), keep=2)
+    for v in range(1, 6):
+        versions.add(v, hook.quantized_params(model))
+        assert versions.versions() == list(range(max(1, v - 2), v + 1))
+    assert 2 not in versions and 3 in versions
+    assert versions.nbytes(5) == 2 * CFG.num_parameters()
+    assert versions.nbytes() == 3 * 2 * CFG.num_parameters()
+    nv = Recipe.load("nvfp4_moe")
+    packed = qat.apply_qat(model, nv).quantized_params(model)
+    versions.add(6, packed)
+    assert versions.nbytes(6) < versions.nbytes(5)  # 4-bit experts: less than bf16
+    assert RetainedVersions(CFG, recipe.plan(CFG), keep=0).keep == 0
+    partial = {n: q for n, q in packed.items() if n != "model.norm.weight"}
+    with pytest.raises(ValueError, match=r"version 7: no quantized tensor for \['model\.norm\.weight'\] \(of 1\)"):
+        versions.add(7, partial)
+    with pytest.raises(ValueError, match="keep=-1"):
+        RetainedVersions(CFG, recipe.plan(CFG), keep=-1)
+
+
+def test_parts_aliasing_a_live_parameter_are_cloned():
+    recipe = Recipe.load("bf16")
+    model = Transformer(CFG, seed=0)
+    tensors = qat.apply_qat(model, recipe).quantized_params(model)
+    w = torch.randn(1, CFG.dim).to(torch.bfloat16)  # a live bf16 parameter, and a bf16 object holding it as is
+    tensors["model.norm.weight"] = QuantizedParam("bf16", {}, formats.bf16.BF16Tensor(w, (1, CFG.dim)))
+    assert aliasing(tensors, [w]) == ["model.norm.weight"]  # quantize_param itself always copies
+    assert aliasing(tensors, list(model.parameters())) == []
+    versions = RetainedVersions(CFG, recipe.plan(CFG), keep=1)
+    versions.add(1, tensors, live=[w])
+    before = w.clone()
+    w.add_(1.0)  # the optimizer writes the parameter in place
+    assert torch.equal(versions._packed[1]["model.norm.weight"].values, before)
+    versions.add(2, tensors)  # not live: held as is
+    assert versions._packed[2]["model.norm.weight"].values is w
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer: publish retains, recompute uses, a restart forgets.
+
+
+def _trainer(tmp_path, redis_url, run_id, name: str):
+    cfg = {
+        "run_id": run_id,
+        "redis_url": redis_url,
+        "loop": {"max_staleness": 2, "seed": 1},
+        "recipe": "nvfp4_moe",
+        "model": {"preset": "tiny", "overrides": {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64}},
+        "task": {"digits": 1},
+        "trainer": {"group_size": 2, "metrics_port": -1, "checkpoint_every": 0, "grpc_port": 0},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    trainer = make_trainer(run_config.load(str(path), []), tmp_path / name)
+    trainer.redis = connect(redis_url)
+    trainer.registry = PolicyRegistry(trainer.redis, trainer.keys)
+    trainer.backend.apply_qat()
+    trainer.server.start()
+    return trainer
+
+
+async def _publish(trainer, version: int) -> None:
+    trainer.state.version = trainer._weights_version = version
+    await trainer._publish()
+    await trainer.publisher.idle()  # raises if it failed
+    assert version in trainer.server.versions()
+
+
+def _step(trainer, seed: int) -> None:
+    """What an optimizer step does to the weights (moved in place, the QAT cache invalidated)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.backend.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    trainer.backend.qat_hook.invalidate()
+    trainer._weights_version = None
+
+
+def _group(trainer, versions: list[int]) -> list[Trajectory]:
+    out = []
+    for i, v in enumerate(versions):
+        prompt = np.array([1, 5 + i, 7, 9], dtype=np.int32)
+        completion = np.array([4, 6 + i, 2], dtype=np.int32)
+        out.append(
+            Trajectory(
+                sample_id=f"g{i}/{v}", prompt_id="g", group_id=f"g{i}", sample_index=0, group_size=2,
+                prompt_tokens=prompt, completion_tokens=completion,
+                behavior_logprobs=np.full(3, -1.0, np.float32), reward=float(i % 2), policy_version=v,
+                contract_fingerprint=trainer.accepted_fingerprint, worker_id="t", created_at=time.time(),
+            )
+        )  # fmt: skip
+    return out
+
+
+async def test_trainer_publish_retains_packed_versions_and_recompute_uses_them(tmp_path, redis_url, run_id):
+    trainer = _trainer(tmp_path, redis_url, run_id, "a")
+    try:
+        await _publish(trainer, 1)
+        v1 = {n: p.detach().clone() for n, p in trainer.backend.canonical().items()}
+        _step(trainer, 0)
+        await _publish(trainer, 2)
+        _step(trainer, 1)  # the weights moved since v2's publish (publish_every > 1): v2 rows need v2's parts
+        batch = trainer.recompute_logprobs([_group(trainer, [1, 2])])
+        assert batch.known.tolist() == [True, True]
+        ref = _qat_logprobs(
+            v1,
+            trainer.recipe,
+            batch.tokens[:1],
+            batch.targets[:1],
+            batch.attn[:1],
+            trainer.temperature,
+            trainer.model_config,
+        )
+        assert torch.equal(qat.bits(batch.at_version[:1]), qat.bits(ref))
+        assert not torch.equal(batch.at_version, batch.prox)
+        await _publish(trainer, 3)
+        # v3 is the current weights: its rows are prox itself
+        batch = trainer.recompute_logprobs([_group(trainer, [3, 1])])
+        assert torch.equal(batch.at_version[0], batch.prox[0]) and not torch.equal(batch.at_version[1], batch.prox[1])
+        for v in (4, 5):
+            _step(trainer, v)
+            await _publish(trainer, v)
+        assert trainer.versions.versions() == [3, 4, 5]  # max_staleness 2: v1 and v2 released
+        batch = trainer.recompute_logprobs([_group(trainer, [2, 3])])
+        assert batch.known.tolist() == [False, True]
+        assert trainer.versions.nbytes() == 3 * trainer.versions.nbytes(5)
+    finally:
+        await trainer.publisher.settle()
+        trainer.server.stop()
+        trainer.buffers.close()
+        await trainer.redis.aclose()
+
+    # A restart: nothing retained is checkpointed, so rows of versions before it are left out.
+    again = _trainer(tmp_path, redis_url, run_id, "b")
+    try:
+        again.backend.load_weights(trainer.backend.canonical())
+        await _publish(again, 6)
+        batch = again.recompute_logprobs([_group(again, [5, 6])])
+        assert batch.known.tolist() == [False, True]
+        assert again.versions.versions() == [6]
+    finally:
+        await again.publisher.settle()
+        again.server.stop()
+        again.buffers.close()
+        await again.redis.aclose()
