@@ -77,7 +77,7 @@ __all__ = [
 ]
 
 SERVICE = "/tandem.v1.PolicyService/"
-HASH_THREADS = 16  # chunk sha256 threads per fetch (at most one per core)
+HASH_THREADS = 16  # chunk sha256 threads per fetch at most (and at most one per usable core: hash_threads)
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -213,17 +213,27 @@ class ReceiveBuffers:
         key = tuple(sorted(sizes.items()))
         if key != self._key:
             self.close()
-            offsets, total = {}, 0
-            for name, n in key:
-                offsets[name] = total
-                total += -(-n // self.ALIGN) * self.ALIGN
-            self._slab = np.empty(max(total, 1), dtype=np.uint8)
+            offsets, total = self.offsets(sizes)
+            self._slab = self._allocate(max(total, 1))
             if self.pinned:
                 self._pin(self._slab)
             self._views = {n: self._slab[offsets[n] : offsets[n] + sizes[n]] for n in sizes}
             self._key = key
             self.allocations += 1
         return self._views
+
+    @classmethod
+    def offsets(cls, sizes: dict[str, int]) -> tuple[dict[str, int], int]:
+        """Each tensor's offset in the slab (by name, each 4 KiB-aligned) and the slab's size."""
+        offsets, total = {}, 0
+        for name, n in sorted(sizes.items()):
+            offsets[name] = total
+            total += -(-n // cls.ALIGN) * cls.ALIGN
+        return offsets, total
+
+    def _allocate(self, nbytes: int) -> np.ndarray:
+        """A new slab of `nbytes` bytes (process-private memory here; shared memory in subclasses)."""
+        return np.empty(nbytes, dtype=np.uint8)
 
     @staticmethod
     def _pin(slab: np.ndarray) -> None:
@@ -440,7 +450,7 @@ class PolicyClient:
                 t.view = memoryview(t.data)
         stats = FetchStats()
         t0 = time.perf_counter()
-        workers = min(HASH_THREADS, os.cpu_count() or 1)
+        workers = hash_threads()
         hasher = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256")
         try:
             self._stream_all(manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel)
@@ -607,6 +617,13 @@ class PolicyClient:
                 )
             t.done = True
         return True
+
+
+def hash_threads() -> int:
+    """The sha256 pool's size: one thread per core this process may run on (its CPU affinity: a
+    container's cpuset, not the host's core count), at most HASH_THREADS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(HASH_THREADS, cores))
 
 
 def _sha256(chunk) -> bytes:

@@ -32,6 +32,10 @@ class RolloutConfig:
     on the H200 host (1.04 GB/s; 2/4/8 streams 0.77/0.65/0.56 GB/s: the receive threads and the one
     sha256 thread contend for the GIL; docs/benchmarks.md, "Publish → live"): measure again with
     bench/bench_swap.py when the client's hashing changes."""
+    fetch_process: bool | None = None
+    """Fetch and verify policies in a child process of the worker (rollout/fetch_process.py) into
+    shared memory, so that receiving and hashing never slow decoding (they hold the GIL);
+    null = on for cuda, off for cpu (the CPU engine's weights alias fresh memory per version)."""
     read_block_ms: int = 500
     """How long one read of the prompts stream blocks."""
     tls: ClientTLS = field(default_factory=ClientTLS)
@@ -83,6 +87,8 @@ class RolloutConfig:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
+        if self.fetch_process is not None and not isinstance(self.fetch_process, bool):
+            errors.append(f"fetch_process={self.fetch_process!r} (want true, false or null)")
         if not isinstance(self.fetch_streams, int) or not 1 <= self.fetch_streams <= 16:
             errors.append(f"fetch_streams={self.fetch_streams!r} (need an int in [1, 16])")
         if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:

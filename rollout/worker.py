@@ -3,7 +3,9 @@
 Loop (up to `rollout.max_inflight_groups` groups in flight, continuous batching):
     newest policy announced? -> fetch it in the background (a thread: the broker client over
                                 `rollout.fetch_streams` streams, checksums + fingerprint verified,
-                                into host memory kept across versions) and stop starting groups,
+                                into host memory kept across versions; on CUDA the client runs in
+                                a child process, rollout/fetch_process.py, so its receive and hash
+                                Python never holds this process's GIL) and stop starting groups,
                                 while the started ones keep decoding (drain); once both are done,
                                 swap it in (copied into the live engine) and resume. A newer
                                 pointer arriving meanwhile cancels that fetch and starts its own.
@@ -68,6 +70,7 @@ from policy.manifest_check import ManifestRefused, check_manifest, expected_tens
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout.cuda_engine import EngineConfig, PackedEngine, resolve_device
+from rollout.fetch_process import FetchProcess, FetchRequest
 
 from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend
 from .config import RolloutConfig
@@ -182,7 +185,16 @@ class RolloutWorker:
         # Where versions are received: on CUDA page-locked memory kept across versions (the engine
         # copies out of it at the swap); on the CPU fresh memory per version (the model's packed
         # tensors alias the fetched bytes, so the next fetch must not overwrite them).
-        self.host_buffers = ReceiveBuffers(pinned=True) if self.device.type == "cuda" else None
+        # With the fetch in a child process (rollout.fetch_process; CUDA's default) they are the
+        # child's shared slab: reused across versions on CUDA, fresh per version on the CPU.
+        cuda = self.device.type == "cuda"
+        in_child = cuda if cfg.fetch_process is None else cfg.fetch_process
+        self.fetcher = (
+            FetchProcess(pinned=cuda, reuse=cuda, log=lambda line: self.log(f"{self.worker_id}: {line}"))
+            if in_child
+            else None
+        )
+        self.host_buffers = self.fetcher.buffers if in_child else ReceiveBuffers(pinned=True) if cuda else None
         self._prefetch: _Prefetch | None = None
         self._retry_at = 0.0  # monotonic time before which a failed fetch is not started again
         self.batcher: ContinuousBatcher | None = None  # made at the first version, swapped per version
@@ -319,6 +331,8 @@ class RolloutWorker:
         finally:
             self.stop.set()
             await self._drop_prefetch()
+            if self.fetcher is not None:
+                self.fetcher.close()
             await beats
             await self.redis.aclose()
             self.health.stop()
@@ -418,8 +432,20 @@ class RolloutWorker:
             await asyncio.wait({pf.task}, timeout=timeout)
 
     def _fetch(self, pointer: PolicyPointer, cancel: FetchCancel) -> tuple[FetchedPolicy, float]:
-        """The fetch thread: the verified version (bytes in `host_buffers` on CUDA)."""
+        """The fetch thread: the verified version (bytes in `host_buffers` on CUDA), fetched by the
+        child process (`fetcher`) or here."""
         address = self.cfg.policy_address or pointer.address
+        if self.fetcher is not None:
+            request = FetchRequest(
+                address=address,
+                fingerprint=self.fingerprint,
+                version=pointer.version,
+                fetch_timeout_s=self.cfg.fetch_timeout_s,
+                streams=self.cfg.fetch_streams,
+                tls=self.cfg.tls,
+            )
+            fetched = self.fetcher.fetch(request, check=self._check_manifest, cancel=cancel)
+            return fetched, time.perf_counter()
         # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
         # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
         check_reachable(address)

@@ -1,0 +1,174 @@
+"""The policy fetch in a child process (rollout/fetch_process.py): real PolicyServer on loopback, a
+real child process receiving into shared memory. What it fetches is bitwise what the in-process
+client fetches; errors come back as the in-process fetch's types; the slab is reused and never
+left in /dev/shm; a child killed mid-fetch is replaced and the worker loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import glob
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+from faults.proxy import Proxy
+from test_worker_prefetch import CFG, build
+
+from broker.codec import PromptGroup
+from broker.policy_client import FetchCancel, FetchCancelled, FingerprintMismatch, PolicyClient, PolicyClientConfig
+from broker.policy_server import PolicyServer, PolicyServerConfig
+from broker.registry import PolicyPointer
+from policy import manifest as mf
+from policy.manifest_check import ManifestRefused
+from rollout import fetch_process as fpm
+from rollout.fetch_process import FetchProcess, FetchRequest
+from tandem.services import make_worker
+
+pytestmark = pytest.mark.integration
+
+
+def with_fetch_process(on: bool):
+    return dataclasses.replace(CFG, rollout=dataclasses.replace(CFG.rollout, fetch_process=on))
+
+
+def our_slabs() -> list[str]:
+    return glob.glob(os.path.join(fpm.SHM_DIR, f"{fpm.PREFIX}{os.getpid()}-*"))
+
+
+def slab_bytes(fetcher: FetchProcess, fetched) -> dict[str, bytes]:
+    """The received bytes of each tensor, read back from the parent's mapping of the slab."""
+    views = fetcher.buffers.views({n: lay.nbytes for n, lay in fetched.layouts.items()})
+    return {n: v.tobytes() for n, v in views.items()}
+
+
+def test_child_fetch_is_bitwise_the_in_process_fetch():
+    fingerprint = build(1).manifest.contract_fingerprint
+    logs: list[str] = []
+    fetcher = FetchProcess(pinned=False, reuse=True, log=logs.append)
+    with PolicyServer(PolicyServerConfig(keep_versions=4)) as server:
+        for v in (1, 2):
+            server.publish(build(v))
+
+        def request(v: int, **kw) -> FetchRequest:
+            return FetchRequest(address=server.address, fingerprint=kw.pop("fp", fingerprint), version=v, **kw)
+
+        try:
+            pids = set()
+            for v in (1, 2):
+                fetched = fetcher.fetch(request(v, streams=2))
+                pids.add(fetcher.pid)
+                with PolicyClient(PolicyClientConfig(address=server.address, expected_fingerprint=fingerprint)) as c:
+                    manifest = c.get_manifest(v)
+                    raw, layouts, _ = c.fetch_bytes(manifest)
+                assert fetched.version == v and fetched.layouts == layouts
+                got = slab_bytes(fetcher, fetched)
+                assert got.keys() == raw.keys() and all(got[n] == raw[n].tobytes() for n in raw)
+                assert fetched.stats.bytes == manifest.total_bytes and fetched.stats.receive_s > 0
+                assert fetched.stats.verify_s >= 0 and fetched.stats.streams >= 2
+                assert set(fetched.tensors) == set(raw)
+                assert our_slabs() == []  # unlinked once both processes mapped it
+            assert len(pids) == 1 and fetcher.buffers.allocations == 1  # one child, one slab, reused
+
+            # Errors: the in-process fetch's types, one line each, and the child serves on after each.
+            with pytest.raises(grpc.RpcError) as e:
+                fetcher.fetch(request(99))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(FingerprintMismatch):
+                fetcher.fetch(request(1, fp="0" * 64))
+
+            def refuse(m):
+                raise ManifestRefused(f"version {m.version}: refused by the test")
+
+            with pytest.raises(ManifestRefused, match="refused by the test"):
+                fetcher.fetch(request(2), check=refuse)
+            cancel = FetchCancel()
+            cancel.cancel()
+            with pytest.raises(FetchCancelled):
+                fetcher.fetch(request(2), cancel=cancel)
+            with pytest.raises(ValueError, match="connection refused"):
+                fetcher.fetch(FetchRequest(address="127.0.0.1:1", fingerprint=fingerprint, version=1))
+            assert fetcher.fetch(request(1)).version == 1 and fetcher.pid in pids and fetcher.restarts == 0
+            assert logs == []
+        finally:
+            proc = fetcher._proc
+            fetcher.close()
+    assert proc.wait(5) is not None and our_slabs() == []
+
+
+def test_stale_slabs_of_dead_processes_are_removed():
+    dead = os.path.join(fpm.SHM_DIR, f"{fpm.PREFIX}999999999-1")  # above pid_max: no such process
+    alive = os.path.join(fpm.SHM_DIR, f"{fpm.PREFIX}{os.getpid()}-999")
+    for path in (dead, alive):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        removed = fpm.remove_stale_slabs()
+        assert dead in removed and not os.path.exists(dead) and os.path.exists(alive)
+    finally:
+        for path in (dead, alive):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
+    """A worker fetching in a child (rollout.fetch_process=true on the CPU): the child is SIGKILLed
+    while its fetch hangs mid-stream. The worker keeps v1 (groups start again), logs the new child
+    once, and its retry loads v2: what it then generates is what a worker that fetched v2 in process
+    generates, bitwise."""
+    logs: list[str] = []
+    worker = make_worker(with_fetch_process(True), "w0")
+    worker.log = logs.append
+    assert worker.fetcher is not None
+    with PolicyServer(PolicyServerConfig(keep_versions=4)) as server:
+        for v in (1, 2):
+            server.publish(build(v))
+        proxy = Proxy(("127.0.0.1", server.port)).start()
+        try:
+
+            def pointer(v: int, address: str = server.address) -> PolicyPointer:
+                return PolicyPointer(version=v, address=address, contract_fingerprint=worker.fingerprint)
+
+            assert await worker._try_load(pointer(1)) and worker.version == 1
+            p = worker.task.prompt(0)
+            group = PromptGroup(
+                prompt_id="p0", group_id="g0", prompt_tokens=np.asarray(p.tokens, np.int32), n_samples=2, task=p.fields
+            )
+            worker._submit(group)
+            worker.batcher.step()  # a group in flight under v1
+
+            m = build(2).manifest
+            proxy.stall_after(len(mf.manifest_to_bytes(m)) + m.total_bytes // 2)  # v2's stream, mid-way
+            assert not await worker._swap_when_drained(pointer(2, proxy.address))
+            deadline = time.monotonic() + 60
+            while not proxy.stalled_connections:
+                assert time.monotonic() < deadline and not worker._prefetch.task.done(), logs
+                await asyncio.sleep(0.05)
+            child = worker.fetcher.pid
+            os.kill(child, signal.SIGKILL)
+            await asyncio.wait({worker._prefetch.task})
+            assert not await worker._swap_when_drained(pointer(2, proxy.address))
+            assert worker.version == 1 and not worker.batcher.draining  # kept v1, groups start again
+            restarted = [ln for ln in logs if f"fetch process {child} exited" in ln]
+            assert len(restarted) == 1 and worker.fetcher.pid != child, logs
+            assert any("fetching v2" in ln and "failed, will retry" in ln for ln in logs), logs
+            while not worker.batcher.step():  # the group started under v1 finishes under v1
+                pass
+            worker.inflight.clear()
+
+            worker._retry_at = 0.0
+            assert await worker._try_load(pointer(2)) and worker.version == 2
+            fresh = make_worker(with_fetch_process(False), "w1")
+            fresh.log = lambda _: None
+            assert fresh.fetcher is None and await fresh._try_load(pointer(2))
+            for a, b in zip(worker._rollout_group(group), fresh._rollout_group(group)):
+                assert a.policy_version == b.policy_version == 2
+                assert np.array_equal(a.completion_tokens, b.completion_tokens)
+                assert np.array_equal(a.behavior_logprobs, b.behavior_logprobs)
+        finally:
+            proxy.close()
+            worker.fetcher.close()
+    assert our_slabs() == []
