@@ -7,6 +7,7 @@ methods are driven directly)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -44,10 +45,22 @@ def build(version: int) -> mf.PackedPolicy:
     return mf.build_manifest(version=version, parent_version=None, contract=contract, tensors=tensors)
 
 
-async def test_prefetch_while_draining_supersede_and_retry(free_port):
+@pytest.mark.parametrize("fetch_process", [False, True], ids=["in-process", "child-process"])
+async def test_prefetch_while_draining_supersede_and_retry(free_port, fetch_process):
     logs: list[str] = []
-    worker = make_worker(CFG, "w0")
+    worker = make_worker(
+        dataclasses.replace(CFG, rollout=dataclasses.replace(CFG.rollout, fetch_process=fetch_process)), "w0"
+    )
     worker.log = logs.append
+    try:
+        await _prefetch_scenario(worker, logs, free_port)
+    finally:
+        if worker.fetcher is not None:
+            worker.fetcher.close()
+    assert not any("fetch process" in ln for ln in logs)  # the child, when there is one, never died
+
+
+async def _prefetch_scenario(worker, logs: list[str], free_port) -> None:
 
     with PolicyServer(PolicyServerConfig(keep_versions=4)) as server:
         for v in (1, 2, 3):

@@ -47,6 +47,7 @@ def test_demo_config_loads_and_overrides_apply():
         ("rollout.memory_fraction=-0.1", r"memory_fraction=-0.1"),
         ("trainer.device=gpu", r"device='gpu' \(cpu, cuda or cuda:N\)"),
         ("rollout.metrics_port=70000", "metrics_port=70000"),
+        ("rollout.fetch_process=1", r"fetch_process"),
     ],
 )
 def test_bad_configs_name_the_problem(override, message):
