@@ -10,6 +10,9 @@ import dataclasses
 import glob
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import grpc
@@ -172,3 +175,82 @@ async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
             proxy.close()
             worker.fetcher.close()
     assert our_slabs() == []
+
+
+def test_cancel_mid_fetch_keeps_the_child():
+    """A fetch hung mid-stream is cancelled (a newer version superseded it): FetchCancelled soon,
+    the same child serves the next fetch."""
+    fingerprint = build(1).manifest.contract_fingerprint
+    fetcher = FetchProcess(pinned=False, reuse=True, log=lambda line: pytest.fail(line))
+    with PolicyServer(PolicyServerConfig()) as server:
+        server.publish(build(1))
+        proxy = Proxy(("127.0.0.1", server.port)).start()
+        try:
+            m = build(1).manifest
+            proxy.stall_after(len(mf.manifest_to_bytes(m)) + m.total_bytes // 2)
+            cancel = FetchCancel()
+            outcome: list = []
+
+            def run() -> None:
+                try:
+                    fetcher.fetch(
+                        FetchRequest(address=proxy.address, fingerprint=fingerprint, version=1), cancel=cancel
+                    )
+                except BaseException as e:
+                    outcome.append(e)
+
+            t = threading.Thread(target=run)
+            t.start()
+            deadline = time.monotonic() + 60
+            while not proxy.stalled_connections:
+                assert time.monotonic() < deadline and t.is_alive(), outcome
+                time.sleep(0.05)
+            child = fetcher.pid
+            cancel.cancel()
+            t.join(30)
+            assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], FetchCancelled), outcome
+            fetched = fetcher.fetch(FetchRequest(address=server.address, fingerprint=fingerprint, version=1))
+            assert fetched.version == 1 and fetcher.pid == child and fetcher.restarts == 0
+        finally:
+            proxy.close()
+            fetcher.close()
+
+
+KILLED_PARENT = """
+import sys, time
+from rollout.fetch_process import FetchProcess, FetchRequest
+f = FetchProcess(pinned=False)
+f.fetch(FetchRequest(address=sys.argv[1], fingerprint=sys.argv[2], version=1))
+print(f.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_worker_leaves_no_child_and_no_slab():
+    """SIGKILL the process owning a FetchProcess (after a fetch, its slab mapped by both): the child
+    exits (its socket closed) and nothing of the slab is left in /dev/shm."""
+    fingerprint = build(1).manifest.contract_fingerprint
+    with PolicyServer(PolicyServerConfig()) as server:
+        server.publish(build(1))
+        parent = subprocess.Popen(
+            [sys.executable, "-c", KILLED_PARENT, server.address, fingerprint], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            child = int(parent.stdout.readline())
+            assert glob.glob(os.path.join(fpm.SHM_DIR, f"{fpm.PREFIX}{parent.pid}-*")) == []  # unlinked already
+        finally:
+            parent.kill()
+            parent.wait()
+            parent.stdout.close()
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{child}") and "Z" not in _state(child):
+        assert time.monotonic() < deadline, f"fetch child {child} outlived its parent"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
