@@ -262,7 +262,7 @@ def test_partition_then_a_stalled_policy_fetch(tmp_path, redis_server, run_id, f
     2. A stall: replies stop halfway through w1's next policy fetch; the fetch times out
        (rollout.fetch_timeout_s) or a newer version's fetch supersedes it, w1 fetches again on a
        new connection and trains again.
-    Nothing is lost or trained twice."""
+    w1 fetches in its fetch child (rollout.fetch_process), w0 in process. Nothing is lost or trained twice."""
     grpc_port = free_port()
     to_redis = Proxy(("127.0.0.1", redis_server.port)).start()
     to_trainer = Proxy(("127.0.0.1", grpc_port)).start()
@@ -271,7 +271,7 @@ def test_partition_then_a_stalled_policy_fetch(tmp_path, redis_server, run_id, f
         run.start_trainer()
         run.start_worker("w0")
         run.start_worker("w1", f"redis_url={to_redis.url()}/0", f"rollout.policy_address={to_trainer.address}",
-                         "rollout.fetch_timeout_s=4")  # fmt: skip
+                         "rollout.fetch_timeout_s=4", "rollout.fetch_process=true")  # fmt: skip
         _until_trained_by(run, "w1", 0)
         t_fault = time.time()
         to_redis.blackhole()

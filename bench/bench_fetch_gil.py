@@ -1,0 +1,112 @@
+"""What a policy fetch costs the decode loop's Python: a GIL-bound stand-in for the decode loop
+(small pure-Python steps, as a worker's step launches graphs and samples from Python) counts its
+steps per second while a version is fetched (a) not at all (the baseline, measured in the same
+run), (b) in a thread of this process (`PolicyClient.fetch`, the in-process path), (c) by the
+fetch child (`rollout.fetch_process.FetchProcess`, the CUDA worker's default).
+
+    python3 bench/bench_fetch_gil.py                 # the e2e version (Qwen3-30B-A3B widths x 6 layers, nvfp4_moe)
+    python3 bench/bench_fetch_gil.py --small         # CPU box: the `small` preset cut to 2 layers, 8 experts
+
+The trainer is bench_swap.py's spawned serving child (random init, quantized, published, served on
+127.0.0.1). Target: (c) keeps >= 0.8 of the baseline's steps/s where the host has a core for the
+child (a host with fewer cores than busy processes shares them however the fetch is arranged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_swap import _serve  # noqa: E402  (the serving child)
+
+
+def steps_while(work, seconds_min: float = 1.0) -> tuple[float, float]:
+    """Steps per second of the decode stand-in while `work()` runs in a thread (or for
+    `seconds_min` when `work` is None), and work's seconds."""
+    done = threading.Event()
+    took = [0.0]
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            work()
+        finally:
+            took[0] = time.perf_counter() - t0
+            done.set()
+
+    if work is None:
+        threading.Timer(seconds_min, done.set).start()
+    else:
+        threading.Thread(target=run, daemon=True).start()
+    n, t0 = 0, time.perf_counter()
+    while not done.is_set():
+        sum(range(2000))  # one "decode step" of Python (~20 us)
+        n += 1
+    return n / (time.perf_counter() - t0), took[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="where the serving child builds the version")
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--recipe", default="nvfp4_moe")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    if args.small:
+        args.preset, args.layers, args.experts = "small", 2, 8
+
+    from broker.policy_client import PolicyClient, PolicyClientConfig, ReceiveBuffers
+    from rollout.fetch_process import FetchProcess, FetchRequest
+
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(args, out, stop), daemon=True)
+    server.start()
+    fetcher = FetchProcess(pinned=False)
+    try:
+        info = out.get(timeout=args.timeout)
+        out.get(timeout=60)
+        address, gb = f"127.0.0.1:{info['port']}", info["bytes"] / 1e9
+        with PolicyClient(PolicyClientConfig(address=address)) as c:
+            fingerprint = c.get_manifest(1).contract_fingerprint
+        print(f"{os.cpu_count()} CPU cores; version {gb:.3f} GB in {info['tensors']} tensors", flush=True)
+        buffers = ReceiveBuffers()
+
+        def in_process() -> None:
+            with PolicyClient(PolicyClientConfig(address=address, fetch_timeout_s=600.0)) as client:
+                client.fetch(1, buffers=buffers)
+
+        def in_child() -> None:
+            fetcher.fetch(FetchRequest(address=address, fingerprint=fingerprint, version=1, fetch_timeout_s=600.0))
+
+        in_process(), in_child()  # warm: slabs touched, the child started
+        for _ in range(args.repeats):
+            base, _ = steps_while(None)
+            thread, thread_s = steps_while(in_process)
+            child, child_s = steps_while(in_child)
+            print(
+                f"decode steps/s: idle {base:,.0f}; fetching in a thread {thread:,.0f} (x{thread / base:.2f}, "
+                f"fetch {thread_s:.2f} s); fetching in the child {child:,.0f} (x{child / base:.2f}, fetch {child_s:.2f} s)",
+                flush=True,
+            )
+    finally:
+        fetcher.close()
+        stop.set()
+        server.join(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
