@@ -2,7 +2,9 @@
 (small pure-Python steps, as a worker's step launches graphs and samples from Python) counts its
 steps per second while a version is fetched (a) not at all (the baseline, measured in the same
 run), (b) in a thread of this process (`PolicyClient.fetch`, the in-process path), (c) by the
-fetch child (`rollout.fetch_process.FetchProcess`, the CUDA worker's default).
+fetch child (`rollout.fetch_process.FetchProcess`, the CUDA worker's default). Both the decode
+rate and the fetch's own time count: in one process they trade against each other through the GIL
+(steps lost = the decode rate's drop x the fetch's seconds).
 
     python3 bench/bench_fetch_gil.py                 # the e2e version (Qwen3-30B-A3B widths x 6 layers, nvfp4_moe)
     python3 bench/bench_fetch_gil.py --small         # CPU box: the `small` preset cut to 2 layers, 8 experts
@@ -96,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             base, _ = steps_while(None)
             thread, thread_s = steps_while(in_process)
             child, child_s = steps_while(in_child)
+            lost_thread, lost_child = (base - thread) * thread_s, (base - child) * child_s
             print(
                 f"decode steps/s: idle {base:,.0f}; fetching in a thread {thread:,.0f} (x{thread / base:.2f}, "
-                f"fetch {thread_s:.2f} s); fetching in the child {child:,.0f} (x{child / base:.2f}, fetch {child_s:.2f} s)",
+                f"fetch {thread_s:.2f} s, {lost_thread:,.0f} steps lost); fetching in the child {child:,.0f} "
+                f"(x{child / base:.2f}, fetch {child_s:.2f} s, {lost_child:,.0f} steps lost)",
                 flush=True,
             )
     finally:
