@@ -8,16 +8,16 @@ holding the GIL for seconds per GB) never competes with the decode loop's Python
 
 One child per worker (`python -m rollout.fetch_process FD`), started once and reused; it runs the
 ordinary broker.policy_client fetch (every chunk and tensor digest verified there) into a slab of
-shared memory (a file under /dev/shm, mapped by both processes) that the parent owns: created,
-page-locked for the H2D copy on CUDA (`pinned`), reused across versions of one layout, like
-ReceiveBuffers. The file is unlinked as soon as the child has mapped it (the memory lives while
-either process maps it: nothing is left in /dev/shm when either dies), and files a killed worker
-left behind in that instant are removed when the next FetchProcess starts.
+shared memory that the parent owns: an anonymous memfd (Linux memfd_create: no file in /dev/shm,
+so nothing to leak when either process is killed, and no /dev/shm size limit), created and
+page-locked for the H2D copy on CUDA (`pinned`) by the parent, reused across versions of one
+layout like ReceiveBuffers, its descriptor passed to the child once (SCM_RIGHTS over the socket)
+and mapped there; the memory is freed when neither process maps it any more.
 
 Nothing pickled crosses the boundary: length-prefixed byte messages over a socketpair
 (`Connection.send_bytes`), each "KIND payload":
-    parent -> child   FETCH {json request} | SLAB {"path": ..., "nbytes": ...} | CANCEL
-    child -> parent   MANIFEST <the serialized manifest> | OPENED | DONE {json FetchStats} | ERROR <Type> <one line>
+    parent -> child   FETCH {json request} | SLAB {"nbytes": ..., "new": bool} (+ the memfd when new) | CANCEL
+    child -> parent   MANIFEST <the serialized manifest> | DONE {json FetchStats} | ERROR <Type> <one line>
 The parent parses and verifies the manifest again (manifest_from_bytes, check_fingerprint, the
 version asked for), runs the worker's `check` before any memory is allocated, and rebuilds the
 tensors over the slab. An ERROR is raised in the parent as the type the in-process fetch raises
@@ -33,7 +33,6 @@ are small. With the child on CPU (`pinned=False, reuse=False`) each fetch gets a
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import mmap
 import os
@@ -66,8 +65,6 @@ from broker.policy_client import (
 from broker.tls import ClientTLS
 from policy import manifest as mf
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-PREFIX = "tandem-fetch-"  # + the owner's pid + "-" + a counter
 MAX_MESSAGE = mf.MAX_MANIFEST_BYTES + (1 << 16)
 POLL_S = 0.05  # how often a waiting parent looks at its cancel flag and the child's liveness
 CANCEL_GRACE_S = 30.0  # a child that has not ended a cancelled fetch by then is replaced
@@ -154,78 +151,69 @@ def _recv(conn: Connection) -> tuple[str, bytes]:
     return kind.decode("ascii", "replace"), payload
 
 
+def _send_fd(conn: Connection, fd: int) -> None:
+    """A file descriptor to the peer (SCM_RIGHTS, one marker byte), right after a message."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        socket.send_fds(sock, [b"F"], [fd])
+    finally:
+        sock.detach()  # the fd stays the Connection's
+
+
+def _recv_fd(conn: Connection) -> int:
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        marker, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    finally:
+        sock.detach()
+    if marker != b"F" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected one file descriptor after SLAB, got {len(fds)} and {marker!r}")
+    return fds[0]
+
+
 # -- the parent side ------------------------------------------------------------------------------
 
 
 class SharedSlab(ReceiveBuffers):
-    """ReceiveBuffers whose slab is a file under SHM_DIR mapped here (and by the child): `path`
-    names it until `unlink` (the child has mapped it, or the fetch ended)."""
+    """ReceiveBuffers whose slab is a memfd mapped here (and by the child): `fd` is its descriptor
+    until `release_fd` (sent to the child, or the fetch ended), -1 after."""
 
     def __init__(self, *, pinned: bool = False):
         super().__init__(pinned=pinned)
-        self.path = ""  # the slab's file until unlinked
+        self.fd = -1
         self.nbytes = 0
         self._mmap: mmap.mmap | None = None
-        self._count = 0
 
     def _allocate(self, nbytes: int) -> np.ndarray:
-        self._count += 1
-        path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{self._count}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.memfd_create("tandem-fetch-slab", os.MFD_CLOEXEC)
         try:
-            try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS mid-fetch
+            try:  # reserve the pages now: no room fails here, not with SIGBUS mid-fetch
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
-                raise OSError(f"cannot reserve {nbytes} bytes of shared memory in {SHM_DIR}: {e.strerror}") from None
+                raise OSError(f"cannot reserve {nbytes} bytes of shared memory: {e.strerror}") from None
             mm = mmap.mmap(fd, nbytes)
         except BaseException:
-            os.unlink(path)
-            raise
-        finally:
             os.close(fd)
-        self.path, self.nbytes, self._mmap = path, nbytes, mm
+            raise
+        self.fd, self.nbytes, self._mmap = fd, nbytes, mm
         return np.frombuffer(mm, dtype=np.uint8)
 
-    def unlink(self) -> None:
-        if self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = ""
+    def release_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def close(self) -> None:
         super().close()
-        self.unlink()
+        self.release_fd()
         if self._mmap is not None:
             try:
                 self._mmap.close()
             except BufferError:  # tensors still alias it (a CPU model's weights): freed with them
                 pass
             self._mmap = None
-
-
-def remove_stale_slabs() -> list[str]:
-    """Delete the slab files of processes that no longer exist (a worker killed between creating a
-    slab and its child mapping it); the paths removed."""
-    removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, PREFIX + "*")):
-        pid = os.path.basename(path)[len(PREFIX) :].split("-")[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (or not ours to judge)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass
-    return removed
 
 
 class _ChildGone(Exception):
@@ -242,7 +230,6 @@ class FetchProcess:
         self.restarts = 0  # children replaced after dying
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
-        remove_stale_slabs()
 
     @property
     def pid(self) -> int | None:
@@ -257,7 +244,7 @@ class FetchProcess:
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
-        self.buffers.close()  # a new child maps a new slab (the old file is unlinked)
+        self.buffers.close()  # a new child maps a new slab
 
     def _stop_child(self) -> int | None:
         """End the child (killed if it does not go at once); its exit status."""
@@ -300,7 +287,7 @@ class FetchProcess:
                 raise FetchCancelled(f"version {request.version}: fetch cancelled") from None
             raise OSError(f"the fetch process {e}") from None
         finally:
-            self.buffers.unlink()
+            self.buffers.release_fd()
 
     def _replace(self, why: str) -> None:
         pid = self.pid
@@ -329,10 +316,11 @@ class FetchProcess:
                 except BaseException as e:
                     refused = e
                     continue
-                new = self.buffers.path  # set while a slab is new (not mapped by the child yet)
-                _send(self._conn, "SLAB", json.dumps({"path": new, "nbytes": self.buffers.nbytes}).encode())
-            elif kind == "OPENED":
-                self.buffers.unlink()
+                new = self.buffers.fd >= 0  # a slab the child has not mapped yet
+                _send(self._conn, "SLAB", json.dumps({"nbytes": self.buffers.nbytes, "new": new}).encode())
+                if new:
+                    _send_fd(self._conn, self.buffers.fd)
+                    self.buffers.release_fd()
             elif kind in ("DONE", "ERROR"):
                 if refused is not None:
                     raise refused
@@ -380,12 +368,11 @@ _STATS_FIELDS = {f.name for f in dataclasses.fields(FetchStats)}
 
 
 class _MappedSlab(ReceiveBuffers):
-    """The child's view of the parent's slab: the same offsets (ReceiveBuffers.offsets), never
-    reallocated (a slab too small for a layout is a ValueError)."""
+    """The child's view of the parent's slab (its memfd `fd`, closed once mapped): the same offsets
+    (ReceiveBuffers.offsets), never reallocated (a slab too small for a layout is a ValueError)."""
 
-    def __init__(self, path: str, nbytes: int):
+    def __init__(self, fd: int, nbytes: int):
         super().__init__()
-        fd = os.open(path, os.O_RDWR)
         try:
             self._mmap = mmap.mmap(fd, nbytes)
         finally:
@@ -404,7 +391,7 @@ class _Job:
     def __init__(self, request: FetchRequest):
         self.request = request
         self.cancel = FetchCancel()
-        self.inbox: queue.Queue = queue.Queue()  # (kind, payload) from the parent: SLAB or CANCEL
+        self.inbox: queue.Queue = queue.Queue()  # SLAB or CANCEL from the parent
 
 
 def _run_job(conn: Connection, job: _Job, state: dict) -> None:
@@ -429,14 +416,8 @@ def _fetch(conn: Connection, job: _Job, state: dict) -> FetchStats:
     with PolicyClient(cfg) as client:
         manifest = client.get_manifest(req.version)
         _send(conn, "MANIFEST", mf.manifest_to_bytes(manifest))
-        kind, payload = job.inbox.get()
-        if kind != "SLAB":
+        if job.inbox.get() != "SLAB":  # the main thread mapped a new slab into state["slab"] first
             raise FetchCancelled(f"version {req.version}: fetch cancelled")
-        slab = json.loads(payload)
-        if slab["path"]:
-            state["slab"] = None  # the previous mapping goes
-            state["slab"] = _MappedSlab(slab["path"], slab["nbytes"])
-            _send(conn, "OPENED")
         _, _, stats = client.fetch_bytes(manifest, buffers=state["slab"], cancel=job.cancel)
     return stats
 
@@ -460,10 +441,15 @@ def main(argv: list[str]) -> int:
                 _send(conn, "ERROR", f"ValueError bad fetch request: {_one_line(str(e))}".encode())
                 continue
             threading.Thread(target=_run_job, args=(conn, job, state), name="fetch", daemon=True).start()
-        elif kind in ("SLAB", "CANCEL") and job is not None:
-            if kind == "CANCEL":
-                job.cancel.cancel()
-            job.inbox.put((kind, payload))
+        elif kind == "SLAB" and job is not None:
+            slab = json.loads(payload)
+            if slab["new"]:  # mapped here, at once: a descriptor never waits in a queue
+                state["slab"] = None  # the previous mapping goes
+                state["slab"] = _MappedSlab(_recv_fd(conn), slab["nbytes"])
+            job.inbox.put(kind)
+        elif kind == "CANCEL" and job is not None:
+            job.cancel.cancel()
+            job.inbox.put(kind)
 
 
 if __name__ == "__main__":
