@@ -161,6 +161,11 @@ class Trainer:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("trainer.device='cuda' but torch sees no CUDA device")
+        if self.device.type == "cuda":
+            # Before CUDA's allocator starts (it reads this once): the step's allocations change size with
+            # every batch, and without expandable segments the e2e run's trainer died at its memory cap with
+            # 12 GB reserved but unusable (docs/benchmarks.md). A user's own setting wins.
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if self.device.type == "cuda" and cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
             torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device.index or 0)
         # The model, its optimizer and QAT (trainer/backends.py): fp32 master weights and AdamW state,
@@ -288,6 +293,12 @@ class Trainer:
                 if publish:
                     t_publish = time.perf_counter()
                     row["publish_blocked_s"] = await self._publish()
+                    if self.max_staleness == 0:
+                        # Synchronous: every sample of the next step must come from this version, so feed
+                        # no prompt before workers can see it. Feeding while it was still being framed let
+                        # workers generate groups under the old one, all dropped as stale (3,880 samples in
+                        # 12 steps of the H200 run).
+                        await self.publisher.idle()
                     self._publish_s = time.perf_counter() - t_publish
                     row["publish_bg_s"] = self._publish_bg_s  # the previous publish's (awaited just now)
                 row.update(retained_versions=len(self.versions.versions()), retained_bytes=self.versions.nbytes())
