@@ -17,13 +17,17 @@ what the RL run starts from: `--eval-prompts` of the run's own prompts (task.pro
 the trainer feeds first), one sampled completion each at the run's temperature under the run's
 recipe (QAT: the operands the rollouts compute with), at most the task's max_new_tokens, scored by
 the task; and the same greedily. The fraction ending in <eos>, the mean reward and the mean length
-go into `tandem_e2e.json` ("eval") and the log. Simplified: no schedule; a fixture for system
+go into `tandem_e2e.json` ("eval") and the log. Then a self-check (`decode_check`, in the log and
+`tandem_e2e.json` "decode_check"): teacher-forced vs prefill + KV-cache decode log-probs of 8 reference answers, on
+the MoE's default path and its loop over experts, which must agree (the H200 warm start reached a
+teacher-forced loss of 0.73 and never generated <eos>). Simplified: no schedule; a fixture for system
 measurements, not a model.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -123,11 +127,26 @@ def main(argv: list[str] | None = None) -> int:
                   f"{k} reward {v['reward_mean']:.3f}, ended with eos {v['eos_frac']:.2f}, mean length {v['mean_len']:.1f}"
                   for k, v in scores.items() if isinstance(v, dict)) + f"; probability outside the tokenizer's "
               f"vocabulary {scores['outside_vocab_mass']:.3f} ({time.perf_counter() - t_eval:.1f}s)", flush=True)  # fmt: skip
+    check = None
+    if args.eval_prompts:
+        t_check = time.perf_counter()
+        check = decode_check(model, task, cfg, n=min(8, args.eval_prompts))
+        print(f"[make_e2e_model] decode check over {check['prompts']} reference answers ({cfg.recipe}; teacher-forced "
+              f"vs prefill + KV-cache decode log-probs, which must agree): " + "; ".join(
+                  f"{k} max |d| {v['max_abs_dlogp']:.3f}, mean {v['mean_abs_dlogp']:.4f}, <eos> log-prob "
+                  f"{v['eos_logp_teacher']:.3f} vs {v['eos_logp_decode']:.3f}"
+                  for k, v in check.items() if isinstance(v, dict)) + f" ({time.perf_counter() - t_check:.1f}s)",
+              flush=True)  # fmt: skip
     t1 = time.perf_counter()
     marker.unlink(missing_ok=True)  # a folder half rewritten is never taken as up to date
     save_hf(out, model_config, model.named_parameters(), metadata={"tandem_init": "random + warm start"})
     final_loss = round(losses[-1], 4) if args.warmstart_steps else None
-    marker.write_text(json.dumps({"args": recipe, "warmstart_final_loss": final_loss, "eval": scores}, indent=2) + "\n")
+    marker.write_text(
+        json.dumps(
+            {"args": recipe, "warmstart_final_loss": final_loss, "eval": scores, "decode_check": check}, indent=2
+        )
+        + "\n"
+    )
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     print(f"[make_e2e_model] wrote {out}: {size / 1e9:.2f} GB of bf16 safetensors in {time.perf_counter() - t1:.1f}s")
     return 0
@@ -188,6 +207,60 @@ def evaluate(model: Transformer, task, cfg, *, n: int) -> dict:
         out["outside_vocab_mass"] = round(float(outside.mean()), 4) if outside.numel() else 0.0
     finally:
         model.quant_hook = saved
+    return out
+
+
+@torch.no_grad()
+def decode_check(model: Transformer, task, cfg, *, n: int) -> dict:
+    """Teacher-forced vs generation-path log-probs of the reference answers (+ <eos>) of the run's
+    first `n` prompts under the run's recipe: the warm start's forward (right-padded rows,
+    trainer.sequences.pack) against generate's (left-padded prefill, then the KV-cache decode fed
+    the same tokens: rollout.engine.forced_logprobs). They must agree up to bf16 noise; a gap says
+    generation computes another function than the one trained. Variants, to tell where a gap comes
+    from: `grouped` (MoE.grouped True: the grouped GEMM, the default on CUDA bf16), `loop` (MoE.grouped
+    False: a loop over experts) and `loop_math_sdpa` (the loop, and attention by SDPA's math kernel).
+    Each: max and mean |d log-prob| over the answer tokens, and the mean <eos> log-prob both ways."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from policy.model import MoE
+    from rollout.engine import forced_logprobs
+
+    device = model.lm_head.weight.device
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    prompts = [task.prompt(i) for i in range(n)]
+    answers = [p.reference for p in prompts]
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    saved_hook, saved_grouped = model.quant_hook, [m.grouped for m in moes]
+    out: dict = {"prompts": n, "recipe": cfg.recipe}
+    try:
+        model.quant_hook = qat.apply_qat(model, Recipe.load(cfg.recipe))
+        for name, grouped, math_only in (
+            ("grouped", True, False),
+            ("loop", False, False),
+            ("loop_math_sdpa", False, True),
+        ):
+            for m in moes:
+                m.grouped = grouped
+            kernels = sdpa_kernel([SDPBackend.MATH]) if math_only else contextlib.nullcontext()
+            with autocast, kernels:
+                decoded = forced_logprobs(model, [p.tokens for p in prompts], answers, pad_id=task.tokenizer.pad_id)
+                tokens, targets, attn, mask = (
+                    t.to(device) for t in pack([p.tokens for p in prompts], answers, task.tokenizer.pad_id)
+                )
+                lp = model.token_logprobs(tokens, targets, attention_mask=attn).cpu()
+            mask = mask.cpu()
+            teacher = [lp[b][mask[b] > 0] for b in range(n)]
+            diffs = torch.cat([(decoded[b, : len(a)] - teacher[b]).abs() for b, a in enumerate(answers)])
+            out[name] = {
+                "max_abs_dlogp": round(float(diffs.max()), 4),
+                "mean_abs_dlogp": round(float(diffs.mean()), 4),
+                "eos_logp_teacher": round(sum(float(t[-1]) for t in teacher) / n, 4),
+                "eos_logp_decode": round(sum(float(decoded[b, len(a) - 1]) for b, a in enumerate(answers)) / n, 4),
+            }
+    finally:
+        model.quant_hook = saved_hook
+        for m, g in zip(moes, saved_grouped):
+            m.grouped = g
     return out
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "probe_mismatch",
     "quantize_weights",
     "remove_qat",
+    "stacked_operands",
 ]
 
 BACKWARD_MODES = ("hp", "dequant")
@@ -178,6 +179,18 @@ def _rows_op(op: Operand, i: int, n: int) -> Operand:
     return Operand(part(op.values), scale=part(op.scale), block_scale=part(op.block_scale), block=op.block)
 
 
+def stacked_operands(flat, n: int) -> tuple[list[Operand], Operand | None]:
+    """The operands of the n tensors stacked along rows in one quantized object `flat`
+    (`kernels.quantize_stacked`'s): one `formats.operand` call, each tensor's operand a view of its
+    rows, and the [n, N, K] operand of all of them for the grouped GEMM (None with block scales)."""
+    op = formats.operand(flat)
+    ops = [_rows_op(op, i, n) for i in range(n)]
+    if op.block_scale is not None:
+        return ops, None
+    scale = None if op.scale is None else op.scale.view(n, -1)
+    return ops, Operand(op.values.view(n, -1, op.values.shape[-1]), scale=scale)
+
+
 def _stack_operands(ops: Sequence[Operand]) -> Operand:
     """One [E, N, K] operand of E weight operands without block scales (scale [E, 1 or N] or None)."""
     values = torch.stack([o.values for o in ops])
@@ -243,16 +256,10 @@ class QATHook(QuantHook):
             kw = from_parts_kwargs(spec.format, spec.kwargs)
             flat, qs = kernels.quantize_stacked(spec.format, stacked, check_finite=False, **kw)
             del stacked
-            n = len(qs)
             if flat is None:
                 ops, stacked_op = [formats.operand(q) for q in qs], None
             else:
-                op = formats.operand(flat)
-                ops = [_rows_op(op, i, n) for i in range(n)]
-                stacked_op = None
-                if op.block_scale is None:
-                    scale = None if op.scale is None else op.scale.view(n, -1)
-                    stacked_op = Operand(op.values.view(n, -1, op.values.shape[-1]), scale=scale)
+                ops, stacked_op = stacked_operands(flat, len(qs))
         entries = []
         for name, p, q, o in zip(g.names, g.params, qs, ops):
             entries.append((p._version, QuantizedParam(spec.format, dict(spec.kwargs), q), o))

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from policy.model import KVCache, Transformer
 
-__all__ = ["Generation", "decode_one_token", "generate", "prefill", "row_generators", "sample"]
+__all__ = ["Generation", "decode_one_token", "forced_logprobs", "generate", "prefill", "row_generators", "sample"]
 
 
 @dataclass
@@ -199,3 +199,35 @@ def generate(
         # Finished rows keep stepping in lockstep, as padding nobody attends to.
         logits = decode_one_token(model, torch.where(alive, nxt, pad_id), alive, cache)
     return Generation(out_tokens.cpu(), out_logp.cpu(), lengths.cpu(), stopped.cpu())
+
+
+@torch.no_grad()
+def forced_logprobs(
+    model: Transformer, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, pad_id: int = 0
+) -> Tensor:
+    """[B, N] fp32 log p(completions[b][t] | prompt b, completions[b][:t]) through generate's own path
+    (left-padded `prefill`, then `decode_one_token` with the KV cache, fed the given tokens instead of
+    samples), N the longest completion, 0 past a row's end. The teacher-forced forward
+    (`model.token_logprobs` on trainer.sequences.pack's rows) must give the same values up to
+    accumulation order: what the trainer learns is what generation computes."""
+    if len(prompts) != len(completions) or not all(len(c) for c in completions):
+        raise ValueError("forced_logprobs: one non-empty completion per prompt")
+    L = max(check_request(prompts, n_samples=1, max_new_tokens=1, temperature=1.0))
+    n = max(len(c) for c in completions)
+    device = model.lm_head.weight.device
+    tokens, mask = _left_pad(prompts, pad_id)
+    forced = torch.full((len(prompts), n), pad_id, dtype=torch.long)
+    for b, c in enumerate(completions):
+        forced[b, : len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+    forced = forced.to(device)
+    lengths = torch.tensor([len(c) for c in completions], device=device)
+    cache = KVCache(model.cfg, len(prompts), L + n, dtype=model.lm_head.weight.dtype, device=device)
+    logits = prefill(model, tokens.to(device), mask.to(device), cache)
+    out = torch.zeros(len(prompts), n, dtype=torch.float32, device=device)
+    for t in range(n):
+        alive = t < lengths
+        lp = logits.log_softmax(dim=-1).gather(-1, forced[:, t : t + 1]).squeeze(-1)
+        out[:, t] = torch.where(alive, lp, 0.0)
+        if t < n - 1:
+            logits = decode_one_token(model, forced[:, t], alive & (t + 1 < lengths), cache)
+    return out.cpu()

@@ -119,6 +119,7 @@ class Batch:
     started: float  # perf_counter at the start of the step
     known: torch.Tensor | None = None  # [B] bool: rows whose version's weights are held (at_version valid)
     recompute_s: float = 0.0  # seconds the recompute took (older versions' forwards included)
+    at_version_s: float = 0.0  # of which the older versions' forwards (trainer.versions)
 
 
 class Trainer:
@@ -679,6 +680,8 @@ class Trainer:
         with torch.no_grad(), self.autocast:
             prox = self.backend.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
             at_version = prox.clone()
+            self._sync()
+            t1 = time.perf_counter()
             known = torch.ones(len(samples), dtype=torch.bool)  # rows whose version's weights we hold
             for v in sorted(set(versions.tolist())):
                 if v == self._weights_version:
@@ -690,12 +693,19 @@ class Trainer:
                 at_version[rows] = self.versions.token_logprobs(
                     v, tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
                 )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # recompute_s is device time, not launch time
+        self._sync()
+        t2 = time.perf_counter()
         return Batch(
             tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0,
-            known=known, recompute_s=time.perf_counter() - t0,
+            known=known, recompute_s=t2 - t0, at_version_s=t2 - t1,
         )  # fmt: skip
+
+    def _sync(self) -> None:
+        """Wait for the trainer's own queued device work (recompute_s is device time, not launch
+        time): its current stream only, not the whole device, whose side streams may hold an
+        in-flight publish's copies to the host (broker.frames.fill) that this step need not wait for."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def optimize(self, b: Batch) -> dict:
         """The GRPO update over `minibatches` shuffled minibatches; returns the step's metrics row."""
@@ -739,6 +749,7 @@ class Trainer:
             "completion_tokens": n_tokens,
             "step_time_s": time.perf_counter() - b.started,
             "recompute_s": b.recompute_s,
+            "at_version_s": b.at_version_s,
             "rollout_recipe": self.rollout_recipe.name,
             "contract_breaking": self.contract_breaking,
         }

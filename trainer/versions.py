@@ -19,12 +19,17 @@ makes new tensors from them) are cloned so that the optimizer cannot change them
 `token_logprobs` runs `policy.model.Transformer`'s forward on a scratch model whose parameters are
 on the meta device (no memory: every read of a parameter goes through the hook) with a
 hook that is `policy.qat.PackedHook` over v's objects (QATHook's forward with v's operands), except
-that each operand is built when its matmul runs and dropped after it. The result equals, bit for
-bit, the QAT forward (`policy.qat.apply_qat`, the training recipe) of v's master weights on the same
-rows and device, on the MoE's loop over experts and on its grouped GEMM alike
-(tests/unit/test_versions.py). Transient memory, during the call: one weight's operand at a time
-(in the grouped GEMM, the operands of one MoE projection's experts, stacked: 0.8 GB here), plus the
-fp32 dequantized embedding and norms (as the QAT forward holds them).
+that each operand is built when its matmul runs and dropped after it, and that an MoE projection's
+experts are built together, as the QAT cache's stacked refill builds them: their packed parts
+concatenated along rows (a copy of the packed bytes, 0.2 GB for a gate_up_proj here) and one
+`formats.operand` call for all (`qat.stacked_operands`), whose [E, N, K] operand the grouped GEMM
+takes as is (no per-expert operands stacked per call; each operand is built once per call). The
+result equals, bit for bit, the QAT forward (`policy.qat.apply_qat`, the training recipe) of v's
+master weights on the same rows and device, on the MoE's loop over experts and on its grouped GEMM
+alike (tests/unit/test_versions.py). Transient memory, during the call: one weight's operand at a
+time, or one MoE projection's experts' (0.8 GB of bf16 operand values here, plus the fp32
+intermediates of nvfp4's operand_values over all experts at once, ~3 GB at its peak, as the QAT
+cache's refill has), plus the fp32 dequantized embedding and norms (as the QAT forward holds them).
 
 Memory: per retained version, the bytes of its packed parts (`nbytes`): 4.38 GB for the 6-layer
 Qwen3-30B-A3B of configs/gpu-h200.yaml under nvfp4_moe, against 17.4 GB of fp32 master weights.
@@ -52,7 +57,7 @@ from torch import Tensor
 
 from policy import formats, qat
 from policy.manifest import QuantizedParam
-from policy.model import ModelConfig, Transformer
+from policy.model import ModelConfig, MoE, Transformer
 from policy.recipe import Plan
 
 __all__ = ["RetainedVersions", "aliasing"]
@@ -79,6 +84,8 @@ class RetainedVersions:
         self._packed: dict[int, dict[str, object]] = {}
         with torch.device("meta"):  # shapes and dtypes only: the hook supplies every value
             self.scratch = Transformer(model_config, seed=None)
+        self._groups = [g for m in self.scratch.modules() if isinstance(m, MoE) for g in m.expert_groups()]
+        self.last_builds = 0  # weight operand builds (formats.operand calls) of the last token_logprobs
 
     def __contains__(self, version: int) -> bool:
         return version in self._packed
@@ -109,29 +116,63 @@ class RetainedVersions:
     ) -> Tensor:  # fmt: skip
         """[B, T] fp32 log-probs of `targets` under `version` (the caller's autocast applies, as
         for the trainer's own forward)."""
-        self.scratch.quant_hook = _PackedOperands(self.plan, self._packed[version])
+        hook = self.scratch.quant_hook = _PackedOperands(self.plan, self._packed[version], self._groups)
         try:
             return self.scratch.token_logprobs(tokens, targets, attention_mask=attention_mask, temperature=temperature)
         finally:
-            self.scratch.quant_hook = None  # its operands are freed with it
+            self.scratch.quant_hook = None
+            hook.invalidate()  # its operands are freed now
+            self.last_builds = hook.builds
 
 
 class _PackedOperands(qat.QATHook):
     """policy.qat.PackedHook's forward (QATHook's code, the operands from a version's quantized
     objects), each operand built when its matmul asks for it and dropped after: the forward holds one
-    weight's bf16 operand at a time (one projection's experts in the grouped GEMM, which stacks
-    them), not all of them (6+ GB for the 4B model) as PackedHook does."""
+    weight's operand at a time, or one MoE projection's: its experts' objects are concatenated into
+    one stacked object and their operands built in one `formats.operand` call
+    (`qat.stacked_operands`, what the QAT cache's stacked refill does), which the grouped GEMM takes
+    as is and the loop over experts row by row. So every operand is built once per call, not once
+    per expert and again for the stack (6+ GB for the 4B model if all were held, as PackedHook does)."""
 
-    def __init__(self, plan: Plan, packed: Mapping[str, object]):
+    def __init__(self, plan: Plan, packed: Mapping[str, object], groups: Iterable[tuple[list[str], list[Tensor]]]):
         super().__init__(plan)
         self._packed = packed
-
-    def invalidate(self, *_: object) -> None:
-        self._dense.clear()
+        for names, params in groups:
+            self.add_group(names, params)
+        self.builds = 0  # formats.operand calls for weights (one per weight, or one per expert group)
 
     def _entry(self, name: str, p: Tensor) -> tuple[int, object, formats.Operand]:
-        q = self._packed[name]
-        return -1, q, formats.operand(q)
+        hit = self._cache.get(name)
+        if hit is not None:
+            return hit
+        self._cache.clear()  # the previous weight's or group's operands: one at a time
+        g = self._groups.get(name)
+        if g is None:
+            self.builds += 1
+            q = self._packed[name]
+            hit = self._cache[name] = (-1, q, formats.operand(q))
+            return hit
+        qs = [self._packed[n] for n in g.names]
+        self.builds += 1
+        ops, stacked = qat.stacked_operands(_concatenated(qs), len(qs))
+        entries = tuple((-1, q, o) for q, o in zip(qs, ops))
+        self._cache.update(zip(g.names, entries))
+        g.stacked = (entries, stacked)
+        return self._cache[name]
+
+
+def _concatenated(qs: list) -> object:
+    """One policy.formats object over the rows of `qs` (same format and shape): every tensor part
+    concatenated along rows, as `policy.kernels.quantize_stacked`'s flat object (a global_scale
+    [len(qs)] for nvfp4's tensor scope)."""
+    first = qs[0]
+    m, k = first.shape
+    parts = {
+        f.name: torch.cat([getattr(q, f.name) for q in qs])
+        for f in dataclasses.fields(first)
+        if isinstance(getattr(first, f.name), Tensor)
+    }
+    return dataclasses.replace(first, shape=(len(qs) * m, k), **parts)
 
 
 def _cloned(value):

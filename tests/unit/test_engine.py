@@ -125,3 +125,41 @@ def test_prefill_decode_sample_compose_to_generate(model):
         toks.append(int(nxt[0]))
         logits = decode_one_token(model, nxt, torch.ones(1, dtype=torch.bool), cache)
     assert toks == generate(model, [prompt], max_new_tokens=4, temperature=0.0).tokens[0].tolist()
+
+
+@pytest.mark.parametrize("recipe", [None, "nvfp4_moe"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_teacher_forced_logprobs_equal_the_kv_cache_decode(recipe, grouped):
+    """What the trainer learns (the teacher-forced forward on right-padded packed rows) is what
+    generation computes (left-padded prefill, then one token at a time with the KV cache), on the MoE's
+    loop and on its grouped GEMM, with experts that get no token in a decode step (32 experts, top-4,
+    8 rows): log-probs equal up to accumulation order; and generate's behavior log-probs are those."""
+    from policy import qat
+    from policy.model import MoE
+    from policy.recipe import Recipe
+    from rollout.engine import forced_logprobs
+    from trainer.sequences import pack
+
+    cfg = ModelConfig.preset("tiny", n_experts=32, top_k=4, shared_expert_ffn_dim=0)
+    m = Transformer(cfg, seed=2).eval()
+    for mod in m.modules():
+        if isinstance(mod, MoE):
+            mod.grouped = grouped
+    if recipe is not None:
+        qat.apply_qat(m, Recipe.load(recipe))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 11, 7, 9, 5, 12, 6, 8)]
+    answers = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 1, 6, 2, 5, 4, 2, 6)]
+    decoded = forced_logprobs(m, prompts, answers)
+    tokens, targets, attn, mask = pack(prompts, answers, 0)
+    with torch.no_grad():
+        lp = m.token_logprobs(tokens, targets, attention_mask=attn)
+    for b, a in enumerate(answers):
+        teacher = lp[b][mask[b] > 0]
+        assert teacher.shape == (len(a),)
+        torch.testing.assert_close(decoded[b, : len(a)], teacher, rtol=0, atol=2e-5)
+        assert not decoded[b, len(a) :].any()
+    assert decoded[:, 0].std() > 0.1  # the log-probs vary: a comparison that can fail
+    gen = generate(m, prompts, max_new_tokens=5, temperature=0.0)
+    greedy = forced_logprobs(m, prompts, gen.tokens.tolist())
+    torch.testing.assert_close(greedy, gen.logprobs, rtol=0, atol=2e-5)

@@ -13,7 +13,7 @@ import yaml
 from broker.codec import Trajectory
 from broker.registry import PolicyRegistry
 from broker.streams import connect
-from policy import formats, qat
+from policy import compute, formats, qat
 from policy.manifest import QuantizedParam
 from policy.model import ModelConfig, MoE, Transformer
 from policy.recipe import Recipe
@@ -72,6 +72,51 @@ def test_at_version_is_the_qat_forward_of_that_versions_weights_bitwise(recipe_n
     assert not torch.equal(now, got)  # the test can fail: the current weights give other log-probs
     assert versions.scratch.quant_hook is None  # the operands live only during the call
     assert all(p.device.type == "meta" for p in versions.scratch.parameters())  # the scratch model holds nothing
+
+
+def _counting(monkeypatch, module, name: str) -> list:
+    """Record every call of module.name (then call it)."""
+    calls, fn = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("recipe_name", ["nvfp4_moe", "bf16"])
+def test_at_version_takes_the_grouped_gemm_where_the_qat_forward_does_with_operands_built_once(
+    recipe_name, monkeypatch
+):
+    """The retained path runs each MoE projection as one grouped GEMM on one stacked operand built
+    from the version's packed parts in one formats.operand call (not one per expert, then a stack):
+    the weight operands it builds per call are one per non-expert weight plus one per projection."""
+    recipe = Recipe.load(recipe_name)
+    model = _grouped(Transformer(CFG, seed=3), True)
+    hook = qat.apply_qat(model, recipe)
+    versions = RetainedVersions(CFG, recipe.plan(CFG), keep=1)
+    _grouped(versions.scratch, True)
+    versions.add(1, hook.quantized_params(model), live=list(model.parameters()))
+    tokens, targets, attn = _batch(1)
+    with torch.no_grad():
+        model.token_logprobs(tokens, targets, attention_mask=attn)  # the QAT cache filled
+    grouped = _counting(monkeypatch, compute, "grouped_matmul")
+    stacks = _counting(monkeypatch, qat, "_stack_operands")
+    builds = _counting(monkeypatch, formats, "operand")
+    with torch.no_grad():
+        want = model.token_logprobs(tokens, targets, attention_mask=attn)
+    qat_grouped, qat_builds = len(grouped), len(builds)  # activations only: the weights are cached
+    got = versions.token_logprobs(1, tokens, targets, attention_mask=attn)
+    assert torch.equal(qat.bits(got), qat.bits(want))
+    moe_layers = sum(isinstance(m, MoE) for m in model.modules())
+    assert qat_grouped == 2 * moe_layers > 0
+    assert len(grouped) - qat_grouped == qat_grouped  # the same grouped GEMMs: no loop over experts
+    assert stacks == []  # no per-call stack of per-expert operands
+    experts = sum(".experts." in n for n, _ in model.named_parameters())
+    expected = sum(1 for _ in model.parameters()) - experts + 2 * moe_layers
+    assert versions.last_builds == len(builds) - 2 * qat_builds == expected  # + the same activations
 
 
 def test_versions_beyond_keep_are_released_and_bytes_are_the_packed_parts():
