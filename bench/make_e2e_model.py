@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[make_e2e_model] decode check over {check['prompts']} reference answers ({cfg.recipe}; teacher-forced "
               f"vs prefill + KV-cache decode log-probs, which must agree): " + "; ".join(
                   f"{k} max |d| {v['max_abs_dlogp']:.3f}, mean {v['mean_abs_dlogp']:.4f}, <eos> log-prob "
-                  f"{v['eos_logp_teacher']:.3f} vs {v['eos_logp_decode']:.3f}"
+                  f"{v['eos_logp_teacher']:.3f} vs {v['eos_logp_decode']:.3f}, answer loss {v['answer_loss_teacher']:.3f}"
                   for k, v in check.items() if isinstance(v, dict)) + f" ({time.perf_counter() - t_check:.1f}s)",
               flush=True)  # fmt: skip
     t1 = time.perf_counter()
@@ -217,7 +217,7 @@ def decode_check(model: Transformer, task, cfg, *, n: int) -> dict:
     trainer.sequences.pack) against generate's (left-padded prefill, then the KV-cache decode fed
     the same tokens: rollout.engine.forced_logprobs). They must agree up to bf16 noise; a gap says
     generation computes another function than the one trained. Variants, to tell where a gap comes
-    from: `grouped` (MoE.grouped True: the grouped GEMM, the default on CUDA bf16), `loop` (MoE.grouped
+    from: `plain` (the warm start's forward, without the recipe's QAT hook), `grouped` (MoE.grouped True: the grouped GEMM, the default on CUDA bf16), `loop` (MoE.grouped
     False: a loop over experts) and `loop_math_sdpa` (the loop, and attention by SDPA's math kernel).
     Each: max and mean |d log-prob| over the answer tokens, and the mean <eos> log-prob both ways."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -233,12 +233,14 @@ def decode_check(model: Transformer, task, cfg, *, n: int) -> dict:
     saved_hook, saved_grouped = model.quant_hook, [m.grouped for m in moes]
     out: dict = {"prompts": n, "recipe": cfg.recipe}
     try:
-        model.quant_hook = qat.apply_qat(model, Recipe.load(cfg.recipe))
-        for name, grouped, math_only in (
-            ("grouped", True, False),
-            ("loop", False, False),
-            ("loop_math_sdpa", False, True),
+        run_hook = qat.apply_qat(model, Recipe.load(cfg.recipe))
+        for name, hook, grouped, math_only in (
+            ("plain", saved_hook, None, False),  # the warm start's own forward: no QAT hook
+            ("grouped", run_hook, True, False),
+            ("loop", run_hook, False, False),
+            ("loop_math_sdpa", run_hook, False, True),
         ):
+            model.quant_hook = hook
             for m in moes:
                 m.grouped = grouped
             kernels = sdpa_kernel([SDPBackend.MATH]) if math_only else contextlib.nullcontext()
@@ -255,6 +257,7 @@ def decode_check(model: Transformer, task, cfg, *, n: int) -> dict:
                 "max_abs_dlogp": round(float(diffs.max()), 4),
                 "mean_abs_dlogp": round(float(diffs.mean()), 4),
                 "eos_logp_teacher": round(sum(float(t[-1]) for t in teacher) / n, 4),
+                "answer_loss_teacher": round(-float(torch.cat(teacher).mean()), 4),
                 "eos_logp_decode": round(sum(float(decoded[b, len(a) - 1]) for b, a in enumerate(answers)) / n, 4),
             }
     finally:
