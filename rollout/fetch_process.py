@@ -82,6 +82,15 @@ class FetchRequest:
     streams: int = 1
     tls: ClientTLS = dataclasses.field(default_factory=ClientTLS)
 
+    def client_config(self) -> PolicyClientConfig:
+        return PolicyClientConfig(
+            address=self.address,
+            expected_fingerprint=self.fingerprint,
+            fetch_timeout_s=self.fetch_timeout_s,
+            streams=self.streams,
+            tls=self.tls,
+        )
+
     def to_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
 
@@ -406,14 +415,7 @@ def _run_job(conn: Connection, job: _Job, state: dict) -> None:
 def _fetch(conn: Connection, job: _Job, state: dict) -> FetchStats:
     req = job.request
     check_reachable(req.address)  # a trainer gone from the address fails at once
-    cfg = PolicyClientConfig(
-        address=req.address,
-        expected_fingerprint=req.fingerprint,
-        fetch_timeout_s=req.fetch_timeout_s,
-        streams=req.streams,
-        tls=req.tls,
-    )
-    with PolicyClient(cfg) as client:
+    with PolicyClient(req.client_config()) as client:
         manifest = client.get_manifest(req.version)
         _send(conn, "MANIFEST", mf.manifest_to_bytes(manifest))
         if job.inbox.get() != "SLAB":  # the main thread mapped a new slab into state["slab"] first

@@ -350,9 +350,8 @@ class RolloutWorker:
         pf = await self._start_prefetch(pointer)
         if pf is None:  # a failed fetch waits a moment before its retry
             return False
-        if pf.task.done() and pf.task.exception() is not None:
-            return await self._finish_or_log(pf)
-        if (self.batcher is not None and not self.batcher.drained) or not pf.task.done():
+        failed = pf.task.done() and pf.task.exception() is not None  # logged now, not after the drain
+        if not failed and (not pf.task.done() or (self.batcher is not None and not self.batcher.drained)):
             if self.batcher is not None:
                 self.batcher.request_swap()
             return False
@@ -367,12 +366,6 @@ class RolloutWorker:
         pf = await self._start_prefetch(pointer, now=True)
         await asyncio.wait({pf.task})
         return await self._finish_or_log(pf)
-
-    async def _load(self, pointer: PolicyPointer) -> None:
-        """Fetch and verify a version, then swap it in; raises what went wrong."""
-        pf = await self._start_prefetch(pointer, now=True)
-        await asyncio.wait({pf.task})
-        await self._finish(pf)
 
     def _loadable(self, pointer: PolicyPointer | None) -> bool:
         """False for a version refused before or a contract fingerprint not ours (logged once)."""
@@ -434,29 +427,21 @@ class RolloutWorker:
     def _fetch(self, pointer: PolicyPointer, cancel: FetchCancel) -> tuple[FetchedPolicy, float]:
         """The fetch thread: the verified version (bytes in `host_buffers` on CUDA), fetched by the
         child process (`fetcher`) or here."""
-        address = self.cfg.policy_address or pointer.address
-        if self.fetcher is not None:
-            request = FetchRequest(
-                address=address,
-                fingerprint=self.fingerprint,
-                version=pointer.version,
-                fetch_timeout_s=self.cfg.fetch_timeout_s,
-                streams=self.cfg.fetch_streams,
-                tls=self.cfg.tls,
-            )
-            fetched = self.fetcher.fetch(request, check=self._check_manifest, cancel=cancel)
-            return fetched, time.perf_counter()
-        # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
-        # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
-        check_reachable(address)
-        cfg = PolicyClientConfig(
-            address=address,
-            expected_fingerprint=self.fingerprint,
+        request = FetchRequest(
+            address=self.cfg.policy_address or pointer.address,
+            fingerprint=self.fingerprint,
+            version=pointer.version,
             fetch_timeout_s=self.cfg.fetch_timeout_s,
             streams=self.cfg.fetch_streams,
             tls=self.cfg.tls,
         )
-        with PolicyClient(cfg) as client:
+        if self.fetcher is not None:
+            fetched = self.fetcher.fetch(request, check=self._check_manifest, cancel=cancel)
+            return fetched, time.perf_counter()
+        # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
+        # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
+        check_reachable(request.address)
+        with PolicyClient(request.client_config()) as client:
             fetched = client.fetch(
                 pointer.version, check=self._check_manifest, buffers=self.host_buffers, cancel=cancel
             )

@@ -43,12 +43,12 @@ def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
     with PolicyServer(PolicyServerConfig(port=0)) as server:
         server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=v1))
         pointer = PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)
-        asyncio.run(worker._load(pointer))
+        assert asyncio.run(worker._try_load(pointer)), logs
         first = worker.engine
         assert worker.host_buffers.pinned and worker.host_buffers.allocations == 1
         server.publish(packed)  # version 2: the model's weights, checked against its QAT recompute below
         pointer = PolicyPointer(version=2, address=server.address, contract_fingerprint=worker.fingerprint)
-        asyncio.run(worker._load(pointer))
+        assert asyncio.run(worker._try_load(pointer)), logs
     eng = worker.engine
     assert eng is first and worker.host_buffers.allocations == 1  # copied into the live engine, same host slab
     assert "(in place," in logs[-1] and "h2d" in logs[-1], logs[-1]
