@@ -129,9 +129,19 @@ def frame_layout(version: int, tensors: Iterable[tuple[str, int, int]], chunk_by
 # -- host buffers --------------------------------------------------------------------------------------
 
 
+def page_lock(arr: np.ndarray) -> int:
+    """Page-lock `arr`'s memory in place (cudaHostRegister: host-to-device copies from it run at DMA
+    speed); the CUDA error code, 0 when done. `page_unlock(arr.ctypes.data)` undoes it."""
+    return int(torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes, 0))
+
+
+def page_unlock(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
 class HostBuffer:
     """`capacity` bytes of host memory (a numpy uint8 array), page-locked for the GPU when `pin`:
-    registered with cudaHostRegister, or torch's pinned allocator if registering fails."""
+    registered with cudaHostRegister (`page_lock`), or torch's pinned allocator if registering fails."""
 
     def __init__(self, capacity: int, *, pin: bool):
         self.capacity = capacity
@@ -139,7 +149,7 @@ class HostBuffer:
         self._keep = None
         if pin and capacity:
             arr = np.empty(capacity, dtype=np.uint8)
-            rc = int(torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, capacity, 0))
+            rc = page_lock(arr)
             if rc == 0:
                 self._registered = arr.ctypes.data
             else:
@@ -155,7 +165,7 @@ class HostBuffer:
 
     def close(self) -> None:
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            page_unlock(self._registered)
             self._registered = 0
 
 

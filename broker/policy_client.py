@@ -45,6 +45,7 @@ import numpy as np
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from broker.frames import page_lock, page_unlock
 from broker.tls import ClientTLS
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
@@ -237,18 +238,14 @@ class ReceiveBuffers:
 
     @staticmethod
     def _pin(slab: np.ndarray) -> None:
-        import torch
-
-        rc = torch.cuda.cudart().cudaHostRegister(slab.ctypes.data, slab.nbytes, 0)
-        if int(rc) != 0:
-            raise OSError(f"cudaHostRegister of {slab.nbytes} bytes failed (error {int(rc)})")
+        rc = page_lock(slab)
+        if rc != 0:
+            raise OSError(f"cudaHostRegister of {slab.nbytes} bytes failed (error {rc})")
 
     def close(self) -> None:
         """Give the slab back (unpinned first)."""
         if self._slab is not None and self.pinned:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self._slab.ctypes.data)
+            page_unlock(self._slab.ctypes.data)
         self._slab, self._views, self._key = None, {}, None
 
 
