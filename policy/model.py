@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from policy import compute
 from policy.hashing import sha256_json
@@ -55,6 +56,7 @@ __all__ = [
     "QuantHook",
     "Transformer",
     "activation_sites",
+    "causal_mask",
     "parameter_shapes",
 ]
 
@@ -390,6 +392,32 @@ class RMSNorm(nn.Module):
         return (xf * hook.param(self.name, self.weight).float()).to(x.dtype)
 
 
+def causal_mask(key_valid: Tensor, start: int) -> Tensor:
+    """The attention mask [B, 1, T, S] (True = attend) of T new tokens after `start` cached slots,
+    key_valid [B, S] (S = start + T) marking real tokens: query t (slot start + t) sees the real keys
+    of slots <= its own. A query always sees its own slot, so that rows of padding have a
+    well-defined (unused) output instead of a NaN softmax."""
+    S = key_valid.shape[1]
+    q_index = torch.arange(start, S, device=key_valid.device)
+    k_index = torch.arange(S, device=key_valid.device)
+    own = (k_index[None, :] == q_index[:, None])[None]
+    return (((k_index[None, :] <= q_index[:, None])[None] & key_valid[:, None, :]) | own)[:, None]
+
+
+def _masked_sdpa_backends() -> list[SDPBackend]:
+    """The SDPA backends enabled here (an outer `sdpa_kernel` included) minus cuDNN's, for attention
+    with an explicit mask on CUDA. cuDNN attention (torch's first choice on SM90 with a recent cuDNN)
+    mishandles explicit masks in some torch/cuDNN versions: wrong outputs or NaN gradients
+    (pytorch/pytorch#196678, #191612); tests/gpu/test_attention_gpu.py prints each backend's error on
+    this model's mask. The memory-efficient kernel takes the mask; math is the fallback."""
+    on = (
+        (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+        (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled()),
+    )
+    return [b for b, enabled in on if enabled] or [SDPBackend.MATH]
+
+
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE (HF/NeoX convention, as Qwen3). x [B, T, H, hd]; cos/sin [B, T, 1, hd/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -430,8 +458,17 @@ class Attention(nn.Module):
             k_buf[:, :, start : start + T] = k
             v_buf[:, :, start : start + T] = v
             k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        o = self.attend(q, k, v, mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), hook)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """SDPA of q [B, H, T, hd] over k, v [B, Hkv, S, hd] under `mask` (`causal_mask`), never on
+        cuDNN's kernel (see `_masked_sdpa_backends`)."""
+        gqa = self.n_heads != self.n_kv_heads
+        if not q.is_cuda:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        with sdpa_kernel(_masked_sdpa_backends()):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Expert(nn.Module):
@@ -695,14 +732,7 @@ class Transformer(nn.Module):
             cache.next_pos += valid.sum(dim=1)
             key_valid = cache.key_valid[:, : start + T]
         S = start + T
-        q_index = torch.arange(start, S, device=device)
-        k_index = torch.arange(S, device=device)
-        # Causal over cache slots, only real keys; a query always sees its own slot so that rows of
-        # padding have a well-defined (unused) output instead of a NaN softmax.
-        mask = ((k_index[None, :] <= q_index[:, None])[None] & key_valid[:, None, :]) | (
-            k_index[None, :] == q_index[:, None]
-        )[None]
-        mask = mask[:, None]  # [B, 1, T, S]
+        mask = causal_mask(key_valid, start)  # [B, 1, T, S]
         inv_freq = 1.0 / (
             self.cfg.rope_theta
             ** (torch.arange(0, self.cfg.head_dim, 2, device=device, dtype=torch.float32) / self.cfg.head_dim)
