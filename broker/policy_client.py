@@ -75,6 +75,7 @@ __all__ = [
     "PolicyClient",
     "PolicyClientConfig",
     "ReceiveBuffers",
+    "split_by_bytes",
 ]
 
 SERVICE = "/tandem.v1.PolicyService/"
@@ -476,13 +477,8 @@ class PolicyClient:
         n = min(self.config.streams, len(selected))
         if n <= 1:
             return self._stream(manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel=cancel)
-        loads = [(0, i, []) for i in range(n)]
-        for name in sorted(selected, key=lambda x: -state[x].layout.nbytes):
-            load, i, group = heapq.heappop(loads)
-            group.append(name)
-            heapq.heappush(loads, (load + state[name].layout.nbytes, i, group))
-        order = {name: state[name].first_index for name in selected}
-        groups = [sorted(g, key=order.__getitem__) for _, _, g in sorted(loads, key=lambda x: x[1]) if g]
+        in_order = sorted(selected, key=lambda x: state[x].first_index)
+        groups = split_by_bytes({x: state[x].layout.nbytes for x in in_order}, n)
         cancel = cancel or FetchCancel()
         errors: list = []
 
@@ -614,6 +610,20 @@ class PolicyClient:
                 )
             t.done = True
         return True
+
+
+def split_by_bytes(sizes: dict[str, int], n: int) -> list[list[str]]:
+    """The names of `sizes` (name -> bytes) in at most `n` groups of about equal bytes: each name,
+    largest first, goes onto the group with the fewest bytes so far (the lower group on a tie);
+    each group keeps the order of `sizes`, and no group is empty. With n >= 1 every name is in
+    exactly one group; the largest group holds at most mean + the largest tensor's bytes."""
+    loads = [(0, i, []) for i in range(n)]
+    for name in sorted(sizes, key=lambda x: -sizes[x]):
+        load, i, group = heapq.heappop(loads)
+        group.append(name)
+        heapq.heappush(loads, (load + sizes[name], i, group))
+    order = {name: k for k, name in enumerate(sizes)}
+    return [sorted(g, key=order.__getitem__) for _, _, g in sorted(loads, key=lambda x: x[1]) if g]
 
 
 def hash_threads() -> int:

@@ -36,6 +36,10 @@ class RolloutConfig:
     """Fetch and verify policies in a child process of the worker (rollout/fetch_process.py) into
     shared memory, so that receiving and hashing never slow decoding (they hold the GIL);
     null = on for cuda, off for cpu (the CPU engine's weights alias fresh memory per version)."""
+    fetch_processes: int = 1
+    """Processes receiving one policy fetch (with `fetch_process` on): the version's tensors split
+    between them by bytes, each process writing its part into the one shared slab
+    (rollout/fetch_process.py). One process receives at ~1 GB/s (its GIL). 1 = one child."""
     read_block_ms: int = 500
     """How long one read of the prompts stream blocks."""
     tls: ClientTLS = field(default_factory=ClientTLS)
@@ -91,6 +95,9 @@ class RolloutConfig:
             errors.append(f"fetch_process={self.fetch_process!r} (want true, false or null)")
         if not isinstance(self.fetch_streams, int) or not 1 <= self.fetch_streams <= 16:
             errors.append(f"fetch_streams={self.fetch_streams!r} (need an int in [1, 16])")
+        p = self.fetch_processes
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 16:
+            errors.append(f"fetch_processes={self.fetch_processes!r} (need an int in [1, 16])")
         if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
             errors.append(f"max_inflight_groups={self.max_inflight_groups!r} (need an int >= 1)")
         if not 0 <= self.memory_fraction <= 1:

@@ -2,28 +2,42 @@
 (protobuf parsing, the copy into host memory, xxh3 per chunk, the sha256 pool: Python threads
 holding the GIL for seconds per GB) never competes with the decode loop's Python.
 
-    fetcher = FetchProcess(pinned=True, log=print)      # the child starts at the first fetch
+    fetcher = FetchProcess(pinned=True, processes=4, log=print)   # the children start at the first fetch
     fetched = fetcher.fetch(FetchRequest(address=..., fingerprint=..., version=7), check=..., cancel=...)
     fetcher.close()
 
-One child per worker (`python -m rollout.fetch_process FD`), started once and reused; it runs the
-ordinary broker.policy_client fetch (every chunk and tensor digest verified there) into a slab of
-shared memory that the parent owns: an anonymous memfd (Linux memfd_create: no file in /dev/shm,
-so nothing to leak when either process is killed, and no /dev/shm size limit), created and
-page-locked for the H2D copy on CUDA (`pinned`) by the parent, reused across versions of one
-layout like ReceiveBuffers, its descriptor passed to the child once (SCM_RIGHTS over the socket)
-and mapped there; the memory is freed when neither process maps it any more.
+`processes` children per worker (`python -m rollout.fetch_process FD`, `rollout.fetch_processes`),
+started once and reused, each running the ordinary broker.policy_client fetch (every chunk and
+tensor digest verified there) into ONE slab of shared memory that the parent owns: an anonymous
+memfd (Linux memfd_create: no file in /dev/shm, so nothing to leak when any process is killed, and
+no /dev/shm size limit), created and page-locked for the H2D copy on CUDA (`pinned`) by the
+parent, reused across versions of one layout like ReceiveBuffers, its descriptor passed to each
+child once (SCM_RIGHTS over its socket) and mapped there; the memory is freed when no process maps
+it any more. Why several: one process receives at ~1 GB/s (protobuf parse, the copy, xxh3 per
+chunk and the sha256 pool share its GIL), and threads in one process do not add up.
+
+One fetch: the first child gets the manifest; the parent verifies it again (manifest_from_bytes,
+check_fingerprint, the version asked for), runs the worker's `check` before any memory is
+allocated, lays the whole version out in the slab (ReceiveBuffers.offsets over all its tensors)
+and splits the tensors into one group per child of about equal bytes (split_by_bytes: the rule of
+the client's streams). Each child fetches only its group (`fetch_bytes(names=...)`), verifies
+every chunk and tensor of it, and writes each tensor at its offset in the whole layout. The fetch
+ends when every child sent DONE (the stats summed); the first ERROR cancels the others and is
+raised (a real error before a FetchCancelled of a cancelled sibling).
 
 Nothing pickled crosses the boundary: length-prefixed byte messages over a socketpair
 (`Connection.send_bytes`), each "KIND payload":
-    parent -> child   FETCH {json request} | SLAB {"nbytes": ..., "new": bool} (+ the memfd when new) | CANCEL
-    child -> parent   MANIFEST <the serialized manifest> | DONE {json FetchStats} | ERROR <Type> <one line>
-The parent parses and verifies the manifest again (manifest_from_bytes, check_fingerprint, the
-version asked for), runs the worker's `check` before any memory is allocated, and rebuilds the
-tensors over the slab. An ERROR is raised in the parent as the type the in-process fetch raises
-(ChecksumMismatch, FingerprintMismatch, ValueError, OSError, FetchCancelled, a grpc.RpcError with
-its status code), so the worker's handling is the same. A child that dies (or stops answering) is
-replaced at once with one log line, and the fetch it was running fails with OSError (retried).
+    parent -> first child   FETCH {json request}
+    parent -> other child   JOIN {json request}, then MANIFEST <the serialized manifest>
+    parent -> each child    SLAB {"nbytes": ..., "new": bool, "names": [its tensors] | null = all}
+                            (+ the memfd when new) | CANCEL
+    child -> parent         MANIFEST <the serialized manifest> (first child) | DONE {json FetchStats}
+                            | ERROR <Type> <one line>
+An ERROR is raised in the parent as the type the in-process fetch raises (ChecksumMismatch,
+FingerprintMismatch, ValueError, OSError, FetchCancelled, a grpc.RpcError with its status code), so
+the worker's handling is the same. A child that dies (or stops answering) is replaced at once with
+one log line, the others' parts are cancelled, and the fetch fails with OSError (retried); a
+cancel from the worker cancels every child's part.
 
 CPU workers keep the in-process fetch by default (`rollout.fetch_process`): the CPU engine's
 weights alias the fetched bytes, so each version needs fresh memory, and a CPU worker's versions
@@ -45,7 +59,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 import grpc
 import numpy as np
@@ -61,6 +75,7 @@ from broker.policy_client import (
     PolicyClientConfig,
     ReceiveBuffers,
     check_reachable,
+    split_by_bytes,
 )
 from broker.tls import ClientTLS
 from policy import manifest as mf
@@ -186,8 +201,8 @@ def _recv_fd(conn: Connection) -> int:
 
 
 class SharedSlab(ReceiveBuffers):
-    """ReceiveBuffers whose slab is a memfd mapped here (and by the child): `fd` is its descriptor
-    until `release_fd` (sent to the child, or the fetch ended), -1 after."""
+    """ReceiveBuffers whose slab is a memfd mapped here (and by the children): `fd` is its
+    descriptor until `release_fd` (sent to the children, or the fetch ended), -1 after."""
 
     def __init__(self, *, pinned: bool = False):
         super().__init__(pinned=pinned)
@@ -225,51 +240,78 @@ class SharedSlab(ReceiveBuffers):
             self._mmap = None
 
 
-class _ChildGone(Exception):
-    """The child exited or stopped answering."""
+class _Child:
+    """One fetch child (`python -m rollout.fetch_process FD`): its process, the parent's end of its
+    socket, and which slab it has mapped (the SharedSlab's `allocations` count then; 0: none)."""
 
-
-class FetchProcess:
-    """The parent's handle on one fetch child (see the module docstring). `fetch` runs in one
-    thread at a time (the worker's fetch thread); `close` ends the child."""
-
-    def __init__(self, *, pinned: bool, reuse: bool = True, log: Callable[[str], None] = print):
-        self.buffers = SharedSlab(pinned=pinned)
-        self.reuse, self.log = reuse, log
-        self.restarts = 0  # children replaced after dying
-        self._proc: subprocess.Popen | None = None
-        self._conn: Connection | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
-
-    def _start(self) -> None:
+    def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         try:
-            self._proc = subprocess.Popen(
+            self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rollout.fetch_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),)
             )
         finally:
             theirs.close()
-        self._conn = Connection(ours.detach())
-        self.buffers.close()  # a new child maps a new slab
+        self.conn = Connection(ours.detach())
+        self.slab = 0
 
-    def _stop_child(self) -> int | None:
-        """End the child (killed if it does not go at once); its exit status."""
-        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
-        if conn is not None:
-            conn.close()  # the child's read ends: it exits
-        if proc is None:
-            return None
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, kind: str, payload: bytes = b"", fd: int = -1) -> None:
+        """One message (and `fd` after it when >= 0). A child gone is not an error here: the next
+        wait for its answer notices it (FetchProcess._next)."""
         try:
-            return proc.wait(timeout=5)
+            _send(self.conn, kind, payload)
+            if fd >= 0:
+                _send_fd(self.conn, fd)
+        except OSError:
+            pass
+
+    def stop(self) -> int:
+        """End the child (killed if it does not go at once); its exit status."""
+        self.conn.close()  # the child's read ends: it exits
+        try:
+            return self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+            self.proc.kill()
+            return self.proc.wait()
+
+
+class _ChildGone(Exception):
+    """Children exited or stopped answering: (child, why) each."""
+
+    def __init__(self, gone: list[tuple[_Child, str]]):
+        super().__init__("; ".join(f"{c.pid} {why}" for c, why in gone))
+        self.gone = gone
+
+
+class FetchProcess:
+    """The parent's handle on a worker's `processes` fetch children (see the module docstring).
+    `fetch` runs in one thread at a time (the worker's fetch thread); `close` ends the children."""
+
+    def __init__(self, *, pinned: bool, reuse: bool = True, processes: int = 1, log: Callable[[str], None] = print):
+        if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= 16:
+            raise ValueError(f"processes={processes!r} (need an int in [1, 16])")
+        self.buffers = SharedSlab(pinned=pinned)
+        self.reuse, self.processes, self.log = reuse, processes, log
+        self.restarts = 0  # children replaced after dying
+        self._children: list[_Child] = []  # started at the first fetch; [0] fetches the manifest
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.pid for c in self._children]
+
+    @property
+    def pid(self) -> int | None:
+        """The first child's (the one that fetches the manifest)."""
+        return self._children[0].pid if self._children else None
 
     def close(self) -> None:
-        self._stop_child()
+        children, self._children = self._children, []
+        for c in children:
+            c.stop()
         self.buffers.close()
 
     def fetch(
@@ -281,66 +323,83 @@ class FetchProcess:
     ) -> FetchedPolicy:
         """The verified version `request.version`, its tensors over the shared slab (the next fetch
         overwrites them when `reuse`). Raises what the in-process fetch raises."""
-        if self._proc is not None and self._proc.poll() is not None:
-            self._replace(f"exited ({self._proc.returncode}) while idle")
-        if self._proc is None:
-            self._start()
+        if not self._children:
+            self._children = [_Child() for _ in range(self.processes)]
+        for i, c in enumerate(self._children):
+            if c.proc.poll() is not None:
+                self._replace(i, f"exited ({c.proc.returncode}) while idle")
         if not self.reuse:
             self.buffers.close()
-        cancel = cancel or FetchCancel()
         try:
-            return self._exchange(request, check, cancel)
-        except _ChildGone as e:
-            self._replace(f"{e} while fetching v{request.version}")
-            if cancel.is_set():
-                raise FetchCancelled(f"version {request.version}: fetch cancelled") from None
-            raise OSError(f"the fetch process {e}") from None
+            return self._exchange(request, check, cancel or FetchCancel())
         finally:
             self.buffers.release_fd()
 
-    def _replace(self, why: str) -> None:
-        pid = self.pid
-        self._stop_child()
-        self._start()
+    def _replace(self, i: int, why: str) -> None:
+        old = self._children[i]
+        old.stop()
+        self._children[i] = _Child()
         self.restarts += 1
-        self.log(f"fetch process {pid} {why}: started a new one (pid {self.pid})")
+        self.log(f"fetch process {old.pid} {why}: started a new one (pid {self._children[i].pid})")
 
     def _exchange(self, request: FetchRequest, check, cancel: FetchCancel) -> FetchedPolicy:
-        _send(self._conn, "FETCH", request.to_bytes())
+        """FETCH to the first child; its MANIFEST verified and checked here, the slab laid out and
+        each child given its part (`_hand_out`); then every part's DONE or ERROR. The first failure
+        (an ERROR, a child gone, the check, `cancel`) CANCELs the parts still running, and is raised
+        once they all ended."""
+        lead = self._children[0]
+        lead.send("FETCH", request.to_bytes())
+        running = [lead]  # children whose part has not ended (DONE or ERROR)
+        parts: list[FetchStats] = []
+        errors: list[BaseException] = []  # the children's ERRORs (a real one before any FetchCancelled)
+        gone = ""  # the first child that died or stopped answering (replaced at once)
+        refused: BaseException | None = None  # the parent's checks of the manifest failed
         cancelled = False
-        refused: BaseException | None = None  # the parent's check failed: raised once the child ended
         manifest = layouts = views = None
-        limit = time.monotonic() + request.fetch_timeout_s + 60  # the child has its own deadlines
-        while True:
-            if not cancelled and (cancel.is_set() or refused is not None):
+        limit = time.monotonic() + request.fetch_timeout_s + 60  # the children have their own deadlines
+        while running:
+            if not cancelled and (cancel.is_set() or refused is not None or errors or gone):
                 cancelled = True
-                _send(self._conn, "CANCEL")
+                for c in running:
+                    c.send("CANCEL")
                 limit = min(limit, time.monotonic() + CANCEL_GRACE_S)
-            kind, payload = self._next(limit)
-            if kind == "":
+            try:
+                message = self._next(running, limit)
+            except _ChildGone as e:
+                for c, why in e.gone:
+                    running.remove(c)
+                    gone = gone or f"{c.pid} {why}"
+                    self._replace(self._children.index(c), f"{why} while fetching v{request.version}")
                 continue
-            if kind == "MANIFEST" and not cancelled:
+            if message is None:
+                continue
+            child, kind, payload = message
+            if kind == "MANIFEST" and child is lead and manifest is None and not cancelled:
                 try:
                     manifest, layouts, views = self._accept_manifest(payload, request, check)
                 except BaseException as e:
                     refused = e
                     continue
-                new = self.buffers.fd >= 0  # a slab the child has not mapped yet
-                _send(self._conn, "SLAB", json.dumps({"nbytes": self.buffers.nbytes, "new": new}).encode())
-                if new:
-                    _send_fd(self._conn, self.buffers.fd)
-                    self.buffers.release_fd()
-            elif kind in ("DONE", "ERROR"):
-                if refused is not None:
-                    raise refused
-                if cancelled:
-                    raise FetchCancelled(f"version {request.version}: fetch cancelled")
-                if kind == "ERROR":
-                    raise error_from_line(payload.decode("utf-8", "replace"))
-                stats = FetchStats(**{k: v for k, v in json.loads(payload).items() if k in _STATS_FIELDS})
-                entries = {t.name: t for t in manifest.tensors}
-                tensors = {n: mf.rebuild(entries[n], layouts[n], views[n]) for n in layouts}
-                return FetchedPolicy(manifest, tensors, layouts, stats)
+                running += self._hand_out(request, payload, layouts)
+            elif kind == "DONE":
+                running.remove(child)
+                parts.append(FetchStats(**{k: v for k, v in json.loads(payload).items() if k in _STATS_FIELDS}))
+            elif kind == "ERROR":
+                running.remove(child)
+                e = error_from_line(payload.decode("utf-8", "replace"))
+                if not isinstance(e, FetchCancelled) or not errors:
+                    errors.append(e)
+        if refused is not None:
+            raise refused
+        if cancel.is_set():
+            raise FetchCancelled(f"version {request.version}: fetch cancelled")
+        if gone:
+            raise OSError(f"the fetch process {gone}")
+        if errors:
+            raise ([e for e in errors if not isinstance(e, FetchCancelled)] or errors)[0]
+        entries = {t.name: t for t in manifest.tensors}
+        tensors = {n: mf.rebuild(entries[n], layouts[n], views[n]) for n in layouts}
+        return FetchedPolicy(manifest, tensors, layouts, merged_stats(parts))
 
     def _accept_manifest(self, raw: bytes, request: FetchRequest, check):
         """The manifest verified again here, checked, and the slab's views for its tensors."""
@@ -350,24 +409,65 @@ class FetchProcess:
         mf.check_fingerprint(manifest, request.fingerprint)
         if check is not None:
             check(manifest)
-        plan = mf.tp_plan_of(manifest)
-        layouts = {t.name: mf.tensor_layout(t, plan, 0, 1) for t in manifest.tensors}
+        layouts = whole_layouts(manifest)
+        taking_part = self._children[: len(layouts)]
+        if self.buffers.fd < 0 and any(c.slab != self.buffers.allocations for c in taking_part):
+            self.buffers.close()  # a new child, and the slab's descriptor is gone: a new slab for all
         views = self.buffers.views({n: lay.nbytes for n, lay in layouts.items()})
         return manifest, layouts, views
 
-    def _next(self, limit: float) -> tuple[str, bytes]:
-        """The child's next message, or ("", b"") after POLL_S; _ChildGone if it died or passed `limit`."""
-        try:
-            if self._conn.poll(POLL_S):
-                return _recv(self._conn)
-        except (EOFError, OSError):
-            rc = self._proc.wait()
-            raise _ChildGone(f"{self._proc.pid} exited ({rc})") from None
-        if self._proc.poll() is not None:
-            raise _ChildGone(f"{self._proc.pid} exited ({self._proc.returncode})")
+    def _hand_out(self, request: FetchRequest, raw_manifest: bytes, layouts) -> list[_Child]:
+        """Each child its part: the version's tensors in groups of about equal bytes, one per child
+        (split_by_bytes), each written at its offset in the whole slab. The first child has the
+        manifest; the others get JOIN and the MANIFEST first. SLAB carries the slab's descriptor to
+        a child that has not mapped it. Returns the children started here."""
+        groups = split_by_bytes({n: lay.nbytes for n, lay in layouts.items()}, len(self._children))
+        started = []
+        for i, (c, group) in enumerate(zip(self._children, groups)):
+            if i > 0:
+                c.send("JOIN", request.to_bytes())
+                c.send("MANIFEST", raw_manifest)
+                started.append(c)
+            new = c.slab != self.buffers.allocations
+            slab = {"nbytes": self.buffers.nbytes, "new": new, "names": group if len(groups) > 1 else None}
+            c.send("SLAB", json.dumps(slab).encode(), fd=self.buffers.fd if new else -1)
+            c.slab = self.buffers.allocations
+        self.buffers.release_fd()
+        return started
+
+    def _next(self, running: list[_Child], limit: float) -> tuple[_Child, str, bytes] | None:
+        """A running child's next message (child, KIND, payload), or None after POLL_S; _ChildGone
+        for the children that died, or for all of them once `limit` passed."""
+        by_conn = {c.conn: c for c in running}
+        dead = []
+        for conn in wait(list(by_conn), POLL_S):
+            try:
+                return (by_conn[conn], *_recv(conn))
+            except (EOFError, OSError):
+                dead.append(by_conn[conn])
+        dead += [c for c in running if c not in dead and c.proc.poll() is not None]
+        if dead:
+            raise _ChildGone([(c, f"exited ({c.proc.wait()})") for c in dead])
         if time.monotonic() > limit:
-            raise _ChildGone(f"{self._proc.pid} stopped answering")
-        return "", b""
+            raise _ChildGone([(c, "stopped answering") for c in running])
+        return None
+
+
+def whole_layouts(manifest) -> dict[str, mf.TensorLayout]:
+    """Every tensor's layout, whole (TP 1): what the slab holds, parent and children alike."""
+    plan = mf.tp_plan_of(manifest)
+    return {t.name: mf.tensor_layout(t, plan, 0, 1) for t in manifest.tensors}
+
+
+def merged_stats(parts: list[FetchStats]) -> FetchStats:
+    """The children's FetchStats as one fetch's: counts summed (FetchStats.add), times the slowest part's."""
+    total = FetchStats()
+    for p in parts:
+        total.add(p)
+    total.seconds = max((p.seconds for p in parts), default=0.0)
+    total.receive_s = max((p.receive_s for p in parts), default=0.0)
+    total.verify_s = total.seconds - total.receive_s
+    return total
 
 
 _STATS_FIELDS = {f.name for f in dataclasses.fields(FetchStats)}
@@ -377,15 +477,25 @@ _STATS_FIELDS = {f.name for f in dataclasses.fields(FetchStats)}
 
 
 class _MappedSlab(ReceiveBuffers):
-    """The child's view of the parent's slab (its memfd `fd`, closed once mapped): the same offsets
-    (ReceiveBuffers.offsets), never reallocated (a slab too small for a layout is a ValueError)."""
+    """The child's view of the parent's slab (its memfd `fd`, closed once mapped), laid out as the
+    parent lays it out: `layout` (name -> bytes, set per fetch) is every tensor of the version, and
+    `views(sizes)` places the tensors of `sizes` (this child's part) at their offsets in that whole
+    layout (ReceiveBuffers.offsets). Never reallocated (a slab too small for a layout is a ValueError)."""
 
     def __init__(self, fd: int, nbytes: int):
         super().__init__()
+        self.layout: dict[str, int] = {}
         try:
             self._mmap = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
+
+    def views(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+        whole = super().views(self.layout or sizes)
+        wrong = [n for n in sizes if n not in whole or whole[n].nbytes != sizes[n]]
+        if wrong:
+            raise ValueError(f"tensor(s) {wrong[:5]} are not in the shared slab's layout")
+        return {n: whole[n] for n in sizes}
 
     def _allocate(self, nbytes: int) -> np.ndarray:
         if nbytes > len(self._mmap):
@@ -397,10 +507,10 @@ class _MappedSlab(ReceiveBuffers):
 
 
 class _Job:
-    def __init__(self, request: FetchRequest):
-        self.request = request
+    def __init__(self, request: FetchRequest, *, lead: bool):
+        self.request, self.lead = request, lead  # lead: this child fetches the manifest (FETCH, not JOIN)
         self.cancel = FetchCancel()
-        self.inbox: queue.Queue = queue.Queue()  # SLAB or CANCEL from the parent
+        self.inbox: queue.Queue = queue.Queue()  # (KIND, payload) from the parent: MANIFEST, SLAB, CANCEL
 
 
 def _run_job(conn: Connection, job: _Job, state: dict) -> None:
@@ -414,13 +524,26 @@ def _run_job(conn: Connection, job: _Job, state: dict) -> None:
 
 def _fetch(conn: Connection, job: _Job, state: dict) -> FetchStats:
     req = job.request
+    cancelled = FetchCancelled(f"version {req.version}: fetch cancelled")
     check_reachable(req.address)  # a trainer gone from the address fails at once
     with PolicyClient(req.client_config()) as client:
-        manifest = client.get_manifest(req.version)
-        _send(conn, "MANIFEST", mf.manifest_to_bytes(manifest))
-        if job.inbox.get() != "SLAB":  # the main thread mapped a new slab into state["slab"] first
-            raise FetchCancelled(f"version {req.version}: fetch cancelled")
-        _, _, stats = client.fetch_bytes(manifest, buffers=state["slab"], cancel=job.cancel)
+        if job.lead:  # the parent verifies and checks it, then hands out the parts
+            manifest = client.get_manifest(req.version)
+            _send(conn, "MANIFEST", mf.manifest_to_bytes(manifest))
+        else:  # the manifest the parent verified, verified here again
+            kind, raw = job.inbox.get()
+            if kind != "MANIFEST":
+                raise cancelled
+            manifest = mf.manifest_from_bytes(raw)
+            if manifest.version != req.version:
+                raise ValueError(f"asked for version {req.version}, the parent sent {manifest.version}")
+            mf.check_fingerprint(manifest, req.fingerprint)
+        kind, names = job.inbox.get()
+        if kind != "SLAB":  # the main thread mapped a new slab into state["slab"] first
+            raise cancelled
+        slab = state["slab"]
+        slab.layout = {n: lay.nbytes for n, lay in whole_layouts(manifest).items()}
+        _, _, stats = client.fetch_bytes(manifest, names=names, buffers=slab, cancel=job.cancel)
     return stats
 
 
@@ -436,22 +559,24 @@ def main(argv: list[str]) -> int:
             kind, payload = _recv(conn)
         except (EOFError, OSError):
             os._exit(0)  # the parent is gone: a fetch in progress ends with us
-        if kind == "FETCH":
+        if kind in ("FETCH", "JOIN"):
             try:
-                job = _Job(FetchRequest.from_bytes(payload))
+                job = _Job(FetchRequest.from_bytes(payload), lead=kind == "FETCH")
             except (ValueError, TypeError, KeyError) as e:
                 _send(conn, "ERROR", f"ValueError bad fetch request: {_one_line(str(e))}".encode())
                 continue
             threading.Thread(target=_run_job, args=(conn, job, state), name="fetch", daemon=True).start()
+        elif kind == "MANIFEST" and job is not None:
+            job.inbox.put((kind, payload))
         elif kind == "SLAB" and job is not None:
             slab = json.loads(payload)
             if slab["new"]:  # mapped here, at once: a descriptor never waits in a queue
                 state["slab"] = None  # the previous mapping goes
                 state["slab"] = _MappedSlab(_recv_fd(conn), slab["nbytes"])
-            job.inbox.put(kind)
+            job.inbox.put((kind, slab["names"]))
         elif kind == "CANCEL" and job is not None:
             job.cancel.cancel()
-            job.inbox.put(kind)
+            job.inbox.put((kind, None))
 
 
 if __name__ == "__main__":

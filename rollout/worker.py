@@ -190,7 +190,12 @@ class RolloutWorker:
         cuda = self.device.type == "cuda"
         in_child = cuda if cfg.fetch_process is None else cfg.fetch_process
         self.fetcher = (
-            FetchProcess(pinned=cuda, reuse=cuda, log=lambda line: self.log(f"{self.worker_id}: {line}"))
+            FetchProcess(
+                pinned=cuda,
+                reuse=cuda,
+                processes=cfg.fetch_processes,
+                log=lambda line: self.log(f"{self.worker_id}: {line}"),
+            )
             if in_child
             else None
         )

@@ -18,15 +18,24 @@ import grpc
 import numpy as np
 import pytest
 from faults.proxy import Proxy
+from test_policy_grpc import FaultyPolicyServer
 from test_worker_prefetch import CFG, build
 
 from broker.codec import PromptGroup
-from broker.policy_client import FetchCancel, FetchCancelled, FingerprintMismatch, PolicyClient, PolicyClientConfig
+from broker.policy_client import (
+    ChecksumMismatch,
+    FetchCancel,
+    FetchCancelled,
+    FingerprintMismatch,
+    PolicyClient,
+    PolicyClientConfig,
+    split_by_bytes,
+)
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer
 from policy import manifest as mf
 from policy.manifest_check import ManifestRefused
-from rollout.fetch_process import FetchProcess, FetchRequest
+from rollout.fetch_process import FetchProcess, FetchRequest, whole_layouts
 from tandem.services import make_worker
 
 pytestmark = pytest.mark.integration
@@ -55,10 +64,11 @@ def slab_bytes(fetcher: FetchProcess, fetched) -> dict[str, bytes]:
     return {n: v.tobytes() for n, v in views.items()}
 
 
-def test_child_fetch_is_bitwise_the_in_process_fetch():
+@pytest.mark.parametrize("processes", [1, 3])
+def test_child_fetch_is_bitwise_the_in_process_fetch(processes):
     fingerprint = build(1).manifest.contract_fingerprint
     logs: list[str] = []
-    fetcher = FetchProcess(pinned=False, reuse=True, log=logs.append)
+    fetcher = FetchProcess(pinned=False, reuse=True, processes=processes, log=logs.append)
     with PolicyServer(PolicyServerConfig(keep_versions=4)) as server:
         for v in (1, 2):
             server.publish(build(v))
@@ -70,7 +80,7 @@ def test_child_fetch_is_bitwise_the_in_process_fetch():
             pids = set()
             for v in (1, 2):
                 fetched = fetcher.fetch(request(v, streams=2))
-                pids.add(fetcher.pid)
+                pids.add(tuple(fetcher.pids))
                 with PolicyClient(PolicyClientConfig(address=server.address, expected_fingerprint=fingerprint)) as c:
                     manifest = c.get_manifest(v)
                     raw, layouts, _ = c.fetch_bytes(manifest)
@@ -81,8 +91,10 @@ def test_child_fetch_is_bitwise_the_in_process_fetch():
                 assert fetched.stats.verify_s >= 0 and fetched.stats.streams >= 2
                 assert set(fetched.tensors) == set(raw)
                 # one mapping each, whose mmap object keeps its own descriptor (Python's mmap dup()s it)
-                assert slab_handles() == (1, 1) and slab_handles(fetcher.pid) == (1, 1)
-            assert len(pids) == 1 and fetcher.buffers.allocations == 1  # one child, one slab, reused
+                assert slab_handles() == (1, 1) and all(slab_handles(pid) == (1, 1) for pid in fetcher.pids)
+            # the same children, one slab, reused; every child fetched a part (3 streams or more each)
+            assert len(pids) == 1 and len(fetcher.pids) == processes and fetcher.buffers.allocations == 1
+            assert fetched.stats.streams >= 2 * processes
 
             # Errors: the in-process fetch's types, one line each, and the child serves on after each.
             with pytest.raises(grpc.RpcError) as e:
@@ -102,13 +114,13 @@ def test_child_fetch_is_bitwise_the_in_process_fetch():
                 fetcher.fetch(request(2), cancel=cancel)
             with pytest.raises(ValueError, match="connection refused"):
                 fetcher.fetch(FetchRequest(address="127.0.0.1:1", fingerprint=fingerprint, version=1))
-            assert fetcher.fetch(request(1)).version == 1 and fetcher.pid in pids and fetcher.restarts == 0
+            assert fetcher.fetch(request(1)).version == 1 and tuple(fetcher.pids) in pids and fetcher.restarts == 0
             assert logs == []
             fetched = None  # its tensors alias the slab: closing frees it only once they are gone
         finally:
-            proc = fetcher._proc
+            procs = [c.proc for c in fetcher._children]
             fetcher.close()
-    assert proc.wait(5) is not None and slab_handles() == (0, 0)  # the child gone, the slab unmapped here
+    assert all(p.wait(5) is not None for p in procs) and slab_handles() == (0, 0)  # children gone, slab unmapped
 
 
 async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
@@ -149,7 +161,7 @@ async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
             await asyncio.wait({worker._prefetch.task})
             assert not await worker._swap_when_drained(pointer(2, proxy.address))
             assert worker.version == 1 and not worker.batcher.draining  # kept v1, groups start again
-            restarted = [ln for ln in logs if f"fetch process {child} exited" in ln]
+            restarted = [ln for ln in logs if f"fetch process {child} exited" in ln and "started a new one" in ln]
             assert len(restarted) == 1 and worker.fetcher.pid != child, logs
             assert any("fetching v2" in ln and "failed, will retry" in ln for ln in logs), logs
             while not worker.batcher.step():  # the group started under v1 finishes under v1
@@ -210,6 +222,155 @@ def test_cancel_mid_fetch_keeps_the_child():
             assert fetched.version == 1 and fetcher.pid == child and fetcher.restarts == 0
         finally:
             proxy.close()
+            fetcher.close()
+
+
+class HoldingPolicyServer(PolicyServer):
+    """The real server whose FetchTensors streams each stop after their first chunk while `hold` is
+    set (counted in `held`), so a test acts while every child's stream is mid-fetch."""
+
+    def __init__(self, config: PolicyServerConfig):
+        super().__init__(config)
+        self.hold = True
+        self.held = 0
+
+    async def _fetch_messages(self, request: bytes, context):
+        stream = super()._fetch_messages(request, context)
+        try:
+            first = True
+            async for msg in stream:
+                yield msg
+                if first and self.hold:
+                    self.held += 1  # the server's event loop is its only writer
+                    while self.hold:
+                        await asyncio.sleep(0.02)
+                first = False
+        finally:
+            await stream.aclose()
+
+
+def _fetch_in_thread(fetcher: FetchProcess, request: FetchRequest, cancel: FetchCancel):
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(fetcher.fetch(request, cancel=cancel))
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, outcome
+
+
+def _wait_held(server: HoldingPolicyServer, n: int, t: threading.Thread, outcome: list) -> None:
+    deadline = time.monotonic() + 60
+    while server.held < n:
+        assert time.monotonic() < deadline and t.is_alive(), (server.held, outcome)
+        time.sleep(0.02)
+
+
+def _wait_no_fetches(server: PolicyServer) -> None:
+    deadline = time.monotonic() + 30
+    while server.stats()["active_fetches"]:
+        assert time.monotonic() < deadline, server.stats()
+        time.sleep(0.02)
+
+
+def _in_process_bytes(address: str, fingerprint: str, v: int) -> dict:
+    with PolicyClient(PolicyClientConfig(address=address, expected_fingerprint=fingerprint)) as c:
+        raw, _, _ = c.fetch_bytes(c.get_manifest(v))
+    return {n: a.tobytes() for n, a in raw.items()}
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["first-child", "other-child"])
+def test_one_of_three_children_killed_mid_fetch(victim):
+    """Three children, each mid-stream on its part; one is SIGKILLed: the fetch fails with OSError
+    (the others' parts cancelled, one log line for the new child), and the next fetch runs on all
+    three children (the replaced one included) and is bitwise the in-process fetch."""
+    fingerprint = build(1).manifest.contract_fingerprint
+    logs: list[str] = []
+    fetcher = FetchProcess(pinned=False, reuse=True, processes=3, log=logs.append)
+    with HoldingPolicyServer(PolicyServerConfig()) as server:
+        server.publish(build(1))
+        request = FetchRequest(address=server.address, fingerprint=fingerprint, version=1)
+        try:
+            t, outcome = _fetch_in_thread(fetcher, request, FetchCancel())
+            _wait_held(server, 3, t, outcome)
+            pids = fetcher.pids
+            os.kill(pids[victim], signal.SIGKILL)
+            t.join(60)
+            assert not t.is_alive() and len(outcome) == 1 and type(outcome[0]) is OSError, outcome
+            assert f"fetch process {pids[victim]}" in str(outcome[0])
+            assert len(logs) == 1 and f"fetch process {pids[victim]} exited" in logs[0], logs
+            after = fetcher.pids
+            assert len(after) == 3 and after[victim] != pids[victim]
+            assert [p for i, p in enumerate(after) if i != victim] == [p for i, p in enumerate(pids) if i != victim]
+            assert fetcher.restarts == 1
+            _wait_no_fetches(server)  # the server sees each cancelled stream end
+
+            server.hold = False
+            fetched = fetcher.fetch(request)
+            assert fetched.version == 1 and fetched.stats.streams >= 3 and fetcher.pids == after
+            got = slab_bytes(fetcher, fetched)
+            assert got == _in_process_bytes(server.address, fingerprint, 1)
+            assert all(slab_handles(pid) == (1, 1) for pid in after)
+            fetched = None
+        finally:
+            server.hold = False
+            fetcher.close()
+
+
+def test_cancel_ends_every_childs_part():
+    """A fetch on three children, each mid-stream, is cancelled: FetchCancelled, every stream of it
+    ended on the server, the same three children serve the next fetch."""
+    fingerprint = build(1).manifest.contract_fingerprint
+    fetcher = FetchProcess(pinned=False, reuse=True, processes=3, log=lambda line: pytest.fail(line))
+    with HoldingPolicyServer(PolicyServerConfig()) as server:
+        server.publish(build(1))
+        request = FetchRequest(address=server.address, fingerprint=fingerprint, version=1)
+        try:
+            cancel = FetchCancel()
+            t, outcome = _fetch_in_thread(fetcher, request, cancel)
+            _wait_held(server, 3, t, outcome)
+            pids = fetcher.pids
+            cancel.cancel()
+            t.join(30)
+            assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], FetchCancelled), outcome
+            _wait_no_fetches(server)  # the server sees each cancelled stream end
+            server.hold = False
+            assert fetcher.fetch(request).version == 1 and fetcher.pids == pids and fetcher.restarts == 0
+        finally:
+            server.hold = False
+            fetcher.close()
+
+
+def test_a_corrupted_chunk_served_to_one_of_three_children():
+    """A chunk corrupted once is fetched again by the child whose part holds it (the fetch is then
+    bitwise the in-process one); a chunk that stays corrupt fails the fetch with ChecksumMismatch,
+    as in process, and the children serve on."""
+    policy = build(1)
+    fingerprint = policy.manifest.contract_fingerprint
+    fetcher = FetchProcess(pinned=False, reuse=True, processes=3, log=lambda line: pytest.fail(line))
+    with FaultyPolicyServer(PolicyServerConfig()) as server:
+        server.publish(policy)
+        request = FetchRequest(address=server.address, fingerprint=fingerprint, version=1)
+        expected = _in_process_bytes(server.address, fingerprint, 1)
+        # the first chunk of a tensor of the second child's part
+        parts = split_by_bytes({n: lay.nbytes for n, lay in whole_layouts(policy.manifest).items()}, 3)
+        index = mf.first_chunk_indices(policy.manifest)[parts[1][0]]
+        try:
+            server.corrupt_chunk(version=1, chunk_index=index)
+            fetched = fetcher.fetch(request)
+            assert fetched.stats.refetched_chunks == 1 and slab_bytes(fetcher, fetched) == expected
+            server.corrupt_chunk(version=1, chunk_index=index, times=100)
+            with pytest.raises(ChecksumMismatch, match=f"chunk {index}"):
+                fetcher.fetch(request)
+            server.corrupt_chunk(version=1, chunk_index=index, times=0)
+            fetched = fetcher.fetch(request)
+            assert slab_bytes(fetcher, fetched) == expected and fetcher.restarts == 0
+            fetched = None
+        finally:
             fetcher.close()
 
 

@@ -48,6 +48,8 @@ def test_demo_config_loads_and_overrides_apply():
         ("trainer.device=gpu", r"device='gpu' \(cpu, cuda or cuda:N\)"),
         ("rollout.metrics_port=70000", "metrics_port=70000"),
         ("rollout.fetch_process=1", r"fetch_process"),
+        ("rollout.fetch_processes=0", r"fetch_processes=0 \(need an int in \[1, 16\]\)"),
+        ("rollout.fetch_processes=true", r"rollout.fetch_processes: expected int"),
     ],
 )
 def test_bad_configs_name_the_problem(override, message):
