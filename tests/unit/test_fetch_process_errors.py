@@ -1,12 +1,13 @@
 """The fetch child's errors cross the process boundary as one line each and come back as the type
-the in-process fetch raises (rollout/fetch_process.py), so the worker handles them the same way."""
+the in-process fetch raises (rollout/fetch_process.py), so the worker handles them the same way;
+and the rule that splits one fetch's tensors between its streams or children (split_by_bytes)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from broker.policy_client import ChecksumMismatch, FetchCancelled, FingerprintMismatch
+from broker.policy_client import ChecksumMismatch, FetchCancelled, FingerprintMismatch, split_by_bytes
 from rollout.fetch_process import FetchRequest, error_from_line, error_line
 
 
@@ -58,3 +59,11 @@ def test_grpc_errors_keep_their_status_code():
 def test_request_round_trips():
     req = FetchRequest(address="127.0.0.1:5", fingerprint="f" * 64, version=9, fetch_timeout_s=3.0, streams=2)
     assert FetchRequest.from_bytes(req.to_bytes()) == req
+
+
+def test_split_by_bytes_largest_first_onto_the_least_loaded():
+    # By hand: a(5) -> g0 [5]; b(4) -> g1 [4]; c(3) -> g1 [7]; d(3) -> g0 [8]; e(1) -> g1 [8] (tie: lower).
+    sizes = {"e": 1, "a": 5, "c": 3, "b": 4, "d": 3}
+    assert split_by_bytes(sizes, 2) == [["a", "d"], ["e", "c", "b"]]  # each group in the order of `sizes`
+    assert split_by_bytes(sizes, 1) == [list(sizes)]
+    assert split_by_bytes({"x": 1, "y": 2}, 4) == [["y"], ["x"]]  # no empty group
