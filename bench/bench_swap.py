@@ -4,6 +4,7 @@ the engine in place vs building a fresh one, each against a baseline measured in
     python3 bench/bench_swap.py                    # CUDA: Qwen3-30B-A3B widths x 6 layers, nvfp4_moe (the e2e version)
     python3 bench/bench_swap.py --small            # CPU box: the `small` preset cut to 2 layers, 8 experts
     python3 bench/bench_swap.py --streams 1,2,4,8 --repeats 2 --json out.json
+    python3 bench/bench_swap.py --streams 1 --processes 1,2,4,6 --fetch-only   # the worker's fetch children
 
 A spawned child process plays the trainer: random-init model (seed 0), quantized with the recipe
 (QAT's cache on CUDA, what a trainer publishes), `build_manifest`, `PolicyServer.publish`, then
@@ -13,6 +14,12 @@ serves on 127.0.0.1. This process plays a worker:
   `ReceiveBuffers` slab kept across fetches (page-locked on CUDA, as the worker's), for each
   `--streams` value; the first fetch (fresh slab) is reported apart, then the median of `--repeats`.
   Baseline: a host memcpy of the same bytes between touched buffers.
+- fetch in processes (the worker's path, rollout/fetch_process.py): `FetchProcess` with N children
+  receiving into one shared slab (page-locked on CUDA), for each `--processes` value: the first
+  fetch (children started, fresh slab) apart, then the median of `--repeats`, against N=1 of the
+  same run; beside each, the CPU the serving process used (cores: CPU seconds / wall seconds; ~1.0
+  = its one event loop is saturated, the server limits) and the children's. `--two-workers`: then
+  two such fetchers at once (the e2e config's two workers on one trainer) with the fastest N.
 - swap (the fetched tensors): `PackedEngine(...)` + graph capture, twice (the first pays
   torch.compile / Triton compilation in this process, the second is what a worker pays per version
   when it builds one per version), against `PackedEngine.update` (copied into the live engine, the
@@ -72,7 +79,14 @@ def _serve(args, out, stop) -> None:
     server = PolicyServer(PolicyServerConfig(max_streams_per_connection=16))
     port = server.start()
     server.publish(packed)
-    out.put({"port": port, "bytes": packed.manifest.total_bytes, "tensors": len(packed.manifest.tensors)})
+    out.put(
+        {
+            "port": port,
+            "bytes": packed.manifest.total_bytes,
+            "tensors": len(packed.manifest.tensors),
+            "fingerprint": packed.manifest.contract_fingerprint,
+        }
+    )
     out.put({"build_manifest_s": build_s})
     del packed
     stop.wait(args.timeout)
@@ -91,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", default="nvfp4_moe")
     ap.add_argument("--small", action="store_true", help="the `small` preset, 2 layers, 8 experts (CPU box)")
     ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("--processes", default="1,2,4", help="fetch children per FetchProcess ('' = skip)")
+    ap.add_argument("--two-workers", action="store_true", help="two FetchProcesses at once, with the fastest N")
+    ap.add_argument("--fetch-only", action="store_true", help="skip the engine build and update")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--kv", type=int, default=256)
@@ -99,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.small:
         args.preset, args.layers, args.experts = "small", 2, 8
-    streams = [int(x) for x in args.streams.split(",")]
-    if args.repeats < 1 or not streams or min(streams) < 1:
-        ap.error("--repeats >= 1 and --streams of ints >= 1")
+    try:
+        streams = [int(x) for x in args.streams.split(",")]
+        processes = [int(x) for x in args.processes.split(",") if x]
+    except ValueError:
+        ap.error("--streams and --processes: comma-separated ints")
+    if args.repeats < 1 or not streams or min(streams) < 1 or not all(1 <= n <= 16 for n in processes):
+        ap.error("--repeats >= 1, --streams of ints >= 1, --processes of ints in [1, 16]")
 
     import numpy as np
 
@@ -181,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"x{res['fetch'][streams[0]]['s'] / s:.2f} vs {streams[0]} stream(s), {memcpy_s / s:.3f} of memcpy",
                 flush=True,
             )
+        if processes:
+            res["processes"] = fetch_in_processes(args, processes, info["fingerprint"], address, child.pid, cuda, gb)
+        if args.fetch_only:
+            return 0
         tensors = fetched.tensors  # the last fetch's: they alias the slab
 
         ecfg = EngineConfig(max_batch=args.max_batch, max_seq_len=min(args.kv, cfg.max_seq_len))
@@ -234,9 +259,86 @@ def main(argv: list[str] | None = None) -> int:
         child.join(30)
         if child.is_alive():
             child.kill()
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def cpu_s(pids) -> float:
+    """CPU seconds (user + system) the processes `pids` used so far."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def fetch_in_processes(args, processes: list[int], fingerprint: str, address: str, server_pid: int, cuda: bool, gb):
+    """The worker's fetch (FetchProcess, N children into one shared slab) for each N; see the docstring."""
+    import threading
+
+    from rollout.fetch_process import FetchProcess, FetchRequest
+
+    request = FetchRequest(address=address, fingerprint=fingerprint, version=1, fetch_timeout_s=300.0)
+    out: dict = {}
+    for n in processes:
+        fetcher = FetchProcess(pinned=cuda, reuse=True, processes=n, log=print)
+        try:
+            t0 = time.perf_counter()
+            fetcher.fetch(request)
+            first_s = time.perf_counter() - t0
+            runs = []
+            for _ in range(args.repeats):
+                pids = fetcher.pids
+                srv0, kids0, t0 = cpu_s([server_pid]), cpu_s(pids), time.perf_counter()
+                f = fetcher.fetch(request)
+                s = time.perf_counter() - t0
+                srv, kids = (cpu_s([server_pid]) - srv0) / s, (cpu_s(pids) - kids0) / s
+                runs.append((s, f.stats.receive_s, f.stats.verify_s, srv, kids))
+                f = None  # its tensors alias the slab
+        finally:
+            fetcher.close()
+        s, recv, ver, srv, kids = (statistics.median(x) for x in zip(*runs))
+        out[n] = dict(first_s=first_s, s=s, receive_s=recv, verify_s=ver, server_cores=srv, children_cores=kids)
+        base = out[processes[0]]["s"]
+        print(
+            f"fetch in {n} process(es): {s:.2f} s = {gb / s:.2f} GB/s (receive {recv:.2f} s, verify tail {ver:.2f} s; "
+            f"first {first_s:.2f} s); x{base / s:.2f} vs {processes[0]} process(es); server {srv:.2f} cores, "
+            f"children {kids:.2f} cores",
+            flush=True,
+        )
+    if args.two_workers:
+        n = min(out, key=lambda k: out[k]["s"])
+        fetchers = [FetchProcess(pinned=cuda, reuse=True, processes=n, log=print) for _ in range(2)]
+        try:
+            for fetcher in fetchers:
+                fetcher.fetch(request)  # children started, slab allocated
+            times: list = [None, None]
+
+            def run(i):
+                t0 = time.perf_counter()
+                fetchers[i].fetch(request)
+                times[i] = time.perf_counter() - t0
+
+            srv0, t0 = cpu_s([server_pid]), time.perf_counter()
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            srv = (cpu_s([server_pid]) - srv0) / wall
+        finally:
+            for fetcher in fetchers:
+                fetcher.close()
+        out["two_workers"] = {"processes": n, "s": times, "wall_s": wall, "server_cores": srv}
+        print(
+            f"two workers at once, {n} process(es) each: {times[0]:.2f} / {times[1]:.2f} s "
+            f"({2 * gb / wall:.2f} GB/s served in all; one alone {out[n]['s']:.2f} s); server {srv:.2f} cores",
+            flush=True,
+        )
+    return out
 
 
 if __name__ == "__main__":
