@@ -36,10 +36,13 @@ class RolloutConfig:
     """Fetch and verify policies in a child process of the worker (rollout/fetch_process.py) into
     shared memory, so that receiving and hashing never slow decoding (they hold the GIL);
     null = on for cuda, off for cpu (the CPU engine's weights alias fresh memory per version)."""
-    fetch_processes: int = 1
-    """Processes receiving one policy fetch (with `fetch_process` on): the version's tensors split
-    between them by bytes, each process writing its part into the one shared slab
-    (rollout/fetch_process.py). One process receives at ~1 GB/s (its GIL). 1 = one child."""
+    fetch_processes: int = 2
+    """Child processes receiving one policy fetch (where `fetch_process` is on: CUDA's default), the
+    version's tensors split between them by bytes, each writing its part into the one shared slab
+    (rollout/fetch_process.py). Measured on the H200 host (4.38 GB, bench/bench_swap.py
+    --processes; docs/benchmarks.md): 1 / 2 / 4 / 6 processes 0.72 / 1.49 / 1.55 / 1.67 GB/s. From 2
+    on the trainer's PolicyServer limits (its one event loop at ~1 core; two workers fetching at once
+    shared 1.77 GB/s), so 2: nearly all of the gain for the least CPU beside the decode loops."""
     read_block_ms: int = 500
     """How long one read of the prompts stream blocks."""
     tls: ClientTLS = field(default_factory=ClientTLS)

@@ -355,7 +355,7 @@ class FetchProcess:
         gone = ""  # the first child that died or stopped answering (replaced at once)
         refused: BaseException | None = None  # the parent's checks of the manifest failed
         cancelled = False
-        manifest = layouts = views = None
+        manifest = layouts = None
         limit = time.monotonic() + request.fetch_timeout_s + 60  # the children have their own deadlines
         while running:
             if not cancelled and (cancel.is_set() or refused is not None or errors or gone):
@@ -376,7 +376,7 @@ class FetchProcess:
             child, kind, payload = message
             if kind == "MANIFEST" and child is lead and manifest is None and not cancelled:
                 try:
-                    manifest, layouts, views = self._accept_manifest(payload, request, check)
+                    manifest, layouts = self._accept_manifest(payload, request, check)
                 except BaseException as e:
                     refused = e
                     continue
@@ -397,12 +397,15 @@ class FetchProcess:
             raise OSError(f"the fetch process {gone}")
         if errors:
             raise ([e for e in errors if not isinstance(e, FetchCancelled)] or errors)[0]
+        # The slab's views only now: a failed fetch's traceback (its frames) holds none, so the slab
+        # can be unmapped at once (SharedSlab.close).
+        views = self.buffers.views({n: lay.nbytes for n, lay in layouts.items()})
         entries = {t.name: t for t in manifest.tensors}
         tensors = {n: mf.rebuild(entries[n], layouts[n], views[n]) for n in layouts}
         return FetchedPolicy(manifest, tensors, layouts, merged_stats(parts))
 
     def _accept_manifest(self, raw: bytes, request: FetchRequest, check):
-        """The manifest verified again here, checked, and the slab's views for its tensors."""
+        """The manifest verified again here, checked, and its tensors' layouts, laid out in the slab."""
         manifest = mf.manifest_from_bytes(raw)
         if manifest.version != request.version:
             raise ValueError(f"asked for version {request.version}, the fetch process got {manifest.version}")
@@ -413,8 +416,8 @@ class FetchProcess:
         taking_part = self._children[: len(layouts)]
         if self.buffers.fd < 0 and any(c.slab != self.buffers.allocations for c in taking_part):
             self.buffers.close()  # a new child, and the slab's descriptor is gone: a new slab for all
-        views = self.buffers.views({n: lay.nbytes for n, lay in layouts.items()})
-        return manifest, layouts, views
+        self.buffers.views({n: lay.nbytes for n, lay in layouts.items()})  # allocated (or kept) here
+        return manifest, layouts
 
     def _hand_out(self, request: FetchRequest, raw_manifest: bytes, layouts) -> list[_Child]:
         """Each child its part: the version's tensors in groups of about equal bytes, one per child
