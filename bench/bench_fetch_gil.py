@@ -12,6 +12,14 @@ rate and the fetch's own time count: in one process they trade against each othe
 The trainer is bench_swap.py's spawned serving child (random init, quantized, published, served on
 127.0.0.1). Target: (c) keeps >= 0.8 of the baseline's steps/s where the host has a core for the
 child (a host with fewer cores than busy processes shares them however the fetch is arranged).
+
+`--serve`: the other side, what serving a version costs the trainer's Python. This process builds
+and serves the version (broker.policy_server: its event-loop thread hands every chunk to gRPC),
+`--clients` fetch children fetch it at once, and a stand-in for the training loop (small torch ops:
+each releases the GIL and takes it back, as every kernel launch of a training step does) counts its
+ops per second (on `--device`: on CUDA each op is a kernel launch): idle, and while the version is served, under each `--switch-intervals` value
+(sys.setswitchinterval: how long a thread waiting for the GIL lets the holder run before asking
+for it; Python's default 5 ms).
 """
 
 from __future__ import annotations
@@ -30,8 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_swap import _serve  # noqa: E402  (the serving child)
 
 
-def steps_while(work, seconds_min: float = 1.0) -> tuple[float, float]:
-    """Steps per second of the decode stand-in while `work()` runs in a thread (or for
+def python_step() -> None:
+    sum(range(2000))  # one "decode step" of Python (~20 us)
+
+
+def steps_while(work, seconds_min: float = 1.0, step=python_step) -> tuple[float, float]:
+    """Steps per second of `step` (the decode stand-in) while `work()` runs in a thread (or for
     `seconds_min` when `work` is None), and work's seconds."""
     done = threading.Event()
     took = [0.0]
@@ -50,7 +62,7 @@ def steps_while(work, seconds_min: float = 1.0) -> tuple[float, float]:
         threading.Thread(target=run, daemon=True).start()
     n, t0 = 0, time.perf_counter()
     while not done.is_set():
-        sum(range(2000))  # one "decode step" of Python (~20 us)
+        step()
         n += 1
     return n / (time.perf_counter() - t0), took[0]
 
@@ -65,9 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--serve", action="store_true", help="measure the serving side (module docstring)")
+    ap.add_argument("--clients", type=int, default=2, help="--serve: fetch children fetching at once")
+    ap.add_argument("--switch-intervals", default="0.005,0.0005", help="--serve: sys.setswitchinterval values (s)")
     args = ap.parse_args(argv)
     if args.small:
         args.preset, args.layers, args.experts = "small", 2, 8
+    if args.serve:
+        return serve(args)
 
     from broker.policy_client import PolicyClient, PolicyClientConfig, ReceiveBuffers
     from rollout.fetch_process import FetchProcess, FetchRequest
@@ -109,6 +126,60 @@ def main(argv: list[str] | None = None) -> int:
         fetcher.close()
         stop.set()
         server.join(30)
+    return 0
+
+
+def serve(args) -> int:
+    import torch
+    from bench_swap import build_version
+
+    from broker.policy_server import PolicyServer, PolicyServerConfig
+    from rollout.fetch_process import FetchProcess, FetchRequest
+
+    packed, _ = build_version(args)
+    manifest = packed.manifest
+    server = PolicyServer(PolicyServerConfig(max_streams_per_connection=16))
+    port = server.start()
+    server.publish(packed)
+    del packed
+    fetchers = [FetchProcess(pinned=False) for _ in range(args.clients)]
+    request = FetchRequest(
+        address=f"127.0.0.1:{port}", fingerprint=manifest.contract_fingerprint, version=1, fetch_timeout_s=600.0
+    )
+    a, b, c = (torch.ones(64, device=args.device) for _ in range(3))
+
+    def torch_step() -> None:
+        for _ in range(10):
+            torch.add(a, b, out=c)  # releases the GIL and takes it back, as a kernel launch
+
+    def fetch_all() -> None:
+        threads = [threading.Thread(target=f.fetch, args=(request,)) for f in fetchers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    default = sys.getswitchinterval()
+    try:
+        print(f"{os.cpu_count()} CPU cores; serving {manifest.total_bytes / 1e9:.3f} GB to {args.clients} "
+              f"fetch children at once", flush=True)  # fmt: skip
+        fetch_all()  # warm: the children started, their slabs touched
+        for _ in range(args.repeats):
+            for interval in [float(x) for x in args.switch_intervals.split(",")]:
+                sys.setswitchinterval(interval)
+                base, _ = steps_while(None, step=torch_step)
+                busy, busy_s = steps_while(fetch_all, step=torch_step)
+                print(
+                    f"switch interval {interval * 1e3:g} ms: training stand-in {base:,.0f} steps/s idle, "
+                    f"{busy:,.0f} while serving (x{busy / base:.2f}); serving took {busy_s:.2f} s "
+                    f"({args.clients * manifest.total_bytes / busy_s / 1e9:.2f} GB/s in all)",
+                    flush=True,
+                )
+    finally:
+        sys.setswitchinterval(default)
+        for f in fetchers:
+            f.close()
+        server.stop()
     return 0
 
 

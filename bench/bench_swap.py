@@ -53,29 +53,34 @@ def model_config(args):
     return ModelConfig.preset(args.preset, **over)
 
 
-def _serve(args, out, stop) -> None:
-    """The trainer: build, quantize, publish one version, serve until told to stop."""
+def build_version(args):
+    """Version 1 of a random-init model (seed 0) quantized with the recipe (QAT's cache on CUDA, what
+    a trainer publishes), as a PackedPolicy; and build_manifest's seconds."""
     import torch
 
-    from broker.policy_server import PolicyServer, PolicyServerConfig
     from policy import manifest as M
     from policy import qat
     from policy.model import Transformer
     from policy.recipe import Recipe
 
     cfg, recipe = model_config(args), Recipe.load(args.recipe)
-    cuda = args.device == "cuda"
     with torch.device(args.device):
         model = Transformer(cfg, seed=0)
-    if cuda:
+    if args.device == "cuda":
         tensors = qat.apply_qat(model, recipe).quantized_params(model)
     else:
         tensors = M.quantize_params(dict(model.named_parameters()), recipe.plan(cfg))
     contract = M.contract_from_recipe(model_config=cfg, recipe=recipe)
     t0 = time.perf_counter()
     packed = M.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
-    build_s = time.perf_counter() - t0
-    del model, tensors
+    return packed, time.perf_counter() - t0
+
+
+def _serve(args, out, stop) -> None:
+    """The trainer: build, quantize, publish one version, serve until told to stop."""
+    from broker.policy_server import PolicyServer, PolicyServerConfig
+
+    packed, build_s = build_version(args)
     server = PolicyServer(PolicyServerConfig(max_streams_per_connection=16))
     port = server.start()
     server.publish(packed)

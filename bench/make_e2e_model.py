@@ -19,9 +19,10 @@ recipe (QAT: the operands the rollouts compute with), at most the task's max_new
 the task; and the same greedily. The fraction ending in <eos>, the mean reward and the mean length
 go into `tandem_e2e.json` ("eval") and the log. Then a self-check (`decode_check`, in the log and
 `tandem_e2e.json` "decode_check"): teacher-forced vs prefill + KV-cache decode log-probs of 8 reference answers, on
-the MoE's default path and its loop over experts, which must agree (the H200 warm start reached a
-teacher-forced loss of 0.73 and never generated <eos>). Simplified: no schedule; a fixture for system
-measurements, not a model.
+the MoE's default path and its loop over experts, which must agree, and the answer loss per variant
+(found this way: a warm start inside ONE autocast region trained against stale bf16 casts of its
+weights, loss 0.92, answer loss 24 afterwards; trainer/warmstart.py now opens one per step).
+A fixture for system measurements, not a model.
 """
 
 from __future__ import annotations
@@ -106,18 +107,18 @@ def main(argv: list[str] | None = None) -> int:
             p = task.example(rng)
             return p.tokens, p.reference
 
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            losses = warm_start(
-                model,
-                example,
-                steps=args.warmstart_steps,
-                batch=args.warmstart_batch,
-                lr=args.warmstart_lr,
-                pad_id=task.tokenizer.pad_id,
-                warmup=args.warmstart_warmup,
-                cosine=args.warmstart_schedule == "cosine",
-                log=lambda s: print(f"[make_e2e_model] {s}", flush=True),
-            )
+        losses = warm_start(
+            model,
+            example,
+            steps=args.warmstart_steps,
+            batch=args.warmstart_batch,
+            lr=args.warmstart_lr,
+            pad_id=task.tokenizer.pad_id,
+            warmup=args.warmstart_warmup,
+            cosine=args.warmstart_schedule == "cosine",
+            autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+            log=lambda s: print(f"[make_e2e_model] {s}", flush=True),
+        )
     model.zero_grad(set_to_none=True)  # the warm start's last gradients (17 GB at 4B parameters)
     t_eval = time.perf_counter()
     scores = evaluate(model, task, cfg, n=args.eval_prompts) if args.eval_prompts else None

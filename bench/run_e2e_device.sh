@@ -9,6 +9,14 @@
 #   RUNS="async sync" STEPS=12 bash bench/run_e2e_device.sh
 #   RUNS="async megatron" bash bench/run_e2e_device.sh
 #   E2E_SMALL=1 bash bench/run_e2e_device.sh         # CPU dry run of the same path: tiny model, 3 steps
+#   E2E_MPS=0 bash bench/run_e2e_device.sh           # no NVIDIA MPS daemon (default: one if the machine has it)
+#
+# MPS (E2E_MPS, default auto): without it the trainer's and the workers' CUDA contexts time-slice the
+# GPU (one context's kernels at a time), and a worker's stream of small decode kernels costs the
+# trainer most of its step (docs/benchmarks.md). With an MPS control daemon (nvidia-cuda-mps-control,
+# part of the NVIDIA driver utilities) the processes' kernels share the SMs at once. The script starts
+# a private daemon (its pipe and log folders under $E2E_DIR), checks that a CUDA process runs under
+# it, and stops it when it exits; E2E_MPS=1 makes a missing or failing daemon an error.
 #
 # What it needs besides the checkout (a machine without internet, e.g. the H200 image, which has
 # torch, triton, grpcio, protobuf, msgpack, xxhash, uvloop, tokenizers, safetensors, prometheus-client):
@@ -90,6 +98,25 @@ command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_vers
 # --- the model ------------------------------------------------------------------------------------
 "$PYTHON" bench/make_e2e_model.py --config "$CONFIG" --out "$MODEL" "${MAKE_ARGS[@]}" 2>&1 | tee "$OUT/make_model.log"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+
+# --- NVIDIA MPS -----------------------------------------------------------------------------------
+E2E_MPS=${E2E_MPS:-auto}
+mps=off
+if [ "$E2E_MPS" != 0 ] && [ "${E2E_SMALL:-0}" != 1 ]; then
+  if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    export CUDA_MPS_PIPE_DIRECTORY=$E2E_DIR/mps-pipe CUDA_MPS_LOG_DIRECTORY=$E2E_DIR/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d && "$PYTHON" -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
+      mps=on
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    else
+      echo quit | nvidia-cuda-mps-control 2>/dev/null
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
+  fi
+  if [ "$mps" = off ] && [ "$E2E_MPS" = 1 ]; then echo "run_e2e_device: E2E_MPS=1 but no MPS daemon runs here" >&2; exit 1; fi
+fi
+echo "mps: $mps" | tee -a "$OUT/versions.txt"
 
 # --- the runs -------------------------------------------------------------------------------------
 gpu_procs() {  # memory per process every 2 s, by role (trainer / --worker-id wN), until killed

@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from policy import compute
 from policy.hashing import sha256_json
@@ -404,20 +403,6 @@ def causal_mask(key_valid: Tensor, start: int) -> Tensor:
     return (((k_index[None, :] <= q_index[:, None])[None] & key_valid[:, None, :]) | own)[:, None]
 
 
-def _masked_sdpa_backends() -> list[SDPBackend]:
-    """The SDPA backends enabled here (an outer `sdpa_kernel` included) minus cuDNN's, for attention
-    with an explicit mask on CUDA. cuDNN attention (torch's first choice on SM90 with a recent cuDNN)
-    mishandles explicit masks in some torch/cuDNN versions: wrong outputs or NaN gradients
-    (pytorch/pytorch#196678, #191612); tests/gpu/test_attention_gpu.py prints each backend's error on
-    this model's mask. The memory-efficient kernel takes the mask; math is the fallback."""
-    on = (
-        (SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
-        (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
-        (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled()),
-    )
-    return [b for b, enabled in on if enabled] or [SDPBackend.MATH]
-
-
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate-half RoPE (HF/NeoX convention, as Qwen3). x [B, T, H, hd]; cos/sin [B, T, 1, hd/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -458,17 +443,8 @@ class Attention(nn.Module):
             k_buf[:, :, start : start + T] = k
             v_buf[:, :, start : start + T] = v
             k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
-        o = self.attend(q, k, v, mask)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), hook)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """SDPA of q [B, H, T, hd] over k, v [B, Hkv, S, hd] under `mask` (`causal_mask`), never on
-        cuDNN's kernel (see `_masked_sdpa_backends`)."""
-        gqa = self.n_heads != self.n_kv_heads
-        if not q.is_cuda:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        with sdpa_kernel(_masked_sdpa_backends()):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Expert(nn.Module):

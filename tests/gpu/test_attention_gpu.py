@@ -1,8 +1,9 @@
 """The policy model's masked attention on a GPU computes causal attention over each row's real tokens,
-in training (grad on) as at evaluation: against SDPA's math kernel in fp32 on the same bf16 inputs,
-at Qwen3-30B-A3B's attention widths (32 query / 4 KV heads of 128), right-padded rows of unequal
-length, the mask `Transformer.forward` builds. Also per SDPA backend, printed (`-s`), so a backend
-that mishandles the mask is named. And the whole model: token log-probs with grad on equal those
+in training (grad on) as at evaluation: SDPA's default backend against its math kernel in fp32 on the
+same bf16 inputs, at Qwen3-30B-A3B's attention widths (32 query / 4 KV heads of 128), right-padded
+rows of unequal length, the mask `Transformer.forward` builds (`causal_mask`). Each backend's error
+is printed (`-s`; on the H200 with torch 2.11 cuDNN's refuses this mask, so the default is the
+memory-efficient kernel). And the whole model: token log-probs with grad on equal those
 under no_grad, and a change to a later token leaves earlier log-probs alone (no look-ahead).
 Runs on the device machine only (bench/run_e2e_device.sh, bench/run_trainer_device.sh)."""
 
@@ -18,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from policy.model import Attention, ModelConfig, Transformer, causal_mask  # noqa: E402
+from policy.model import ModelConfig, Transformer, causal_mask  # noqa: E402
 
 B, T, H, HK, HD = 8, 45, 32, 4, 128
 LENS = [45, 40, 33, 21, 17, 9, 5, 2]
@@ -46,7 +47,7 @@ def _real(o, valid):
 
 @pytest.mark.parametrize("grad", [False, True])
 def test_sdpa_backends_on_the_models_mask(grad):
-    """Which SDPA backends compute the masked attention right (printed); the model's choice must."""
+    """Which SDPA backends compute the masked attention right (printed); the default, which the model uses, must."""
     q, k, v, valid = _inputs()
     ref = _real(_reference(q, k, v, valid), valid)
     mask = causal_mask(valid, 0)
@@ -61,12 +62,7 @@ def test_sdpa_backends_on_the_models_mask(grad):
             continue
         errors[str(backend or "default")] = float((_real(o, valid).float() - ref).abs().max())
     print(f"\nSDPA on the model's mask, grad={grad}: max |error| vs fp32 math per backend: {errors}")
-    cfg = ModelConfig.preset("qwen3-30b-a3b", n_layers=1)
-    attn = Attention(cfg, "model.layers.0.self_attn")
-    qq, kk, vv = (t.clone().requires_grad_(grad) for t in (q, k, v))
-    with torch.set_grad_enabled(grad):
-        o = attn.attend(qq, kk, vv, mask)
-    assert float((_real(o, valid).float() - ref).abs().max()) < 0.05  # bf16 rounding of the output
+    assert errors["default"] < 0.05  # bf16 rounding of the output
 
 
 def test_model_logprobs_same_with_grad_and_no_lookahead():

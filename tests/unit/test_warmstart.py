@@ -10,6 +10,7 @@ import torch
 
 from policy.model import ModelConfig, Transformer
 from rollout.tasks import AdditionTask
+from trainer.sequences import pack
 from trainer.warmstart import lr_factor, warm_start
 
 
@@ -35,3 +36,32 @@ def test_warm_start_lowers_the_loss_under_the_schedule():
     torch.manual_seed(0)
     losses = warm_start(model, example, steps=20, batch=8, lr=3e-3, pad_id=0, warmup=3, cosine=True, log=lambda s: None)
     assert len(losses) == 20 and losses[-1] < 0.5 * losses[0]
+
+
+def test_warm_start_under_autocast_computes_with_the_current_weights():
+    """Step k's loss is that of the weights after k steps: a model trained k steps and evaluated on
+    step k's batch in a fresh bf16 autocast region gives it. One autocast region around the whole
+    loop would fail this: its cached bf16 casts are the first step's weights (the H200 warm start)."""
+    task = AdditionTask(digits=1, seed=0)
+    cfg = ModelConfig.preset("tiny", n_layers=1, vocab_size=max(64, task.tokenizer.vocab_size))
+
+    def train(steps):
+        model, rng, batches = Transformer(cfg, seed=0), random.Random(0), []
+
+        def example():
+            p = task.example(rng)
+            batches.append((p.tokens, p.reference))
+            return batches[-1]
+
+        losses = warm_start(
+            model, example, steps=steps, batch=8, lr=3e-3, pad_id=0, autocast_dtype=torch.bfloat16, log=lambda s: None
+        )
+        return model, losses, batches
+
+    _, losses, batches = train(4)
+    model, _, _ = train(3)
+    tokens, targets, attn, mask = pack(*zip(*batches[-8:]), 0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = model.token_logprobs(tokens, targets, attention_mask=attn)
+    assert float(-(logp * mask).sum() / mask.sum()) == pytest.approx(losses[-1], abs=1e-4)
+    assert losses[-1] != pytest.approx(losses[0], abs=1e-2)  # the weights moved
