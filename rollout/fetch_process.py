@@ -369,7 +369,8 @@ class FetchProcess:
                 for c, why in e.gone:
                     running.remove(c)
                     gone = gone or f"{c.pid} {why}"
-                    self._replace(self._children.index(c), f"{why} while fetching v{request.version}")
+                    if c in self._children:  # (not when `close` ended them meanwhile)
+                        self._replace(self._children.index(c), f"{why} while fetching v{request.version}")
                 continue
             if message is None:
                 continue

@@ -41,8 +41,10 @@ from tandem.services import make_worker
 pytestmark = pytest.mark.integration
 
 
-def with_fetch_process(on: bool):
-    return dataclasses.replace(CFG, rollout=dataclasses.replace(CFG.rollout, fetch_process=on))
+def with_fetch_process(on: bool, processes: int = 1):
+    return dataclasses.replace(
+        CFG, rollout=dataclasses.replace(CFG.rollout, fetch_process=on, fetch_processes=processes)
+    )
 
 
 def slab_handles(pid: int | str = "self") -> tuple[int, int]:
@@ -124,7 +126,8 @@ def test_child_fetch_is_bitwise_the_in_process_fetch(processes):
 
 
 async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
-    """A worker fetching in a child (rollout.fetch_process=true on the CPU): the child is SIGKILLed
+    """A worker fetching in one child (rollout.fetch_process=true on the CPU, fetch_processes=1; the
+    same with several children: test_one_of_three_children_killed_mid_fetch): the child is SIGKILLed
     while its fetch hangs mid-stream. The worker keeps v1 (groups start again), logs the new child
     once, and its retry loads v2: what it then generates is what a worker that fetched v2 in process
     generates, bitwise."""
