@@ -14,12 +14,14 @@ The trainer is bench_swap.py's spawned serving child (random init, quantized, pu
 child (a host with fewer cores than busy processes shares them however the fetch is arranged).
 
 `--serve`: the other side, what serving a version costs the trainer's Python. This process builds
-and serves the version (broker.policy_server: its event-loop thread hands every chunk to gRPC),
-`--clients` fetch children fetch it at once, and a stand-in for the training loop (small torch ops:
-each releases the GIL and takes it back, as every kernel launch of a training step does) counts its
-ops per second (on `--device`: on CUDA each op is a kernel launch): idle, and while the version is served, under each `--switch-intervals` value
-(sys.setswitchinterval: how long a thread waiting for the GIL lets the holder run before asking
-for it; Python's default 5 ms).
+the version and frames it into shared pool buffers (as the trainer publishes), `--clients` fetch
+children fetch it at once, and a stand-in for the training loop (small torch ops on `--device`: each
+releases the GIL and takes it back, as every kernel launch of a training step does) counts its ops
+per second: idle, and while the version is served (a) by a PolicyServer in this process (its
+event-loop thread hands every chunk to gRPC), under each `--switch-intervals` value
+(sys.setswitchinterval: how long a thread waiting for the GIL lets the holder run before asking for
+it; Python's default 5 ms), and (b) by broker.server_process.PolicyServerProcess (the trainer's
+default on CUDA: serving in a child process).
 """
 
 from __future__ import annotations
@@ -131,55 +133,68 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(args) -> int:
     import torch
-    from bench_swap import build_version
+    from bench_swap import quantized_version
 
+    from broker import frames
     from broker.policy_server import PolicyServer, PolicyServerConfig
+    from broker.server_process import PolicyServerProcess
     from rollout.fetch_process import FetchProcess, FetchRequest
 
-    packed, _ = build_version(args)
-    manifest = packed.manifest
-    server = PolicyServer(PolicyServerConfig(max_streams_per_connection=16))
-    port = server.start()
-    server.publish(packed)
-    del packed
+    tensors, contract = quantized_version(args)
+    pool = frames.BufferPool(pin=args.device == "cuda", shared=True)
+    config = PolicyServerConfig(max_streams_per_connection=16)
+    servers = {"thread": PolicyServer(config), "process": PolicyServerProcess(config)}
+    for server in servers.values():
+        server.start()
+        framed = frames.build_framed(version=1, parent_version=None, contract=contract, tensors=tensors, pool=pool)
+        server.publish(framed)
+    manifest = framed.manifest
+    del tensors
     fetchers = [FetchProcess(pinned=False) for _ in range(args.clients)]
-    request = FetchRequest(
-        address=f"127.0.0.1:{port}", fingerprint=manifest.contract_fingerprint, version=1, fetch_timeout_s=600.0
-    )
     a, b, c = (torch.ones(64, device=args.device) for _ in range(3))
 
     def torch_step() -> None:
         for _ in range(10):
             torch.add(a, b, out=c)  # releases the GIL and takes it back, as a kernel launch
 
-    def fetch_all() -> None:
+    def fetch_all(server) -> None:
+        request = FetchRequest(
+            address=server.address, fingerprint=manifest.contract_fingerprint, version=1, fetch_timeout_s=600.0
+        )
         threads = [threading.Thread(target=f.fetch, args=(request,)) for f in fetchers]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
 
+    def measure(where: str, server) -> None:
+        base, _ = steps_while(None, step=torch_step)
+        busy, busy_s = steps_while(lambda: fetch_all(server), step=torch_step)
+        print(
+            f"served {where}: training stand-in {base:,.0f} steps/s idle, {busy:,.0f} while serving "
+            f"(x{busy / base:.2f}); serving took {busy_s:.2f} s "
+            f"({args.clients * manifest.total_bytes / busy_s / 1e9:.2f} GB/s in all)",
+            flush=True,
+        )
+
     default = sys.getswitchinterval()
     try:
         print(f"{os.cpu_count()} CPU cores; serving {manifest.total_bytes / 1e9:.3f} GB to {args.clients} "
               f"fetch children at once", flush=True)  # fmt: skip
-        fetch_all()  # warm: the children started, their slabs touched
+        fetch_all(servers["thread"])  # warm: the children started, their slabs touched
         for _ in range(args.repeats):
             for interval in [float(x) for x in args.switch_intervals.split(",")]:
                 sys.setswitchinterval(interval)
-                base, _ = steps_while(None, step=torch_step)
-                busy, busy_s = steps_while(fetch_all, step=torch_step)
-                print(
-                    f"switch interval {interval * 1e3:g} ms: training stand-in {base:,.0f} steps/s idle, "
-                    f"{busy:,.0f} while serving (x{busy / base:.2f}); serving took {busy_s:.2f} s "
-                    f"({args.clients * manifest.total_bytes / busy_s / 1e9:.2f} GB/s in all)",
-                    flush=True,
-                )
+                measure(f"by a thread of this process, switch interval {interval * 1e3:g} ms", servers["thread"])
+            sys.setswitchinterval(default)
+            measure("by the server's own process (PolicyServerProcess)", servers["process"])
     finally:
         sys.setswitchinterval(default)
         for f in fetchers:
             f.close()
-        server.stop()
+        for server in servers.values():
+            server.stop()
+        pool.close()
     return 0
 
 

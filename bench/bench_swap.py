@@ -53,9 +53,9 @@ def model_config(args):
     return ModelConfig.preset(args.preset, **over)
 
 
-def build_version(args):
-    """Version 1 of a random-init model (seed 0) quantized with the recipe (QAT's cache on CUDA, what
-    a trainer publishes), as a PackedPolicy; and build_manifest's seconds."""
+def quantized_version(args):
+    """A random-init model (seed 0) quantized with the recipe (QAT's cache on CUDA, what a trainer
+    publishes): (its quantized tensors by name, the contract)."""
     import torch
 
     from policy import manifest as M
@@ -70,7 +70,14 @@ def build_version(args):
         tensors = qat.apply_qat(model, recipe).quantized_params(model)
     else:
         tensors = M.quantize_params(dict(model.named_parameters()), recipe.plan(cfg))
-    contract = M.contract_from_recipe(model_config=cfg, recipe=recipe)
+    return tensors, M.contract_from_recipe(model_config=cfg, recipe=recipe)
+
+
+def build_version(args):
+    """Version 1 (`quantized_version`) as a PackedPolicy; and build_manifest's seconds."""
+    from policy import manifest as M
+
+    tensors, contract = quantized_version(args)
     t0 = time.perf_counter()
     packed = M.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
     return packed, time.perf_counter() - t0

@@ -39,7 +39,9 @@ until their copies are done.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from broker import ipc
 from policy import manifest as mf
 from tandem.v1 import manifest_pb2, policy_pb2
 
@@ -126,6 +129,14 @@ def frame_layout(version: int, tensors: Iterable[tuple[str, int, int]], chunk_by
     return FrameLayout(version, chunk_bytes, tuple(frames), tuple(heads), pos)
 
 
+def manifest_layout(manifest: manifest_pb2.Manifest) -> FrameLayout:
+    """The layout of a manifest's tensors in manifest order: what a publish framed them into."""
+    firsts = mf.first_chunk_indices(manifest)
+    return frame_layout(
+        manifest.version, ((t.name, t.nbytes, firsts[t.name]) for t in manifest.tensors), manifest.chunk_bytes
+    )
+
+
 # -- host buffers --------------------------------------------------------------------------------------
 
 
@@ -141,39 +152,58 @@ def page_unlock(address: int) -> None:
 
 class HostBuffer:
     """`capacity` bytes of host memory (a numpy uint8 array), page-locked for the GPU when `pin`:
-    registered with cudaHostRegister (`page_lock`), or torch's pinned allocator if registering fails."""
+    registered with cudaHostRegister (`page_lock`), or torch's pinned allocator if registering fails.
+    `shared`: the memory is an anonymous memfd (`fd`), which another process can map (the policy
+    server's process, broker/server_process.py); it then stays unpinned if registering fails. `id`
+    names the buffer across processes."""
 
-    def __init__(self, capacity: int, *, pin: bool):
-        self.capacity = capacity
+    _ids = itertools.count(1)
+
+    def __init__(self, capacity: int, *, pin: bool, shared: bool = False):
+        self.capacity, self.id = capacity, next(HostBuffer._ids)
+        self.fd = -1
         self._registered = 0
-        self._keep = None
-        if pin and capacity:
+        self._keep = self._mmap = None
+        if shared:
+            self.fd = ipc.memfd("tandem-policy-frames", max(capacity, 1))
+            self._mmap = mmap.mmap(self.fd, max(capacity, 1))
+            arr = np.frombuffer(self._mmap, dtype=np.uint8, count=capacity)
+        else:
             arr = np.empty(capacity, dtype=np.uint8)
+        self.pinned = False
+        if pin and capacity:
             rc = page_lock(arr)
             if rc == 0:
-                self._registered = arr.ctypes.data
+                self._registered, self.pinned = arr.ctypes.data, True
+            elif shared:
+                log.warning("cudaHostRegister of %d shared bytes failed (cudaError %d); unpinned", capacity, rc)
             else:
                 log.warning(
                     "cudaHostRegister of %d bytes failed (cudaError %d); using torch pinned memory", capacity, rc
                 )
                 self._keep = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-                arr = self._keep.numpy()
-        else:
-            arr = np.empty(capacity, dtype=np.uint8)
+                arr, self.pinned = self._keep.numpy(), True
         self.array = arr
-        self.pinned = bool(pin and capacity)
 
     def close(self) -> None:
         if self._registered:
             page_unlock(self._registered)
             self._registered = 0
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self._mmap is not None:
+            self.array = np.empty(0, dtype=np.uint8)
+            with contextlib.suppress(BufferError):  # a view still alive: unmapped with it
+                self._mmap.close()
+            self._mmap = None
 
 
 class BufferPool:
     """Free host buffers for the next versions (the reuse rule: the module docstring). Thread-safe."""
 
-    def __init__(self, *, pin: bool = False):
-        self.pin = pin
+    def __init__(self, *, pin: bool = False, shared: bool = False):
+        self.pin, self.shared = pin, shared
         self._lock = threading.Lock()
         self._free: list[HostBuffer] = []
         self.allocated = 0  # buffers ever allocated (a steady trainer stops at keep_versions + 1)
@@ -186,7 +216,7 @@ class BufferPool:
                 self._free.remove(buf)
                 return buf
             self.allocated += 1
-        return HostBuffer(nbytes, pin=self.pin)
+        return HostBuffer(nbytes, pin=self.pin, shared=self.shared)
 
     def release(self, buf: HostBuffer) -> None:
         with self._lock:
@@ -210,13 +240,15 @@ class BufferPool:
 class FramedPolicy:
     """A manifest and its messages framed in `data` (the first `layout.size` bytes of a host buffer).
     `release` gives the buffer back to its pool; PolicyServer calls it once nothing reads the version.
-    `seconds`: where building it went (StagedPublish.run: layout, acquire, fill, manifest)."""
+    `seconds`: where building it went (StagedPublish.run: layout, acquire, fill, manifest). `host`:
+    the pooled buffer `data` lies in (None for a buffer of its own)."""
 
     manifest: manifest_pb2.Manifest
     layout: FrameLayout
     data: np.ndarray
     release: Callable[[], None] | None = None
     seconds: Mapping[str, float] = field(default_factory=dict)
+    host: HostBuffer | None = None
 
 
 def _flat(t):
@@ -393,7 +425,7 @@ class StagedPublish:
                 self.pool.release(buf)
 
         seconds = {"layout": t1 - t0, "acquire": t2 - t1, "fill": t3 - t2, "manifest": t4 - t3}
-        return FramedPolicy(manifest, layout, data, release, seconds)
+        return FramedPolicy(manifest, layout, data, release, seconds, host=buf)
 
 
 def stage(

@@ -41,6 +41,7 @@ from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer, PolicyRegistry
+from broker.server_process import PolicyServerProcess
 from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect
 from policy import manifest as mf
@@ -195,18 +196,20 @@ class Trainer:
         # The newest versions' packed tensors as their publish produced them, for the mismatch split's
         # log-probs under each sample's own version (trainer.versions: no fp32 copy, no re-quantization).
         self.versions = RetainedVersions(model_config, recipe.plan(model_config), keep=self.max_staleness)
-        self.server = PolicyServer(
-            PolicyServerConfig(
-                host=cfg.grpc_host,
-                port=cfg.grpc_port,
-                keep_versions=self.max_staleness + 2,
-                reflection=cfg.grpc_reflection,
-                tls=cfg.tls,
-                fetch_deadline_s=cfg.fetch_deadline_s,
-            )
+        server_config = PolicyServerConfig(
+            host=cfg.grpc_host,
+            port=cfg.grpc_port,
+            keep_versions=self.max_staleness + 2,
+            reflection=cfg.grpc_reflection,
+            tls=cfg.tls,
+            fetch_deadline_s=cfg.fetch_deadline_s,
         )
-        # Versions are framed into reusable page-locked host buffers and published off the step.
-        self.buffers = frames.BufferPool(pin=self.device.type == "cuda")
+        cuda = self.device.type == "cuda"
+        in_child = cuda if cfg.policy_server_process is None else cfg.policy_server_process
+        self.server = PolicyServerProcess(server_config, log=self.log) if in_child else PolicyServer(server_config)
+        # Versions are framed into reusable page-locked host buffers (shared memory that the server's
+        # process maps, when it has one) and published off the step.
+        self.buffers = frames.BufferPool(pin=cuda, shared=in_child)
         self.publisher = Publisher(log=self.log)
         self.health = HealthServer(
             port=cfg.health.port, service=TRAINER_HEALTH, host=cfg.health.host

@@ -44,6 +44,7 @@ def _config(tmp: Path, max_steps: int) -> Path:
             "checkpoint_every": 3,
             "keep_checkpoints": 2,
             "collect_timeout_s": 120.0,
+            "policy_server_process": True,  # the CUDA default, here on the CPU: serving from a child process
         },
         "rollout": {"fetch_timeout_s": 10.0},
     }
@@ -112,6 +113,8 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
         assert _value(fams, "tandem_trainer_step_seconds", "tandem_trainer_step_seconds_count") >= 1
         assert _value(fams, "tandem_trainer_step") >= 2 and _value(fams, "tandem_trainer_policy_version") >= 2
         assert "tandem_trainer_logp_abs_diff_quant_p95" in fams and "process_cpu_seconds" in fams
+        # The policy server's counters, from its own process (trainer.policy_server_process).
+        assert _value(fams, "tandem_policy_sent_bytes", "tandem_policy_sent_bytes_total") > 0
         for f in fams.values():
             if f.name.startswith("tandem_"):
                 assert f.documentation and f.documentation != f.name, f.name

@@ -1,0 +1,334 @@
+"""The trainer's PolicyServer in a process of its own, so that serving a version never competes with
+the training loop's Python.
+
+Why: the server's event-loop thread hands every 1 MiB chunk to gRPC (a `bytes` copy and gRPC's own,
+GIL held), thousands per version and worker, and every kernel launch of a training step gives the
+GIL up and takes it back. Measured on the H200 host (bench/bench_fetch_gil.py --serve, 16 cores):
+while the trainer's process served one 4.4 GB version to 2 workers, a stand-in for the training loop
+(CUDA kernel launches from Python) ran at 5% of its idle rate, and sys.setswitchinterval from 5 ms
+down to 0.1 ms only made that 6-8%; in the end-to-end run a trainer step took 0.9 s between
+fetches and 5-8 s during them.
+
+    pool = BufferPool(pin=True, shared=True)          # versions framed into shared memory
+    server = PolicyServerProcess(PolicyServerConfig(port=0), log=print)
+    port = server.start()
+    server.publish(framed)                            # a FramedPolicy from that pool (frames.stage(...).run())
+    server.versions(); server.stats(); server.stop()
+
+It offers what the trainer uses of PolicyServer (start, address, publish, versions, stats,
+prometheus_samples, stop). The child (`python -m broker.server_process FD`) runs the ordinary
+broker.policy_server.PolicyServer. A version's bytes are never copied: the trainer frames it into a
+pooled buffer that is an anonymous memfd (broker.frames.HostBuffer(shared=True)); the child maps
+each buffer once (its descriptor passed with SCM_RIGHTS) and serves the frames from the mapping. When
+the child's server has evicted a version and nothing reads it any more, the child says RELEASED and
+the buffer goes back to the trainer's pool (the rule of broker.frames, across the boundary).
+
+Nothing pickled crosses it (broker.ipc: length-prefixed "KIND payload" messages):
+    parent -> child   START {config json} | PUBLISH {json}\\n<serialized manifest> (+ the memfd when the
+                      child has not mapped that buffer yet) | VERSIONS | STATS | STOP
+    child -> parent   OK {json} | ERROR <Type> <one line>   (the replies, in order)
+                      RELEASED {"buffer": id}              (at any time)
+The child rebuilds the frame layout from the manifest (broker.frames.manifest_layout) and refuses a
+size that differs from the trainer's.
+
+Failure: a child that dies is replaced at once with one log line, on the same port, and given again
+every version whose buffer it had not released (the buffers are the trainer's, so nothing is lost);
+a worker's fetch in flight fails and is retried. A publish or query while no child runs starts one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from broker import ipc
+from broker.frames import FramedPolicy, manifest_layout
+from broker.policy_server import PolicyServer, PolicyServerConfig
+from broker.tls import ServerTLS
+from policy import manifest as mf
+
+MAX_MESSAGE = mf.MAX_MANIFEST_BYTES + (1 << 16)
+REPLY_TIMEOUT_S = 120.0  # a publish installs in the child's event loop (PolicyServer.publish: <= 30 s)
+
+
+def config_to_json(config: PolicyServerConfig) -> bytes:
+    return json.dumps(dataclasses.asdict(config)).encode()
+
+
+def config_from_json(raw: bytes) -> PolicyServerConfig:
+    d = json.loads(raw)
+    return PolicyServerConfig(**{**d, "tls": ServerTLS(**d["tls"])})
+
+
+class ServerProcessGone(OSError):
+    """The server process exited while a request was waiting for its reply."""
+
+
+class PolicyServerProcess:
+    """The trainer's handle on its policy-server process (module docstring). Thread-safe."""
+
+    def __init__(self, config: PolicyServerConfig, *, log: Callable[[str], None] = print):
+        self.config, self.log = config, log
+        self.restarts = 0  # children replaced after dying
+        self._port = config.port
+        self._lock = threading.RLock()  # one request at a time; (re)starting a child
+        self._held: dict[int, FramedPolicy] = {}  # buffer id -> the version in it, until RELEASED
+        self._held_lock = threading.Lock()
+        self._mapped: set[int] = set()  # buffer ids the current child has mapped
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._replies: queue.Queue = queue.Queue()
+        self._stopping = False
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self._port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> int:
+        """Start the child and its server; the bound port."""
+        with self._lock:
+            if self._proc is not None:
+                raise RuntimeError("PolicyServerProcess already started")
+            self._spawn()
+        return self._port
+
+    def publish(self, policy: FramedPolicy) -> bool:
+        """Publish a version framed in a shared pool buffer (True if new, False if this exact content was
+        already published; ValueError as PolicyServer.publish). Its buffer returns to its pool once the
+        child has evicted the version and nothing reads it."""
+        host = policy.host if isinstance(policy, FramedPolicy) else None
+        if host is None or host.fd < 0:
+            raise TypeError(
+                "PolicyServerProcess.publish takes a FramedPolicy framed in a shared pool buffer "
+                "(broker.frames.BufferPool(shared=True))"
+            )
+        with self._lock:
+            self._ensure_child()
+            return self._publish(policy)
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            self._ensure_child()
+            return list(self._request("VERSIONS")["versions"])
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            self._ensure_child()
+            return dict(self._request("STATS"))
+
+    prometheus_samples = PolicyServer.prometheus_samples  # (kind, name, help, value) of stats()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            proc, conn = self._proc, self._conn
+            if proc is None:
+                return
+            try:
+                ipc.send(conn, "STOP")
+                proc.wait(timeout=self.config.stop_grace_s + 10)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+            conn.close()
+            with self._held_lock:
+                held, self._held = list(self._held.values()), {}
+        for p in held:  # the buffers go back to the pool, which its owner closes
+            if p.release is not None:
+                p.release()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        """A new child serving on self._port (0: a free one, then kept for restarts). Caller holds _lock."""
+        ours, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "broker.server_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+            )
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        self._proc, self._conn, self._mapped, self._replies = proc, conn, set(), queue.Queue()
+        threading.Thread(
+            target=self._read, args=(proc, conn, self._replies), name="policy-server-ipc", daemon=True
+        ).start()
+        ipc.send(conn, "START", config_to_json(dataclasses.replace(self.config, port=self._port)))
+        self._port = self._reply("START")["port"]
+
+    def _ensure_child(self) -> None:
+        """A child that died is replaced, with the versions it held. Caller holds _lock."""
+        if self._stopping:
+            raise RuntimeError("PolicyServerProcess stopped")
+        if self._proc is None:
+            raise RuntimeError("PolicyServerProcess: start() it first")
+        rc = self._proc.poll()
+        if rc is None:
+            return
+        old = self._proc.pid
+        self._conn.close()
+        self._spawn()
+        with self._held_lock:
+            again = sorted(self._held.values(), key=lambda p: p.manifest.version)
+        for p in again:
+            self._publish(p)
+        self.restarts += 1
+        self.log(
+            f"policy server process {old} exited ({rc}): started a new one (pid {self._proc.pid}) on port "
+            f"{self._port} with versions {[p.manifest.version for p in again]}"
+        )
+
+    def _publish(self, policy: FramedPolicy) -> bool:
+        host = policy.host
+        new = host.id not in self._mapped
+        with self._held_lock:
+            self._held[host.id] = policy  # before the child can say RELEASED
+        meta = {"buffer": host.id, "capacity": host.capacity, "size": policy.layout.size, "new": new}
+        ipc.send(self._conn, "PUBLISH", json.dumps(meta).encode() + b"\n" + mf.manifest_to_bytes(policy.manifest))
+        if new:
+            ipc.send_fd(self._conn, host.fd)
+            self._mapped.add(host.id)
+        return bool(self._reply("PUBLISH")["installed"])
+
+    def _request(self, kind: str) -> dict:
+        ipc.send(self._conn, kind)
+        return self._reply(kind)
+
+    def _reply(self, what: str) -> dict:
+        try:
+            kind, payload = self._replies.get(timeout=REPLY_TIMEOUT_S)
+        except queue.Empty:
+            raise TimeoutError(f"policy server process: no reply to {what} in {REPLY_TIMEOUT_S:.0f} s") from None
+        if kind == "OK":
+            return json.loads(payload)
+        if kind == "GONE":
+            raise ServerProcessGone(f"policy server process {self.pid} exited during {what}")
+        name, _, text = payload.decode("utf-8", "replace").partition(" ")
+        raise (ValueError if name == "ValueError" else RuntimeError)(text)
+
+    def _read(self, proc: subprocess.Popen, conn: Connection, replies: queue.Queue) -> None:
+        """The child's messages: RELEASED handled here, replies queued; GONE when it ends. A child that
+        died while serving (not stopped) is replaced at once."""
+        while True:
+            try:
+                kind, payload = ipc.recv(conn, MAX_MESSAGE)
+            except (EOFError, OSError):
+                break
+            if kind == "RELEASED":
+                with self._held_lock:
+                    p = self._held.pop(json.loads(payload)["buffer"], None)
+                if p is not None and p.release is not None:
+                    p.release()
+            else:
+                replies.put((kind, payload))
+        replies.put(("GONE", b""))
+        if not self._stopping:
+            threading.Thread(target=self._replace, args=(proc,), daemon=True).start()
+
+    def _replace(self, proc: subprocess.Popen) -> None:
+        proc.wait()
+        with self._lock:
+            if self._stopping or proc is not self._proc:
+                return
+            try:
+                self._ensure_child()
+            except Exception as e:  # the next publish or query tries again
+                self.log(f"policy server process: could not start a new one: {type(e).__name__}: {e}")
+
+
+# -- the child ----------------------------------------------------------------------------------------
+
+
+def _child(conn: Connection) -> int:
+    send_lock = threading.Lock()
+
+    def send(kind: str, payload: bytes = b"") -> None:
+        with send_lock:  # the server's threads say RELEASED while the main thread replies
+            ipc.send(conn, kind, payload)
+
+    def error(e: BaseException) -> bytes:
+        return f"{'ValueError' if isinstance(e, ValueError) else 'RuntimeError'} {ipc.one_line(f'{e}')}".encode()
+
+    kind, payload = ipc.recv(conn, MAX_MESSAGE)
+    try:
+        if kind != "START":
+            raise ValueError(f"expected START, got {kind!r}")
+        server = PolicyServer(config_from_json(payload))
+        port = server.start()
+    except Exception as e:
+        send("ERROR", error(e))
+        return 1
+    send("OK", json.dumps({"port": port}).encode())
+    maps: dict[int, mmap.mmap] = {}
+    try:
+        while True:
+            try:
+                kind, payload = ipc.recv(conn, MAX_MESSAGE)
+            except (EOFError, OSError):
+                return 0  # the trainer is gone
+            try:
+                if kind == "PUBLISH":
+                    head, _, raw = payload.partition(b"\n")
+                    meta = json.loads(head)
+                    buffer = int(meta["buffer"])
+                    if meta["new"]:
+                        fd = ipc.recv_fd(conn, "PUBLISH")
+                        try:
+                            maps[buffer] = mmap.mmap(fd, max(1, int(meta["capacity"])))
+                        finally:
+                            os.close(fd)
+                    manifest = mf.manifest_from_bytes(raw)
+                    layout = manifest_layout(manifest)
+                    if layout.size != meta["size"] or buffer not in maps or layout.size > len(maps[buffer]):
+                        raise ValueError(
+                            f"version {manifest.version}: frames of {meta['size']} bytes in buffer {buffer}, "
+                            f"the manifest lays out {layout.size}"
+                        )
+                    data = np.frombuffer(maps[buffer], dtype=np.uint8, count=layout.size)
+                    released = json.dumps({"buffer": buffer}).encode()
+                    framed = FramedPolicy(manifest, layout, data, release=lambda r=released: send("RELEASED", r))
+                    send("OK", json.dumps({"installed": server.publish(framed)}).encode())
+                elif kind == "VERSIONS":
+                    send("OK", json.dumps({"versions": server.versions()}).encode())
+                elif kind == "STATS":
+                    send("OK", json.dumps(server.stats()).encode())
+                elif kind == "STOP":
+                    return 0
+                else:
+                    raise ValueError(f"unknown message {kind!r}")
+            except Exception as e:
+                send("ERROR", error(e))
+    finally:
+        server.stop()
+
+
+def main(argv: list[str]) -> int:
+    # The child lives as long as its parent's end of the socket: ^C and SIGTERM are the trainer's,
+    # which stops it (STOP) or, gone, closes the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return _child(Connection(int(argv[0])))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,133 @@
+"""The policy server in a child process (broker/server_process.py): versions framed into shared pool
+buffers are served from the child's mapping bit for bit, buffers come back to the trainer's pool after
+eviction, bad publishes are refused as in-process, and a killed child is replaced on the same port
+with the versions it held (real processes, real gRPC on loopback)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from mixed_formats import mixed_tensors  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
+from test_publish_frames import CFG, CONTRACT, assert_bitwise_equal, client, framed
+
+from broker import frames
+from broker.policy_server import PolicyServerConfig
+from broker.server_process import PolicyServerProcess
+from policy import manifest as M
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return mixed_tensors(CFG, 0)
+
+
+@pytest.fixture
+def pool():
+    p = frames.BufferPool(shared=True)
+    yield p
+    p.close()
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_served_from_the_childs_mapping_and_buffers_come_back(tensors, pool):
+    """keep_versions=2: versions cycle through 3 shared buffers, each fetched bitwise from the child;
+    the frame layout the child rebuilds from the manifest is the publish's."""
+    other = mixed_tensors(CFG, 1)
+    lines = []
+    server = PolicyServerProcess(PolicyServerConfig(keep_versions=2), log=lines.append)
+    server.start()
+    try:
+        with client(server) as c:
+            for v in range(1, 6):
+                want = tensors if v % 2 else other
+                f = framed(v, want, pool)
+                assert f.host is not None and f.host.fd >= 0
+                assert frames.manifest_layout(f.manifest) == f.layout
+                assert server.publish(f) is True
+                assert_bitwise_equal(c.fetch(v).tensors, want)
+                assert server.versions() == list(range(max(1, v - 1), v + 1))
+            wait_for(lambda: pool.free_buffers() == 1)  # RELEASED crosses asynchronously
+            assert pool.allocated == 3
+            assert server.publish(framed(5, tensors, pool)) is False  # the same content: its buffer comes back
+            wait_for(lambda: pool.free_buffers() == 1)
+            assert pool.allocated == 3
+    finally:
+        server.stop()
+    assert lines == []
+
+
+def test_refusals_as_in_process(tensors, pool):
+    server = PolicyServerProcess(PolicyServerConfig(keep_versions=2), log=print)
+    server.start()
+    try:
+        assert server.publish(framed(1, tensors, pool)) is True
+        assert server.publish(framed(1, tensors, pool)) is False  # the same content: a no-op
+        with pytest.raises(ValueError, match="different content"):
+            server.publish(framed(1, mixed_tensors(CFG, 1), pool))
+        assert server.publish(framed(3, tensors, pool)) is True
+        with pytest.raises(ValueError, match="not newer"):
+            server.publish(framed(2, tensors, pool))
+        private = framed(4, tensors, frames.BufferPool())  # not shared memory: the child cannot map it
+        with pytest.raises(TypeError, match="shared pool buffer"):
+            server.publish(private)
+        packed = M.build_manifest(version=4, parent_version=3, contract=CONTRACT, tensors=tensors)
+        with pytest.raises(TypeError):
+            server.publish(packed)
+        assert server.versions() == [1, 3]
+        wait_for(lambda: pool.free_buffers() == 1)  # the refused ones came straight back: 3 buffers in all
+        assert pool.allocated == 3
+        stats = server.stats()
+        assert stats["active_fetches"] == 0
+        names = [s[1] for s in server.prometheus_samples()]
+        assert "tandem_policy_sent_bytes_total" in names
+    finally:
+        server.stop()
+
+
+def test_killed_child_is_replaced_on_the_same_port_with_its_versions(tensors, pool):
+    lines = []
+    server = PolicyServerProcess(PolicyServerConfig(keep_versions=2), log=lines.append)
+    port = server.start()
+    try:
+        for v in (1, 2, 3):
+            server.publish(framed(v, tensors, pool))
+        wait_for(lambda: pool.free_buffers() == 1)  # v1 evicted and released
+        old = server.pid
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: server.restarts == 1 and server.pid != old)
+        assert server.port == port
+        with client(server) as c:
+            assert_bitwise_equal(c.fetch(3).tensors, tensors)
+            assert_bitwise_equal(c.fetch(2).tensors, tensors)
+        assert server.versions() == [2, 3]
+        assert len(lines) == 1 and f"policy server process {old} exited" in lines[0] and "[2, 3]" in lines[0]
+        server.publish(framed(4, tensors, pool))  # the new child maps the buffers it is sent
+        with client(server) as c:
+            assert_bitwise_equal(c.fetch(4).tensors, tensors)
+    finally:
+        server.stop()
+
+
+def test_a_request_while_the_child_dies_fails_with_one_error(tensors, pool):
+    server = PolicyServerProcess(PolicyServerConfig(keep_versions=2), log=lambda s: None)
+    server.start()
+    try:
+        with server._lock:  # no replacement before the request has failed
+            os.kill(server.pid, signal.SIGKILL)
+            with pytest.raises(OSError):  # ServerProcessGone, or the send's broken pipe
+                server._request("VERSIONS")
+        wait_for(lambda: server.restarts == 1)
+        assert server.versions() == []
+    finally:
+        server.stop()
