@@ -48,6 +48,7 @@ def test_demo_config_loads_and_overrides_apply():
         ("trainer.device=gpu", r"device='gpu' \(cpu, cuda or cuda:N\)"),
         ("rollout.metrics_port=70000", "metrics_port=70000"),
         ("rollout.fetch_process=1", r"fetch_process"),
+        ("trainer.mps_thread_percentage=101", r"mps_thread_percentage=101 \(an int in \[0, 100\]"),
         ("trainer.policy_server_process=2", r"policy_server_process=2 \(want true, false or null\)"),
     ],
 )
