@@ -45,6 +45,11 @@ class TrainerConfig:
     memory_fraction: float = 0.0
     """CUDA only: the share of the GPU's memory this process may allocate (torch's caching allocator,
     `torch.cuda.set_per_process_memory_fraction`), for processes sharing one GPU; 0 = no cap."""
+    mps_thread_percentage: int = 0
+    """Under NVIDIA MPS (processes sharing one GPU's SMs at once; bench/run_e2e_device.sh starts a
+    daemon): the share of the SMs the trainer's kernels may occupy, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+    set before the trainer's CUDA context exists, so that rollout workers' small decode kernels do
+    not queue behind its GEMMs. 0 = no limit; without an MPS daemon it has no effect."""
     backend: str = "torch"
     """Trainer model implementation: "torch" (policy.model.Transformer) or "megatron" (a megatron-core
     GPTModel of the same architecture, trainer/megatron_backend.py; needs device "cuda" and the
@@ -157,6 +162,12 @@ class TrainerConfig:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} (want host:port)")
             elif self.grpc_port == 0:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} needs a fixed grpc_port (it is 0: a free port)")
+        if (
+            isinstance(self.mps_thread_percentage, bool)
+            or not isinstance(self.mps_thread_percentage, int)
+            or not (0 <= self.mps_thread_percentage <= 100)
+        ):
+            errors.append(f"mps_thread_percentage={self.mps_thread_percentage!r} (an int in [0, 100]; 0 = no limit)")
         if self.policy_server_process is not None and not isinstance(self.policy_server_process, bool):
             errors.append(f"policy_server_process={self.policy_server_process!r} (want true, false or null)")
         if not self.fetch_deadline_s > 0:

@@ -167,6 +167,8 @@ class Trainer:
             # every batch, and without expandable segments the e2e run's trainer died at its memory cap with
             # 12 GB reserved but unusable (docs/benchmarks.md). A user's own setting wins.
             os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+            if cfg.mps_thread_percentage:  # read when the CUDA context is created (the first kernel)
+                os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cfg.mps_thread_percentage)
         if self.device.type == "cuda" and cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
             torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device.index or 0)
         # The model, its optimizer and QAT (trainer/backends.py): fp32 master weights and AdamW state,

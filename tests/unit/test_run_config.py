@@ -50,6 +50,7 @@ def test_demo_config_loads_and_overrides_apply():
         ("rollout.fetch_process=1", r"fetch_process"),
         ("rollout.fetch_processes=0", r"fetch_processes=0 \(need an int in \[1, 16\]\)"),
         ("rollout.fetch_processes=true", r"rollout.fetch_processes: expected int"),
+        ("trainer.mps_thread_percentage=101", r"mps_thread_percentage=101 \(an int in \[0, 100\]"),
         ("trainer.policy_server_process=2", r"policy_server_process=2 \(want true, false or null\)"),
     ],
 )
