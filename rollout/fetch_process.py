@@ -64,6 +64,7 @@ from multiprocessing.connection import Connection, wait
 import grpc
 import numpy as np
 
+from broker import ipc
 from broker.policy_client import (
     ChecksumMismatch,
     FetchCancel,
@@ -137,16 +138,16 @@ _ERROR_TYPES = {
 def error_line(e: BaseException) -> str:
     """`e` as one line "<Type> <text>" (Type: one of _ERROR_TYPES or RpcError <CODE>)."""
     if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
-        return f"RpcError {e.code().name} {_one_line(e.details() or '')}"
+        return f"RpcError {e.code().name} {ipc.one_line(e.details() or '')}"
     if isinstance(e, FingerprintMismatch):
         return f"FingerprintMismatch {e.expected} {e.got} {e.version}"
     for name, t in _ERROR_TYPES.items():
         if type(e) is t:
-            return f"{name} {_one_line(str(e))}"
+            return f"{name} {ipc.one_line(str(e))}"
     for name in ("ChecksumMismatch", "ValueError", "OSError"):  # subclasses
         if isinstance(e, _ERROR_TYPES[name]):
-            return f"{name} {_one_line(f'{type(e).__name__}: {e}')}"
-    return f"RuntimeError {_one_line(f'{type(e).__name__}: {e}')}"
+            return f"{name} {ipc.one_line(f'{type(e).__name__}: {e}')}"
+    return f"RuntimeError {ipc.one_line(f'{type(e).__name__}: {e}')}"
 
 
 def error_from_line(line: str) -> BaseException:
@@ -162,39 +163,12 @@ def error_from_line(line: str) -> BaseException:
     return _ERROR_TYPES.get(kind, RuntimeError)(text)
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:500]
-
-
 def _send(conn: Connection, kind: str, payload: bytes = b"") -> None:
-    conn.send_bytes(kind.encode() + b" " + payload)
+    ipc.send(conn, kind, payload)
 
 
 def _recv(conn: Connection) -> tuple[str, bytes]:
-    kind, _, payload = conn.recv_bytes(MAX_MESSAGE).partition(b" ")
-    return kind.decode("ascii", "replace"), payload
-
-
-def _send_fd(conn: Connection, fd: int) -> None:
-    """A file descriptor to the peer (SCM_RIGHTS, one marker byte), right after a message."""
-    sock = socket.socket(fileno=conn.fileno())
-    try:
-        socket.send_fds(sock, [b"F"], [fd])
-    finally:
-        sock.detach()  # the fd stays the Connection's
-
-
-def _recv_fd(conn: Connection) -> int:
-    sock = socket.socket(fileno=conn.fileno())
-    try:
-        marker, fds, _, _ = socket.recv_fds(sock, 1, 1)
-    finally:
-        sock.detach()
-    if marker != b"F" or len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        raise ValueError(f"expected one file descriptor after SLAB, got {len(fds)} and {marker!r}")
-    return fds[0]
+    return ipc.recv(conn, MAX_MESSAGE)
 
 
 # -- the parent side ------------------------------------------------------------------------------
@@ -211,12 +185,8 @@ class SharedSlab(ReceiveBuffers):
         self._mmap: mmap.mmap | None = None
 
     def _allocate(self, nbytes: int) -> np.ndarray:
-        fd = os.memfd_create("tandem-fetch-slab", os.MFD_CLOEXEC)
+        fd = ipc.memfd("tandem-fetch-slab", nbytes)  # no room fails here, not with SIGBUS mid-fetch
         try:
-            try:  # reserve the pages now: no room fails here, not with SIGBUS mid-fetch
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as e:
-                raise OSError(f"cannot reserve {nbytes} bytes of shared memory: {e.strerror}") from None
             mm = mmap.mmap(fd, nbytes)
         except BaseException:
             os.close(fd)
@@ -265,7 +235,7 @@ class _Child:
         try:
             _send(self.conn, kind, payload)
             if fd >= 0:
-                _send_fd(self.conn, fd)
+                ipc.send_fd(self.conn, fd)
         except OSError:
             pass
 
@@ -567,7 +537,7 @@ def main(argv: list[str]) -> int:
             try:
                 job = _Job(FetchRequest.from_bytes(payload), lead=kind == "FETCH")
             except (ValueError, TypeError, KeyError) as e:
-                _send(conn, "ERROR", f"ValueError bad fetch request: {_one_line(str(e))}".encode())
+                _send(conn, "ERROR", f"ValueError bad fetch request: {ipc.one_line(str(e))}".encode())
                 continue
             threading.Thread(target=_run_job, args=(conn, job, state), name="fetch", daemon=True).start()
         elif kind == "MANIFEST" and job is not None:
@@ -576,7 +546,7 @@ def main(argv: list[str]) -> int:
             slab = json.loads(payload)
             if slab["new"]:  # mapped here, at once: a descriptor never waits in a queue
                 state["slab"] = None  # the previous mapping goes
-                state["slab"] = _MappedSlab(_recv_fd(conn), slab["nbytes"])
+                state["slab"] = _MappedSlab(ipc.recv_fd(conn, "SLAB"), slab["nbytes"])
             job.inbox.put((kind, slab["names"]))
         elif kind == "CANCEL" and job is not None:
             job.cancel.cancel()
