@@ -2,8 +2,8 @@
 in training (grad on) as at evaluation: SDPA's default backend against its math kernel in fp32 on the
 same bf16 inputs, at Qwen3-30B-A3B's attention widths (32 query / 4 KV heads of 128), right-padded
 rows of unequal length, the mask `Transformer.forward` builds (`causal_mask`). Each backend's error
-is printed (`-s`; on the H200 with torch 2.11 cuDNN's refuses this mask, so the default is the
-memory-efficient kernel). And the whole model: token log-probs with grad on equal those
+is printed (`-s`; on the H200 with torch 2.11 the default is cuDNN's kernel: max error 0.0093 vs
+0.0078 for the math kernel in bf16; the memory-efficient kernel takes no GQA with this mask). And the whole model: token log-probs with grad on equal those
 under no_grad, and a change to a later token leaves earlier log-probs alone (no look-ahead).
 Runs on the device machine only (bench/run_e2e_device.sh, bench/run_trainer_device.sh)."""
 
