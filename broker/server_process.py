@@ -92,13 +92,8 @@ class PolicyServerProcess:
         self._replies: queue.Queue = queue.Queue()
         self._stopping = False
 
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
-    def address(self) -> str:
-        return f"{self.config.host}:{self._port}"
+    port = PolicyServer.port  # self._port: the bound port, kept for restarts
+    address = PolicyServer.address  # "host:port"
 
     @property
     def pid(self) -> int | None:
