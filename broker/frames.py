@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import mmap
 import os
 import struct
 import threading
@@ -165,8 +164,7 @@ class HostBuffer:
         self._registered = 0
         self._keep = self._mmap = None
         if shared:
-            self.fd = ipc.memfd("tandem-policy-frames", max(capacity, 1))
-            self._mmap = mmap.mmap(self.fd, max(capacity, 1))
+            self.fd, self._mmap = ipc.shared_memory("tandem-policy-frames", max(capacity, 1))
             arr = np.frombuffer(self._mmap, dtype=np.uint8, count=capacity)
         else:
             arr = np.empty(capacity, dtype=np.uint8)
@@ -194,8 +192,7 @@ class HostBuffer:
             self.fd = -1
         if self._mmap is not None:
             self.array = np.empty(0, dtype=np.uint8)
-            with contextlib.suppress(BufferError):  # a view still alive: unmapped with it
-                self._mmap.close()
+            ipc.unmap(self._mmap)
             self._mmap = None
 
 

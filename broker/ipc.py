@@ -8,9 +8,23 @@ message as SCM_RIGHTS with one marker byte. Used by the trainer's policy-server 
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import socket
+import subprocess
+import sys
 from multiprocessing.connection import Connection
+
+
+def spawn(module: str) -> tuple[subprocess.Popen, Connection]:
+    """`python -m module FD`, FD its end of a new socketpair: the child process and our end."""
+    ours, theirs = socket.socketpair()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", module, str(theirs.fileno())], pass_fds=(theirs.fileno(),))
+    finally:
+        theirs.close()
+    return proc, Connection(ours.detach())
 
 
 def one_line(text: str) -> str:
@@ -62,3 +76,27 @@ def memfd(name: str, nbytes: int) -> int:
         os.close(fd)
         raise OSError(f"cannot reserve {nbytes} bytes of shared memory: {e.strerror}") from None
     return fd
+
+
+def shared_memory(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
+    """A `memfd` of `nbytes` mapped here: (its descriptor, to send to a peer; the mapping)."""
+    fd = memfd(name, nbytes)
+    try:
+        return fd, mmap.mmap(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_fd(fd: int, nbytes: int) -> mmap.mmap:
+    """A descriptor received from the peer (`recv_fd`), mapped; the descriptor itself is closed."""
+    try:
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def unmap(mapping: mmap.mmap) -> None:
+    """Close a mapping, unless arrays still alias it: it then goes with the last of them."""
+    with contextlib.suppress(BufferError):
+        mapping.close()

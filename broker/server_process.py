@@ -41,10 +41,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import mmap
-import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -156,14 +154,7 @@ class PolicyServerProcess:
 
     def _spawn(self) -> None:
         """A new child serving on self._port (0: a free one, then kept for restarts). Caller holds _lock."""
-        ours, theirs = socket.socketpair()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "broker.server_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),)
-            )
-        finally:
-            theirs.close()
-        conn = Connection(ours.detach())
+        proc, conn = ipc.spawn("broker.server_process")
         self._proc, self._conn, self._mapped, self._replies = proc, conn, set(), queue.Queue()
         threading.Thread(
             target=self._read, args=(proc, conn, self._replies), name="policy-server-ipc", daemon=True
@@ -287,11 +278,7 @@ def _child(conn: Connection) -> int:
                     meta = json.loads(head)
                     buffer = int(meta["buffer"])
                     if meta["new"]:
-                        fd = ipc.recv_fd(conn, "PUBLISH")
-                        try:
-                            maps[buffer] = mmap.mmap(fd, max(1, int(meta["capacity"])))
-                        finally:
-                            os.close(fd)
+                        maps[buffer] = ipc.map_fd(ipc.recv_fd(conn, "PUBLISH"), max(1, int(meta["capacity"])))
                     manifest = mf.manifest_from_bytes(raw)
                     layout = manifest_layout(manifest)
                     if layout.size != meta["size"] or buffer not in maps or layout.size > len(maps[buffer]):

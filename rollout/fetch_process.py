@@ -52,7 +52,6 @@ import mmap
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -185,14 +184,10 @@ class SharedSlab(ReceiveBuffers):
         self._mmap: mmap.mmap | None = None
 
     def _allocate(self, nbytes: int) -> np.ndarray:
-        fd = ipc.memfd("tandem-fetch-slab", nbytes)  # no room fails here, not with SIGBUS mid-fetch
-        try:
-            mm = mmap.mmap(fd, nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        self.fd, self.nbytes, self._mmap = fd, nbytes, mm
-        return np.frombuffer(mm, dtype=np.uint8)
+        # no room fails here (ipc.memfd reserves the pages), not with SIGBUS mid-fetch
+        self.fd, self._mmap = ipc.shared_memory("tandem-fetch-slab", nbytes)
+        self.nbytes = nbytes
+        return np.frombuffer(self._mmap, dtype=np.uint8)
 
     def release_fd(self) -> None:
         if self.fd >= 0:
@@ -203,10 +198,7 @@ class SharedSlab(ReceiveBuffers):
         super().close()
         self.release_fd()
         if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # tensors still alias it (a CPU model's weights): freed with them
-                pass
+            ipc.unmap(self._mmap)  # tensors may still alias it (a CPU model's weights): freed with them
             self._mmap = None
 
 
@@ -215,14 +207,7 @@ class _Child:
     socket, and which slab it has mapped (the SharedSlab's `allocations` count then; 0: none)."""
 
     def __init__(self) -> None:
-        ours, theirs = socket.socketpair()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rollout.fetch_process", str(theirs.fileno())], pass_fds=(theirs.fileno(),)
-            )
-        finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
+        self.proc, self.conn = ipc.spawn("rollout.fetch_process")
         self.slab = 0
 
     @property
@@ -459,10 +444,7 @@ class _MappedSlab(ReceiveBuffers):
     def __init__(self, fd: int, nbytes: int):
         super().__init__()
         self.layout: dict[str, int] = {}
-        try:
-            self._mmap = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+        self._mmap = ipc.map_fd(fd, nbytes)
 
     def views(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
         whole = super().views(self.layout or sizes)
