@@ -3,7 +3,8 @@
 Each message is one length-prefixed frame (`multiprocessing.connection.Connection.send_bytes`) holding
 "KIND payload" (KIND ascii, one space, the payload bytes); a file descriptor travels right after a
 message as SCM_RIGHTS with one marker byte. Used by the trainer's policy-server process
-(broker/server_process.py) and the rollout worker's fetch process (rollout/fetch_process.py).
+(broker/server_process.py) and the rollout worker's fetch process (rollout/fetch_process.py), with
+the child's start (`spawn`) and the shared memory both sides map (`memfd`, `shared_memory`, `map_fd`).
 """
 
 from __future__ import annotations

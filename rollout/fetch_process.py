@@ -362,10 +362,7 @@ class FetchProcess:
 
     def _accept_manifest(self, raw: bytes, request: FetchRequest, check):
         """The manifest verified again here, checked, and its tensors' layouts, laid out in the slab."""
-        manifest = mf.manifest_from_bytes(raw)
-        if manifest.version != request.version:
-            raise ValueError(f"asked for version {request.version}, the fetch process got {manifest.version}")
-        mf.check_fingerprint(manifest, request.fingerprint)
+        manifest = verified_manifest(raw, request, "the fetch process got")
         if check is not None:
             check(manifest)
         layouts = whole_layouts(manifest)
@@ -410,6 +407,16 @@ class FetchProcess:
         if time.monotonic() > limit:
             raise _ChildGone([(c, "stopped answering") for c in running])
         return None
+
+
+def verified_manifest(raw: bytes, request: FetchRequest, source: str) -> mf.pb.Manifest:
+    """A serialized manifest parsed and verified (manifest_from_bytes), of the version asked for
+    (ValueError naming `source` otherwise) and with the request's fingerprint (FingerprintMismatch)."""
+    manifest = mf.manifest_from_bytes(raw)
+    if manifest.version != request.version:
+        raise ValueError(f"asked for version {request.version}, {source} {manifest.version}")
+    mf.check_fingerprint(manifest, request.fingerprint)
+    return manifest
 
 
 def whole_layouts(manifest) -> dict[str, mf.TensorLayout]:
@@ -490,10 +497,7 @@ def _fetch(conn: Connection, job: _Job, state: dict) -> FetchStats:
             kind, raw = job.inbox.get()
             if kind != "MANIFEST":
                 raise cancelled
-            manifest = mf.manifest_from_bytes(raw)
-            if manifest.version != req.version:
-                raise ValueError(f"asked for version {req.version}, the parent sent {manifest.version}")
-            mf.check_fingerprint(manifest, req.fingerprint)
+            manifest = verified_manifest(raw, req, "the parent sent")
         kind, names = job.inbox.get()
         if kind != "SLAB":  # the main thread mapped a new slab into state["slab"] first
             raise cancelled
