@@ -29,7 +29,7 @@ Nothing pickled crosses it (broker.ipc: length-prefixed "KIND payload" messages)
     child -> parent   OK {json} | ERROR <Type> <one line>   (the replies, in order)
                       RELEASED {"buffer": id}              (at any time)
 The child rebuilds the frame layout from the manifest (broker.frames.manifest_layout) and refuses a
-size that differs from the trainer's.
+size that differs from the trainer's; a publish it refuses before its server saw it is RELEASED at once.
 
 Failure: a child that dies is replaced at once with one log line, on the same port, and given again
 every version whose buffer it had not released (the buffers are the trainer's, so nothing is lost);
@@ -277,17 +277,22 @@ def _child(conn: Connection) -> int:
                     head, _, raw = payload.partition(b"\n")
                     meta = json.loads(head)
                     buffer = int(meta["buffer"])
-                    if meta["new"]:
-                        maps[buffer] = ipc.map_fd(ipc.recv_fd(conn, "PUBLISH"), max(1, int(meta["capacity"])))
-                    manifest = mf.manifest_from_bytes(raw)
-                    layout = manifest_layout(manifest)
-                    if layout.size != meta["size"] or buffer not in maps or layout.size > len(maps[buffer]):
-                        raise ValueError(
-                            f"version {manifest.version}: frames of {meta['size']} bytes in buffer {buffer}, "
-                            f"the manifest lays out {layout.size}"
-                        )
-                    data = np.frombuffer(maps[buffer], dtype=np.uint8, count=layout.size)
                     released = json.dumps({"buffer": buffer}).encode()
+                    fd = ipc.recv_fd(conn, "PUBLISH") if meta["new"] else -1
+                    try:
+                        if fd >= 0:
+                            maps[buffer] = ipc.map_fd(fd, max(1, int(meta["capacity"])))
+                        manifest = mf.manifest_from_bytes(raw)
+                        layout = manifest_layout(manifest)
+                        if layout.size != meta["size"] or buffer not in maps or layout.size > len(maps[buffer]):
+                            raise ValueError(
+                                f"version {manifest.version}: frames of {meta['size']} bytes in buffer {buffer}, "
+                                f"the manifest lays out {layout.size}"
+                            )
+                    except Exception:
+                        send("RELEASED", released)  # never handed to the server: the trainer's pool takes it back
+                        raise
+                    data = np.frombuffer(maps[buffer], dtype=np.uint8, count=layout.size)
                     framed = FramedPolicy(manifest, layout, data, release=lambda r=released: send("RELEASED", r))
                     send("OK", json.dumps({"installed": server.publish(framed)}).encode())
                 elif kind == "VERSIONS":

@@ -5,6 +5,7 @@ with the versions it held (real processes, real gRPC on loopback)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -84,6 +85,11 @@ def test_refusals_as_in_process(tensors, pool):
         packed = M.build_manifest(version=4, parent_version=3, contract=CONTRACT, tensors=tensors)
         with pytest.raises(TypeError):
             server.publish(packed)
+        # Frames whose size is not what the manifest lays out: refused by the child, nothing installed.
+        bad = framed(4, tensors, pool)
+        bad = dataclasses.replace(bad, layout=dataclasses.replace(bad.layout, size=bad.layout.size - 1))
+        with pytest.raises(ValueError, match="the manifest lays out"):
+            server.publish(bad)
         assert server.versions() == [1, 3]
         wait_for(lambda: pool.free_buffers() == 1)  # the refused ones came straight back: 3 buffers in all
         assert pool.allocated == 3
