@@ -429,7 +429,7 @@ def report(results: dict) -> None:
                 for B in (16, 64):
                     s = tok(q, B, 1.0) / tok("bf16", B, 1.0)
                     if not math.isnan(s):
-                        print(f"  {q} vs bf16 at B={B}, T=1: {s:.2f}x (>= 2.0) -> {'met' if s >= 2.0 else 'missed'}")
+                        print(f"  {q} vs bf16 at B={B}, T=1: {s:.3f}x (>= 2.0) -> {'met' if s >= 2.0 else 'missed'}")
     for name, r in by.items():
         d64 = [d for d in r["decode"] if d["batch"] == 64 and d["temperature"] == 1.0]
         if d64:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from policy.export import EXPORT_FORMATS
@@ -83,10 +84,10 @@ def main(args) -> int:
             raise ValueError(f"{args.source!r} is neither a run folder nor a host:port address")
         summary = export_policy(out, cfg, tensors, args.format, recipe=recipe, fingerprint=fingerprint, version=version)
     except (ValueError, OSError, KeyError) as e:
-        print(f"tandem export: {e}")
+        print(f"tandem export: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        print(f"tandem export: {args.source}: {e.code().name}: {e.details()}")
+        print(f"tandem export: {args.source}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2
     print(
         f"exported version {version} ({recipe}, contract {fingerprint[:12]}) as {args.format} to {out}: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def main(args) -> int:
         cfg, _ = read_shapes(path)  # config.json + headers: every name and shape checked, no weight read
         recipe, plan = make_plan(args.recipe, cfg)
     except ValueError as e:
-        print(f"tandem import-hf: {e}")
+        print(f"tandem import-hf: {e}", file=sys.stderr)
         return 2
     by_format: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for e in plan.params:

@@ -60,11 +60,16 @@ def test_export_from_a_policy_server(tmp_path, server):
 
     # bad input: one line, exit 2, no traceback
     r = tandem("export", server.address, "--version", "9", "--format", "hf", "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr and r.stdout.startswith("tandem export:")
+    assert (
+        r.returncode == 2
+        and "Traceback" not in r.stdout + r.stderr
+        and r.stderr.startswith("tandem export:")
+        and r.stdout == ""
+    )
     r = tandem("export", server.address, "--format", "nvfp4", "--out", str(tmp_path / "y"))
-    assert r.returncode == 2 and "has no nvfp4 weights" in r.stdout
+    assert r.returncode == 2 and "has no nvfp4 weights" in r.stderr
     r = tandem("export", str(tmp_path / "nothing"), "--format", "hf", "--out", str(tmp_path / "z"))
-    assert r.returncode == 2 and "neither a run folder" in r.stdout
+    assert r.returncode == 2 and "neither a run folder" in r.stderr
 
 
 def test_import_hf_plans_without_loading(tmp_path):
@@ -87,7 +92,7 @@ def test_import_hf_plans_without_loading(tmp_path):
     cfgfile = tmp_path / "m" / "config.json"
     cfgfile.write_text(json.dumps({**json.loads(cfgfile.read_text()), "use_sliding_window": True}))
     r = tandem("import-hf", str(tmp_path / "m"), "--recipe", "int4_qat")
-    assert r.returncode == 2 and "use_sliding_window" in r.stdout and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "use_sliding_window" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_plan_says_a_dense_model_is_all_bf16_under_nvfp4_moe():
