@@ -318,6 +318,10 @@ class RolloutWorker:
                         carried = await queue.read(count=room, block_ms=block)
                         self._count_queue_refusals(queue)
                     while carried and len(self.inflight) < self._inflight_limit(carried):
+                        reason = self._refusal(carried[0].group)
+                        if reason is not None:
+                            await self._refuse(queue, carried.pop(0), "invalid", reason)
+                            continue
                         # Never start a group with a policy already more than max_staleness behind
                         # the newest; if the newest cannot be loaded now (or the groups in flight
                         # must drain first), keep the entries and retry (re-reading the pointer: a
@@ -332,10 +336,6 @@ class RolloutWorker:
                         if latest is not None:
                             self.metrics.staleness.set(latest.version - self.version)
                         rec = carried.pop(0)
-                        reason = self._refusal(rec.group)
-                        if reason is not None:
-                            await self._refuse(queue, rec, "invalid", reason)
-                            continue
                         try:
                             self._submit(rec.group, rec)
                         except ValueError as e:  # the backend's own fit check (prompt_check should say first)
@@ -349,8 +349,8 @@ class RolloutWorker:
                         self._isolate.discard(group.group_id)
                         try:
                             trajectories = self._trajectories(group, result)
-                        except Exception as e:  # the task's verifier on fields it did not check
-                            await self._refuse(queue, rec, "failed", f"scoring raised {why(e)}")
+                        except Exception as e:  # e.g. the task's verifier on fields it did not check
+                            await self._refuse(queue, rec, "failed", f"scoring or packing its samples raised {why(e)}")
                             continue
                         n_tokens = sum(len(t.completion_tokens) for t in trajectories)
                         t1 = time.perf_counter()

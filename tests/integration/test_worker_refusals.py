@@ -96,7 +96,7 @@ async def test_worker_dead_letters_what_it_cannot_run_and_goes_on(redis_url, run
                 worker.request_stop()
                 assert await asyncio.wait_for(running, 30) == 0
     assert reasons == {
-        "failed: scoring raised KeyError: 'answer'",
+        "failed: scoring or packing its samples raised KeyError: 'answer'",
         "invalid: n_samples=3, the run's group size is 2",
     }
     samples = worker.metrics.endpoint.registry.get_sample_value
