@@ -45,6 +45,7 @@ from broker.server_process import PolicyServerProcess
 from broker.signing import Signer
 from broker.streams import (
     DATA_FIELD,
+    DeadLetter,
     PromptQueue,
     StreamConfig,
     TrajectoryRecord,
@@ -563,29 +564,37 @@ class Trainer:
 
     async def _settle_dead_lettered(self) -> None:
         """Fed groups the workers dead-lettered (a prompt they cannot run, a poison pill) are settled
-        as dropped: listed in the next audit line, counted, never outstanding or fed again. Only a
-        dead letter holding the very prompt fed under its group id counts (a refused forgery that
-        borrows the id leaves the real prompt outstanding)."""
+        as dropped: listed in the next audit line, counted, never outstanding or fed again. Not a group
+        some of whose samples are held (a worker cut off from Redis finished it after all): that one
+        trains or drops as any other."""
+        held = self._backlog.group_ids
         while True:
             dead = await read_deadletter(self.redis, self.keys, count=256, start=self._deadletter_from)
             if not dead:
                 return
             self._deadletter_from = "(" + dead[-1].id
             for d in dead:
-                if d.source != self.keys.prompts:
-                    continue
-                try:
-                    group = decode_prompt_group(d.fields.get(DATA_FIELD))
-                except CodecError:
-                    continue  # not a prompt of ours
-                index = self.state.outstanding.get(group.group_id)
-                if index is None or _prompt_key(group) != _prompt_key(self.make_prompt(index)):
-                    continue
-                self._settle(group.group_id, dropped=True)
-                self.state.prompts_dead_lettered += 1
-                self.log(f"prompt {group.group_id!r} dead-lettered by {d.consumer[:40]!r} ({d.reason[:200]}): dropped")
+                group_id = self._fed_group_of(d)
+                if group_id is not None and group_id not in held:
+                    self._settle(group_id, dropped=True)
+                    self.state.prompts_dead_lettered += 1
+                    self.log(f"prompt {group_id!r} dead-lettered by {d.consumer[:40]!r} ({d.reason[:200]}): dropped")
             if len(dead) < 256:
                 return
+
+    def _fed_group_of(self, dead: DeadLetter) -> str | None:
+        """The outstanding group a dead letter holds: the very prompt fed under its group id (a
+        refused forgery borrowing the id leaves the real prompt outstanding); else None."""
+        if dead.source != self.keys.prompts:
+            return None
+        try:
+            group = decode_prompt_group(dead.fields.get(DATA_FIELD))
+        except CodecError:
+            return None  # not a prompt of ours
+        index = self.state.outstanding.get(group.group_id)
+        if index is None or _prompt_key(group) != _prompt_key(self.make_prompt(index)):
+            return None
+        return group.group_id
 
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
@@ -634,7 +643,7 @@ class Trainer:
                 groups_per_step=self.cfg.groups_per_step,
             )
             self._backlog = decision.backlog
-            held = set(self._backlog.incomplete) | {g[0].trajectory.group_id for g in self._backlog.complete}
+            held = self._backlog.group_ids
             for drop in decision.drops:
                 t = drop.record.trajectory
                 if drop.reason == admission.FINGERPRINT:
