@@ -676,7 +676,7 @@ class PromptQueue(_TypedStream):
     async def dead_letter(self, record: PromptRecord, reason: str) -> None:
         """Refuse a prompt for good (it cannot run here), with the reason; acked with it."""
         c = self._need_consumer()
-        fields = _signed_fields(encode_prompt_group(record.group, self.limits), self.signer, PROMPT)
+        fields = {DATA_FIELD: encode_prompt_group(record.group, self.limits)}  # a worker signs no prompt
         await c.dead_letter(Entry(record.stream_id, fields, record.deliveries), reason)
 
 

@@ -413,11 +413,8 @@ class RolloutWorker:
         count it and log one line."""
         if rec is not None:
             await queue.dead_letter(rec, f"{kind}: {reason}")
-        self._count_refusal(kind, 1)
-        n = sum(self.refused_prompts.values())
-        if n <= 10 or n % 1000 == 0:  # a flood is not a log flood
-            group_id = rec.group.group_id[:80] if rec is not None else "?"
-            self.log(f"{self.worker_id}: refused prompt {group_id!r} (#{n}, dead-lettered): {kind}: {reason}")
+        group_id = rec.group.group_id[:80] if rec is not None else "?"
+        self._count_refusal(kind, 1, f"prompt {group_id!r}: {kind}: {reason}")
 
     def _count_queue_refusals(self, queue: PromptQueue) -> None:
         """Move what the queue dead-lettered on its own (signatures, decoding, poison pills) into the metrics."""
@@ -426,12 +423,17 @@ class RolloutWorker:
             n = getattr(c, name)
             if n:
                 setattr(c, name, 0)
-                self._count_refusal(kind, n)
-                self.log(f"{self.worker_id}: dead-lettered {n} prompt entr{'y' if n == 1 else 'ies'} ({kind})")
+                self._count_refusal(
+                    kind, n, f"{n} prompt entr{'y' if n == 1 else 'ies'} ({kind}; reasons in the dead letters)"
+                )
 
-    def _count_refusal(self, kind: str, n: int) -> None:
+    def _count_refusal(self, kind: str, n: int, what: str) -> None:
+        """Count `n` dead-lettered prompt entries; one log line each, the first 10 and every 1000th."""
+        before = sum(self.refused_prompts.values())
         self.refused_prompts[kind] = self.refused_prompts.get(kind, 0) + n
         self.metrics.prompts_refused.labels(kind).inc(n)
+        if before < 10 or (before + n) // 1000 > before // 1000:  # a flood is not a log flood
+            self.log(f"{self.worker_id}: dead-lettered {what} (#{before + n} refused)")
 
     async def _swap_when_drained(self, pointer: PolicyPointer) -> bool:
         """Make `pointer`'s version live as soon as it is fetched and no started group is in flight
