@@ -4,7 +4,8 @@
     python bench/fuzz_inputs.py --inputs 1000000 --target codec --seed 7
 
 Targets, and the only exceptions each may raise (anything else is a bug, printed with its input):
-    codec     broker.codec.decode_trajectory / decode_prompt_group on mutated encodings -> CodecError
+    codec     broker.codec.decode_trajectory / decode_prompt_group on mutated encodings -> CodecError;
+              a prompt group that decodes then through rollout.prompt_check -> nothing (a reason or None)
     manifest  manifest_from_bytes + verify_manifest + policy.manifest_check + rebuild -> ValueError
     chunks    the policy client's chunk acceptance (PolicyClient._accept) on mutated chunks -> ValueError
     config    tandem.config.load with mutated `key=value` overrides -> ValueError
@@ -38,6 +39,8 @@ from policy import manifest as mf  # noqa: E402
 from policy.manifest_check import check_manifest, expected_tensors  # noqa: E402
 from policy.model import ModelConfig, Transformer  # noqa: E402
 from policy.recipe import Recipe  # noqa: E402
+from rollout.prompt_check import PromptRules, check_prompt  # noqa: E402
+from rollout.tasks import AdditionTask  # noqa: E402
 from tandem import config as run_config  # noqa: E402
 from tandem.v1 import policy_pb2  # noqa: E402
 
@@ -88,12 +91,16 @@ def target_codec() -> Callable[[random.Random], None]:
         ),
     ]
 
+    rules = PromptRules(vocab_size=15, max_seq_len=64, max_new_tokens=3, max_batch=8, group_size=4)
+
     def one(rng: random.Random) -> None:
         data, decode = rng.choice(seeds)
         try:
-            decode(mutate(rng, data))
+            got = decode(mutate(rng, data))
         except codec.CodecError:
-            pass
+            return
+        if isinstance(got, codec.PromptGroup):  # what a worker does next with it: never raises
+            check_prompt(got, rules, check_fields=AdditionTask.check_fields)
 
     return one
 

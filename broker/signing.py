@@ -1,11 +1,13 @@
 """Authenticating what travels through Redis: HMAC-SHA256 with a per-run secret.
 
 Whoever can write Redis could otherwise inject trajectories (the contract fingerprint is public:
-it sits in `policy:latest`) or point every worker at a policy server of their choosing. With a run
-secret, every trajectory entry carries `s = HMAC(key, "tandem.trajectory\\0" || d)` over its
-encoded bytes `d`, and `policy:latest` carries `sig = HMAC(key, "tandem.policy_pointer\\0" ||
-version \\n address \\n fingerprint \\n published_at)` over the stored strings. The trainer
-dead-letters and counts trajectories without a valid tag; workers refuse pointers without one.
+it sits in `policy:latest`), feed prompts that crash workers, or point every worker at a policy
+server of their choosing. With a run secret, every trajectory entry carries
+`s = HMAC(key, "tandem.trajectory\\0" || d)` over its encoded bytes `d`, every prompt entry
+`s = HMAC(key, "tandem.prompt\\0" || d)`, and `policy:latest` carries
+`sig = HMAC(key, "tandem.policy_pointer\\0" || version \\n address \\n fingerprint \\n published_at)`
+over the stored strings. The trainer dead-letters and counts trajectories without a valid tag;
+workers dead-letter and count such prompts, and refuse such pointers.
 The domain prefix keeps a tag for one kind of message from verifying as another.
 
 The secret: 32 random bytes as 64 hex characters, in a file (`run_secret_file`, e.g. a mounted
@@ -22,6 +24,7 @@ import secrets
 from pathlib import Path
 
 TRAJECTORY = b"tandem.trajectory"
+PROMPT = b"tandem.prompt"
 POLICY_POINTER = b"tandem.policy_pointer"
 SECRET_ENV = "TANDEM_RUN_SECRET"
 _MIN_KEY_BYTES = 16

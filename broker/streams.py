@@ -53,10 +53,10 @@ from broker.codec import (
 )
 from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys, check_name
 from broker.outage import OutageRetry, run_script
-from broker.signing import TRAJECTORY, Signer
+from broker.signing import PROMPT, TRAJECTORY, Signer
 
 DATA_FIELD = b"d"
-SIG_FIELD = b"s"  # HMAC of DATA_FIELD (broker.signing), on trajectory entries when the run has a secret
+SIG_FIELD = b"s"  # HMAC of DATA_FIELD (broker.signing), on prompt and trajectory entries when the run has a secret
 _DL_PREFIX = "orig:"
 
 
@@ -196,22 +196,36 @@ def _id_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
-def _trajectory_fields(payload: bytes, signer: Signer | None) -> dict[bytes, bytes]:
+def _signed_fields(payload: bytes, signer: Signer | None, domain: bytes = TRAJECTORY) -> dict[bytes, bytes]:
     if signer is None:
         return {DATA_FIELD: payload}
-    return {DATA_FIELD: payload, SIG_FIELD: signer.sign(TRAJECTORY, payload)}
+    return {DATA_FIELD: payload, SIG_FIELD: signer.sign(domain, payload)}
+
+
+def signature_refusal(fields: dict[bytes, bytes], signer: Signer | None, domain: bytes) -> str | None:
+    """Why an entry's `d` is not signed with the run's secret under `domain`; None when it is, or
+    when the run has no secret."""
+    payload = fields.get(DATA_FIELD)
+    if signer is None or (isinstance(payload, bytes) and signer.verify(domain, payload, fields.get(SIG_FIELD))):
+        return None
+    why = "unsigned" if SIG_FIELD not in fields else "bad signature"
+    return f"{why}: not signed with this run's secret"
 
 
 async def add_entries(
-    redis: aioredis.Redis, stream: str, payloads: Sequence[bytes], signer: Signer | None = None
+    redis: aioredis.Redis,
+    stream: str,
+    payloads: Sequence[bytes],
+    signer: Signer | None = None,
+    domain: bytes = TRAJECTORY,
 ) -> list[str]:
-    """XADD each payload as `{d: payload}` (plus `s`, its HMAC, with a signer) in one pipelined
-    round trip; returns the ids."""
+    """XADD each payload as `{d: payload}` (plus `s`, its HMAC under `domain`, with a signer) in one
+    pipelined round trip; returns the ids."""
     if not payloads:
         return []
     async with redis.pipeline(transaction=False) as pipe:
         for payload in payloads:
-            pipe.xadd(stream, _trajectory_fields(payload, signer))
+            pipe.xadd(stream, _signed_fields(payload, signer, domain))
         return [_s(i) for i in await pipe.execute()]
 
 
@@ -553,7 +567,7 @@ class Counters:
     """What a typed queue dropped on its own (for metrics)."""
 
     malformed: int = 0  # undecodable entries sent to the dead-letter stream
-    unsigned: int = 0  # trajectory entries without a valid signature (the run has a secret), dead-lettered
+    unsigned: int = 0  # entries without a valid signature (the run has a secret), dead-lettered
     duplicates: int = 0  # samples already committed or already held, acked and dropped
     dead_lettered: int = 0  # entries delivered more than max_deliveries times, dead-lettered
 
@@ -604,9 +618,11 @@ class _TypedStream:
 
 
 class PromptQueue(_TypedStream):
-    """The prompts stream. Producers `add()` prompt groups; a rollout worker (consumer
-    name = its worker id) `read()`s them and calls `complete()` with the trajectories,
-    which XADDs them and XACKs the prompt in one transaction."""
+    """The prompts stream. Producers `add()` prompt groups (signed, with a signer); a rollout worker
+    (consumer name = its worker id) `read()`s them and calls `complete()` with the trajectories,
+    which XADDs them and XACKs the prompt in one transaction. With a signer, `read()` refuses an
+    entry without a valid prompt signature; undecodable entries are refused too: each is
+    dead-lettered alone with its reason (and acked, so it never comes back) and counted."""
 
     def __init__(
         self,
@@ -616,19 +632,25 @@ class PromptQueue(_TypedStream):
         consumer: str | None = None,
         config: StreamConfig = StreamConfig(),
         limits: CodecLimits = DEFAULT_LIMITS,
-        signer: Signer | None = None,  # signs the trajectories complete() adds
+        signer: Signer | None = None,  # signs what add() and complete() add; read() checks prompt signatures
     ):
         super().__init__(
             redis, keys, keys.prompts, PROMPTS_GROUP, consumer=consumer, config=config, limits=limits, signer=signer
         )
 
     async def add(self, groups: Sequence[PromptGroup]) -> list[str]:
-        return await add_entries(self.redis, self.keys.prompts, [encode_prompt_group(g, self.limits) for g in groups])
+        payloads = [encode_prompt_group(g, self.limits) for g in groups]
+        return await add_entries(self.redis, self.keys.prompts, payloads, self.signer, PROMPT)
 
     async def read(self, count: int | None = None, block_ms: int | None = None) -> list[PromptRecord]:
         c = self._need_consumer()
         out = []
         for e in await c.read(count, block_ms):
+            refusal = signature_refusal(e.fields, self.signer, PROMPT)
+            if refusal is not None:
+                self.counters.unsigned += 1
+                await c.dead_letter(e, refusal)
+                continue
             try:
                 out.append(PromptRecord(e.id, e.deliveries, decode_prompt_group(e.fields.get(DATA_FIELD), self.limits)))
             except CodecError as err:
@@ -642,7 +664,7 @@ class PromptQueue(_TypedStream):
         payloads = [encode_trajectory(t, self.limits) for t in trajectories]
         async with self.redis.pipeline(transaction=True) as pipe:
             for p in payloads:
-                pipe.xadd(self.keys.trajectories, _trajectory_fields(p, self.signer))
+                pipe.xadd(self.keys.trajectories, _signed_fields(p, self.signer))
             pipe.xack(self.keys.prompts, PROMPTS_GROUP, record.stream_id)
             result = await pipe.execute()
         c.release([record.stream_id])
@@ -652,8 +674,9 @@ class PromptQueue(_TypedStream):
         return await self._need_consumer().ack(r.stream_id for r in records)
 
     async def dead_letter(self, record: PromptRecord, reason: str) -> None:
+        """Refuse a prompt for good (it cannot run here), with the reason; acked with it."""
         c = self._need_consumer()
-        fields = {DATA_FIELD: encode_prompt_group(record.group, self.limits)}
+        fields = {DATA_FIELD: encode_prompt_group(record.group, self.limits)}  # a worker signs no prompt
         await c.dead_letter(Entry(record.stream_id, fields, record.deliveries), reason)
 
 
@@ -718,16 +741,13 @@ class TrajectoryStream(_TypedStream):
         duplicates: list[str] = []
         batch_samples: set[str] = set()
         for e in await c.read(count, block_ms):
-            payload = e.fields.get(DATA_FIELD)
-            if self.signer is not None and not (
-                isinstance(payload, bytes) and self.signer.verify(TRAJECTORY, payload, e.fields.get(SIG_FIELD))
-            ):
+            refusal = signature_refusal(e.fields, self.signer, TRAJECTORY)
+            if refusal is not None:
                 self.counters.unsigned += 1
-                why = "unsigned" if SIG_FIELD not in e.fields else "bad signature"
-                await c.dead_letter(e, f"{why}: not signed with this run's secret")
+                await c.dead_letter(e, refusal)
                 continue
             try:
-                t = decode_trajectory(payload, self.limits)
+                t = decode_trajectory(e.fields.get(DATA_FIELD), self.limits)
             except CodecError as err:
                 self.counters.malformed += 1
                 await c.dead_letter(e, f"decode: {err}")
@@ -785,6 +805,6 @@ class TrajectoryStream(_TypedStream):
     async def dead_letter(self, record: TrajectoryRecord, reason: str) -> None:
         """Reject a sample for good (e.g. a contract fingerprint mismatch), with the reason."""
         c = self._need_consumer()
-        fields = _trajectory_fields(encode_trajectory(record.trajectory, self.limits), self.signer)
+        fields = _signed_fields(encode_trajectory(record.trajectory, self.limits), self.signer)
         await c.dead_letter(Entry(record.stream_id, fields, record.deliveries), reason)
         self.forget(record)  # only if that id is still this entry's (a real copy may be held under it)

@@ -24,6 +24,11 @@ class RolloutConfig:
     """A heartbeat expires after this long (> heartbeat_s)."""
     reclaim_idle_s: float = 20.0
     """Prompt entries idle this long in a dead worker are claimed by another."""
+    max_prompt_deliveries: int = 3
+    """A prompt entry handed out more often than this without being finished (each worker that held
+    it died or lost it, e.g. it crashed them) is a poison pill: dead-lettered on reclaim, never handed
+    to the next worker. 3 lets an innocent prompt outlive two SIGKILLs of its holders in a row; a
+    worker's own refusals (rollout/prompt_check.py) dead-letter at the first delivery."""
     fetch_timeout_s: float = 60.0
     """Deadline of one policy fetch (seconds)."""
     fetch_streams: int = 1
@@ -101,6 +106,9 @@ class RolloutConfig:
         p = self.fetch_processes
         if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 16:
             errors.append(f"fetch_processes={self.fetch_processes!r} (need an int in [1, 16])")
+        d = self.max_prompt_deliveries
+        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= 1000:
+            errors.append(f"max_prompt_deliveries={d!r} (need an int in [1, 1000])")
         if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
             errors.append(f"max_inflight_groups={self.max_inflight_groups!r} (need an int >= 1)")
         if not 0 <= self.memory_fraction <= 1:

@@ -155,6 +155,15 @@ class JsonlTask:
         got, want = last_number(completion), last_number(answer)
         return 1.0 if got is not None and math.isfinite(got) and abs(got - want) <= self.tolerance else 0.0
 
+    def check_fields(self, fields: dict[str, Any]) -> str | None:
+        """`score` needs fields["answer"]: a string or a number, with a number in it for `numeric`."""
+        answer = fields.get("answer")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            return f"want 'answer' as a string or a number, got {type(answer).__name__}"
+        if self.verifier == "numeric" and last_number(str(answer)) is None:
+            return f"answer {str(answer)[:40]!r} has no number (verifier numeric)"
+        return None
+
     def score(self, completion_ids: Sequence[int], fields: dict[str, Any]) -> float:
         ids = list(completion_ids)
         if self.tokenizer.eos_id not in ids:

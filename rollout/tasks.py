@@ -18,6 +18,8 @@ The protocol (structural: any object with these members is a task):
     example(rng)     -> Prompt, a random example with its reference completion (supervised warm start)
     score(completion_ids, fields) -> float, the verifier; `fields` is the Prompt's `fields` as it
                         travelled with the prompt group (plain msgpack-able data: strings, numbers)
+    check_fields(fields) -> str | None   (optional) why `score` cannot take these fields, None when it
+                        can: a worker refuses (dead-letters) a prompt group whose fields it fails
 
 Built-in task `addition`: multi-digit addition with a programmatic verifier and a character
 tokenizer. Chosen because a 1-5M parameter model learns it on a CPU in minutes, its reward is exact
@@ -177,6 +179,12 @@ class AdditionTask:
     @staticmethod
     def reward(completion_text_until_eos: str, ended_with_eos: bool, answer: str) -> float:
         return 1.0 if ended_with_eos and completion_text_until_eos == answer else 0.0
+
+    @staticmethod
+    def check_fields(fields: dict[str, Any]) -> str | None:
+        """`score` needs fields["answer"], a string."""
+        answer = fields.get("answer")
+        return None if isinstance(answer, str) else f"want 'answer' as a string, got {type(answer).__name__}"
 
     def score(self, completion_ids: Sequence[int], fields: dict[str, Any]) -> float:
         """The verifier on raw completion token ids: 1.0 for exactly fields["answer"] then <eos>."""

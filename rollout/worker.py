@@ -10,7 +10,9 @@ Loop (up to `rollout.max_inflight_groups` groups in flight, continuous batching)
                                 swap it in (copied into the live engine) and resume. A newer
                                 pointer arriving meanwhile cancels that fetch and starts its own.
     room for a group? -> read prompt groups (own pending entries first, then entries reclaimed from
-    dead workers, then new ones) -> refuse to start one with a policy more than `max_staleness`
+    dead workers, then new ones; unsigned, undecodable and poison-pill entries are dead-lettered by
+    the queue) -> dead-letter one this worker cannot run (rollout/prompt_check.py) -> refuse to
+    start one with a policy more than `max_staleness`
     versions behind the newest -> submit it to the batcher (rollout/batching.py,
     rollout/scheduler.py): its prompt is prefilled once, its n samples take KV slots as they free
     up and decode together with every other group's samples, from the packed quantized weights
@@ -21,8 +23,10 @@ Every token of a group comes from the version that started it (tagged on its tra
 swap only when no started group is in flight, so no sequence, KV row or prefix spans two versions.
 Prometheus on `rollout.metrics_port` (`WorkerMetrics`): generated tokens, groups, tokens/s,
 policy fetch seconds and bytes, the split of the last swap (receive, verify, drain wait, h2d, swap), the
-live version, refused versions, the staleness of the policy in use.
+live version, refused versions, the staleness of the policy in use, refused prompts by why.
 
+A group whose generation or scoring raises is dead-lettered with the error's line (groups that were
+in a failed batch together are retried one at a time first); the worker goes on.
 SIGTERM sets a flag: no group is read any more, the groups in flight are finished and committed,
 then the worker exits (a graceful drain). A SIGKILLed worker's prompt is reclaimed by another worker's janitor.
 
@@ -74,6 +78,7 @@ from rollout.fetch_process import FetchProcess, FetchRequest
 
 from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend
 from .config import RolloutConfig
+from .prompt_check import PromptRules, check_prompt
 from .tasks import Task
 
 
@@ -136,6 +141,14 @@ class WorkerMetrics:
             "newest announced version minus the version in use, at the last group start (versions)",
             registry=reg,
         )
+        self.prompts_refused = prom.Counter(
+            "tandem_rollout_prompts_refused",
+            "prompt entries dead-lettered by this worker, by why: unsigned (no valid run-secret signature), "
+            "malformed (undecodable), invalid (rollout.prompt_check), failed (generating or scoring raised), "
+            "redelivered (a poison pill: over rollout.max_prompt_deliveries) (entries)",
+            ["why"],
+            registry=reg,
+        )
         self.port = self.endpoint.port
 
 
@@ -163,6 +176,7 @@ class RolloutWorker:
         recipe: Recipe,
         loop: AsyncConfig,
         task: Task,
+        group_size: int | None = None,
         redis_outage_s: float = 60.0,
         signer: Signer | None = None,
         log: Callable[[str], None] = print,
@@ -212,6 +226,18 @@ class RolloutWorker:
         self.expected = expected_tensors(recipe.plan(model_config))
         self.refused_versions: set[int] = set()
         self.groups_done = 0
+        # What a prompt group must satisfy before it reaches the engine (rollout.prompt_check), with
+        # `group_size` the run's (trainer.group_size; None: any up to max_batch).
+        kv = model_config.max_seq_len if self.device.type == "cpu" else min(cfg.kv_capacity, model_config.max_seq_len)
+        self.prompt_rules = PromptRules(
+            vocab_size=model_config.vocab_size,
+            max_seq_len=kv,
+            max_new_tokens=task.max_new_tokens,
+            max_batch=cfg.max_batch,
+            group_size=group_size,
+        )
+        self.refused_prompts: dict[str, int] = {}  # why -> prompt entries dead-lettered (metrics' labels)
+        self._isolate: set[str] = set()  # group ids that failed in company: retried one at a time
         self._since_swap = [0, 0, 0.0]  # groups, completion tokens, generating seconds under the version in use
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
@@ -241,12 +267,7 @@ class RolloutWorker:
             self.keys,
             signer=self.signer,
             consumer=self.worker_id,
-            config=StreamConfig(
-                read_count=1,
-                block_ms=self.cfg.read_block_ms,
-                claim_idle_ms=int(self.cfg.reclaim_idle_s * 1000),
-                janitor_every_s=min(5.0, self.cfg.reclaim_idle_s / 2),
-            ),
+            config=prompt_stream_config(self.cfg),
         )
         await queue.setup()
         beats = asyncio.create_task(
@@ -260,6 +281,7 @@ class RolloutWorker:
                     "version": self.version,
                     "groups": self.groups_done,
                     "refused_versions": len(self.refused_versions),
+                    "refused_prompts": sum(self.refused_prompts.values()),
                 },
             )
         )
@@ -294,7 +316,12 @@ class RolloutWorker:
                     if not carried:  # do not block while samples are decoding or a version is coming
                         block = 0 if busy or self._prefetch is not None else None
                         carried = await queue.read(count=room, block_ms=block)
-                    while carried and len(self.inflight) < self.cfg.max_inflight_groups:
+                        self._count_queue_refusals(queue)
+                    while carried and len(self.inflight) < self._inflight_limit(carried):
+                        reason = self._refusal(carried[0].group)
+                        if reason is not None:
+                            await self._refuse(queue, carried.pop(0), "invalid", reason)
+                            continue
                         # Never start a group with a policy already more than max_staleness behind
                         # the newest; if the newest cannot be loaded now (or the groups in flight
                         # must drain first), keep the entries and retry (re-reading the pointer: a
@@ -309,14 +336,22 @@ class RolloutWorker:
                         if latest is not None:
                             self.metrics.staleness.set(latest.version - self.version)
                         rec = carried.pop(0)
-                        self._submit(rec.group, rec)
+                        try:
+                            self._submit(rec.group, rec)
+                        except ValueError as e:  # the backend's own fit check (prompt_check should say first)
+                            await self._refuse(queue, rec, "invalid", why(e))
                 if self.inflight:
                     if time.monotonic() - last_keep >= self.cfg.reclaim_idle_s / 4:
                         last_keep = time.monotonic()
                         await queue.keep_alive([r for r, _, _ in self.inflight.values() if r is not None])
-                    for result in self.batcher.step():
+                    for result in await self._step(queue, carried):
                         rec, group, t0 = self.inflight.pop(result.key)
-                        trajectories = self._trajectories(group, result)
+                        self._isolate.discard(group.group_id)
+                        try:
+                            trajectories = self._trajectories(group, result)
+                        except Exception as e:  # e.g. the task's verifier on fields it did not check
+                            await self._refuse(queue, rec, "failed", f"scoring or packing its samples raised {why(e)}")
+                            continue
                         n_tokens = sum(len(t.completion_tokens) for t in trajectories)
                         t1 = time.perf_counter()
                         gen_s = t1 - max(t0, last_commit)  # generating time this group adds to the run
@@ -342,6 +377,63 @@ class RolloutWorker:
             await self.redis.aclose()
             self.health.stop()
             self.metrics.endpoint.close()
+
+    def _refusal(self, group: PromptGroup) -> str | None:
+        """Why this worker cannot run `group` (rollout.prompt_check, with the task's own field check)."""
+        return check_prompt(group, self.prompt_rules, check_fields=getattr(self.task, "check_fields", None))
+
+    def _inflight_limit(self, carried: list) -> int:
+        """Groups that may be in flight: one while a group that failed in company waits or runs."""
+        suspect = self._isolate & ({r.group.group_id for r in carried} | set(self.inflight))
+        return 1 if suspect else self.cfg.max_inflight_groups
+
+    async def _step(self, queue: PromptQueue, carried: list) -> list[GroupResult]:
+        """One batcher step. If it raises, the batch is dropped (a fresh batcher on the same weights):
+        a group that was alone in it is dead-lettered with the error; groups that were in company go
+        back to the front of `carried`, to be retried one at a time (`_isolate`)."""
+        try:
+            return self.batcher.step()
+        except Exception as e:
+            failed = list(self.inflight.values())
+            self.inflight.clear()
+            self.batcher = ContinuousBatcher(
+                self._backend(), max_inflight_groups=self.cfg.max_inflight_groups, version=self.version
+            )
+            if len(failed) == 1:
+                self._isolate.discard(failed[0][1].group_id)
+                await self._refuse(queue, failed[0][0], "failed", f"generating raised {why(e)}")
+            else:
+                self.log(f"{self.worker_id}: a batch of {len(failed)} groups raised {why(e)}: retrying each alone")
+                self._isolate.update(g.group_id for _, g, _ in failed)
+                carried[:0] = [rec for rec, _, _ in failed if rec is not None]
+            return []
+
+    async def _refuse(self, queue: PromptQueue, rec, kind: str, reason: str) -> None:
+        """Dead-letter a prompt group this worker cannot run (acked with it: never handed out again),
+        count it and log one line."""
+        if rec is not None:
+            await queue.dead_letter(rec, f"{kind}: {reason}")
+        group_id = rec.group.group_id[:80] if rec is not None else "?"
+        self._count_refusal(kind, 1, f"prompt {group_id!r}: {kind}: {reason}")
+
+    def _count_queue_refusals(self, queue: PromptQueue) -> None:
+        """Move what the queue dead-lettered on its own (signatures, decoding, poison pills) into the metrics."""
+        c = queue.counters
+        for name, kind in (("unsigned", "unsigned"), ("malformed", "malformed"), ("dead_lettered", "redelivered")):
+            n = getattr(c, name)
+            if n:
+                setattr(c, name, 0)
+                self._count_refusal(
+                    kind, n, f"{n} prompt entr{'y' if n == 1 else 'ies'} ({kind}; reasons in the dead letters)"
+                )
+
+    def _count_refusal(self, kind: str, n: int, what: str) -> None:
+        """Count `n` dead-lettered prompt entries; one log line each, the first 10 and every 1000th."""
+        before = sum(self.refused_prompts.values())
+        self.refused_prompts[kind] = self.refused_prompts.get(kind, 0) + n
+        self.metrics.prompts_refused.labels(kind).inc(n)
+        if before < 10 or (before + n) // 1000 > before // 1000:  # a flood is not a log flood
+            self.log(f"{self.worker_id}: dead-lettered {what} (#{before + n} refused)")
 
     async def _swap_when_drained(self, pointer: PolicyPointer) -> bool:
         """Make `pointer`'s version live as soon as it is fetched and no started group is in flight
@@ -610,6 +702,19 @@ class RolloutWorker:
                 )
             )
         return out
+
+
+def prompt_stream_config(cfg: RolloutConfig) -> StreamConfig:
+    """How a worker reads the prompts stream: one entry at a time; entries of a worker dead for
+    `reclaim_idle_s` are claimed, and one handed out more than `max_prompt_deliveries` times (every
+    holder died: a poison pill) is dead-lettered on reclaim instead."""
+    return StreamConfig(
+        read_count=1,
+        block_ms=cfg.read_block_ms,
+        claim_idle_ms=int(cfg.reclaim_idle_s * 1000),
+        janitor_every_s=min(5.0, cfg.reclaim_idle_s / 2),
+        max_deliveries=cfg.max_prompt_deliveries,
+    )
 
 
 def why(e: BaseException) -> str:

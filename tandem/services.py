@@ -152,6 +152,7 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
         redis_outage_s=cfg.redis_outage_s,
         signer=load_signer(cfg.run_secret_file),
         task=task,
+        group_size=cfg.trainer.group_size,
         log=lambda s: print(f"[rollout] {s}", flush=True),
     )
 

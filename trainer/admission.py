@@ -54,6 +54,11 @@ class Backlog:
     def num_records(self) -> int:
         return sum(len(g) for g in self.incomplete.values()) + sum(len(g) for g in self.complete)
 
+    @property
+    def group_ids(self) -> set[str]:
+        """The groups some of whose samples are held."""
+        return set(self.incomplete) | {g[0].trajectory.group_id for g in self.complete}
+
 
 @dataclass(frozen=True)
 class Admission:

@@ -66,6 +66,7 @@ COUNTER_HELP = {
     "versions_published": "policy versions published (versions)",
     "unsigned": "trajectory entries without a valid run-secret signature, dead-lettered (entries)",
     "refed": "prompt groups fed again because Redis lost them (groups)",
+    "prompts_dead_lettered": "fed prompt groups the rollout workers dead-lettered, settled as dropped (groups)",
     "prompt_seq": "prompt groups fed since the run began: the prompt sequence position (groups)",
 }
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -36,14 +36,23 @@ import numpy as np
 import torch
 
 from broker import frames
-from broker.codec import PromptGroup, Trajectory
+from broker.codec import CodecError, PromptGroup, Trajectory, decode_prompt_group
 from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer, PolicyRegistry
 from broker.server_process import PolicyServerProcess
 from broker.signing import Signer
-from broker.streams import PromptQueue, StreamConfig, TrajectoryRecord, TrajectoryStream, connect
+from broker.streams import (
+    DATA_FIELD,
+    DeadLetter,
+    PromptQueue,
+    StreamConfig,
+    TrajectoryRecord,
+    TrajectoryStream,
+    connect,
+    read_deadletter,
+)
 from policy import manifest as mf
 from policy.loop import AsyncConfig
 from policy.model import ModelConfig, Transformer
@@ -100,6 +109,7 @@ class State:
     dead_lettered: int = 0  # entries dead-lettered after more than max_deliveries deliveries
     refed: int = 0  # prompts fed again after Redis lost them
     unsigned: int = 0  # trajectory entries without a valid run-secret signature, dead-lettered
+    prompts_dead_lettered: int = 0  # fed prompt groups the workers dead-lettered, settled as dropped
 
 
 @dataclass
@@ -226,6 +236,7 @@ class Trainer:
         # Refused samples (wrong fingerprint, invalid) with the reason: dead-lettered at the next commit.
         self._rejected: list[tuple[TrajectoryRecord, str]] = []
         self._consumed: list[TrajectoryRecord] = []  # consumed by the _collect in progress
+        self._deadletter_from = "-"  # the dead-letter stream is read from here (_settle_dead_lettered)
         # The last publish on the training thread: its seconds, and of them producing the quantized parts
         # (metrics); the background part of the last publish that finished (set by its thread).
         self._publish_s = self._quantize_s = self._publish_bg_s = 0.0
@@ -238,7 +249,7 @@ class Trainer:
     async def run(self) -> int:
         self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
         self.registry = PolicyRegistry(self.redis, self.keys, signer=self.signer)
-        self.prompts = PromptQueue(self.redis, self.keys)
+        self.prompts = PromptQueue(self.redis, self.keys, signer=self.signer)  # signs what it feeds
         self.stream = TrajectoryStream(
             self.redis,
             self.keys,
@@ -270,6 +281,7 @@ class Trainer:
             self._publish_s = time.perf_counter() - t_publish
             while self.state.step < self.cfg.max_steps and not self._stop.is_set():
                 t_collect = time.perf_counter()
+                await self._settle_dead_lettered()
                 await self._feed_prompts()
                 groups, records = await self._collect()
                 if groups is None:  # stop requested while collecting: what it dropped is consumed
@@ -550,6 +562,40 @@ class Trainer:
         while len(self._settled_recent) > 100_000:
             del self._settled_recent[next(iter(self._settled_recent))]
 
+    async def _settle_dead_lettered(self) -> None:
+        """Fed groups the workers dead-lettered (a prompt they cannot run, a poison pill) are settled
+        as dropped: listed in the next audit line, counted, never outstanding or fed again. Not a group
+        some of whose samples are held (a worker cut off from Redis finished it after all): that one
+        trains or drops as any other."""
+        held = self._backlog.group_ids
+        while True:
+            dead = await read_deadletter(self.redis, self.keys, count=256, start=self._deadletter_from)
+            if not dead:
+                return
+            self._deadletter_from = "(" + dead[-1].id
+            for d in dead:
+                group_id = self._fed_group_of(d)
+                if group_id is not None and group_id not in held:
+                    self._settle(group_id, dropped=True)
+                    self.state.prompts_dead_lettered += 1
+                    self.log(f"prompt {group_id!r} dead-lettered by {d.consumer[:40]!r} ({d.reason[:200]}): dropped")
+            if len(dead) < 256:
+                return
+
+    def _fed_group_of(self, dead: DeadLetter) -> str | None:
+        """The outstanding group a dead letter holds: the very prompt fed under its group id (a
+        refused forgery borrowing the id leaves the real prompt outstanding); else None."""
+        if dead.source != self.keys.prompts:
+            return None
+        try:
+            group = decode_prompt_group(dead.fields.get(DATA_FIELD))
+        except CodecError:
+            return None  # not a prompt of ours
+        index = self.state.outstanding.get(group.group_id)
+        if index is None or _prompt_key(group) != _prompt_key(self.make_prompt(index)):
+            return None
+        return group.group_id
+
     async def _feed_prompts(self) -> None:
         """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
         if self.state.prompt_seq > 0:
@@ -597,7 +643,7 @@ class Trainer:
                 groups_per_step=self.cfg.groups_per_step,
             )
             self._backlog = decision.backlog
-            held = set(self._backlog.incomplete) | {g[0].trajectory.group_id for g in self._backlog.complete}
+            held = self._backlog.group_ids
             for drop in decision.drops:
                 t = drop.record.trajectory
                 if drop.reason == admission.FINGERPRINT:
@@ -766,7 +812,8 @@ class Trainer:
         for name in ("duplicates", "malformed", "dead_lettered", "unsigned"):
             setattr(s, name, getattr(s, name) + getattr(c, name))
             setattr(c, name, 0)
-        return {k: getattr(s, k) for k in ("duplicates", "malformed", "invalid", "dead_lettered", "unsigned", "refed")}
+        names = ("duplicates", "malformed", "invalid", "dead_lettered", "unsigned", "refed", "prompts_dead_lettered")
+        return {k: getattr(s, k) for k in names}
 
 
 def checkpoints(folder: Path) -> list[Path]:
@@ -808,6 +855,11 @@ def _truncate_jsonl(path: Path, max_step: int) -> None:
         complete = path.read_text().split("\n")[:-1]  # what follows the last newline is incomplete
         keep = [ln for ln in complete if ln.strip() and json.loads(ln)["step"] <= max_step]
         path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _prompt_key(g: PromptGroup) -> tuple:
+    """What makes a prompt group the one fed (everything but when it was made)."""
+    return g.group_id, g.prompt_id, g.n_samples, g.task, g.prompt_tokens.tobytes()
 
 
 def _group_backlog(stats: dict, group: str) -> int:

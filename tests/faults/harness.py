@@ -188,7 +188,8 @@ def audit(run_dir: Path, max_steps: int, *, stopped: bool = False) -> dict:
     assert not (set(trained) | set(dropped)) & outstanding
     # Drop counters are run totals, persisted in the checkpoint: never lower after a restart.
     metrics = lines(run_dir / "metrics.jsonl")
-    for key in ("dropped_stale", "dropped_fingerprint", "duplicates", "malformed", "invalid", "unsigned", "refed"):
+    counters = ("dropped_stale", "dropped_fingerprint", "duplicates", "malformed", "invalid", "unsigned", "refed")
+    for key in (*counters, "prompts_dead_lettered"):
         values = [m[key] for m in metrics]
         assert values == sorted(values), f"{key} went down (reset by a restart?): {values}"
         assert values[-1] <= state[key] if stopped else values[-1] == state[key], (key, values[-1], state[key])

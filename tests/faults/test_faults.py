@@ -2,8 +2,9 @@
 SIGKILLs of the trainer pinned mid-checkpoint and between checkpoint and commit, Redis restarts with
 AOF, a Redis wiped clean (mid-run and between resumes), a worker partitioned from Redis and the
 trainer, a slow consumer, a policy fetch stalled mid-stream (tests/faults/proxy.py), poison
-trajectories injected live. Each ends with the exactly-once audit of tests/faults/harness.py: no fed prompt
-lost, no group trained twice, nothing trained that the trainer did not feed."""
+trajectories and poison prompts injected live. Each ends with the exactly-once audit of
+tests/faults/harness.py: no fed prompt lost, no group trained twice, nothing trained that the
+trainer did not feed."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from harness import TRIALS, Run, audit, checkpoint_state, config, lines, report,
 from proxy import Proxy
 from restartable_redis import RestartableRedis
 
-from broker.codec import Trajectory, decode_prompt_group
+from broker.codec import PromptGroup, Trajectory, decode_prompt_group
 from broker.keys import Keys
 from broker.policy_client import PolicyClient, PolicyClientConfig
-from broker.signing import load_signer
-from broker.streams import DATA_FIELD, TrajectoryStream, add_entries, connect, read_deadletter
+from broker.registry import Heartbeats
+from broker.signing import PROMPT, load_signer
+from broker.streams import DATA_FIELD, PromptQueue, TrajectoryStream, add_entries, connect, read_deadletter
 from policy import manifest as mf
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults]
@@ -196,15 +198,7 @@ def test_poison_trajectories_injected_live(tmp_path, redis_server, run_id):
     assert (state["invalid"], state["malformed"], state["unsigned"]) == (n_bad, 1, 1), state
     last = lines(run.run_dir / "metrics.jsonl")[-1]
     assert (last["invalid"], last["malformed"], last["unsigned"]) == (n_bad, 1, 1)
-
-    async def deadletters():
-        r = connect(redis_server.url)
-        try:
-            return await read_deadletter(r, Keys(run_id=run_id), count=1000)
-        finally:
-            await r.aclose()
-
-    dead = asyncio.run(deadletters())
+    dead = asyncio.run(_deadletters(redis_server.url, run_id))
     reasons = [d.reason for d in dead]
     assert len(dead) == n_bad + 2, reasons  # each alone: not one legitimate sample among them
     for want in ("group_size=1", "vocab is", "reward=1e+300", "2000 completion tokens", "no prompt this trainer fed",
@@ -214,6 +208,109 @@ def test_poison_trajectories_injected_live(tmp_path, redis_server, run_id):
     trained = {g[0] for r in lines(run.run_dir / "audit.jsonl") for g in r["groups"]}
     assert poisoned in trained or poisoned in state["outstanding"], poisoned
     report("poison", faults=n_bad + 2, **figures)
+
+
+def _poison_prompts(url: str, run_id: str, secret_file: str) -> dict[str, str]:
+    """The prompt poisoner: XADDs to the prompts stream an unsigned prompt and, with the run secret
+    (a compromised producer), garbage bytes, prompts with task={}, a token id >= vocab, more tokens
+    than max_seq_len, n_samples=4096, and a copy of a fed prompt (its group id) with task={}; then
+    takes a fed prompt as three consumers that all "die" holding it (a poison pill's delivery count).
+    Returns {what: group id} of the forged copy's and the stolen prompt's."""
+
+    async def main() -> dict[str, str]:
+        r = connect(url)
+        keys = Keys(run_id=run_id)
+        try:
+            deadline = time.monotonic() + 120
+            while not (await r.exists(keys.policy_latest) and await r.xlen(keys.prompts) >= 2):
+                assert time.monotonic() < deadline, "the trainer published nothing and fed no prompt"
+                await asyncio.sleep(0.2)
+            [(_, first), (_, second)] = await r.xrange(keys.prompts, count=2)
+            fed, copied = decode_prompt_group(first[DATA_FIELD]), decode_prompt_group(second[DATA_FIELD])
+
+            def evil(name: str, **changes) -> PromptGroup:
+                kw = dict(prompt_id=name, group_id=name, prompt_tokens=fed.prompt_tokens, n_samples=fed.n_samples,
+                          task=fed.task)  # fmt: skip
+                return PromptGroup(**{**kw, **changes})
+
+            signer = load_signer(secret_file)
+            await PromptQueue(r, keys).add([evil("evil-unsigned")])
+            await add_entries(r, keys.prompts, [b"\x93not msgpack"], signer, PROMPT)
+            await PromptQueue(r, keys, signer=signer).add(
+                [
+                    evil("evil-task", task={}),
+                    evil("evil-vocab", prompt_tokens=np.array([1, 10_000], dtype=np.int32)),
+                    evil("evil-long", prompt_tokens=np.full(1100, 5, np.int32)),
+                    evil("evil-n", n_samples=4096),
+                    evil(copied.group_id, prompt_id=copied.prompt_id, prompt_tokens=copied.prompt_tokens, task={}),
+                ]
+            )
+            # A fed prompt, delivered to three consumers in turn, each of which dies holding it.
+            [[_, [(sid, _)]]] = await r.xreadgroup("rollout", "ghost0", {keys.prompts: ">"}, count=1)
+            for ghost in ("ghost1", "ghost2"):
+                await r.xclaim(keys.prompts, "rollout", ghost, 0, [sid])
+            [(_, stolen)] = await r.xrange(keys.prompts, min=sid, max=sid)
+            return {"copied": copied.group_id, "stolen": decode_prompt_group(stolen[DATA_FIELD]).group_id}
+        finally:
+            await r.aclose()
+
+    return asyncio.run(main())
+
+
+def test_poison_prompts_injected_live(tmp_path, redis_server, run_id):
+    """Every poison prompt is dead-lettered exactly once with its reason, and counted; no worker exits;
+    the stolen prompt (4th delivery) is dead-lettered on reclaim and the trainer settles it as dropped;
+    the forged copy of a fed group id does not settle the real one; 0 lost, 0 doubled."""
+    max_steps = 4
+    run = _start(tmp_path, run_id, redis_server.url, max_steps=max_steps, workers=())
+    try:
+        ids = _poison_prompts(redis_server.url, run_id, str(tmp_path / "run.secret"))
+        time.sleep(2.5)  # the stolen prompt idles past rollout.reclaim_idle_s (2 s) before a worker looks
+        for w in ("w0", "w1"):
+            run.start_worker(w)
+        assert run.wait_trainer() == 0, run.log_tail("trainer")
+        assert all(p.poll() is None for p in run.workers.values()), [run.log_tail(w) for w in run.workers]
+        refused = asyncio.run(_refused_prompts(redis_server.url, run_id, want=8))
+    finally:
+        run.close()
+    figures = audit(run.run_dir, max_steps)
+    state = checkpoint_state(run.run_dir)
+    dead = asyncio.run(_deadletters(redis_server.url, run_id))
+    reasons = sorted(d.reason for d in dead if d.source.endswith(":prompts"))
+    assert len({d.source_id for d in dead if d.source.endswith(":prompts")}) == len(reasons) == 8, reasons
+    for want, n in (("unsigned", 1), ("decode", 1), ("task fields", 2), ("vocab is", 1), ("new > max_seq_len", 1),
+                    ("n_samples=4096", 1), ("delivered 4 times", 1)):  # fmt: skip
+        assert sum(want in r for r in reasons) == n, (want, reasons)
+    assert refused == 8  # the workers' heartbeats
+    dropped = {g for r in lines(run.run_dir / "audit.jsonl") for g in r["dropped"]}
+    trained = {g[0] for r in lines(run.run_dir / "audit.jsonl") for g in r["groups"]}
+    assert ids["stolen"] in dropped and state["prompts_dead_lettered"] == 1
+    assert lines(run.run_dir / "metrics.jsonl")[-1]["prompts_dead_lettered"] == 1
+    assert ids["copied"] in trained | set(state["outstanding"]), ids
+    report("poison_prompts", faults=8, **figures)
+
+
+async def _deadletters(url: str, run_id: str) -> list:
+    r = connect(url)
+    try:
+        return await read_deadletter(r, Keys(run_id=run_id), count=1000)
+    finally:
+        await r.aclose()
+
+
+async def _refused_prompts(url: str, run_id: str, *, want: int, timeout_s: float = 30.0) -> int:
+    """The prompts the live workers say (heartbeat info) they refused, once that reaches `want`."""
+    r = connect(url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = await Heartbeats(r, Keys(run_id=run_id)).live(role="rollout")
+            n = sum(b["info"].get("refused_prompts", 0) for b in live.values())
+            if n >= want or time.monotonic() > deadline:
+                return n
+            await asyncio.sleep(0.2)
+    finally:
+        await r.aclose()
 
 
 def _sample_backlog(run: Run, redis_port: int, run_id: str, until: Callable[[], bool], timeout_s: float) -> int:
