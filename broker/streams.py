@@ -18,6 +18,10 @@ Delivery is at-least-once; exactly-once *effect* comes from idempotency keys:
   trajectory delivered twice (re-sent by a worker, regenerated after a crash, re-read
   after a trainer crash) is used once.
 
+Where Redis lost a stream or its group (NOGROUP: a restart without its data, FLUSHALL), every
+consumer call (read, keep_alive, janitor) makes the group again from id 0 and carries on, counting
+it in `Counters.regrouped`; XACK, the commit script and dead-lettering find nothing to ack, harmlessly.
+
 Consumers must renew entries they hold longer than `claim_idle_ms` with `keep_alive()`,
 or another consumer's janitor takes them (the entry is then processed twice and the
 idempotency key drops the second result). A consumer never reclaims the entries it
@@ -35,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -58,6 +62,7 @@ from broker.signing import TRAJECTORY, Signer
 DATA_FIELD = b"d"
 SIG_FIELD = b"s"  # HMAC of DATA_FIELD (broker.signing), on trajectory entries when the run has a secret
 _DL_PREFIX = "orig:"
+T = TypeVar("T")
 
 
 def run_async(main: Awaitable[Any]) -> Any:
@@ -332,16 +337,26 @@ class GroupConsumer:
         count = min(count, cfg.max_read_count)
         if not 0 <= block_ms <= 30_000:
             raise ValueError(f"block_ms={block_ms}: want 0..30000")
+        got = await self._or_regroup(lambda: self._read(count, block_ms), None)
+        if got is None:  # the group was made again: read from it (what was added since the loss)
+            got = await self._or_regroup(lambda: self._read(count, block_ms), [])
+        return got
+
+    async def _or_regroup(self, op: Callable[[], Awaitable[T]], lost: T) -> T:
+        """`await op()`, or `lost` where Redis lost the stream or this group (NOGROUP: a restart without
+        its data, a failover to an empty replica, FLUSHALL). The group is made again (from id 0, so
+        entries added since the loss are delivered) and this consumer starts over from its now empty
+        pending list; the entries it holds stay its caller's (their acks find nothing, harmlessly).
+        Every group command of this class goes through here (XACK of a lost group answers 0 itself)."""
         try:
-            return await self._read(count, block_ms)
+            return await op()
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
-            # Redis lost the stream or the group (a failover to an empty replica, a wipe): make them
-            # again and start over from this consumer's (now empty) pending list.
-            self._group_ready, self._backlog_cursor, self._scan_from = False, "0", "-"
-            await self.ensure_group()
-            return []
+        self.counters.regrouped += 1
+        self._backlog_cursor, self._scan_from = "0", "-"
+        await self.ensure_group()
+        return lost
 
     async def _read(self, count: int, block_ms: int) -> list[Entry]:
         cfg = self.config
@@ -448,10 +463,13 @@ class GroupConsumer:
 
     async def keep_alive(self, ids: Iterable[str]) -> list[str]:
         """Reset the idle time of entries this consumer still owns (XCLAIM JUSTID, which
-        does not count as a delivery); returns the ids it still owned."""
+        does not count as a delivery); returns the ids it still owned (none, where Redis lost the group)."""
         ids = list(ids)
         if not ids:
             return []
+        return await self._or_regroup(lambda: self._keep_alive(ids), [])
+
+    async def _keep_alive(self, ids: list[str]) -> list[str]:
         # Only entries still ours: another janitor may have claimed one meanwhile, and
         # claiming it back would only make a third copy of the work.
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -469,6 +487,9 @@ class GroupConsumer:
         """One bounded pass: queue this consumer's own pending entries (once, at start),
         claim idle entries of other (presumably dead) consumers, dead-letter those over
         `max_deliveries`, trim what every group has acked."""
+        return await self._or_regroup(self._janitor, JanitorReport())
+
+    async def _janitor(self) -> JanitorReport:
         cfg = self.config
         self._last_janitor = time.monotonic()
         if not self._group_ready:
@@ -556,6 +577,7 @@ class Counters:
     unsigned: int = 0  # trajectory entries without a valid signature (the run has a secret), dead-lettered
     duplicates: int = 0  # samples already committed or already held, acked and dropped
     dead_lettered: int = 0  # entries delivered more than max_deliveries times, dead-lettered
+    regrouped: int = 0  # times Redis had lost the stream or its group (NOGROUP) and the group was made again
 
 
 class _TypedStream:
