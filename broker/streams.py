@@ -732,13 +732,21 @@ class TrajectoryStream(_TypedStream):
             self.redis, self.keys.trajectories, [encode_trajectory(t, self.limits) for t in trajectories], self.signer
         )
 
-    async def read(self, count: int | None = None, block_ms: int | None = None) -> list[TrajectoryRecord]:
+    async def read(
+        self,
+        count: int | None = None,
+        block_ms: int | None = None,
+        *,
+        admit: Callable[[TrajectoryRecord], bool] | None = None,
+    ) -> list[TrajectoryRecord]:
         """Fresh records only: undecodable entries go to the dead-letter stream, samples
-        already committed or already held by this reader are acked and counted as duplicates."""
+        already committed or already held by this reader are acked and counted as duplicates.
+
+        `admit` (the caller's validation) sees each decoded record first; one it refuses (False: the
+        caller settles it itself, e.g. dead-letters it) is never held and never makes another copy
+        of its sample id a duplicate, not even one later in the same batch."""
         c = self._need_consumer()
         decoded: list[TrajectoryRecord] = []
-        duplicates: list[str] = []
-        batch_samples: set[str] = set()
         for e in await c.read(count, block_ms):
             payload = e.fields.get(DATA_FIELD)
             if self.signer is not None and not (
@@ -749,23 +757,17 @@ class TrajectoryStream(_TypedStream):
                 await c.dead_letter(e, f"{why}: not signed with this run's secret")
                 continue
             try:
-                t = decode_trajectory(payload, self.limits)
+                decoded.append(TrajectoryRecord(e.id, e.deliveries, decode_trajectory(payload, self.limits)))
             except CodecError as err:
                 self.counters.malformed += 1
                 await c.dead_letter(e, f"decode: {err}")
-                continue
-            if t.sample_id in self._held_samples or t.sample_id in batch_samples:
-                duplicates.append(e.id)
-                continue
-            batch_samples.add(t.sample_id)
-            decoded.append(TrajectoryRecord(e.id, e.deliveries, t))
         # One MGET for the whole batch: a key that exists marks a committed sample.
         seen = await self.redis.mget([self._seen_key(r) for r in decoded]) if decoded else []
-        fresh = []
+        fresh, duplicates = [], []
         for r, was_seen in zip(decoded, seen):
-            if was_seen:
+            if was_seen or r.trajectory.sample_id in self._held_samples:  # held: an earlier copy, maybe this batch's
                 duplicates.append(r.stream_id)
-            else:
+            elif admit is None or admit(r):
                 self._held_samples[r.trajectory.sample_id] = r.stream_id
                 fresh.append(r)
         if duplicates:

@@ -524,17 +524,18 @@ class RolloutWorker:
             self.metrics.swap_part.labels(part).set(sec)
         # The pointer's published_at is the trainer's clock: exact on one machine, skewed across hosts.
         pointer = pf.pointer
-        after_publish = time.time() - pointer.published_at if pointer.published_at else float("nan")
+        after_publish = time.time() - pointer.published_at if pointer.published_at else None  # None: not said
         self.metrics.fetch_seconds.observe(st.seconds + parts["h2d"])
         self.metrics.fetch_bytes.inc(st.bytes)
         self.metrics.version.set(self.version)
-        self.metrics.publish_to_live.set(after_publish)
+        if after_publish is not None:
+            self.metrics.publish_to_live.set(after_publish)
         self.health.set_serving(not self.stop.is_set())
         groups, tokens, gen_s = self._since_swap
         self._since_swap = [0, 0, 0.0]
         self.log(
             f"{self.worker_id}: policy v{self.version} live ({st.bytes} bytes, "
-            f"{t2 - pf.seen:.2f}s, {after_publish:.2f}s after publish); "
+            f"{t2 - pf.seen:.2f}s, {'?' if after_publish is None else f'{after_publish:.2f}'}s after publish); "
             f"under v{previous}: {groups} groups, {tokens} tokens in {gen_s:.2f}s generating; "
             + ", ".join(f"{k} {v:.2f}s" for k, v in parts.items())
             + f" ({how}, {self.cfg.fetch_streams} stream(s))"

@@ -96,6 +96,8 @@ class MetricsSink:
             self.endpoint.add_callback(lambda: state_samples(state()))
 
     def write(self, row: dict) -> None:
+        """Append `row`; set the gauge of every GAUGES key it has (a key it lacks, a mean over no
+        sample, leaves its gauge at the last step that had one: a gauge is never set to NaN)."""
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self.endpoint is None:
