@@ -264,7 +264,7 @@ class RolloutWorker:
             )
         )
         carried: list = []  # prompt records read but not started (the newest policy was unreachable)
-        refused_logged = 0
+        refused_logged = regrouped_logged = 0
         last_pointer = last_read = last_commit = last_keep = 0.0
         try:
             while not (self.stop.is_set() and not self.inflight):
@@ -294,6 +294,9 @@ class RolloutWorker:
                     if not carried:  # do not block while samples are decoding or a version is coming
                         block = 0 if busy or self._prefetch is not None else None
                         carried = await queue.read(count=room, block_ms=block)
+                        if queue.counters.regrouped > regrouped_logged:  # read or keep_alive found it gone
+                            regrouped_logged = queue.counters.regrouped
+                            self.log(f"{self.worker_id}: Redis had lost the prompts stream or its group: made again")
                     while carried and len(self.inflight) < self.cfg.max_inflight_groups:
                         # Never start a group with a policy already more than max_staleness behind
                         # the newest; if the newest cannot be loaded now (or the groups in flight

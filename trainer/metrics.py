@@ -51,6 +51,10 @@ GAUGES = {
     "clip_frac": ("tandem_trainer_clip_frac", "fraction of tokens whose PPO ratio was clipped, last step (0..1)"),
     "tis_frac": ("tandem_trainer_tis_frac", "fraction of tokens whose importance weight hit the cap, last step (0..1)"),
     "step_time_s": ("tandem_trainer_last_step_seconds", "wall time of the last optimizer step (seconds)"),
+    "outstanding_groups": (
+        "tandem_trainer_outstanding_groups",
+        "prompt groups fed and not yet used or dropped, after the last step (groups)",
+    ),
 }
 
 # State counter -> HELP. A State counter missing here is still exported, with a generic HELP.

@@ -311,7 +311,11 @@ class Trainer:
                         await self.publisher.idle()
                     self._publish_s = time.perf_counter() - t_publish
                     row["publish_bg_s"] = self._publish_bg_s  # the previous publish's (awaited just now)
-                row.update(retained_versions=len(self.versions.versions()), retained_bytes=self.versions.nbytes())
+                row.update(
+                    retained_versions=len(self.versions.versions()),
+                    retained_bytes=self.versions.nbytes(),
+                    outstanding_groups=len(self.state.outstanding),  # fed, not yet used or dropped: the backlog
+                )
                 if self._resumed_from is not None:  # the plots mark where the run resumed
                     row["resumed_from"], self._resumed_from = self._resumed_from, None
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
