@@ -18,7 +18,7 @@ Delivery is at-least-once; exactly-once *effect* comes from idempotency keys:
   trajectory delivered twice (re-sent by a worker, regenerated after a crash, re-read
   after a trainer crash) is used once.
 
-Where Redis lost a stream or its group (NOGROUP: a restart without its data, FLUSHALL), every
+Where Redis lost a stream or its group (NOGROUP, UNBLOCKED: a restart without its data, FLUSHALL), every
 consumer call (read, keep_alive, janitor) makes the group again from id 0 and carries on, counting
 it in `Counters.regrouped`; XACK, the commit script and dead-lettering find nothing to ack, harmlessly.
 
@@ -63,6 +63,9 @@ DATA_FIELD = b"d"
 SIG_FIELD = b"s"  # HMAC of DATA_FIELD (broker.signing), on trajectory entries when the run has a secret
 _DL_PREFIX = "orig:"
 T = TypeVar("T")
+# Replies meaning Redis lost the stream or the group: to any group command, and to an XREADGROUP
+# blocked while its stream was deleted ("UNBLOCKED the stream key no longer exists").
+_LOST = ("NOGROUP", "UNBLOCKED")
 
 
 def run_async(main: Awaitable[Any]) -> Any:
@@ -343,15 +346,16 @@ class GroupConsumer:
         return got
 
     async def _or_regroup(self, op: Callable[[], Awaitable[T]], lost: T) -> T:
-        """`await op()`, or `lost` where Redis lost the stream or this group (NOGROUP: a restart without
-        its data, a failover to an empty replica, FLUSHALL). The group is made again (from id 0, so
+        """`await op()`, or `lost` where Redis lost the stream or this group (NOGROUP, or UNBLOCKED to a
+        blocked read: a restart without its data, a failover to an empty replica, FLUSHALL, DEL). The
+        group is made again (from id 0, so
         entries added since the loss are delivered) and this consumer starts over from its now empty
         pending list; the entries it holds stay its caller's (their acks find nothing, harmlessly).
         Every group command of this class goes through here (XACK of a lost group answers 0 itself)."""
         try:
             return await op()
         except ResponseError as e:
-            if "NOGROUP" not in str(e):
+            if not any(tag in str(e) for tag in _LOST):  # in a pipeline's error, the reply is quoted
                 raise
         self.counters.regrouped += 1
         self._backlog_cursor, self._scan_from = "0", "-"

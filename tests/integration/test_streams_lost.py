@@ -4,6 +4,9 @@ group again and carries on, none raises NOGROUP to the service loop."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from test_streams import QUIET, prompt, traj
 
 from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
@@ -71,3 +74,20 @@ async def test_the_trainer_side_rides_out_a_lost_stream(redis_url, run_id):
         assert await ts.commit(fresh) == 4
         await ts.dead_letter(fresh[0], "refused")
         assert ts.counters.regrouped >= 2
+
+
+async def test_a_read_blocked_while_redis_deletes_its_stream_reads_on(redis_url, run_id):
+    """Redis answers a blocked XREADGROUP whose stream is deleted with UNBLOCKED, not NOGROUP."""
+    keys = Keys(run_id=run_id)
+    async with connect(redis_url) as r, connect(redis_url) as other:
+        q = PromptQueue(r, keys, consumer="w1", config=StreamConfig(janitor_every_s=0, block_ms=20_000))
+        await q.setup()
+        reading = asyncio.create_task(q.read())
+        deadline = time.monotonic() + 20
+        while not any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in await other.client_list()):
+            assert time.monotonic() < deadline and not reading.done(), "the read never blocked"
+            await asyncio.sleep(0.01)
+        await other.delete(keys.prompts)
+        await PromptQueue(other, keys).add([prompt(1)])  # fed again: the same read returns it
+        [got] = await asyncio.wait_for(reading, 20)
+        assert got.group.group_id == "g1" and q.counters.regrouped == 1
