@@ -88,7 +88,7 @@ class State:
     pending_commit: list = field(default_factory=list)
     # Exactly-once without trusting Redis: the next prompt index to feed, and every group fed and
     # not yet used or dropped (group_id -> prompt index). A sample of any other group is refused,
-    # and after Redis lost the queue (its prompt_seq marker is gone) these are fed again.
+    # and after Redis lost the queue (trainer.feeding rule 1) these are fed again.
     prompt_seq: int = 0
     outstanding: dict = field(default_factory=dict)
     # Groups settled without training since the last audit line: listed in the next one, also when

@@ -1,6 +1,7 @@
 """broker.streams when Redis lost a stream or its consumer group (a restart without its data, a
 failover to an empty replica, FLUSHALL), against a real redis-server: every consumer call makes the
-group again and carries on, none raises NOGROUP to the service loop."""
+group again and carries on, none raises NOGROUP to the service loop; the registry and heartbeats
+start over empty."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from test_streams import QUIET, prompt, traj
 
 from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys
+from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.streams import JanitorReport, PromptQueue, StreamConfig, TrajectoryStream, connect, read_deadletter
 
 
@@ -91,3 +93,16 @@ async def test_a_read_blocked_while_redis_deletes_its_stream_reads_on(redis_url,
         await PromptQueue(other, keys).add([prompt(1)])  # fed again: the same read returns it
         [got] = await asyncio.wait_for(reading, 20)
         assert got.group.group_id == "g1" and q.counters.regrouped == 1
+
+
+async def test_the_registry_and_heartbeats_after_redis_lost_everything(redis_url, run_id):
+    keys = Keys(run_id=run_id)
+    async with connect(redis_url) as r:
+        registry, beats = PolicyRegistry(r, keys), Heartbeats(r, keys)
+        pointer = PolicyPointer(version=3, address="127.0.0.1:1", contract_fingerprint="fp")
+        assert await registry.publish(pointer)
+        await beats.beat("w1", ttl_s=30, role="rollout")
+        await lose_everything(r, keys)
+        assert await registry.latest() is None and await beats.live() == {}
+        assert await registry.publish(pointer)  # the trainer points at its version again
+        assert (await registry.latest()).version == 3 and registry.refused == 0
