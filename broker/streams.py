@@ -18,6 +18,10 @@ Delivery is at-least-once; exactly-once *effect* comes from idempotency keys:
   trajectory delivered twice (re-sent by a worker, regenerated after a crash, re-read
   after a trainer crash) is used once.
 
+Where Redis lost a stream or its group (NOGROUP, UNBLOCKED: a restart without its data, FLUSHALL), every
+consumer call (read, keep_alive, janitor) makes the group again from id 0 and carries on, counting
+it in `Counters.regrouped`; XACK, the commit script and dead-lettering find nothing to ack, harmlessly.
+
 Consumers must renew entries they hold longer than `claim_idle_ms` with `keep_alive()`,
 or another consumer's janitor takes them (the entry is then processed twice and the
 idempotency key drops the second result). A consumer never reclaims the entries it
@@ -35,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -58,6 +62,10 @@ from broker.signing import PROMPT, TRAJECTORY, Signer
 DATA_FIELD = b"d"
 SIG_FIELD = b"s"  # HMAC of DATA_FIELD (broker.signing), on prompt and trajectory entries when the run has a secret
 _DL_PREFIX = "orig:"
+T = TypeVar("T")
+# Replies meaning Redis lost the stream or the group: to any group command, and to an XREADGROUP
+# blocked while its stream was deleted ("UNBLOCKED the stream key no longer exists").
+_LOST = ("NOGROUP", "UNBLOCKED")
 
 
 def run_async(main: Awaitable[Any]) -> Any:
@@ -346,16 +354,27 @@ class GroupConsumer:
         count = min(count, cfg.max_read_count)
         if not 0 <= block_ms <= 30_000:
             raise ValueError(f"block_ms={block_ms}: want 0..30000")
+        got = await self._or_regroup(lambda: self._read(count, block_ms), None)
+        if got is None:  # the group was made again: read from it (what was added since the loss)
+            got = await self._or_regroup(lambda: self._read(count, block_ms), [])
+        return got
+
+    async def _or_regroup(self, op: Callable[[], Awaitable[T]], lost: T) -> T:
+        """`await op()`, or `lost` where Redis lost the stream or this group (NOGROUP, or UNBLOCKED to a
+        blocked read: a restart without its data, a failover to an empty replica, FLUSHALL, DEL). The
+        group is made again (from id 0, so
+        entries added since the loss are delivered) and this consumer starts over from its now empty
+        pending list; the entries it holds stay its caller's (their acks find nothing, harmlessly).
+        Every group command of this class goes through here (XACK of a lost group answers 0 itself)."""
         try:
-            return await self._read(count, block_ms)
+            return await op()
         except ResponseError as e:
-            if "NOGROUP" not in str(e):
+            if not any(tag in str(e) for tag in _LOST):  # in a pipeline's error, the reply is quoted
                 raise
-            # Redis lost the stream or the group (a failover to an empty replica, a wipe): make them
-            # again and start over from this consumer's (now empty) pending list.
-            self._group_ready, self._backlog_cursor, self._scan_from = False, "0", "-"
-            await self.ensure_group()
-            return []
+        self.counters.regrouped += 1
+        self._backlog_cursor, self._scan_from = "0", "-"
+        await self.ensure_group()
+        return lost
 
     async def _read(self, count: int, block_ms: int) -> list[Entry]:
         cfg = self.config
@@ -462,10 +481,13 @@ class GroupConsumer:
 
     async def keep_alive(self, ids: Iterable[str]) -> list[str]:
         """Reset the idle time of entries this consumer still owns (XCLAIM JUSTID, which
-        does not count as a delivery); returns the ids it still owned."""
+        does not count as a delivery); returns the ids it still owned (none, where Redis lost the group)."""
         ids = list(ids)
         if not ids:
             return []
+        return await self._or_regroup(lambda: self._keep_alive(ids), [])
+
+    async def _keep_alive(self, ids: list[str]) -> list[str]:
         # Only entries still ours: another janitor may have claimed one meanwhile, and
         # claiming it back would only make a third copy of the work.
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -483,6 +505,9 @@ class GroupConsumer:
         """One bounded pass: queue this consumer's own pending entries (once, at start),
         claim idle entries of other (presumably dead) consumers, dead-letter those over
         `max_deliveries`, trim what every group has acked."""
+        return await self._or_regroup(self._janitor, JanitorReport())
+
+    async def _janitor(self) -> JanitorReport:
         cfg = self.config
         self._last_janitor = time.monotonic()
         if not self._group_ready:
@@ -570,6 +595,7 @@ class Counters:
     unsigned: int = 0  # entries without a valid signature (the run has a secret), dead-lettered
     duplicates: int = 0  # samples already committed or already held, acked and dropped
     dead_lettered: int = 0  # entries delivered more than max_deliveries times, dead-lettered
+    regrouped: int = 0  # times Redis had lost the stream or its group (NOGROUP) and the group was made again
 
 
 class _TypedStream:
@@ -733,13 +759,21 @@ class TrajectoryStream(_TypedStream):
             self.redis, self.keys.trajectories, [encode_trajectory(t, self.limits) for t in trajectories], self.signer
         )
 
-    async def read(self, count: int | None = None, block_ms: int | None = None) -> list[TrajectoryRecord]:
+    async def read(
+        self,
+        count: int | None = None,
+        block_ms: int | None = None,
+        *,
+        admit: Callable[[TrajectoryRecord], bool] | None = None,
+    ) -> list[TrajectoryRecord]:
         """Fresh records only: undecodable entries go to the dead-letter stream, samples
-        already committed or already held by this reader are acked and counted as duplicates."""
+        already committed or already held by this reader are acked and counted as duplicates.
+
+        `admit` (the caller's validation) sees each decoded record first; one it refuses (False: the
+        caller settles it itself, e.g. dead-letters it) is never held and never makes another copy
+        of its sample id a duplicate, not even one later in the same batch."""
         c = self._need_consumer()
         decoded: list[TrajectoryRecord] = []
-        duplicates: list[str] = []
-        batch_samples: set[str] = set()
         for e in await c.read(count, block_ms):
             refusal = signature_refusal(e.fields, self.signer, TRAJECTORY)
             if refusal is not None:
@@ -747,23 +781,19 @@ class TrajectoryStream(_TypedStream):
                 await c.dead_letter(e, refusal)
                 continue
             try:
-                t = decode_trajectory(e.fields.get(DATA_FIELD), self.limits)
+                decoded.append(
+                    TrajectoryRecord(e.id, e.deliveries, decode_trajectory(e.fields.get(DATA_FIELD), self.limits))
+                )
             except CodecError as err:
                 self.counters.malformed += 1
                 await c.dead_letter(e, f"decode: {err}")
-                continue
-            if t.sample_id in self._held_samples or t.sample_id in batch_samples:
-                duplicates.append(e.id)
-                continue
-            batch_samples.add(t.sample_id)
-            decoded.append(TrajectoryRecord(e.id, e.deliveries, t))
         # One MGET for the whole batch: a key that exists marks a committed sample.
         seen = await self.redis.mget([self._seen_key(r) for r in decoded]) if decoded else []
-        fresh = []
+        fresh, duplicates = [], []
         for r, was_seen in zip(decoded, seen):
-            if was_seen:
+            if was_seen or r.trajectory.sample_id in self._held_samples:  # held: an earlier copy, maybe this batch's
                 duplicates.append(r.stream_id)
-            else:
+            elif admit is None or admit(r):
                 self._held_samples[r.trajectory.sample_id] = r.stream_id
                 fresh.append(r)
         if duplicates:

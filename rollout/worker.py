@@ -286,7 +286,7 @@ class RolloutWorker:
             )
         )
         carried: list = []  # prompt records read but not started (the newest policy was unreachable)
-        refused_logged = 0
+        refused_logged = regrouped_logged = 0
         last_pointer = last_read = last_commit = last_keep = 0.0
         try:
             while not (self.stop.is_set() and not self.inflight):
@@ -317,6 +317,9 @@ class RolloutWorker:
                         block = 0 if busy or self._prefetch is not None else None
                         carried = await queue.read(count=room, block_ms=block)
                         self._count_queue_refusals(queue)
+                        if queue.counters.regrouped > regrouped_logged:  # read or keep_alive found it gone
+                            regrouped_logged = queue.counters.regrouped
+                            self.log(f"{self.worker_id}: Redis had lost the prompts stream or its group: made again")
                     while carried and len(self.inflight) < self._inflight_limit(carried):
                         reason = self._refusal(carried[0].group)
                         if reason is not None:
@@ -616,17 +619,18 @@ class RolloutWorker:
             self.metrics.swap_part.labels(part).set(sec)
         # The pointer's published_at is the trainer's clock: exact on one machine, skewed across hosts.
         pointer = pf.pointer
-        after_publish = time.time() - pointer.published_at if pointer.published_at else float("nan")
+        after_publish = time.time() - pointer.published_at if pointer.published_at else None  # None: not said
         self.metrics.fetch_seconds.observe(st.seconds + parts["h2d"])
         self.metrics.fetch_bytes.inc(st.bytes)
         self.metrics.version.set(self.version)
-        self.metrics.publish_to_live.set(after_publish)
+        if after_publish is not None:
+            self.metrics.publish_to_live.set(after_publish)
         self.health.set_serving(not self.stop.is_set())
         groups, tokens, gen_s = self._since_swap
         self._since_swap = [0, 0, 0.0]
         self.log(
             f"{self.worker_id}: policy v{self.version} live ({st.bytes} bytes, "
-            f"{t2 - pf.seen:.2f}s, {after_publish:.2f}s after publish); "
+            f"{t2 - pf.seen:.2f}s, {'?' if after_publish is None else f'{after_publish:.2f}'}s after publish); "
             f"under v{previous}: {groups} groups, {tokens} tokens in {gen_s:.2f}s generating; "
             + ", ".join(f"{k} {v:.2f}s" for k, v in parts.items())
             + f" ({how}, {self.cfg.fetch_streams} stream(s))"

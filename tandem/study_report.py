@@ -3,7 +3,8 @@
 The numbers, per run, from its metrics.jsonl (n steps):
     final_reward      = mean of reward_mean over the last k = ceil(0.1 n) steps
     reward_change     = final_reward - (mean over the first k steps)
-    logp_abs_diff, logp_abs_diff_quant, logp_abs_diff_stale, kl_k3, staleness_mean = means over all steps
+    logp_abs_diff, logp_abs_diff_quant, logp_abs_diff_stale, kl_k3, staleness_mean = means over the steps
+                        that report them (a part no step could split is left empty, never NaN)
     dropped_stale_frac = dropped_stale / (dropped_stale + samples used), counts of the whole run
     grad_norm_spikes  = #{i : grad_norm_i > 5 * median(grad_norm_0 .. grad_norm_{i-1})}, i >= 3
 and, against the bf16 run with the same config otherwise (same staleness and seed, the precision keys
@@ -114,7 +115,7 @@ def summarize_run(run: StudyRun, run_dir: Path) -> dict:
         out.update(
             final_reward=final,
             reward_change=final - start,
-            **{k: statistics.fmean(r[k] for r in rows) for k in (*MISMATCH_KEYS, "staleness_mean")},
+            **{k: _mean_of(r.get(k) for r in rows) for k in (*MISMATCH_KEYS, "staleness_mean")},
             dropped_stale_frac=dropped / max(1, dropped + used),
             grad_norm_spikes=grad_norm_spikes([r["grad_norm"] for r in rows]),
             wall_time_s=sum(a["end"] - a["start"] for a in attempts),
@@ -215,7 +216,8 @@ def _panels(runs, rows):
 
 
 def _log_axis(ax, values: list[float]) -> None:
-    """A log axis (symlog when some value is 0: the staleness part at max_staleness 0)."""
+    """A log axis (symlog when some value is 0: the staleness part at max_staleness 0); None: no value."""
+    values = [v for v in values if v is not None]
     positive = [v for v in values if v > 0]
     if not positive:
         return
@@ -292,8 +294,9 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
             for ax, key in zip(axes[0], keys):
                 for label, by_s in series.items():
                     xs = sorted(by_s)
-                    ys = [statistics.fmean(r[key] for r in by_s[s]) for s in xs]
-                    es = [statistics.pstdev([r[key] for r in by_s[s]]) for s in xs]
+                    xs = [s for s in xs if any(r[key] is not None for r in by_s[s])]
+                    ys = [_mean_of(r[key] for r in by_s[s]) for s in xs]
+                    es = [statistics.pstdev([r[key] for r in by_s[s] if r[key] is not None]) for s in xs]
                     ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
                 ax.set_xlabel("max_staleness")
                 ax.set_ylabel(ylabel)
@@ -314,7 +317,7 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
         for j, (key, label) in enumerate(
             (("logp_abs_diff_quant", "quantization part"), ("logp_abs_diff_stale", "staleness part"))
         ):
-            ax.bar([i + (j - 0.5) * width for i in range(len(named))], [row[key] for _, row in named], width,
+            ax.bar([i + (j - 0.5) * width for i in range(len(named))], [row[key] or 0.0 for _, row in named], width,
                    label=label)  # fmt: skip
         ax.set_xticks(range(len(named)))
         ax.set_xticklabels(
@@ -372,6 +375,12 @@ def run_commits(runs: list[StudyRun], out: Path) -> list[str]:
         for a in read_jsonl(out / (r.alias_of or r.name) / "attempts.jsonl"):
             seen.setdefault(a.get("commit", "unknown"), None)
     return list(seen) or ["none recorded"]
+
+
+def _mean_of(values) -> float | None:
+    """The mean of the values that are numbers (a metric absent from some rows); None if none is."""
+    xs = [v for v in values if v is not None]
+    return statistics.fmean(xs) if xs else None
 
 
 def _fmt(v) -> str:

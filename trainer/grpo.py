@@ -80,18 +80,19 @@ def mismatch_metrics(
                                         over the tokens (the mean hides how rare large ones are)
 
     version_known [B] (bool): rows whose version's weights are known; the others (samples from
-    before a restart) are left out of the two parts and the percentiles (NaN if no row is known).
+    before a restart) are left out of the two parts and the percentiles, which are absent from the
+    result when no row is known (a mean over nothing is no number, never NaN).
     """
     d = logp_prox - logp_behav
     split = mask if version_known is None else mask * version_known[:, None].to(mask)  # its dtype and device
     quant = (logp_version - logp_behav).abs()
     tokens = quant[split > 0]
-    nan = float("nan")
-    return {
-        "logp_abs_diff": masked_mean(d.abs(), mask),
-        "logp_abs_diff_quant": masked_mean(quant, split) if tokens.numel() else nan,
-        "logp_abs_diff_stale": masked_mean((logp_prox - logp_version).abs(), split) if tokens.numel() else nan,
-        "logp_abs_diff_quant_p50": float(tokens.double().quantile(0.5)) if tokens.numel() else nan,
-        "logp_abs_diff_quant_p95": float(tokens.double().quantile(0.95)) if tokens.numel() else nan,
-        "kl_k3": masked_mean(torch.exp(d) - 1 - d, mask),
-    }
+    out = {"logp_abs_diff": masked_mean(d.abs(), mask), "kl_k3": masked_mean(torch.exp(d) - 1 - d, mask)}
+    if tokens.numel():
+        out.update(
+            logp_abs_diff_quant=masked_mean(quant, split),
+            logp_abs_diff_stale=masked_mean((logp_prox - logp_version).abs(), split),
+            logp_abs_diff_quant_p50=float(tokens.double().quantile(0.5)),
+            logp_abs_diff_quant_p95=float(tokens.double().quantile(0.95)),
+        )
+    return out

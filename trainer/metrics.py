@@ -51,6 +51,10 @@ GAUGES = {
     "clip_frac": ("tandem_trainer_clip_frac", "fraction of tokens whose PPO ratio was clipped, last step (0..1)"),
     "tis_frac": ("tandem_trainer_tis_frac", "fraction of tokens whose importance weight hit the cap, last step (0..1)"),
     "step_time_s": ("tandem_trainer_last_step_seconds", "wall time of the last optimizer step (seconds)"),
+    "outstanding_groups": (
+        "tandem_trainer_outstanding_groups",
+        "prompt groups fed and not yet used or dropped, after the last step (groups)",
+    ),
 }
 
 # State counter -> HELP. A State counter missing here is still exported, with a generic HELP.
@@ -97,6 +101,8 @@ class MetricsSink:
             self.endpoint.add_callback(lambda: state_samples(state()))
 
     def write(self, row: dict) -> None:
+        """Append `row`; set the gauge of every GAUGES key it has (a key it lacks, a mean over no
+        sample, leaves its gauge at the last step that had one: a gauge is never set to NaN)."""
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self.endpoint is None:

@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import os
+import secrets
 import signal
 import time
 from collections import Counter
@@ -58,7 +59,7 @@ from policy.loop import AsyncConfig
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
-from . import admission, grpo
+from . import admission, feeding, grpo
 from .backends import make_backend
 from .config import TrainerConfig
 from .metrics import MetricsSink
@@ -96,7 +97,7 @@ class State:
     pending_commit: list = field(default_factory=list)
     # Exactly-once without trusting Redis: the next prompt index to feed, and every group fed and
     # not yet used or dropped (group_id -> prompt index). A sample of any other group is refused,
-    # and after Redis lost the queue (its prompt_seq marker is gone) these are fed again.
+    # and after Redis lost the queue (trainer.feeding rule 1) these are fed again.
     prompt_seq: int = 0
     outstanding: dict = field(default_factory=dict)
     # Groups settled without training since the last audit line: listed in the next one, also when
@@ -237,6 +238,10 @@ class Trainer:
         self._rejected: list[tuple[TrajectoryRecord, str]] = []
         self._consumed: list[TrajectoryRecord] = []  # consumed by the _collect in progress
         self._deadletter_from = "-"  # the dead-letter stream is read from here (_settle_dead_lettered)
+        # This incarnation's mark in Redis (trainer.feeding rule 1), and the stream ids read before Redis
+        # last lost its data (no longer in Redis: not subtracted from its count of queued samples).
+        self._nonce = secrets.token_hex(16)
+        self._lost_ids: set[str] = set()
         # The last publish on the training thread: its seconds, and of them producing the quantized parts
         # (metrics); the background part of the last publish that finished (set by its thread).
         self._publish_s = self._quantize_s = self._publish_bg_s = 0.0
@@ -318,7 +323,11 @@ class Trainer:
                         await self.publisher.idle()
                     self._publish_s = time.perf_counter() - t_publish
                     row["publish_bg_s"] = self._publish_bg_s  # the previous publish's (awaited just now)
-                row.update(retained_versions=len(self.versions.versions()), retained_bytes=self.versions.nbytes())
+                row.update(
+                    retained_versions=len(self.versions.versions()),
+                    retained_bytes=self.versions.nbytes(),
+                    outstanding_groups=len(self.state.outstanding),  # fed, not yet used or dropped: the backlog
+                )
                 if self._resumed_from is not None:  # the plots mark where the run resumed
                     row["resumed_from"], self._resumed_from = self._resumed_from, None
                 # Written before the checkpoint: a restart truncates lines past the checkpoint's step.
@@ -343,11 +352,14 @@ class Trainer:
             await self.redis.aclose()
 
     def _progress_line(self, r: dict) -> str:
+        """One line per step; a mismatch part over no known sample (all from before a restart) reads n/a."""
+        quant, stale = r.get("logp_abs_diff_quant"), r.get("logp_abs_diff_stale")
+        split = "n/a" if quant is None else f"{quant:.1e} stale {stale:.4f}"
         return (
             f"step {r['step']:>4}/{self.cfg.max_steps} v{r['policy_version']} reward {r['reward_mean']:.3f} "
             f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']} dropped {r['dropped_stale']}s/"
-            f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {r['logp_abs_diff_quant']:.1e}"
-            f" stale {r['logp_abs_diff_stale']:.4f}) kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s"
+            f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {split}"
+            f") kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s"
         )
 
     async def _checkpoint_and_commit(self) -> None:
@@ -525,9 +537,15 @@ class Trainer:
     def _seq_key(self) -> str:
         return self.keys.prefix + "prompt_seq"  # Redis's copy of State.prompt_seq: gone = Redis lost data
 
+    @property
+    def _nonce_key(self) -> str:
+        return self.keys.prefix + "trainer_nonce"  # this incarnation's random mark: no retried write restores it
+
     async def _reconcile_prompts(self) -> None:
         """At start: prompts fed after the checkpoint and still queued in Redis are ours too; if Redis
-        lost prompts we fed (its prompt_seq marker is missing or behind), feed the outstanding again."""
+        lost prompts we fed (its prompt_seq marker is missing or behind), feed the outstanding again.
+        This incarnation's nonce is written first: a loss after this line is seen by the next feed."""
+        await self.redis.set(self._nonce_key, self._nonce)
         raw = await self.redis.get(self._seq_key)
         marker = None if raw is None else int(raw)
         if marker is not None and marker >= self.state.prompt_seq:
@@ -538,12 +556,25 @@ class Trainer:
             await self._refeed(f"prompt_seq in Redis is {marker}, the checkpoint's {self.state.prompt_seq}")
 
     async def _refeed(self, why: str) -> None:
+        """Redis lost what was fed: a new nonce (a later loss is seen again), every outstanding group fed
+        again (also those whose samples this trainer holds: a copy completes whatever is missing, the
+        rest are dropped as duplicates), and the samples read so far no longer counted as Redis's."""
+        self._nonce = secrets.token_hex(16)
+        await self.redis.set(self._nonce_key, self._nonce)
+        held = [r for g in (*self._backlog.incomplete.values(), *self._backlog.complete) for r in g]
+        self._lost_ids = {*self._consumed_ids(), *(r.stream_id for r in held)}
         groups = [self.make_prompt(i) for i in sorted(self.state.outstanding.values())]
         await self.prompts.add(groups)
         await self.redis.set(self._seq_key, self.state.prompt_seq)
         self.state.refed += len(groups)
-        self.log(f"Redis lost prompts ({why}): fed the {len(groups)} outstanding groups again")
+        self.log(f"Redis lost its data ({why}): fed the {len(groups)} outstanding groups again")
         await self._point_registry()  # policy:latest may be gone too
+
+    def _consumed_ids(self):
+        """Stream ids of the samples consumed or refused and not yet committed (Redis still lists them)."""
+        yield from (sid for sid, _ in self.state.pending_commit)
+        yield from (r.stream_id for r in self._consumed)
+        yield from (r.stream_id for r, _ in self._rejected)
 
     def _fed_prompt(self, group_id: str) -> np.ndarray | None:
         """The prompt tokens fed as `group_id`, while it is outstanding (fed, not yet used or dropped)."""
@@ -597,17 +628,18 @@ class Trainer:
         return group.group_id
 
     async def _feed_prompts(self) -> None:
-        """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale)."""
-        if self.state.prompt_seq > 0:
-            raw = await self.redis.get(self._seq_key)  # only this trainer writes it: it must be ours
-            if raw is None or int(raw) != self.state.prompt_seq:
-                await self._refeed(f"its prompt_seq is {raw and int(raw)}, ours {self.state.prompt_seq}")
-        # Samples already consumed or refused stay pending in the stream until the next checkpoint
-        # commits them: they are not queued any more.
-        consumed = len(self.state.pending_commit) + len(self._consumed) + len(self._rejected)
-        unconsumed = _group_backlog(await self.stream.stats(), self.stream.group) - consumed
-        queued = (
-            _group_backlog(await self.prompts.stats(), self.prompts.group) + max(0, unconsumed) // self.cfg.group_size
+        """Keep about `queued_groups` prompt groups queued or in flight (not more: they would go stale);
+        first, feed again what Redis lost (the rules: trainer.feeding)."""
+        seen = await self.redis.mget([self._nonce_key, self._seq_key])
+        lost = feeding.redis_lost(*seen, nonce=self._nonce, prompt_seq=self.state.prompt_seq)
+        if lost is not None:
+            await self._refeed(lost)
+        queued = feeding.queued_groups(
+            _group_backlog(await self.prompts.stats(), self.prompts.group),
+            _group_backlog(await self.stream.stats(), self.stream.group),
+            consumed=sum(sid not in self._lost_ids for sid in self._consumed_ids()),
+            group_size=self.cfg.group_size,
+            outstanding=len(self.state.outstanding),
         )
         q = self.cfg.queued_groups(self.max_staleness)
         want = q - queued
@@ -666,43 +698,37 @@ class Trainer:
                 raise TimeoutError(
                     f"no complete trajectory group for {self.cfg.collect_timeout_s}s: are rollout workers running?"
                 )
-            records = self._validated(await self.stream.read(), consumed)
+            records = await self.stream.read(admit=functools.partial(self._admissible, consumed=consumed))
         consumed += [r for g in decision.train for r in g]
         self._consumed = []  # the caller adds them to pending_commit
         for g in decision.train:
             self._settle(g[0].trajectory.group_id, dropped=False)
         return [[r.trajectory for r in g] for g in decision.train], consumed
 
-    def _validated(self, records: list[TrajectoryRecord], consumed: list) -> list[TrajectoryRecord]:
-        """The records admission may see: each sample admission would keep (this contract, fresh
-        enough) must pass trainer.validation first; one that fails is refused alone, with its reason.
-        Samples of groups already settled go to `consumed` (committed as duplicates)."""
-        out = []
-        for rec in records:
-            t = rec.trajectory
-            if (
-                t.contract_fingerprint != self.accepted_fingerprint
-                or admission.staleness(self.state.version, rec) > self.max_staleness
-            ):
-                out.append(rec)  # admission drops it, counted under its own reason
-                continue
-            fed = self._fed_prompt(t.group_id)
-            if fed is None and t.group_id in self._settled_recent:
-                # Already used or dropped, and Redis forgot its idempotency key (lost writes).
-                self.state.duplicates += 1
-                consumed.append(rec)
-                continue
-            reason = check_trajectory(t, self.rules, version=self.state.version, fed_prompt=fed)
-            if reason is not None:
-                self.state.invalid += 1
-                self._reject(rec, f"invalid: {reason}")
-                if self.state.invalid <= 10 or self.state.invalid % 1000 == 0:  # a flood is not a log flood
-                    self.log(
-                        f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r} (#{self.state.invalid}): {reason}"
-                    )
-                continue
-            out.append(rec)
-        return out
+    def _admissible(self, rec: TrajectoryRecord, consumed: list) -> bool:
+        """Whether admission may see `rec` (called by the stream's read on every decoded record, before
+        it marks any sample id held): each sample admission would keep (this contract, fresh enough)
+        must pass trainer.validation first; one that fails is refused alone, with its reason, and
+        never takes its sample id from a genuine copy. Samples of groups already settled go to
+        `consumed` (committed as duplicates)."""
+        t = rec.trajectory
+        stale = admission.staleness(self.state.version, rec) > self.max_staleness
+        if t.contract_fingerprint != self.accepted_fingerprint or stale:
+            return True  # admission drops it, counted under its own reason
+        fed = self._fed_prompt(t.group_id)
+        if fed is None and t.group_id in self._settled_recent:
+            # Already used or dropped, and Redis forgot its idempotency key (lost writes).
+            self.state.duplicates += 1
+            consumed.append(rec)
+            return False
+        reason = check_trajectory(t, self.rules, version=self.state.version, fed_prompt=fed)
+        if reason is None:
+            return True
+        self.state.invalid += 1
+        self._reject(rec, f"invalid: {reason}")
+        if self.state.invalid <= 10 or self.state.invalid % 1000 == 0:  # a flood is not a log flood
+            self.log(f"refused sample {t.sample_id[:80]!r} from {t.worker_id[:40]!r} (#{self.state.invalid}): {reason}")
+        return False
 
     def _reject(self, rec: TrajectoryRecord, reason: str) -> None:
         """Dead-lettered at the next commit (not marked used: its sample id may come again, for real)."""
@@ -862,7 +888,8 @@ def _prompt_key(g: PromptGroup) -> tuple:
     return g.group_id, g.prompt_id, g.n_samples, g.task, g.prompt_tokens.tobytes()
 
 
-def _group_backlog(stats: dict, group: str) -> int:
-    """Entries of `group` not yet acked: never delivered (lag) plus delivered and pending."""
+def _group_backlog(stats: dict, group: str) -> int | None:
+    """Entries of `group` not yet acked: never delivered (lag) plus delivered and pending; None where
+    Redis has no such group (it lost it)."""
     g = stats["groups"].get(group)
-    return 0 if g is None else g["lag"] + g["pending"]
+    return None if g is None else g["lag"] + g["pending"]

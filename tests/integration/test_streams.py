@@ -242,6 +242,30 @@ async def test_trajectory_delivered_twice_is_counted_once(redis_url, run_id):
         assert await pending_count(r, keys.trajectories, TRAJECTORIES_GROUP) == 0
 
 
+async def test_an_invalid_copy_read_with_the_real_sample_never_makes_it_a_duplicate(redis_url, run_id):
+    """The caller's validation (`admit`) sees every record before any sample id is marked held: a
+    forged copy of a genuine sample id ahead of it in the same batch is refused alone."""
+    keys = Keys(run_id=run_id)
+    async with connect(redis_url) as r:
+        ts = TrajectoryStream(r, keys, consumer="trainer", config=QUIET)
+        forged = [traj("g1", i, reward=1e300) for i in range(2)]
+        real = [traj("g1", i) for i in range(2)]
+        await ts.add([forged[0], forged[1], real[0], real[1], real[0]])  # one batch; the last: a re-sent copy
+        refused = []
+
+        def admit(rec) -> bool:
+            if abs(rec.trajectory.reward) > 10:
+                refused.append(rec.stream_id)
+                return False
+            return True
+
+        recs = await ts.read(admit=admit)
+        assert [x.trajectory.sample_id for x in recs] == [t.sample_id for t in real]
+        assert [x.trajectory.reward for x in recs] == [0.0, 1.0] and len(refused) == 2
+        assert ts.counters.duplicates == 1  # the re-sent copy only
+        assert await ts.commit(recs) == 2
+
+
 async def test_trainer_crash_between_checkpoint_and_commit_loses_and_repeats_nothing(redis_url, run_id):
     keys = Keys(run_id=run_id)
     async with connect(redis_url) as r:
