@@ -19,6 +19,12 @@ Loop (up to `rollout.max_inflight_groups` groups in flight, continuous batching)
     XACK the prompt in one transaction.
 Every token of a group comes from the version that started it (tagged on its trajectories): versions
 swap only when no started group is in flight, so no sequence, KV row or prefix spans two versions.
+What is trusted is the signed pointer's content digest, not the server: a manifest with another digest
+is refused before anything is allocated and its source is not asked for that version again (a new
+pointer names another source or version); verified bytes holding values no quantizer produces, and a
+live version whose activations or logits turn non-finite, are refused (`refused_versions`, never
+loaded again; the groups in flight start again under the next version). Nothing a peer serves ends
+the worker.
 Prometheus on `rollout.metrics_port` (`WorkerMetrics`): generated tokens, groups, tokens/s,
 policy fetch seconds and bytes, the split of the last swap (receive, verify, drain wait, h2d, swap), the
 live version, refused versions, the staleness of the policy in use.
@@ -65,6 +71,7 @@ from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
+from policy.formats import NonFinite
 from policy.loop import AsyncConfig
 from policy.manifest_check import ManifestRefused, check_manifest, expected_tensors
 from policy.model import ModelConfig, Transformer
@@ -123,7 +130,14 @@ class WorkerMetrics:
         )
         self.refused = prom.Counter(
             "tandem_rollout_versions_refused",
-            "announced versions refused for a contract fingerprint not this worker's (versions)",
+            "announced versions refused: a contract fingerprint not this worker's, a manifest it cannot load, "
+            "values no quantizer produces, non-finite activations while generating (versions)",
+            registry=reg,
+        )
+        self.digest_mismatches = prom.Counter(
+            "tandem_rollout_policy_digest_mismatches",
+            "manifests whose digest was not the signed pointer's: that source is not asked for that version "
+            "again (manifests)",
             registry=reg,
         )
         self.publish_to_live = prom.Gauge(
@@ -211,6 +225,9 @@ class RolloutWorker:
         # refused for not matching it: immutable, so never fetched again.
         self.expected = expected_tensors(recipe.plan(model_config))
         self.refused_versions: set[int] = set()
+        # (version, source address, content digest) whose source served another manifest than the signed
+        # pointer names: the pointer is authentic, the source is not; it is not asked for that version again.
+        self.distrusted: set[tuple[int, str, str]] = set()
         self.groups_done = 0
         self._since_swap = [0, 0, 0.0]  # groups, completion tokens, generating seconds under the version in use
         self.stop = asyncio.Event()
@@ -260,6 +277,7 @@ class RolloutWorker:
                     "version": self.version,
                     "groups": self.groups_done,
                     "refused_versions": len(self.refused_versions),
+                    "digest_mismatches": len(self.distrusted),
                 },
             )
         )
@@ -286,6 +304,9 @@ class RolloutWorker:
                     elif latest is not None and self._prefetch is not None:  # the pointer went back (a restart)
                         await self._give_up_prefetch()
                 if self.version is None:
+                    if carried and time.monotonic() - last_keep >= self.cfg.reclaim_idle_s / 4:
+                        last_keep = time.monotonic()  # groups given back by a refused version: still ours
+                        await queue.keep_alive(carried)
                     await self._wait_prefetch(0.5)
                     continue
                 room = self.cfg.max_inflight_groups - len(self.inflight)
@@ -314,7 +335,12 @@ class RolloutWorker:
                     if time.monotonic() - last_keep >= self.cfg.reclaim_idle_s / 4:
                         last_keep = time.monotonic()
                         await queue.keep_alive([r for r, _, _ in self.inflight.values() if r is not None])
-                    for result in self.batcher.step():
+                    try:
+                        results = self.batcher.step()
+                    except NonFinite as e:  # what the live version computes: refused, never a crash
+                        carried = self._refuse_live(e) + carried
+                        continue
+                    for result in results:
                         rec, group, t0 = self.inflight.pop(result.key)
                         trajectories = self._trajectories(group, result)
                         n_tokens = sum(len(t.completion_tokens) for t in trajectories)
@@ -376,6 +402,8 @@ class RolloutWorker:
         """False for a version refused before or a contract fingerprint not ours (logged once)."""
         if pointer is None or pointer.version in self.refused_versions:
             return False
+        if (pointer.version, self._source(pointer), pointer.content_digest) in self.distrusted:
+            return False  # wait for another source: a new pointer (a newer version, or this one elsewhere)
         if pointer.contract_fingerprint != self.fingerprint:
             if pointer.version != self._refused:
                 self._refused = pointer.version
@@ -433,9 +461,10 @@ class RolloutWorker:
         """The fetch thread: the verified version (bytes in `host_buffers` on CUDA), fetched by the
         child process (`fetcher`) or here."""
         request = FetchRequest(
-            address=self.cfg.policy_address or pointer.address,
+            address=self._source(pointer),
             fingerprint=self.fingerprint,
             version=pointer.version,
+            digest=pointer.content_digest,
             fetch_timeout_s=self.cfg.fetch_timeout_s,
             streams=self.cfg.fetch_streams,
             tls=self.cfg.tls,
@@ -448,7 +477,11 @@ class RolloutWorker:
         check_reachable(request.address)
         with PolicyClient(request.client_config()) as client:
             fetched = client.fetch(
-                pointer.version, check=self._check_manifest, buffers=self.host_buffers, cancel=cancel
+                pointer.version,
+                digest=pointer.content_digest,
+                check=self._check_manifest,
+                buffers=self.host_buffers,
+                cancel=cancel,
             )
         return fetched, time.perf_counter()
 
@@ -465,13 +498,21 @@ class RolloutWorker:
                 f"{self.worker_id}: {str(e)[:400]}; keeping v{self.version} "
                 f"({len(self.refused_versions)} version(s) refused)"
             )
+        except mf.DigestMismatch as e:
+            source = self._source(pointer)
+            self.distrusted.add((pointer.version, source, pointer.content_digest))
+            self.metrics.digest_mismatches.inc()
+            self.log(
+                f"{self.worker_id}: refusing v{pointer.version} from {source}: {e}; not asking it for "
+                f"v{pointer.version} again, keeping v{self.version}"
+            )
         except FetchCancelled:
             pass
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
             self.metrics.fetch_failures.inc()
             self._retry_at = time.monotonic() + self.retry_s
             self.log(
-                f"{self.worker_id}: fetching v{pointer.version} from {self.cfg.policy_address or pointer.address} "
+                f"{self.worker_id}: fetching v{pointer.version} from {self._source(pointer)} "
                 f"failed, will retry: {why(e)}"
             )
         if self.batcher is not None:
@@ -542,6 +583,28 @@ class RolloutWorker:
 
     def _check_manifest(self, manifest) -> None:
         check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
+
+    def _source(self, pointer: PolicyPointer) -> str:
+        """Where `pointer`'s version is fetched from (the pointer's address unless configured)."""
+        return self.cfg.policy_address or pointer.address
+
+    def _refuse_live(self, e: NonFinite) -> list:
+        """The live version computed non-finite values while generating: refused as if at fetch (never
+        loaded again), nothing served until a newer one is live. Returns the records of the groups in
+        flight, to start again under that version (their samples so far are dropped)."""
+        v, self.version = self.version, None
+        self.refused_versions.add(v)
+        self.metrics.refused.inc()
+        self.metrics.version.set(0)
+        self.health.set_serving(False)
+        records = [rec for rec, _, _ in self.inflight.values() if rec is not None]
+        self.inflight.clear()
+        self.batcher = None  # its scheduler and backend hold that version's rows: a new one at the next swap
+        self.log(
+            f"{self.worker_id}: v{v} refused while generating: {why(e)}; serving nothing until a newer "
+            f"version is live, {len(records)} group(s) kept for it"
+        )
+        return records
 
     def _build_engine(self, tensors: dict) -> PackedEngine:
         import torch
