@@ -52,9 +52,10 @@ def not_positive_bf16(u16: np.ndarray) -> np.ndarray:
     return (u16 - np.uint16(1)) >= np.uint16(0x7F7F)
 
 
-def int4_minus8(u8: np.ndarray) -> np.ndarray:
-    """A byte of packed int4 with a zero nibble (stored value 0 = code -8)."""
-    return ((u8 & 0x0F) == 0) | ((u8 & 0xF0) == 0)
+def int4_minus8(u32: np.ndarray) -> np.ndarray:
+    """A packed int32 word with a zero nibble (stored value 0 = code -8): the has-zero-nibble bit
+    trick, exact per word ((w - 0x11111111) & ~w keeps a nibble's top bit only below a zero nibble)."""
+    return ((u32 - np.uint32(0x11111111)) & ~u32 & np.uint32(0x88888888)) != 0
 
 
 Rule = tuple[type, Callable[[np.ndarray], np.ndarray], str]  # (element dtype, the test, what it finds)
@@ -73,7 +74,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "scale_inv": (np.uint32, not_positive_f32, "fp32 scale(s) not finite and > 0"),
     },
     "int4": {
-        "packed": (np.uint8, int4_minus8, "byte(s) holding the int4 code -8"),
+        "packed": (np.uint32, int4_minus8, "int32 word(s) holding the int4 code -8"),
         "scales": (np.uint16, not_positive_bf16, "bf16 scale(s) not finite and > 0"),
     },
 }

@@ -31,10 +31,10 @@ from broker.streams import PromptQueue, TrajectoryStream, connect, run_async
 from policy import manifest as mf
 from policy.model import Transformer
 from tandem import config as run_config
-from tandem.services import rollout_recipe, task_and_model
+from tandem.services import make_worker, rollout_recipe, task_and_model
 from tandem.v1 import policy_pb2
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 MODEL = {"n_layers": 2, "dim": 64, "n_experts": 2, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64}
 
@@ -103,6 +103,7 @@ def huge_lm_head(name, q):  # finite (passes every value check), but the logits 
     return dataclasses.replace(q, values=torch.full_like(q.values, 1e38)) if name == "lm_head.weight" else q
 
 
+@pytest.mark.slow
 def test_a_rogue_server_never_goes_live_and_never_ends_the_worker(tmp_path, redis_url, run_id):
     # Not an `async def` test: those are capped at 60 s, and a loaded box may take that long to start
     # a worker process; every wait below has its own bound.
@@ -225,3 +226,37 @@ async def scenario(tmp_path: Path, redis_url: str, run_id: str) -> None:
         await r.aclose()
         genuine.stop()
         rogue.stop()
+
+
+async def test_the_in_process_fetch_refuses_the_same_way(tmp_path, redis_url, run_id):
+    """The CPU worker's default path (the fetch in a thread of the worker): a digest mismatch leaves
+    that (version, source) untried from then on, a new pointer naming another source is fetched, and
+    content refused at fetch is never fetched again."""
+    cfg = run_config.load(write_config(tmp_path, run_id, redis_url), ["rollout.fetch_process=false"])
+    build, fingerprint = versions(cfg)
+    worker = make_worker(cfg, "w0")
+    logs: list[str] = []
+    worker.log = logs.append
+    with PolicyServer(PolicyServerConfig()) as genuine, RogueServer(PolicyServerConfig()) as rogue:
+        v1, v2, fake_v2, nan_v3 = build(1, seed=0), build(2, seed=1), build(2, seed=2), build(3, 3, nan_embeddings)
+        for server, packed in ((genuine, v1), (genuine, v2), (rogue, fake_v2), (rogue, nan_v3)):
+            server.publish(packed)
+
+        def pointer(server, packed) -> PolicyPointer:
+            m = packed.manifest
+            return PolicyPointer(
+                version=m.version, address=server.address, contract_fingerprint=fingerprint,
+                content_digest=mf.manifest_digest(m).hex(),
+            )  # fmt: skip
+
+        assert await worker._try_load(pointer(genuine, v1)) and worker.version == 1
+        at_rogue = dataclasses.replace(pointer(genuine, v2), address=rogue.address)
+        assert not await worker._try_load(at_rogue) and worker.version == 1
+        assert not await worker._try_load(at_rogue)  # not asked again
+        assert rogue.asked == {2: 1} and rogue.stats()["fetch_streams"] == 0
+        assert worker.metrics.digest_mismatches._value.get() == 1
+        assert await worker._try_load(pointer(genuine, v2)) and worker.version == 2  # v2 from its genuine source
+        assert not await worker._try_load(pointer(rogue, nan_v3)) and worker.refused_versions == {3}
+        assert not await worker._try_load(pointer(rogue, nan_v3))
+        assert rogue.asked == {2: 1, 3: 1} and worker.version == 2
+    assert len([ln for ln in logs if "refus" in ln]) == 2, logs

@@ -154,7 +154,9 @@ def test_int4_code_minus8_and_bad_scales():
     ok = {"packed": u8(0x88888888, 0xFFFF1111, dtype=np.uint32), "scales": u8(0x3727, 0x3F80, dtype=np.uint16)}
     assert invalid_values("int4", ok) == []
     (line,) = invalid_values("int4", {**ok, "packed": u8(0x88888888, 0x88880888, dtype=np.uint32)})
-    assert line.startswith("packed: 1 byte(s) holding the int4 code -8")
+    assert line == "packed: 1 int32 word(s) holding the int4 code -8 of 2, the first at element 1 (0x88880888)"
+    for word in (0x0, 0x08888888, 0x88888880, 0x88088888):  # a zero nibble anywhere in the word
+        assert invalid_values("int4", {**ok, "packed": u8(word, dtype=np.uint32)}), hex(word)
     for bits in (0x0000, 0xBF80, 0x7F80, 0x7FC0):  # 0, -1, +Inf, NaN
         assert invalid_values("int4", {**ok, "scales": u8(0x3F80, bits, dtype=np.uint16)})
 
