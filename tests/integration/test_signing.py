@@ -65,6 +65,9 @@ async def test_registry_refuses_pointers_without_the_secret(redis_url, run_id):
             PolicyPointer(version=5, address="10.0.0.1:50051", contract_fingerprint="f" * 64, content_digest=d)
         )
         assert (await worker.latest()).version == 5
+        # Signed, but naming no content: it authenticates nothing a server sends, so it is refused.
+        await trainer.publish(PolicyPointer(version=6, address="10.0.0.1:50051", contract_fingerprint="f" * 64))
+        assert await worker.latest() is None and worker.refused == 3
 
 
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path):
