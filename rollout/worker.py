@@ -134,10 +134,10 @@ class WorkerMetrics:
             "values no quantizer produces, non-finite activations while generating (versions)",
             registry=reg,
         )
-        self.digest_mismatches = prom.Counter(
-            "tandem_rollout_policy_digest_mismatches",
-            "manifests whose digest was not the signed pointer's: that source is not asked for that version "
-            "again (manifests)",
+        self.distrusted = prom.Counter(
+            "tandem_rollout_policy_sources_distrusted",
+            "sources that served other content than the signed pointer names (a manifest of another digest, "
+            "or bytes not its manifest's): not asked for that version again (sources)",
             registry=reg,
         )
         self.publish_to_live = prom.Gauge(
@@ -225,8 +225,8 @@ class RolloutWorker:
         # refused for not matching it: immutable, so never fetched again.
         self.expected = expected_tensors(recipe.plan(model_config))
         self.refused_versions: set[int] = set()
-        # (version, source address, content digest) whose source served another manifest than the signed
-        # pointer names: the pointer is authentic, the source is not; it is not asked for that version again.
+        # (version, source address, content digest) whose source served other content than the signed pointer
+        # names: the pointer is authentic, the source is not; it is not asked for that version again.
         self.distrusted: set[tuple[int, str, str]] = set()
         self.groups_done = 0
         self._since_swap = [0, 0, 0.0]  # groups, completion tokens, generating seconds under the version in use
@@ -277,7 +277,7 @@ class RolloutWorker:
                     "version": self.version,
                     "groups": self.groups_done,
                     "refused_versions": len(self.refused_versions),
-                    "digest_mismatches": len(self.distrusted),
+                    "distrusted_sources": len(self.distrusted),
                 },
             )
         )
@@ -498,23 +498,17 @@ class RolloutWorker:
                 f"{self.worker_id}: {str(e)[:400]}; keeping v{self.version} "
                 f"({len(self.refused_versions)} version(s) refused)"
             )
-        except mf.DigestMismatch as e:
-            source = self._source(pointer)
-            self.distrusted.add((pointer.version, source, pointer.content_digest))
-            self.metrics.digest_mismatches.inc()
-            self.log(
-                f"{self.worker_id}: refusing v{pointer.version} from {source}: {e}; not asking it for "
-                f"v{pointer.version} again, keeping v{self.version}"
-            )
+        except (mf.DigestMismatch, mf.ChecksumMismatch) as e:
+            # Bytes that fail an authenticated manifest (after the client's own re-fetches) are the
+            # source's fault, as another manifest is; without a digest the manifest proves nothing.
+            if isinstance(e, mf.DigestMismatch) or pointer.content_digest:
+                self._distrust(pointer, e)
+            else:
+                self._retry_later(pointer, e)
         except FetchCancelled:
             pass
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
-            self.metrics.fetch_failures.inc()
-            self._retry_at = time.monotonic() + self.retry_s
-            self.log(
-                f"{self.worker_id}: fetching v{pointer.version} from {self._source(pointer)} "
-                f"failed, will retry: {why(e)}"
-            )
+            self._retry_later(pointer, e)
         if self.batcher is not None:
             self.batcher.cancel_swap()  # not loadable now: go on with the current version
         return False
@@ -583,6 +577,22 @@ class RolloutWorker:
 
     def _check_manifest(self, manifest) -> None:
         check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
+
+    def _retry_later(self, pointer: PolicyPointer, e: BaseException) -> None:
+        self.metrics.fetch_failures.inc()
+        self._retry_at = time.monotonic() + self.retry_s
+        self.log(
+            f"{self.worker_id}: fetching v{pointer.version} from {self._source(pointer)} failed, will retry: {why(e)}"
+        )
+
+    def _distrust(self, pointer: PolicyPointer, e: BaseException) -> None:
+        source = self._source(pointer)
+        self.distrusted.add((pointer.version, source, pointer.content_digest))
+        self.metrics.distrusted.inc()
+        self.log(
+            f"{self.worker_id}: refusing v{pointer.version} from {source}: {why(e)}; not asking it for "
+            f"v{pointer.version} again, keeping v{self.version}"
+        )
 
     def _source(self, pointer: PolicyPointer) -> str:
         """Where `pointer`'s version is fetched from (the pointer's address unless configured)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 import yaml
 
 from broker.codec import PromptGroup
@@ -40,16 +41,29 @@ MODEL = {"n_layers": 2, "dim": 64, "n_experts": 2, "expert_ffn_dim": 64, "shared
 
 
 class RogueServer(PolicyServer):
-    """A real PolicyServer that counts the GetManifest requests it answers, by version."""
+    """A real PolicyServer that counts the GetManifest requests it answers, by version, and serves
+    the versions in `other_bytes` with one byte of every chunk flipped (each chunk's own xxh3
+    recomputed: only the manifest's checksums can tell)."""
 
     def __init__(self, config: PolicyServerConfig):
         super().__init__(config)
         self.asked: dict[int, int] = {}
+        self.other_bytes: set[int] = set()
 
     async def _get_manifest(self, request: bytes, context) -> bytes:
         v = policy_pb2.GetManifestRequest.FromString(request).version
         self.asked[v] = self.asked.get(v, 0) + 1
         return await super()._get_manifest(request, context)
+
+    async def _fetch_messages(self, request: bytes, context):
+        alter = policy_pb2.FetchTensorsRequest.FromString(request).version in self.other_bytes
+        async for msg in super()._fetch_messages(request, context):
+            if alter:
+                chunk = policy_pb2.TensorChunk.FromString(msg)
+                chunk.data = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
+                chunk.xxh3 = xxhash.xxh3_64_intdigest(chunk.data)
+                msg = chunk.SerializeToString()
+            yield msg
 
 
 def write_config(tmp: Path, run_id: str, redis_url: str) -> Path:
@@ -181,7 +195,7 @@ async def scenario(tmp_path: Path, redis_url: str, run_id: str) -> None:
             PolicyPointer(version=2, address=rogue.address, contract_fingerprint=fingerprint,
                           content_digest=mf.manifest_digest(real_v2.manifest).hex())
         )  # fmt: skip
-        await until("v2's digest mismatch", lambda i: i.get("digest_mismatches") == 1)
+        await until("v2's digest mismatch", lambda i: i.get("distrusted_sources") == 1)
         await add_group("a")
         assert await versions_of("a") == [1, 1]  # still serving v1 (v2 is within max_staleness)
 
@@ -229,9 +243,9 @@ async def scenario(tmp_path: Path, redis_url: str, run_id: str) -> None:
 
 
 async def test_the_in_process_fetch_refuses_the_same_way(tmp_path, redis_url, run_id):
-    """The CPU worker's default path (the fetch in a thread of the worker): a digest mismatch leaves
-    that (version, source) untried from then on, a new pointer naming another source is fetched, and
-    content refused at fetch is never fetched again."""
+    """The CPU worker's default path (the fetch in a thread of the worker): a digest mismatch, or bytes
+    that fail the authenticated manifest, leave that (version, source) untried from then on, a new
+    pointer naming another source is fetched, and content refused at fetch is never fetched again."""
     cfg = run_config.load(write_config(tmp_path, run_id, redis_url), ["rollout.fetch_process=false"])
     build, fingerprint = versions(cfg)
     worker = make_worker(cfg, "w0")
@@ -239,8 +253,17 @@ async def test_the_in_process_fetch_refuses_the_same_way(tmp_path, redis_url, ru
     worker.log = logs.append
     with PolicyServer(PolicyServerConfig()) as genuine, RogueServer(PolicyServerConfig()) as rogue:
         v1, v2, fake_v2, nan_v3 = build(1, seed=0), build(2, seed=1), build(2, seed=2), build(3, 3, nan_embeddings)
-        for server, packed in ((genuine, v1), (genuine, v2), (rogue, fake_v2), (rogue, nan_v3)):
+        v4 = build(4, seed=4)  # served by both: the rogue's bytes are not the manifest's
+        for server, packed in (
+            (genuine, v1),
+            (genuine, v2),
+            (rogue, fake_v2),
+            (rogue, nan_v3),
+            (genuine, v4),
+            (rogue, v4),
+        ):
             server.publish(packed)
+        rogue.other_bytes.add(4)
 
         def pointer(server, packed) -> PolicyPointer:
             m = packed.manifest
@@ -254,9 +277,18 @@ async def test_the_in_process_fetch_refuses_the_same_way(tmp_path, redis_url, ru
         assert not await worker._try_load(at_rogue) and worker.version == 1
         assert not await worker._try_load(at_rogue)  # not asked again
         assert rogue.asked == {2: 1} and rogue.stats()["fetch_streams"] == 0
-        assert worker.metrics.digest_mismatches._value.get() == 1
+        assert worker.metrics.distrusted._value.get() == 1
         assert await worker._try_load(pointer(genuine, v2)) and worker.version == 2  # v2 from its genuine source
         assert not await worker._try_load(pointer(rogue, nan_v3)) and worker.refused_versions == {3}
         assert not await worker._try_load(pointer(rogue, nan_v3))
         assert rogue.asked == {2: 1, 3: 1} and worker.version == 2
-    assert len([ln for ln in logs if "refus" in ln]) == 2, logs
+        streams = rogue.stats()["fetch_streams"]
+        assert not await worker._try_load(pointer(rogue, v4)) and worker.version == 2
+        assert rogue.stats()["fetch_streams"] > streams  # the client's own re-fetches of the bad chunk
+        streams = rogue.stats()["fetch_streams"]
+        assert not await worker._try_load(pointer(rogue, v4))
+        assert rogue.asked[4] == 1 and rogue.stats()["fetch_streams"] == streams
+        assert worker.metrics.distrusted._value.get() == 2
+        assert await worker._try_load(pointer(genuine, v4)) and worker.version == 4
+    refusals = [ln for ln in logs if "refus" in ln]
+    assert len(refusals) == 3 and "ChecksumMismatch" in refusals[-1], logs
