@@ -40,6 +40,10 @@ the tensor" means this digest. A TP shard's digest (the server's, on its last ch
 definition over the shard's bytes and chunks. A manifest of schema 1 (sha256 over the raw bytes)
 is refused with one line naming the schema, not by failing every tensor's checksum.
 
+The manifest's own digest (`manifest_digest`: over every field but the creation time, so over every
+tensor's checksums) is what the signed `policy:latest` names: a worker compares it first
+(`manifest_from_bytes(digest=...)`, DigestMismatch), so content is authenticated whoever serves it.
+
 Simplifications: the manifest is one message (a 48-layer, 128-expert model is ~4 MB, under
 MAX_MANIFEST_BYTES); a tensor's `shape` is its quantized [M, K] shape, so 1-D parameters such
 as norms are published as [1, D] by whoever quantizes them.

@@ -601,7 +601,7 @@ class RolloutWorker:
     def _refuse_live(self, e: NonFinite) -> list:
         """The live version computed non-finite values while generating: refused as if at fetch (never
         loaded again), nothing served until a newer one is live. Returns the records of the groups in
-        flight, to start again under that version (their samples so far are dropped)."""
+        flight, to start again under the next version (their samples so far are dropped)."""
         v, self.version = self.version, None
         self.refused_versions.add(v)
         self.metrics.refused.inc()
