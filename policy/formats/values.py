@@ -6,21 +6,28 @@ them are damage or an attack, and a worker refuses them at fetch:
 
     bf16       values         finite: exponent bits not all ones
     nvfp4      block_scales   E4M3 0x00..0x7E: sf = e4m3(min(bamax * k, 448)) is >= 0, never NaN (0x7F/0xFF)
-               global_scale   fp32 finite and > 0: S_dec = 1 / S_enc with S_enc in (0, FLT_MAX]
+               global_scale   fp32 in [S_dec(amax -> 0), S_dec(FLT_MAX)] = [2^-128, ~FLT_MAX/2688]
     mxfp8      codes          E4M3 not NaN (0x7F/0xFF): values are clamped to +-448 first
                scales         E8M0 byte <= 254 (255 is NaN)
-    fp8_block  codes          E4M3 not NaN;   scale_inv   fp32 finite and > 0
+    fp8_block  codes          E4M3 not NaN;   scale_inv   fp32 in [scale_inv(amax -> 0), scale_inv(FLT_MAX)]
     int4       packed         no nibble 0 (it decodes to -8; codes are in [-7, 7])
-               scales         bf16 finite and > 0 (s >= 1e-5)
+               scales         bf16 in [s(0) = bf16(1e-5), s(FLT_MAX)]
 
-nvfp4 codes have no rule: every E2M1 nibble is a value.
+A scale's range is what the format's own quantize() gives for the smallest and the largest finite
+amax (each scale grows with amax): so NaN, Inf, zero, negative and out-of-range scales are all
+refused, and a dequantized value stays finite. nvfp4 codes have no rule (every E2M1 nibble is a value).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 import numpy as np
+import torch
+
+from . import fp8_block, int4, nvfp4
+from ._common import FLT_MAX
 
 SCAN = 1 << 18  # elements per scanned block: the temporaries of one rule stay in cache
 
@@ -42,14 +49,39 @@ def e8m0_nan(u8: np.ndarray) -> np.ndarray:
     return u8 == 0xFF
 
 
-def not_positive_f32(u32: np.ndarray) -> np.ndarray:
-    """Not in 0x00000001..0x7F7FFFFF (the positive finite fp32 bit patterns): 0, negative, Inf, NaN."""
-    return (u32 - np.uint32(1)) >= np.uint32(0x7F7FFFFF)
+def outside(lo: int, hi: int, dtype: type) -> Callable[[np.ndarray], np.ndarray]:
+    """The rule "bits not in [lo, hi]" for positive floats given by their bit patterns (positive
+    floats order as their bits do; negatives, Inf and NaN lie above any positive finite `hi`)."""
+    span = dtype(hi - lo)
+    return lambda bits: (bits - dtype(lo)) > span  # unsigned: below lo wraps around above span
 
 
-def not_positive_bf16(u16: np.ndarray) -> np.ndarray:
-    """Not in 0x0001..0x7F7F (the positive finite bf16 bit patterns)."""
-    return (u16 - np.uint16(1)) >= np.uint16(0x7F7F)
+@functools.cache
+def scale_ranges() -> dict[str, tuple[int, int]]:
+    """(lowest, highest) bit pattern of each scale part, from quantize() at amax 2^-149 (the smallest
+    positive fp32; 0 for int4, whose floor applies below 7e-5) and amax FLT_MAX."""
+
+    def bits(t: torch.Tensor) -> int:
+        return int(t.reshape(-1)[0].view(torch.int32 if t.dtype == torch.float32 else torch.int16)) & 0xFFFFFFFF
+
+    def at(amax: float, k: int) -> torch.Tensor:
+        x = torch.zeros(1, k)
+        x[0, 0] = amax
+        return x
+
+    tiny = float(np.float32(2.0**-149))
+    return {
+        "nvfp4.global_scale": tuple(bits(nvfp4.quantize(at(a, 16)).global_scale) for a in (tiny, FLT_MAX)),
+        "fp8_block.scale_inv": tuple(
+            bits(fp8_block.quantize(at(a, 128), block=(1, 128)).scale_inv) for a in (tiny, FLT_MAX)
+        ),
+        "int4.scales": tuple(bits(int4.quantize(at(a, 32), group_size=32).scales) for a in (0.0, FLT_MAX)),
+    }
+
+
+def out_of_range(part: str, dtype: type) -> Callable[[np.ndarray], np.ndarray]:
+    """The rule for a scale part: bits outside what its format's quantize() produces."""
+    return lambda bits: outside(*scale_ranges()[part], dtype)(bits)
 
 
 def int4_minus8(u32: np.ndarray) -> np.ndarray:
@@ -63,7 +95,7 @@ RULES: dict[str, dict[str, Rule]] = {
     "bf16": {"values": (np.uint16, nonfinite_bf16, "non-finite bf16 value(s)")},
     "nvfp4": {
         "block_scales": (np.uint8, not_e4m3_scale, "E4M3 block scale(s) NaN or negative"),
-        "global_scale": (np.uint32, not_positive_f32, "fp32 global scale(s) not finite and > 0"),
+        "global_scale": (np.uint32, out_of_range("nvfp4.global_scale", np.uint32), "fp32 global scale(s) out of range"),
     },
     "mxfp8": {
         "codes": (np.uint8, e4m3_nan, "E4M3 NaN code(s)"),
@@ -71,11 +103,11 @@ RULES: dict[str, dict[str, Rule]] = {
     },
     "fp8_block": {
         "codes": (np.uint8, e4m3_nan, "E4M3 NaN code(s)"),
-        "scale_inv": (np.uint32, not_positive_f32, "fp32 scale(s) not finite and > 0"),
+        "scale_inv": (np.uint32, out_of_range("fp8_block.scale_inv", np.uint32), "fp32 scale(s) out of range"),
     },
     "int4": {
         "packed": (np.uint32, int4_minus8, "int32 word(s) holding the int4 code -8"),
-        "scales": (np.uint16, not_positive_bf16, "bf16 scale(s) not finite and > 0"),
+        "scales": (np.uint16, out_of_range("int4.scales", np.uint16), "bf16 scale(s) out of range"),
     },
 }
 

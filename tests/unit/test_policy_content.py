@@ -11,7 +11,8 @@ from broker.registry import parse_pointer, pointer_signed
 from broker.signing import POLICY_POINTER, Signer
 from policy import formats
 from policy import manifest as mf
-from policy.formats.values import invalid_values
+from policy.formats._common import FLT_MAX
+from policy.formats.values import invalid_values, scale_ranges
 from policy.manifest_check import ValuesRefused, check_values
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
@@ -138,27 +139,36 @@ def test_e4m3_nan_codes_and_negative_block_scales():
     assert invalid_values("mxfp8", {"codes": u8(0), "scales": u8(254, 255)})[0].startswith("scales: 1 E8M0 NaN")
 
 
-def test_global_scales_must_be_finite_and_positive():
-    fine = (0x00000001, 0x3F800000, 0x7F7FFFFF)  # the smallest subnormal, 1.0, FLT_MAX
-    assert invalid_values("nvfp4", {"global_scale": u8(*fine, dtype=np.uint32)}) == []
-    for bits in (0x00000000, 0x80000000, 0xBF800000, 0x7F800000, 0x7FC00000):  # 0, -0, -1, +Inf, NaN
+def test_scales_must_be_in_the_range_their_quantizer_produces():
+    # nvfp4 S_dec = fp32(1 / S_enc): at amax -> 0, S_enc = FLT_MAX and S_dec = 2^-128 (0x00200000, a
+    # subnormal); at amax = FLT_MAX, S_dec = FLT_MAX / 2688 (so 6 * 448 * S_dec stays finite).
+    lo, hi = scale_ranges()["nvfp4.global_scale"]
+    assert lo == 0x00200000 and np.uint32(hi).view(np.float32) == pytest.approx(FLT_MAX / 2688, rel=1e-6)
+    assert invalid_values("nvfp4", {"global_scale": u8(lo, 0x3F800000, hi, dtype=np.uint32)}) == []  # 1.0 (amax 0)
+    for bits in (lo - 1, hi + 1, 0x00000000, 0x80000000, 0xBF800000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000):
         (line,) = invalid_values("nvfp4", {"global_scale": u8(0x3F800000, bits, dtype=np.uint32)})
-        assert (
-            line == f"global_scale: 1 fp32 global scale(s) not finite and > 0 of 2, the first at element 1 ({bits:#x})"
-        )
+        assert line == f"global_scale: 1 fp32 global scale(s) out of range of 2, the first at element 1 ({bits:#x})"
+    lo, hi = scale_ranges()["fp8_block.scale_inv"]  # fp32(1 / S), S = min(448 / amax, FLT_MAX)
+    assert lo == 0x00200000 and np.uint32(hi).view(np.float32) == pytest.approx(FLT_MAX / 448, rel=1e-6)
+    for bits in (lo - 1, hi + 1, 0x00000000, 0x7F800000):
         assert invalid_values("fp8_block", {"scale_inv": u8(bits, dtype=np.uint32)})
+    # int4 s = bf16(max(amax / 7, 1e-5)): bf16(1e-5) = 1.3107 * 2^-17 -> exponent 0x6E, mantissa 40: 0x3728
+    lo, hi = scale_ranges()["int4.scales"]
+    assert lo == 0x3728 and float(torch.tensor(hi, dtype=torch.int16).view(torch.bfloat16)) == pytest.approx(
+        FLT_MAX / 7, rel=2**-7
+    )
 
 
 def test_int4_code_minus8_and_bad_scales():
     # Nibble 8 is code 0, nibble 0 would be -8: 0x88888888 = eight zeros, 0x8888888F has a +7 in it.
-    ok = {"packed": u8(0x88888888, 0xFFFF1111, dtype=np.uint32), "scales": u8(0x3727, 0x3F80, dtype=np.uint16)}
+    ok = {"packed": u8(0x88888888, 0xFFFF1111, dtype=np.uint32), "scales": u8(0x3728, 0x3F80, dtype=np.uint16)}
     assert invalid_values("int4", ok) == []
     (line,) = invalid_values("int4", {**ok, "packed": u8(0x88888888, 0x88880888, dtype=np.uint32)})
     assert line == "packed: 1 int32 word(s) holding the int4 code -8 of 2, the first at element 1 (0x88880888)"
     for word in (0x0, 0x08888888, 0x88888880, 0x88088888):  # a zero nibble anywhere in the word
         assert invalid_values("int4", {**ok, "packed": u8(word, dtype=np.uint32)}), hex(word)
-    for bits in (0x0000, 0xBF80, 0x7F80, 0x7FC0):  # 0, -1, +Inf, NaN
-        assert invalid_values("int4", {**ok, "scales": u8(0x3F80, bits, dtype=np.uint16)})
+    for bits in (0x0000, 0x3727, 0xBF80, 0x7F7F, 0x7F80, 0x7FC0):  # 0, under bf16(1e-5), -1, max, +Inf, NaN
+        assert invalid_values("int4", {**ok, "scales": u8(0x3F80, bits, dtype=np.uint16)}), hex(bits)
 
 
 def test_what_the_quantizers_produce_passes():
