@@ -194,3 +194,19 @@ def test_check_values_names_the_version_tensor_and_part(packed):
     data[gs.offset : gs.offset + 4] = np.array([np.inf], dtype=np.float32).view(np.uint8)
     with pytest.raises(ValuesRefused, match=f"policy version 3 refused: tensor {entry.name}: global_scale: 1 fp32"):
         check_values(3, entry.format, layout, data)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block", "mxfp8", "nvfp4_moe", "int4_qat"])
+def test_every_built_in_recipe_publishes_values_that_pass(recipe):
+    """No false refusal: what a trainer publishes (random and all-zero weights) passes check_values."""
+    cfg = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)
+    r = Recipe.load(recipe)
+    contract = mf.contract_from_recipe(model_config=cfg, recipe=r)
+    weights = dict(Transformer(cfg, seed=0).named_parameters())
+    for w in (weights, {k: v.detach() * 0 for k, v in weights.items()}):
+        p = mf.build_manifest(
+            version=1, parent_version=None, contract=contract, tensors=mf.quantize_params(w, r.plan(cfg))
+        )
+        plan = mf.tp_plan_of(p.manifest)
+        for e in p.manifest.tensors:
+            check_values(1, e.format, mf.tensor_layout(e, plan), np.frombuffer(p.blobs[e.name], dtype=np.uint8))
