@@ -16,7 +16,7 @@ The expected parts come from quantizing a zero tensor of each distinct (format, 
 once per worker (the formats' own code, not a second copy of their layout rules). A manifest that
 fails is refused with `ManifestRefused`, naming every problem (up to 10). Once a tensor's bytes
 are verified against the manifest, `check_values` refuses stored values no quantizer produces
-(non-finite bf16 weights, NaN or non-positive scales: policy.formats.values) with `ValuesRefused`.
+(non-finite bf16 weights, NaN or out-of-range scales: policy.formats.values) with `ValuesRefused`.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ def scale_ranges() -> dict[str, tuple[int, int]]:
     positive fp32; 0 for int4, whose floor applies below 7e-5) and amax FLT_MAX."""
 
     def bits(t: torch.Tensor) -> int:
-        return int(t.reshape(-1)[0].view(torch.int32 if t.dtype == torch.float32 else torch.int16)) & 0xFFFFFFFF
+        wide = t.dtype == torch.float32
+        return int(t.reshape(-1)[0].view(torch.int32 if wide else torch.int16)) & (0xFFFFFFFF if wide else 0xFFFF)
 
     def at(amax: float, k: int) -> torch.Tensor:
         x = torch.zeros(1, k)
@@ -80,8 +81,10 @@ def scale_ranges() -> dict[str, tuple[int, int]]:
 
 
 def out_of_range(part: str, dtype: type) -> Callable[[np.ndarray], np.ndarray]:
-    """The rule for a scale part: bits outside what its format's quantize() produces."""
-    return lambda bits: outside(*scale_ranges()[part], dtype)(bits)
+    """The rule for a scale part: bits outside what its format's quantize() produces (the range is
+    computed at the first use)."""
+    rule = functools.cache(lambda: outside(*scale_ranges()[part], dtype))
+    return lambda bits: rule()(bits)
 
 
 def int4_minus8(u32: np.ndarray) -> np.ndarray:
