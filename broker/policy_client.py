@@ -9,10 +9,10 @@ What is checked: with `digest` (the signed pointer's), the manifest's own digest
 (DigestMismatch: content is authenticated whoever serves it); the manifest's internal consistency
 and contract fingerprint (recomputed from the contract, then compared with `expected_fingerprint`:
 FingerprintMismatch names both); the TP degree against the contract; each chunk's xxh3 against
-the chunk; for a tensor received whole, each chunk's xxh3 and the tensor's sha256 (over its chunks' sha256s, policy.manifest.tensor_sha256)
-against the *manifest* (end to end); for a TP shard, whose bytes the manifest does not describe,
-the digest the server computed when it cut the shard, and the shard's size against the layout
-the TP plan predicts. Chunks are sha256-hashed in a thread pool as they arrive; once the digests
+the chunk; for a tensor received whole, each chunk's xxh3 and the tensor's sha256 (over its
+chunks' sha256s, policy.manifest.tensor_sha256) against the *manifest* (end to end); for a TP
+shard, whose bytes the manifest does not describe, the digest the server computed when it cut the
+shard, and the shard's size against the layout the TP plan predicts. Chunks are sha256-hashed in a thread pool as they arrive; once the digests
 match, stored values no quantizer produces are refused (policy.manifest_check.check_values).
 
 Recovery, bounded by `max_attempts` stream restarts per fetch: a chunk that fails its checksum

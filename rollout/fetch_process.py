@@ -35,9 +35,9 @@ Nothing pickled crosses the boundary: length-prefixed byte messages over a socke
                             | ERROR <Type> <one line>
 An ERROR is raised in the parent as the type the in-process fetch raises (ChecksumMismatch,
 DigestMismatch, ValuesRefused, FingerprintMismatch, ValueError, OSError, FetchCancelled, a
-grpc.RpcError with its status code), so the worker's handling is the same. A child that dies (or stops answering) is replaced at once with
-one log line, the others' parts are cancelled, and the fetch fails with OSError (retried); a
-cancel from the worker cancels every child's part.
+grpc.RpcError with its status code), so the worker's handling is the same. A child that dies (or
+stops answering) is replaced at once with one log line, the others' parts are cancelled, and the
+fetch fails with OSError (retried); a cancel from the worker cancels every child's part.
 
 CPU workers keep the in-process fetch by default (`rollout.fetch_process`): the CPU engine's
 weights alias the fetched bytes, so each version needs fresh memory, and a CPU worker's versions
