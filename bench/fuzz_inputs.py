@@ -185,11 +185,14 @@ def target_config() -> Callable[[random.Random], None]:
 
 def target_pointer() -> Callable[[random.Random], None]:
     signer = Signer(b"k" * 32)
-    p = PolicyPointer(version=7, address="10.0.0.1:50051", contract_fingerprint="f" * 64, published_at=1.5)
-    fields = (str(p.version), p.address, p.contract_fingerprint, repr(p.published_at))
+    p = PolicyPointer(
+        version=7, address="10.0.0.1:50051", contract_fingerprint="f" * 64, published_at=1.5, content_digest="d" * 64
+    )
+    fields = (str(p.version), p.address, p.contract_fingerprint, repr(p.published_at), p.content_digest)
     good = {
         b"version": fields[0].encode(), b"address": fields[1].encode(), b"contract_fingerprint": fields[2].encode(),
-        b"published_at": fields[3].encode(), b"sig": signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex().encode(),
+        b"published_at": fields[3].encode(), b"content_digest": fields[4].encode(),
+        b"sig": signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex().encode(),
     }  # fmt: skip
 
     def one(rng: random.Random) -> None:

@@ -5,13 +5,15 @@
         policy = c.fetch(7, tp_rank=1, tp_size=2, names=[...])
         policy.tensors["model.layers.0.mlp.experts.0.down_proj.weight"]   # a policy.formats object
 
-What is checked: the manifest's internal consistency and contract fingerprint (recomputed from
-the contract, then compared with `expected_fingerprint`: FingerprintMismatch names both); the TP
-degree against the contract; each chunk's xxh3 against the chunk; for a tensor received whole,
-each chunk's xxh3 and the tensor's sha256 (over its chunks' sha256s, policy.manifest.tensor_sha256)
-against the *manifest* (end to end); for a TP shard, whose bytes the manifest does not describe,
-the digest the server computed when it cut the shard, and the shard's size against the layout
-the TP plan predicts. Chunks are sha256-hashed in a thread pool as they arrive.
+What is checked: with `digest` (the signed pointer's), the manifest's own digest first
+(DigestMismatch: content is authenticated whoever serves it); the manifest's internal consistency
+and contract fingerprint (recomputed from the contract, then compared with `expected_fingerprint`:
+FingerprintMismatch names both); the TP degree against the contract; each chunk's xxh3 against
+the chunk; for a tensor received whole, each chunk's xxh3 and the tensor's sha256 (over its
+chunks' sha256s, policy.manifest.tensor_sha256) against the *manifest* (end to end); for a TP
+shard, whose bytes the manifest does not describe, the digest the server computed when it cut the
+shard, and the shard's size against the layout the TP plan predicts. Chunks are sha256-hashed in a thread pool as they arrive; once the digests
+match, stored values no quantizer produces are refused (policy.manifest_check.check_values).
 
 Recovery, bounded by `max_attempts` stream restarts per fetch: a chunk that fails its checksum
 is fetched again (the stream restarts at that chunk's index, at most `max_refetch_per_chunk`
@@ -62,6 +64,7 @@ from policy.manifest import (
     tensor_sha256,
     tp_plan_of,
 )
+from policy.manifest_check import check_values
 from policy.tp import check_tp
 from tandem.v1 import manifest_pb2, policy_pb2
 
@@ -281,6 +284,7 @@ class _Tensor:
         self.n_chunks = chunk_count(layout.nbytes, chunk_bytes)
         self.done = False
         self.expected_sha256 = b""
+        self.values: concurrent.futures.Future | None = None  # check_values, run once the bytes are all in
 
     def sha256(self) -> bytes:
         """The tensor's digest over its chunks' sha256s (once every chunk is in)."""
@@ -361,15 +365,16 @@ class PolicyClient:
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
-    def get_manifest(self, version: int | None = None) -> manifest_pb2.Manifest:
-        """The verified manifest of `version` (latest if None); FingerprintMismatch if not expected.
+    def get_manifest(self, version: int | None = None, *, digest: str = "") -> manifest_pb2.Manifest:
+        """The verified manifest of `version` (latest if None); FingerprintMismatch if not expected;
+        DigestMismatch unless its manifest_digest is `digest` (hex, from the signed pointer) when given.
 
         Waits up to call_timeout_s for the server to become reachable (a rollout may start first)."""
         req = policy_pb2.GetManifestRequest()
         if version is not None:
             req.version = version
         raw = self._get_manifest(req, timeout=self.config.call_timeout_s, wait_for_ready=True)
-        m = manifest_from_bytes(raw)
+        m = manifest_from_bytes(raw, digest=digest)
         if version is not None and m.version != version:
             raise ValueError(f"asked for version {version}, server sent version {m.version}")
         if self.config.expected_fingerprint is not None:
@@ -402,11 +407,13 @@ class PolicyClient:
         check: Callable[[manifest_pb2.Manifest], None] | None = None,
         buffers: ReceiveBuffers | None = None,
         cancel: FetchCancel | None = None,
+        digest: str = "",
     ) -> FetchedPolicy:
         """Manifest + tensors of `version` (latest if None), all verified, rebuilt via from_parts.
-        `check(manifest)` runs before anything is allocated (e.g. policy.manifest_check); the bytes
-        land in `buffers` when given (the tensors then alias them), else in fresh memory."""
-        manifest = self.get_manifest(version)
+        `digest` as for get_manifest; `check(manifest)` runs before anything is allocated (e.g.
+        policy.manifest_check); the bytes land in `buffers` when given (the tensors then alias them),
+        else in fresh memory."""
+        manifest = self.get_manifest(version, digest=digest)
         if check is not None:
             check(manifest)
         raw, layouts, stats = self.fetch_bytes(
@@ -466,6 +473,8 @@ class PolicyClient:
         bad = [n for n, t in state.items() if t.sha256() != t.expected_sha256]
         if bad:
             raise ChecksumMismatch(f"version {manifest.version}: tensor(s) {bad[:5]} failed the sha256 check")
+        for t in state.values():  # the bytes are the manifest's: refuse values no quantizer produces
+            t.values.result()
         stats.seconds = time.perf_counter() - t0
         stats.verify_s = stats.seconds - stats.receive_s
         return ({n: t.data for n, t in state.items()}, {n: t.layout for n, t in state.items()}, stats)
@@ -609,6 +618,7 @@ class PolicyClient:
                     f"version {v}: tensor {t.layout.name}: the server's sha256 differs from the manifest's"
                 )
             t.done = True
+            t.values = hasher.submit(check_values, v, t.entry.format, t.layout, t.data)
         return True
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import logging
 import threading
 from collections import OrderedDict
@@ -57,6 +56,7 @@ from policy.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
     PackedPolicy,
+    manifest_digest,
     manifest_to_bytes,
     shard_tensor_bytes,
     tensor_layout,
@@ -64,7 +64,7 @@ from policy.manifest import (
     verify_manifest,
 )
 from policy.tp import MAX_TP_SIZE
-from tandem.v1 import manifest_pb2, policy_pb2
+from tandem.v1 import policy_pb2
 
 log = logging.getLogger("tandem.policy_server")
 
@@ -249,14 +249,6 @@ class _Version:
         return layout
 
 
-def content_digest(m: manifest_pb2.Manifest) -> bytes:
-    """sha256 of the manifest without its creation time: equal iff the published content is equal."""
-    c = manifest_pb2.Manifest()
-    c.CopyFrom(m)
-    c.created_unix_ns = 0
-    return hashlib.sha256(manifest_to_bytes(c)).digest()
-
-
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -426,7 +418,7 @@ class PolicyServer:
         installed = False
         try:
             m = policy.manifest
-            digest = content_digest(m)
+            digest = manifest_digest(m)
             with self._lock:
                 known = self._digests.get(m.version)
                 if known is not None:

@@ -1,6 +1,8 @@
 """Where the current policy is (`policy:latest` + announce channel) and who is alive (heartbeats).
 
-`policy:latest` is a hash {version, address, contract_fingerprint, published_at}. A Lua
+`policy:latest` is a hash {version, address, contract_fingerprint, published_at, content_digest}
+(the manifest's own digest, policy.manifest.manifest_digest, hex: what the worker trusts, whoever
+serves the bytes; signed with the rest, and required by a worker with the run secret). A Lua
 script updates it only forward (a higher version; or the same version with the same
 fingerprint, e.g. a restarted policy server on a new address) and publishes on the
 announce channel in the same atomic step. Pub/sub is fire-and-forget, so watchers treat a
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -45,8 +48,8 @@ if cur then
   end
 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'address', ARGV[2], 'contract_fingerprint', ARGV[3],
-           'published_at', ARGV[4], 'sig', ARGV[7])
-redis.call('PUBLISH', ARGV[5], ARGV[6])
+           'published_at', ARGV[4], 'content_digest', ARGV[5], 'sig', ARGV[8])
+redis.call('PUBLISH', ARGV[6], ARGV[7])
 return 1
 """
 
@@ -57,6 +60,7 @@ class PolicyPointer:
     address: str  # where the policy server for this version listens, e.g. "127.0.0.1:50051"
     contract_fingerprint: str
     published_at: float = 0.0
+    content_digest: str = ""  # hex manifest_digest of the version's manifest ("": none, refused when signed)
 
     def __post_init__(self) -> None:
         errors = []
@@ -72,6 +76,9 @@ class PolicyPointer:
                 errors.append(f"{name}={v!r} (want 1-256 characters, no whitespace)")
         if not isinstance(self.published_at, (int, float)) or not math.isfinite(self.published_at):
             errors.append(f"published_at={self.published_at!r} (want a finite number)")
+        d = self.content_digest
+        if not isinstance(d, str) or d and (len(d) != 64 or d.strip("0123456789abcdef")):
+            errors.append(f"content_digest={str(d)[:80]!r} (want '' or 64 lowercase hex characters)")
         if errors:
             raise ValueError("PolicyPointer: " + "; ".join(errors))
 
@@ -82,12 +89,16 @@ class PolicyPointer:
                 "address": self.address,
                 "contract_fingerprint": self.contract_fingerprint,
                 "published_at": self.published_at,
+                "content_digest": self.content_digest,
             }
         )
 
 
-def _signed_bytes(version: str, address: str, fingerprint: str, published_at: str) -> bytes:
-    return "\n".join((version, address, fingerprint, published_at)).encode()
+_SIGNED = (b"version", b"address", b"contract_fingerprint", b"published_at", b"content_digest")
+
+
+def _signed_bytes(*fields: str) -> bytes:
+    return "\n".join(fields).encode()
 
 
 def parse_pointer(h: dict[bytes, bytes]) -> PolicyPointer | None:
@@ -98,24 +109,28 @@ def parse_pointer(h: dict[bytes, bytes]) -> PolicyPointer | None:
             address=h[b"address"].decode(),
             contract_fingerprint=h[b"contract_fingerprint"].decode(),
             published_at=float(h[b"published_at"]),
+            content_digest=h.get(b"content_digest", b"").decode(),
         )
     except (KeyError, ValueError, UnicodeDecodeError, AttributeError, TypeError):
         return None
 
 
 def pointer_signed(h: dict[bytes, bytes], signer: Signer) -> bool:
-    """Whether a `policy:latest` hash carries a valid signature of its fields (never raises)."""
+    """Whether a `policy:latest` hash carries a content digest and a valid signature of its fields
+    (never raises)."""
     try:
-        fields = (h[k].decode() for k in (b"version", b"address", b"contract_fingerprint", b"published_at"))
+        fields = [h[k].decode() for k in _SIGNED]
         signed, tag = _signed_bytes(*fields), bytes.fromhex(h.get(b"sig", b"").decode())
     except (KeyError, ValueError, UnicodeDecodeError, AttributeError):
+        return False
+    if not fields[-1]:  # a pointer that does not name its content authenticates nothing of it
         return False
     return signer.verify(POLICY_POINTER, signed, tag)
 
 
 class PolicyRegistry:
     """With a `signer` (broker.signing), publish() signs the pointer and latest() refuses (returns None
-    for, and counts in `refused`) a pointer without a valid signature."""
+    for, and counts in `refused`) a pointer without a valid signature or without a content digest."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, signer: Signer | None = None):
         self.redis, self.keys, self.signer = redis, keys, signer
@@ -126,17 +141,13 @@ class PolicyRegistry:
         nothing) if a newer version is already published; raises ValueError if the same
         version was published with another contract fingerprint."""
         if pointer.published_at == 0.0:
-            pointer = PolicyPointer(
-                version=pointer.version,
-                address=pointer.address,
-                contract_fingerprint=pointer.contract_fingerprint,
-                published_at=time.time(),
-            )
+            pointer = dataclasses.replace(pointer, published_at=time.time())
         fields = (
             str(pointer.version),
             pointer.address,
             pointer.contract_fingerprint,
             repr(float(pointer.published_at)),
+            pointer.content_digest,
         )
         sig = "" if self.signer is None else self.signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex()
         try:

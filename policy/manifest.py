@@ -40,6 +40,10 @@ the tensor" means this digest. A TP shard's digest (the server's, on its last ch
 definition over the shard's bytes and chunks. A manifest of schema 1 (sha256 over the raw bytes)
 is refused with one line naming the schema, not by failing every tensor's checksum.
 
+The manifest's own digest (`manifest_digest`: over every field but the creation time, so over every
+tensor's checksums) is what the signed `policy:latest` names: a worker compares it first
+(`manifest_from_bytes(digest=...)`, DigestMismatch), so content is authenticated whoever serves it.
+
 Simplifications: the manifest is one message (a 48-layer, 128-expert model is ~4 MB, under
 MAX_MANIFEST_BYTES); a tensor's `shape` is its quantized [M, K] shape, so 1-D parameters such
 as norms are published as [1, D] by whoever quantizes them.
@@ -71,6 +75,7 @@ from tandem.v1 import manifest_pb2 as pb
 SCHEMA_VERSION = 2
 _FINGERPRINT_SCHEMA = 1  # the contract fingerprint's own form: unchanged by schema 2 (same contract, same hash)
 TENSOR_SHA256_DOMAIN = b"tandem-tensor-sha256-v2\0"
+MANIFEST_DIGEST_DOMAIN = b"tandem-manifest-digest-v1\0"
 HASH_TASK_BYTES = 8 << 20  # bytes of chunks one hashing task covers (a thread pool's unit of work)
 CHUNK_BYTES = 1 << 20  # at most 1 MiB of tensor bytes per chunk (and per gRPC message)
 MAX_MANIFEST_BYTES = 64 << 20
@@ -103,6 +108,11 @@ class FingerprintMismatch(ValueError):
 
 class ChecksumMismatch(ValueError):
     """Bytes do not match the xxh3 / sha256 the manifest (or a chunk) declares."""
+
+
+class DigestMismatch(ValueError):
+    """A manifest whose `manifest_digest` is not the one the signed pointer names: whoever served it
+    is not to be trusted for that version (the pointer is authentic, the source is not)."""
 
 
 # -- the contract ------------------------------------------------------------------------------
@@ -592,8 +602,9 @@ def manifest_to_bytes(manifest: pb.Manifest) -> bytes:
     return manifest.SerializeToString(deterministic=True)
 
 
-def manifest_from_bytes(data: bytes) -> pb.Manifest:
-    """Parse (never unpickle) and verify a serialized manifest."""
+def manifest_from_bytes(data: bytes, *, digest: str = "") -> pb.Manifest:
+    """Parse (never unpickle) and verify a serialized manifest; with `digest` (hex, from a signed
+    pointer) its `manifest_digest` is compared first (DigestMismatch), before anything else is read."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise ValueError(f"manifest is {len(data)} bytes, over MAX_MANIFEST_BYTES={MAX_MANIFEST_BYTES}")
     m = pb.Manifest()
@@ -601,8 +612,30 @@ def manifest_from_bytes(data: bytes) -> pb.Manifest:
         m.ParseFromString(data)
     except Exception as e:  # google.protobuf.message.DecodeError
         raise ValueError(f"not a tandem.v1.Manifest: {e}") from None
+    if digest:
+        check_digest(m, digest)
     verify_manifest(m)
     return m
+
+
+def manifest_digest(m: pb.Manifest) -> bytes:
+    """The manifest's own digest: sha256 over a domain string and its deterministic serialization with
+    `created_unix_ns` zeroed, so it covers every field but the creation time (the contract, every
+    tensor's layout, global scale, chunk xxh3s and sha256): equal iff the published content is equal.
+    The signed pointer carries it (hex); the policy server dedups publishes by it."""
+    c = pb.Manifest()
+    c.CopyFrom(m)
+    c.created_unix_ns = 0
+    return hashlib.sha256(MANIFEST_DIGEST_DOMAIN + manifest_to_bytes(c)).digest()
+
+
+def check_digest(m: pb.Manifest, expected_hex: str) -> None:
+    """DigestMismatch (naming both, short) unless `manifest_digest(m)` is `expected_hex`."""
+    got = manifest_digest(m).hex()
+    if got != expected_hex:
+        raise DigestMismatch(
+            f"manifest of version {m.version} has digest {got[:16]}, the signed pointer says {expected_hex[:16]}"
+        )
 
 
 def write_manifest(path: str | Path, manifest: pb.Manifest) -> None:

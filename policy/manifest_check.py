@@ -14,7 +14,9 @@ So the rollout compares every entry with what its own contract implies:
 
 The expected parts come from quantizing a zero tensor of each distinct (format, kwargs, shape)
 once per worker (the formats' own code, not a second copy of their layout rules). A manifest that
-fails is refused with `ManifestRefused`, naming every problem (up to 10).
+fails is refused with `ManifestRefused`, naming every problem (up to 10). Once a tensor's bytes
+are verified against the manifest, `check_values` refuses stored values no quantizer produces
+(non-finite bf16 weights, NaN or out-of-range scales: policy.formats.values) with `ValuesRefused`.
 """
 
 from __future__ import annotations
@@ -22,15 +24,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from policy import manifest as mf
+from policy.formats.values import invalid_values
 from policy.recipe import Plan
 from tandem.v1 import manifest_pb2 as pb
 
 
 class ManifestRefused(ValueError):
     """A manifest that this worker's contract cannot load (a permanent property of that version)."""
+
+
+class ValuesRefused(ManifestRefused):
+    """Verified bytes holding values no quantizer produces: as permanent as the version's content."""
 
 
 @dataclass(frozen=True)
@@ -98,3 +106,12 @@ def check_manifest(m: pb.Manifest, expected: dict[str, ExpectedTensor], *, max_t
         bad.append(f"total_bytes={m.total_bytes} > max_total_bytes={max_total_bytes}")
     if bad:
         raise ManifestRefused(f"policy version {m.version} refused: " + "; ".join(bad[:10]))
+
+
+def check_values(version: int, fmt: str, layout: mf.TensorLayout, data) -> None:
+    """ValuesRefused, naming the tensor and each bad part, unless `data` (the bytes of a tensor or TP
+    shard, laid out as `layout`) keeps the value rules of format `fmt` (policy.formats.values)."""
+    raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8)
+    bad = invalid_values(fmt, {p.name: raw[p.offset : p.offset + p.nbytes] for p in layout.parts})
+    if bad:
+        raise ValuesRefused(f"policy version {version} refused: tensor {layout.name}: " + "; ".join(bad))

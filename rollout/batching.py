@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from policy.formats import NonFinite
 from policy.model import KVCache, Transformer
 from rollout.engine import decode_one_token, prefill, sample
 from rollout.scheduler import Scheduler
@@ -251,6 +252,8 @@ class CpuBackend:
         """Sample one token per live row, finish rows on a stop id or their last token, decode the rest."""
         if not self.rows:
             return []
+        if not bool(torch.isfinite(self.logits).all()):
+            raise NonFinite("CPU engine: non-finite logits (NaN/Inf) in this batch")
         done = []
         nxt, lp = sample(self.logits, self.temperature, self.gens if self.temperature > 0 else None)
         hit = torch.isin(nxt, self.stop)
@@ -379,7 +382,7 @@ class PackedBackend:
         eng.decode(n, self.every, check_every=self.every)
         flags = torch.cat([eng.alive[:n].to(torch.int32), eng._finite_bad]).tolist()  # one sync
         if flags[-1]:
-            raise ValueError("PackedEngine: non-finite activations or logits (NaN/Inf) in this batch")
+            raise NonFinite("PackedEngine: non-finite activations or logits (NaN/Inf) in this batch")
         fin = sorted(s for s in self.busy if not flags[s])
         if fin:
             rows = torch.tensor(fin, device=eng.device)

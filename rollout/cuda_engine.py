@@ -61,7 +61,7 @@ from torch import Tensor
 
 import policy.kernels as PK
 from policy import compute
-from policy.formats import Operand
+from policy.formats import NonFinite, Operand
 from policy.formats import nvfp4 as _nvfp4
 from policy.model import ModelConfig
 from policy.recipe import Plan
@@ -965,7 +965,7 @@ class PackedEngine:
         if max_new_tokens > 1:
             self.decode(n, max_new_tokens - 1)
         if bool(self._finite_bad):
-            raise ValueError("PackedEngine: non-finite activations or logits (NaN/Inf) in this batch")
+            raise NonFinite("PackedEngine: non-finite activations or logits (NaN/Inf) in this batch")
         N = max_new_tokens
         # copy=True: on the CPU .cpu() would alias the engine's buffers, which the next call reuses.
         return Generation(

@@ -34,10 +34,10 @@ Nothing pickled crosses the boundary: length-prefixed byte messages over a socke
     child -> parent         MANIFEST <the serialized manifest> (first child) | DONE {json FetchStats}
                             | ERROR <Type> <one line>
 An ERROR is raised in the parent as the type the in-process fetch raises (ChecksumMismatch,
-FingerprintMismatch, ValueError, OSError, FetchCancelled, a grpc.RpcError with its status code), so
-the worker's handling is the same. A child that dies (or stops answering) is replaced at once with
-one log line, the others' parts are cancelled, and the fetch fails with OSError (retried); a
-cancel from the worker cancels every child's part.
+DigestMismatch, ValuesRefused, FingerprintMismatch, ValueError, OSError, FetchCancelled, a
+grpc.RpcError with its status code), so the worker's handling is the same. A child that dies (or
+stops answering) is replaced at once with one log line, the others' parts are cancelled, and the
+fetch fails with OSError (retried); a cancel from the worker cancels every child's part.
 
 CPU workers keep the in-process fetch by default (`rollout.fetch_process`): the CPU engine's
 weights alias the fetched bytes, so each version needs fresh memory, and a CPU worker's versions
@@ -79,6 +79,8 @@ from broker.policy_client import (
 )
 from broker.tls import ClientTLS
 from policy import manifest as mf
+from policy.manifest import DigestMismatch
+from policy.manifest_check import ValuesRefused
 
 MAX_MESSAGE = mf.MAX_MANIFEST_BYTES + (1 << 16)
 POLL_S = 0.05  # how often a waiting parent looks at its cancel flag and the child's liveness
@@ -88,11 +90,13 @@ CANCEL_GRACE_S = 30.0  # a child that has not ended a cancelled fetch by then is
 @dataclass(frozen=True, kw_only=True)
 class FetchRequest:
     """One fetch: the whole version `version` from `address` (host:port), its contract fingerprint
-    checked against `fingerprint`; the rest as PolicyClientConfig's fields of the same names."""
+    checked against `fingerprint` and its manifest's digest against `digest` (hex, the signed
+    pointer's; "" = none); the rest as PolicyClientConfig's fields of the same names."""
 
     address: str
     fingerprint: str
     version: int
+    digest: str = ""
     fetch_timeout_s: float = 60.0
     streams: int = 1
     tls: ClientTLS = dataclasses.field(default_factory=ClientTLS)
@@ -130,7 +134,17 @@ class FetchRpcError(grpc.RpcError):
 
 
 _ERROR_TYPES = {
-    t.__name__: t for t in (FetchCancelled, ChecksumMismatch, FingerprintMismatch, ValueError, OSError, RuntimeError)
+    t.__name__: t
+    for t in (
+        FetchCancelled,
+        ChecksumMismatch,
+        DigestMismatch,
+        ValuesRefused,
+        FingerprintMismatch,
+        ValueError,
+        OSError,
+        RuntimeError,
+    )
 }
 
 
@@ -410,9 +424,10 @@ class FetchProcess:
 
 
 def verified_manifest(raw: bytes, request: FetchRequest, source: str) -> mf.pb.Manifest:
-    """A serialized manifest parsed and verified (manifest_from_bytes), of the version asked for
-    (ValueError naming `source` otherwise) and with the request's fingerprint (FingerprintMismatch)."""
-    manifest = mf.manifest_from_bytes(raw)
+    """A serialized manifest parsed and verified (manifest_from_bytes), with the request's digest
+    (DigestMismatch), of the version asked for (ValueError naming `source` otherwise) and with the
+    request's fingerprint (FingerprintMismatch)."""
+    manifest = mf.manifest_from_bytes(raw, digest=request.digest)
     if manifest.version != request.version:
         raise ValueError(f"asked for version {request.version}, {source} {manifest.version}")
     mf.check_fingerprint(manifest, request.fingerprint)
@@ -491,7 +506,7 @@ def _fetch(conn: Connection, job: _Job, state: dict) -> FetchStats:
     check_reachable(req.address)  # a trainer gone from the address fails at once
     with PolicyClient(req.client_config()) as client:
         if job.lead:  # the parent verifies and checks it, then hands out the parts
-            manifest = client.get_manifest(req.version)
+            manifest = client.get_manifest(req.version, digest=req.digest)
             _send(conn, "MANIFEST", mf.manifest_to_bytes(manifest))
         else:  # the manifest the parent verified, verified here again
             kind, raw = job.inbox.get()

@@ -21,6 +21,12 @@ Loop (up to `rollout.max_inflight_groups` groups in flight, continuous batching)
     XACK the prompt in one transaction.
 Every token of a group comes from the version that started it (tagged on its trajectories): versions
 swap only when no started group is in flight, so no sequence, KV row or prefix spans two versions.
+What is trusted is the signed pointer's content digest, not the server: a manifest with another digest
+is refused before anything is allocated and its source is not asked for that version again (a new
+pointer names another source or version); verified bytes holding values no quantizer produces, and a
+live version whose activations or logits turn non-finite, are refused (`refused_versions`, never
+loaded again; the groups in flight start again under the next version). Nothing a peer serves ends
+the worker.
 Prometheus on `rollout.metrics_port` (`WorkerMetrics`): generated tokens, groups, tokens/s,
 policy fetch seconds and bytes, the split of the last swap (receive, verify, drain wait, h2d, swap), the
 live version, refused versions, the staleness of the policy in use, refused prompts by why.
@@ -69,6 +75,7 @@ from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
+from policy.formats import NonFinite
 from policy.loop import AsyncConfig
 from policy.manifest_check import ManifestRefused, check_manifest, expected_tensors
 from policy.model import ModelConfig, Transformer
@@ -128,7 +135,14 @@ class WorkerMetrics:
         )
         self.refused = prom.Counter(
             "tandem_rollout_versions_refused",
-            "announced versions refused for a contract fingerprint not this worker's (versions)",
+            "announced versions refused: a contract fingerprint not this worker's, a manifest it cannot load, "
+            "values no quantizer produces, non-finite activations while generating (versions)",
+            registry=reg,
+        )
+        self.distrusted = prom.Counter(
+            "tandem_rollout_policy_sources_distrusted",
+            "sources that served other content than the signed pointer names (a manifest of another digest, "
+            "or bytes not its manifest's): not asked for that version again (sources)",
             registry=reg,
         )
         self.publish_to_live = prom.Gauge(
@@ -225,6 +239,9 @@ class RolloutWorker:
         # refused for not matching it: immutable, so never fetched again.
         self.expected = expected_tensors(recipe.plan(model_config))
         self.refused_versions: set[int] = set()
+        # (version, source address, content digest) whose source served other content than the signed pointer
+        # names: the pointer is authentic, the source is not; it is not asked for that version again.
+        self.distrusted: set[tuple[int, str, str]] = set()
         self.groups_done = 0
         # What a prompt group must satisfy before it reaches the engine (rollout.prompt_check), with
         # `group_size` the run's (trainer.group_size; None: any up to max_batch).
@@ -282,6 +299,7 @@ class RolloutWorker:
                     "groups": self.groups_done,
                     "refused_versions": len(self.refused_versions),
                     "refused_prompts": sum(self.refused_prompts.values()),
+                    "distrusted_sources": len(self.distrusted),
                 },
             )
         )
@@ -308,6 +326,9 @@ class RolloutWorker:
                     elif latest is not None and self._prefetch is not None:  # the pointer went back (a restart)
                         await self._give_up_prefetch()
                 if self.version is None:
+                    if carried and time.monotonic() - last_keep >= self.cfg.reclaim_idle_s / 4:
+                        last_keep = time.monotonic()  # groups given back by a refused version: still ours
+                        await queue.keep_alive(carried)
                     await self._wait_prefetch(0.5)
                     continue
                 room = self.cfg.max_inflight_groups - len(self.inflight)
@@ -391,11 +412,15 @@ class RolloutWorker:
         return 1 if suspect else self.cfg.max_inflight_groups
 
     async def _step(self, queue: PromptQueue, carried: list) -> list[GroupResult]:
-        """One batcher step. If it raises, the batch is dropped (a fresh batcher on the same weights):
+        """One batcher step. Non-finite values refuse the live version (`_refuse_live`). If it raises
+        otherwise, the batch is dropped (a fresh batcher on the same weights):
         a group that was alone in it is dead-lettered with the error; groups that were in company go
         back to the front of `carried`, to be retried one at a time (`_isolate`)."""
         try:
             return self.batcher.step()
+        except NonFinite as e:  # what the live version computes: refused, never a crash
+            carried[:0] = self._refuse_live(e)
+            return []
         except Exception as e:
             failed = list(self.inflight.values())
             self.inflight.clear()
@@ -471,6 +496,8 @@ class RolloutWorker:
         """False for a version refused before or a contract fingerprint not ours (logged once)."""
         if pointer is None or pointer.version in self.refused_versions:
             return False
+        if (pointer.version, self._source(pointer), pointer.content_digest) in self.distrusted:
+            return False  # wait for another source: a new pointer (a newer version, or this one elsewhere)
         if pointer.contract_fingerprint != self.fingerprint:
             if pointer.version != self._refused:
                 self._refused = pointer.version
@@ -528,9 +555,10 @@ class RolloutWorker:
         """The fetch thread: the verified version (bytes in `host_buffers` on CUDA), fetched by the
         child process (`fetcher`) or here."""
         request = FetchRequest(
-            address=self.cfg.policy_address or pointer.address,
+            address=self._source(pointer),
             fingerprint=self.fingerprint,
             version=pointer.version,
+            digest=pointer.content_digest,
             fetch_timeout_s=self.cfg.fetch_timeout_s,
             streams=self.cfg.fetch_streams,
             tls=self.cfg.tls,
@@ -543,7 +571,11 @@ class RolloutWorker:
         check_reachable(request.address)
         with PolicyClient(request.client_config()) as client:
             fetched = client.fetch(
-                pointer.version, check=self._check_manifest, buffers=self.host_buffers, cancel=cancel
+                pointer.version,
+                digest=pointer.content_digest,
+                check=self._check_manifest,
+                buffers=self.host_buffers,
+                cancel=cancel,
             )
         return fetched, time.perf_counter()
 
@@ -560,15 +592,17 @@ class RolloutWorker:
                 f"{self.worker_id}: {str(e)[:400]}; keeping v{self.version} "
                 f"({len(self.refused_versions)} version(s) refused)"
             )
+        except (mf.DigestMismatch, mf.ChecksumMismatch) as e:
+            # Bytes that fail an authenticated manifest (after the client's own re-fetches) are the
+            # source's fault, as another manifest is; without a digest the manifest proves nothing.
+            if isinstance(e, mf.DigestMismatch) or pointer.content_digest:
+                self._distrust(pointer, e)
+            else:
+                self._retry_later(pointer, e)
         except FetchCancelled:
             pass
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
-            self.metrics.fetch_failures.inc()
-            self._retry_at = time.monotonic() + self.retry_s
-            self.log(
-                f"{self.worker_id}: fetching v{pointer.version} from {self.cfg.policy_address or pointer.address} "
-                f"failed, will retry: {why(e)}"
-            )
+            self._retry_later(pointer, e)
         if self.batcher is not None:
             self.batcher.cancel_swap()  # not loadable now: go on with the current version
         return False
@@ -638,6 +672,44 @@ class RolloutWorker:
 
     def _check_manifest(self, manifest) -> None:
         check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
+
+    def _retry_later(self, pointer: PolicyPointer, e: BaseException) -> None:
+        self.metrics.fetch_failures.inc()
+        self._retry_at = time.monotonic() + self.retry_s
+        self.log(
+            f"{self.worker_id}: fetching v{pointer.version} from {self._source(pointer)} failed, will retry: {why(e)}"
+        )
+
+    def _distrust(self, pointer: PolicyPointer, e: BaseException) -> None:
+        source = self._source(pointer)
+        self.distrusted.add((pointer.version, source, pointer.content_digest))
+        self.metrics.distrusted.inc()
+        self.log(
+            f"{self.worker_id}: refusing v{pointer.version} from {source}: {why(e)}; not asking it for "
+            f"v{pointer.version} again, keeping v{self.version}"
+        )
+
+    def _source(self, pointer: PolicyPointer) -> str:
+        """Where `pointer`'s version is fetched from (the pointer's address unless configured)."""
+        return self.cfg.policy_address or pointer.address
+
+    def _refuse_live(self, e: NonFinite) -> list:
+        """The live version computed non-finite values while generating: refused as if at fetch (never
+        loaded again), nothing served until a newer one is live. Returns the records of the groups in
+        flight, to start again under the next version (their samples so far are dropped)."""
+        v, self.version = self.version, None
+        self.refused_versions.add(v)
+        self.metrics.refused.inc()
+        self.metrics.version.set(0)
+        self.health.set_serving(False)
+        records = [rec for rec, _, _ in self.inflight.values() if rec is not None]
+        self.inflight.clear()
+        self.batcher = None  # its scheduler and backend hold that version's rows: a new one at the next swap
+        self.log(
+            f"{self.worker_id}: v{v} refused while generating: {why(e)}; serving nothing until a newer "
+            f"version is live, {len(records)} group(s) kept for it"
+        )
+        return records
 
     def _build_engine(self, tensors: dict) -> PackedEngine:
         import torch

@@ -223,6 +223,7 @@ class Trainer:
         # Versions are framed into reusable page-locked host buffers (shared memory that the server's
         # process maps, when it has one) and published off the step.
         self.buffers = frames.BufferPool(pin=cuda, shared=in_child)
+        self._digests: dict[int, str] = {}  # version -> its manifest's digest (hex), named in policy:latest
         self.publisher = Publisher(log=self.log)
         self.health = HealthServer(
             port=cfg.health.port, service=TRAINER_HEALTH, host=cfg.health.host
@@ -508,7 +509,10 @@ class Trainer:
             t = time.perf_counter()
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 check()
-                self.server.publish((staged or stage()).run())
+                framed = (staged or stage()).run()
+                self._digests = {k: d for k, d in self._digests.items() if k > v - self.max_staleness - 2}
+                self._digests[v] = mf.manifest_digest(framed.manifest).hex()
+                self.server.publish(framed)
             self._publish_bg_s = time.perf_counter() - t
 
         async def announce() -> None:
@@ -530,6 +534,7 @@ class Trainer:
                 address=self.cfg.grpc_advertise or self.server.address,
                 contract_fingerprint=self.accepted_fingerprint,
                 published_at=time.time(),
+                content_digest=self._digests[version],  # what workers trust, whoever serves the bytes
             )
         )
 

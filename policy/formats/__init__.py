@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from . import bf16, fp8_block, int4, mxfp8, nvfp4
-from ._common import SPEC_VERSION, Operand
+from ._common import SPEC_VERSION, NonFinite, Operand
 
 FORMATS = ("bf16", "fp8_block", "mxfp8", "nvfp4", "int4")
 _MODULES = {"bf16": bf16, "fp8_block": fp8_block, "mxfp8": mxfp8, "nvfp4": nvfp4, "int4": int4}
@@ -52,6 +52,7 @@ def operand(q) -> Operand:
 __all__ = [
     "FORMATS",
     "SPEC_VERSION",
+    "NonFinite",
     "Operand",
     "dequantize",
     "format_of",

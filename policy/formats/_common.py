@@ -22,6 +22,11 @@ E4M3_MAX = 448.0
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+class NonFinite(ValueError):
+    """NaN or Inf where the contract computes with finite values only (a quantizer's input, an
+    engine's activations or logits): a rollout blames the policy version that computed them."""
+
+
 def check_input(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
     """Validate a quantizer input and return it as a contiguous fp32 [M, K] tensor."""
     if not isinstance(x, torch.Tensor):
@@ -37,7 +42,7 @@ def check_input(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
     xf = x.detach().to(torch.float32).contiguous()
     if not bool(torch.isfinite(xf).all()):
         bad = int((~torch.isfinite(xf)).sum())
-        raise ValueError(f"{what}: input has {bad} non-finite value(s) (NaN or Inf)")
+        raise NonFinite(f"{what}: input has {bad} non-finite value(s) (NaN or Inf)")
     return xf
 
 

@@ -51,15 +51,23 @@ async def test_registry_refuses_pointers_without_the_secret(redis_url, run_id):
     async with connect(redis_url) as r:
         trainer = PolicyRegistry(r, keys, signer=SIGNER)
         worker = PolicyRegistry(r, keys, signer=SIGNER)
-        await trainer.publish(PolicyPointer(version=3, address="10.0.0.1:50051", contract_fingerprint="f" * 64))
+        d = "d" * 64  # the content digest (policy.manifest.manifest_digest): signed with the rest
+        await trainer.publish(
+            PolicyPointer(version=3, address="10.0.0.1:50051", contract_fingerprint="f" * 64, content_digest=d)
+        )
         assert (await worker.latest()).address == "10.0.0.1:50051" and worker.refused == 0
         # Redirect every worker to another server: without the secret the pointer no longer verifies.
         await r.hset(keys.policy_latest, "address", "evil.example:50051")
         assert await worker.latest() is None and worker.refused == 1
         await PolicyRegistry(r, keys).publish(PolicyPointer(version=4, address="evil:1", contract_fingerprint="f" * 64))
         assert await worker.latest() is None and worker.refused == 2  # unsigned
-        await trainer.publish(PolicyPointer(version=5, address="10.0.0.1:50051", contract_fingerprint="f" * 64))
+        await trainer.publish(
+            PolicyPointer(version=5, address="10.0.0.1:50051", contract_fingerprint="f" * 64, content_digest=d)
+        )
         assert (await worker.latest()).version == 5
+        # Signed, but naming no content: it authenticates nothing a server sends, so it is refused.
+        await trainer.publish(PolicyPointer(version=6, address="10.0.0.1:50051", contract_fingerprint="f" * 64))
+        assert await worker.latest() is None and worker.refused == 3
 
 
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path):

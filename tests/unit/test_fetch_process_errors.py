@@ -8,6 +8,8 @@ import grpc
 import pytest
 
 from broker.policy_client import ChecksumMismatch, FetchCancelled, FingerprintMismatch, split_by_bytes
+from policy.manifest import DigestMismatch
+from policy.manifest_check import ValuesRefused
 from rollout.fetch_process import FetchRequest, error_from_line, error_line
 
 
@@ -15,6 +17,8 @@ from rollout.fetch_process import FetchRequest, error_from_line, error_line
     "error",
     [
         ChecksumMismatch("version 3: chunk 7 failed its xxh3 check 4 times"),
+        DigestMismatch("manifest of version 3 has digest 0123456789abcdef, the signed pointer says fedcba9876543210"),
+        ValuesRefused("policy version 3 refused: tensor lm_head.weight: values: 1 non-finite bf16 value(s) of 8"),
         FetchCancelled("version 3: fetch cancelled"),
         ValueError("127.0.0.1:1: connection refused (nothing listens there)"),
         OSError("cannot reserve 10 bytes of shared memory"),
@@ -57,7 +61,9 @@ def test_grpc_errors_keep_their_status_code():
 
 
 def test_request_round_trips():
-    req = FetchRequest(address="127.0.0.1:5", fingerprint="f" * 64, version=9, fetch_timeout_s=3.0, streams=2)
+    req = FetchRequest(
+        address="127.0.0.1:5", fingerprint="f" * 64, version=9, digest="d" * 64, fetch_timeout_s=3.0, streams=2
+    )
     assert FetchRequest.from_bytes(req.to_bytes()) == req
 
 
