@@ -1,0 +1,234 @@
+"""Fault scenarios of the trainer's own resources, against real processes: its policy-server child
+SIGKILLed during publishes (trainer.policy_server_process on the CPU), its checkpoint folder full
+(a real ENOSPC: a small tmpfs mounted over it), and Redis gone past `redis_outage_s` (the trainer
+and a worker each exit 3 with one line). Each run that trains ends with the exactly-once audit of
+tests/faults/harness.py."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import Run, audit, config, report
+from restartable_redis import RestartableRedis
+
+from trainer.service import latest_checkpoint
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults]
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RestartableRedis(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop(kill=True)
+
+
+def _wait_exit(run: Run, name: str, proc, timeout_s: float = 120.0) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except Exception:
+        raise AssertionError(
+            f"{name} still running {timeout_s}s after Redis went away:\n{run.log_tail(name)}"
+        ) from None
+
+
+def test_redis_gone_past_the_bound_ends_trainer_and_worker_with_3_and_one_line(tmp_path, redis_server, run_id):
+    """Redis SIGKILLed for good after the first step: past redis_outage_s (3 s) the trainer and the
+    worker each exit with code 3 and one line naming Redis and how long it was gone; no traceback."""
+    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=50))
+    try:
+        run.start_trainer("redis_outage_s=3")
+        run.start_worker("w0", "redis_outage_s=3")
+        run.wait_steps(1)
+        redis_server.stop(kill=True)
+        t_down = time.monotonic()
+        codes = {"trainer": _wait_exit(run, "trainer", run.trainer), "w0": _wait_exit(run, "w0", run.workers["w0"])}
+        took = time.monotonic() - t_down
+    finally:
+        run.close()
+    for name, code in codes.items():
+        log = run.log_tail(name, 1_000_000)
+        assert code == 3, f"{name} exited {code}:\n{log[-3000:]}"
+        assert "Traceback" not in log, f"{name}:\n{log[-3000:]}"
+        gave_up = [ln for ln in log.splitlines() if "giving up" in ln]
+        assert len(gave_up) == 1 and "redis unreachable for" in gave_up[0], log[-3000:]
+    assert took < 60, f"the services took {took:.0f}s to give up (bound 3 s)"
+
+
+@contextlib.contextmanager
+def _tmpfs(folder: Path, size: str):
+    """A tmpfs of `size` mounted on `folder` (root only: skipped otherwise), unmounted at the end."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _fill(folder: Path) -> Path:
+    """Fill the file system of `folder` to the last byte: a real ENOSPC for the next write there."""
+    filler = folder / "filler"
+    with open(filler, "ab") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    return filler
+
+
+def _wait_line(run: Run, pattern: str, after: int = 0, timeout_s: float = 120.0) -> re.Match:
+    """The first match of `pattern` in the trainer's log past character `after`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = re.compile(pattern).search(run.log_tail("trainer", 10**7), after)
+        if m:
+            return m
+        assert run.trainer.poll() is None, f"trainer exited {run.trainer.returncode}:\n{run.log_tail('trainer')}"
+        assert time.monotonic() < deadline, f"no {pattern!r} in {timeout_s}s:\n{run.log_tail('trainer')}"
+        time.sleep(0.1)
+
+
+def test_a_full_disk_during_checkpoints_keeps_the_previous_one_and_training_goes_on(tmp_path, redis_server, run_id):
+    """checkpoints/ on a 4 MiB tmpfs, filled to the last byte twice. Each failed checkpoint leaves no
+    temporary file, one line, and the previous checkpoint the newest (whole: it loads); training goes
+    on, and once there is room the next checkpoint is written (its samples committed). Stopped
+    (SIGTERM) while the disk is full, the trainer says that its final checkpoint was not written and
+    exits 1; the resume (with a stale temporary file of a killed trainer in the folder) starts from
+    the newest checkpoint and the run is exactly-once."""
+    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=200, checkpoint_every=1))
+    ckpts = run.run_dir / "checkpoints"
+    with _tmpfs(ckpts, "4m"):
+        try:
+            run.start_trainer()
+            for w in ("w0", "w1"):
+                run.start_worker(w)
+            run.wait_steps(2)
+            filler = _fill(ckpts)
+            failed = _wait_line(run, r"checkpoint step-(\d+)\.pt not written \(No space left on device\); training on, "
+                                     r"the newest checkpoint is step-(\d+)\.pt")  # fmt: skip
+            again = _wait_line(run, r"checkpoint step-(\d+)\.pt not written", after=failed.end())
+            assert int(again[1]) > int(failed[1])  # training went on, and the next checkpoint tried again
+            assert not list(ckpts.glob("*.tmp")), sorted(ckpts.iterdir())
+            newest = latest_checkpoint(ckpts)
+            assert newest.name == f"step-{failed[2]}.pt"
+            assert torch.load(newest, map_location="cpu", weights_only=True)["state"]["step"] == int(failed[2])
+            filler.unlink()  # room again: the next checkpoint is written
+            written = _wait_line(run, r"step +(\d+)/", after=again.end())
+            deadline = time.monotonic() + 60
+            while latest_checkpoint(ckpts).name <= f"step-{int(written[1]):06d}.pt":
+                assert time.monotonic() < deadline, sorted(ckpts.iterdir())
+                time.sleep(0.1)
+            log_at = len(run.log_tail("trainer", 10**7))
+            filler = _fill(ckpts)
+            _wait_line(run, r"not written \(No space left on device\)", after=log_at)
+            run.trainer.send_signal(signal.SIGTERM)
+            assert run.wait_trainer() == 1, run.log_tail("trainer")
+            end = re.search(
+                r"exiting 1: the final checkpoint \(step (\d+)\) was not written; the newest checkpoint is "
+                r"step (\d+), a restart resumes there",
+                run.log_tail("trainer", 10**7),
+            )
+            assert end, run.log_tail("trainer")
+            resume_at = int(end[2])
+            assert latest_checkpoint(ckpts).name == f"step-{resume_at:06d}.pt" and not list(ckpts.glob("*.tmp"))
+            filler.unlink()
+            (ckpts / f"step-{resume_at + 1:06d}.pt.tmp").write_bytes(b"cut short")  # a killed trainer's
+            max_steps = resume_at + 3
+            run.start_trainer(f"trainer.max_steps={max_steps}")
+            assert run.wait_trainer() == 0, run.log_tail("trainer")
+            assert f"step-{resume_at:06d}.pt: step {resume_at}," in run.log_tail("trainer", 10**7)
+        finally:
+            run.close()
+        log = run.log_tail("trainer", 10**7)
+        figures = audit(run.run_dir, max_steps)
+    assert "Traceback" not in log, log[-3000:]
+    report("disk_full_checkpoints", faults=2, resumed_from=resume_at, **figures)
+
+
+def _server_child(trainer_pid: int) -> int | None:
+    """The pid of the trainer's live policy-server child (broker/server_process.py), from /proc."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            if fields[0] != "Z" and int(fields[1]) == trainer_pid and b"broker.server_process" in cmdline:
+                return int(stat.parent.name)
+    return None
+
+
+def _replacement(run: Run, kills: int, timeout_s: float = 60.0) -> int:
+    """The pid of the child that replaced the `kills`-th killed one, once it serves (its log line)."""
+    deadline = time.monotonic() + timeout_s
+    while len(started := re.findall(r"started a new one \(pid (\d+)\)", run.log_tail("trainer", 10**7))) < kills:
+        assert run.trainer.poll() is None, f"trainer exited {run.trainer.returncode}:\n{run.log_tail('trainer')}"
+        assert time.monotonic() < deadline, f"no new policy-server child in {timeout_s}s:\n{run.log_tail('trainer')}"
+        time.sleep(0.05)
+    return int(started[-1])
+
+
+def _publish_stuck(run: Run, timeout_s: float = 4.0) -> None:
+    """Wait until a publish is likely to wait for the (stopped) serving child: the next step's line is
+    written right after its publish starts, and the step after it cannot end before that publish
+    does. So either that line comes and its publish is in flight, or no line comes because one is,
+    or because the workers wait for fetches from the stopped child and the trainer for their samples
+    (then the kill lands between publishes)."""
+    n, deadline = run.steps(), time.monotonic() + timeout_s
+    while run.steps() == n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the publish thread frames the version and sends it
+
+
+def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
+    """trainer.policy_server_process on the CPU; its serving child SIGKILLed 5 times, each once the
+    previous replacement serves: 3 times after a SIGSTOP and a wait for a publish to be stuck on it
+    (_publish_stuck), twice at a random moment. Every kill is survived: the
+    replacement gets the versions the dead one held and the in-flight publish; the run completes,
+    exactly-once, with no publish failure and no traceback. (Before the fix a kill during a publish ended
+    the trainer: PublishError, BrokenPipe or ServerProcessGone.)"""
+    max_steps = 30
+    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=max_steps, policy_server_process=True))
+    kills = []
+    try:
+        run.start_trainer()
+        for w in ("w0", "w1"):
+            run.start_worker(w, "rollout.fetch_timeout_s=3")
+        run.wait_steps(1)
+        child = _server_child(run.trainer.pid)
+        for kind in ("mid_publish", "random", "mid_publish", "random", "mid_publish"):
+            if kills:  # each kill once the previous one's replacement serves: every one is survived
+                child = _replacement(run, len(kills))
+            if kind == "mid_publish":
+                os.kill(child, signal.SIGSTOP)
+                _publish_stuck(run)
+            else:
+                time.sleep(random.uniform(0.0, 1.0))
+            os.kill(child, signal.SIGKILL)
+            kills.append(kind)
+            assert run.steps() < max_steps - 1, "the run ended before every kill: raise max_steps"
+        assert run.wait_trainer() == 0, run.log_tail("trainer")
+    finally:
+        run.close()
+    log = run.log_tail("trainer", 10**7)
+    replaced = re.findall(r"policy server process \d+ exited \(-9\): started a new one .* with versions \[(.*)\]", log)
+    assert len(replaced) == len(kills) and all(replaced), log[-3000:]  # each with the versions it held
+    during = len(re.findall(r"exited \(-9\) during publishing version", log))
+    assert during >= 1, log[-3000:]  # usually 3 or 4 of the 5
+    assert "failed" not in log and "Traceback" not in log, log[-3000:]
+    figures = audit(run.run_dir, max_steps)
+    report("serving_child_killed", faults=len(kills), during_publish=during, **figures)
