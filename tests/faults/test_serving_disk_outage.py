@@ -43,16 +43,37 @@ def _wait_exit(run: Run, name: str, proc, timeout_s: float = 120.0) -> int:
         ) from None
 
 
+def _stop_during_a_synchronous_publish(run: Run, child: int, tries: int = 10) -> None:
+    """SIGSTOP the serving child so that the trainer (max_staleness 0) waits for a publish. Step k's
+    line (policy_version k+1) is written once v(k+1) is announced; the worker then fetches it, and
+    with it live, step k+1 trains and its publish waits. With the child stopped before the worker had
+    v(k+1), the worker's fetch waits instead (and the trainer for samples): continue it and retry."""
+    for _ in range(tries):
+        os.kill(child, signal.SIGSTOP)
+        time.sleep(2.0)
+        if re.search(rf"policy v{run.steps() + 1} live", run.log_tail("w0", 10**7)):
+            return
+        os.kill(child, signal.SIGCONT)
+        run.wait_steps(run.steps() + 1)
+    raise AssertionError(f"the trainer never waited for a publish in {tries} tries:\n{run.log_tail('trainer')}")
+
+
 def test_redis_gone_past_the_bound_ends_trainer_and_worker_with_3_and_one_line(tmp_path, redis_server, run_id):
-    """Redis SIGKILLed for good after the first step: past redis_outage_s (3 s) the trainer and the
+    """Redis SIGKILLed for good while the trainer waits for a publish (synchronous, max_staleness 0:
+    its serving child stopped with SIGSTOP, continued once Redis is gone), so that the outage surfaces
+    in the publish's announce, inside a PublishError. Past redis_outage_s (3 s) the trainer and the
     worker each exit with code 3 and one line naming Redis and how long it was gone; no traceback."""
-    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=50))
+    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=200, policy_server_process=True))
+    sync = ("redis_outage_s=3", "loop.max_staleness=0")
     try:
-        run.start_trainer("redis_outage_s=3")
-        run.start_worker("w0", "redis_outage_s=3")
+        run.start_trainer(*sync)
+        run.start_worker("w0", *sync)
         run.wait_steps(1)
+        child = _server_child(run.trainer.pid)
+        _stop_during_a_synchronous_publish(run, child)
         redis_server.stop(kill=True)
         t_down = time.monotonic()
+        os.kill(child, signal.SIGCONT)
         codes = {"trainer": _wait_exit(run, "trainer", run.trainer), "w0": _wait_exit(run, "w0", run.workers["w0"])}
         took = time.monotonic() - t_down
     finally:
