@@ -13,12 +13,13 @@ import random
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from harness import Run, audit, config, report
+from harness import Run, audit, config, lines, report
 from restartable_redis import RestartableRedis
 
 from trainer.service import latest_checkpoint
@@ -253,3 +254,36 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
     assert "failed" not in log and "Traceback" not in log, log[-3000:]
     figures = audit(run.run_dir, max_steps)
     report("serving_child_killed", faults=len(kills), during_publish=during, **figures)
+
+
+def test_redis_gone_past_the_bound_ends_tandem_run_with_3_and_one_line(tmp_path, redis_server, run_id):
+    """`tandem run` against a Redis that dies for good after the first step: the launcher exits 3
+    with one line naming Redis and the bound, after the trainer's own one line; no traceback."""
+    cfg = config(tmp_path, run_id, redis_server.url, max_steps=200, workers=1)
+    run_dir, console = tmp_path / "run", tmp_path / "console.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "run", str(cfg), "--run-dir", str(run_dir), "redis_outage_s=3"],
+        stdout=open(console, "ab"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not lines(run_dir / "metrics.jsonl"):
+            assert launcher.poll() is None, console.read_text()[-3000:]
+            assert time.monotonic() < deadline, console.read_text()[-3000:]
+            time.sleep(0.1)
+        redis_server.stop(kill=True)
+        rc = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    out = console.read_text()
+    assert rc == 3, out[-3000:]
+    ours = [ln for ln in out.splitlines() if ln.startswith("[tandem] giving up")]
+    assert len(ours) == 1 and "Redis at redis://127.0.0.1" in ours[0] and "redis_outage_s=3s" in ours[0], out
+    assert len([ln for ln in out.splitlines() if "[trainer] giving up: redis unreachable for" in ln]) == 1, out
+    for text in (out, *(p.read_text() for p in (run_dir / "logs").glob("*.log"))):
+        assert "Traceback" not in text, text[-3000:]
