@@ -144,7 +144,9 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
             if dead and len(dead) == len(workers):
                 print(f"[tandem] every rollout worker exited; see {logs}", file=sys.stderr)
                 _stop([trainer])
-                rc = services.REDIS_OUTAGE_EXIT if {w.returncode for w in workers} == {3} else 1
+                rc = (
+                    services.REDIS_OUTAGE_EXIT if {w.returncode for w in workers} == {services.REDIS_OUTAGE_EXIT} else 1
+                )
                 break
             time.sleep(0.5)
         if rc == services.REDIS_OUTAGE_EXIT:

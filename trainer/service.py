@@ -12,7 +12,8 @@ steps published higher versions, a new number above any in Redis: a number never
 A checkpoint (checkpoints/step-NNNNNN.pt, the newest `keep_checkpoints` kept) holds the fp32
 master weights, the AdamW state (two more tensors per parameter), the State below and the contract
 fingerprint: about 3x the model's fp32 size. It is written to a temporary file, fsynced and
-renamed, so a crash leaves the previous checkpoint whole.
+renamed (trainer.atomic), so a crash leaves the previous checkpoint whole; a write that fails (a full
+disk) leaves it whole too, is logged and retried at the next checkpoint while training goes on.
 
 The trainer is task-agnostic: the prompts it feeds and the warm-start examples come from
 callables the `tandem trainer` command builds from the configured task.

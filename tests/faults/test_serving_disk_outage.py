@@ -86,6 +86,7 @@ def test_redis_gone_past_the_bound_ends_trainer_and_worker_with_3_and_one_line(t
         gave_up = [ln for ln in log.splitlines() if "giving up" in ln]
         assert len(gave_up) == 1 and "redis unreachable for" in gave_up[0], log[-3000:]
     assert took < 60, f"the services took {took:.0f}s to give up (bound 3 s)"
+    report("redis_gone_past_the_bound", bound_s=3, gave_up_s=round(took, 1), codes=codes)
 
 
 @contextlib.contextmanager
