@@ -35,60 +35,6 @@ def redis_server(tmp_path):
     server.stop(kill=True)
 
 
-def _wait_exit(run: Run, name: str, proc, timeout_s: float = 120.0) -> int:
-    try:
-        return proc.wait(timeout=timeout_s)
-    except Exception:
-        raise AssertionError(
-            f"{name} still running {timeout_s}s after Redis went away:\n{run.log_tail(name)}"
-        ) from None
-
-
-def _stop_during_a_synchronous_publish(run: Run, child: int, tries: int = 10) -> None:
-    """SIGSTOP the serving child so that the trainer (max_staleness 0) waits for a publish. Step k's
-    line (policy_version k+1) is written once v(k+1) is announced; a worker then fetches it, and
-    with it live, step k+1 trains and its publish waits. With the child stopped before a worker had
-    v(k+1), the workers' fetches wait instead (and the trainer for samples): continue it and retry."""
-    for _ in range(tries):
-        os.kill(child, signal.SIGSTOP)
-        time.sleep(3.0)
-        if any(re.search(rf"policy v{run.steps() + 1} live", run.log_tail(w, 10**7)) for w in run.workers):
-            return
-        os.kill(child, signal.SIGCONT)
-        run.wait_steps(run.steps() + 1)
-    raise AssertionError(f"the trainer never waited for a publish in {tries} tries:\n{run.log_tail('trainer')}")
-
-
-def test_redis_gone_past_the_bound_ends_trainer_and_worker_with_3_and_one_line(tmp_path, redis_server, run_id):
-    """Redis SIGKILLed for good while the trainer waits for a publish (synchronous, max_staleness 0:
-    its serving child stopped with SIGSTOP, continued once Redis is gone), so that the outage surfaces
-    in the publish's announce, inside a PublishError. Past redis_outage_s (3 s) the trainer and the
-    worker each exit with code 3 and one line naming Redis and how long it was gone; no traceback."""
-    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=200, policy_server_process=True))
-    sync = ("redis_outage_s=3", "loop.max_staleness=0")
-    try:
-        run.start_trainer(*sync)
-        run.start_worker("w0", *sync)
-        run.wait_steps(1)
-        child = _server_child(run.trainer.pid)
-        _stop_during_a_synchronous_publish(run, child)
-        redis_server.stop(kill=True)
-        t_down = time.monotonic()
-        os.kill(child, signal.SIGCONT)
-        codes = {"trainer": _wait_exit(run, "trainer", run.trainer), "w0": _wait_exit(run, "w0", run.workers["w0"])}
-        took = time.monotonic() - t_down
-    finally:
-        run.close()
-    for name, code in codes.items():
-        log = run.log_tail(name, 1_000_000)
-        assert code == 3, f"{name} exited {code}:\n{log[-3000:]}"
-        assert "Traceback" not in log, f"{name}:\n{log[-3000:]}"
-        gave_up = [ln for ln in log.splitlines() if "giving up" in ln]
-        assert len(gave_up) == 1 and "redis unreachable for" in gave_up[0], log[-3000:]
-    assert took < 60, f"the services took {took:.0f}s to give up (bound 3 s)"
-    report("redis_gone_past_the_bound", bound_s=3, gave_up_s=round(took, 1), codes=codes)
-
-
 @contextlib.contextmanager
 def _tmpfs(folder: Path, size: str):
     """A tmpfs of `size` mounted on `folder` (root only: skipped otherwise), unmounted at the end."""
@@ -184,15 +130,37 @@ def test_a_full_disk_during_checkpoints_keeps_the_previous_one_and_training_goes
     report("disk_full_checkpoints", faults=2, resumed_from=resume_at, **figures)
 
 
-def _server_child(trainer_pid: int) -> int | None:
-    """The pid of the trainer's live policy-server child (broker/server_process.py), from /proc."""
+def _child_of(pid: int, marker: bytes) -> int | None:
+    """The pid of a live child process of `pid` whose command line holds `marker`, from /proc."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             cmdline = (stat.parent / "cmdline").read_bytes()
-            if fields[0] != "Z" and int(fields[1]) == trainer_pid and b"broker.server_process" in cmdline:
+            if fields[0] != "Z" and int(fields[1]) == pid and marker in cmdline:
                 return int(stat.parent.name)
     return None
+
+
+SERVER_CHILD = b"broker.server_process"  # the trainer's policy-server child (broker/server_process.py)
+
+
+def _stop_during_a_synchronous_publish(child: int, metrics: Path, worker_logs: list[Path], tries: int = 10) -> None:
+    """SIGSTOP the serving child so that the trainer (max_staleness 0) waits for a publish. Step k's
+    line (policy_version k+1) is written once v(k+1) is announced; a worker then fetches it, and
+    with it live, step k+1 trains and its publish waits. With the child stopped before a worker had
+    v(k+1), the workers' fetches wait instead (and the trainer for samples): continue it and retry."""
+    for _ in range(tries):
+        os.kill(child, signal.SIGSTOP)
+        time.sleep(3.0)
+        k = len(lines(metrics))
+        if any(p.exists() and re.search(rf"policy v{k + 1} live", p.read_text()) for p in worker_logs):
+            return
+        os.kill(child, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while len(lines(metrics)) == k:
+            assert time.monotonic() < deadline, f"no step after step {k} in 60 s"
+            time.sleep(0.05)
+    raise AssertionError(f"the trainer never waited for a publish in {tries} tries")
 
 
 def _replacement(run: Run, kills: int, timeout_s: float = 60.0) -> int:
@@ -221,13 +189,15 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
         for w in ("w0", "w1"):
             run.start_worker(w, "loop.max_staleness=0", "rollout.fetch_timeout_s=3")
         run.wait_steps(1)
-        child = _server_child(run.trainer.pid)
+        child = _child_of(run.trainer.pid, SERVER_CHILD)
         for kind in ("mid_publish", "random", "mid_publish"):
             if kills:  # each kill once the previous one's replacement serves: every one is survived
                 child = _replacement(run, len(kills))
                 run.wait_steps(run.steps() + 2)  # the workers caught up
             if kind == "mid_publish":
-                _stop_during_a_synchronous_publish(run, child)
+                _stop_during_a_synchronous_publish(
+                    child, run.run_dir / "metrics.jsonl", [run.logs / f"{w}.log" for w in run.workers]
+                )
             else:
                 time.sleep(random.uniform(0.0, 1.0))
             os.kill(child, signal.SIGKILL)
@@ -246,34 +216,56 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
     report("serving_child_killed", faults=len(kills), during_publish=during, **figures)
 
 
-def test_redis_gone_past_the_bound_ends_tandem_run_with_3_and_one_line(tmp_path, redis_server, run_id):
-    """`tandem run` against a Redis that dies for good after the first step: the launcher exits 3
-    with one line naming Redis and the bound, after the trainer's own one line; no traceback."""
-    cfg = config(tmp_path, run_id, redis_server.url, max_steps=200, workers=1)
-    run_dir, console = tmp_path / "run", tmp_path / "console.log"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "run", str(cfg), "--run-dir", str(run_dir), "redis_outage_s=3"],
-        stdout=open(console, "ab"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
-    )
+def test_redis_gone_past_the_bound_ends_every_service_with_3_and_one_line(tmp_path, redis_server, run_id):
+    """`tandem run` (trainer + worker w0; synchronous, serving child on) and a worker started on its
+    own (w9), against a Redis SIGKILLed for good while the trainer waits for a publish (its serving
+    child stopped, continued once Redis is gone), so that the trainer's outage surfaces inside a
+    PublishError (a traceback and exit 1 before). Past redis_outage_s (3 s): the launcher and w9
+    exit 3; the launcher, the trainer and w9 each say so in one line; no traceback anywhere."""
+    sync = ["redis_outage_s=3", "loop.max_staleness=0"]
+    cfg = config(tmp_path, run_id, redis_server.url, max_steps=200, workers=1, policy_server_process=True)
+    run_dir, console, w9_log = tmp_path / "run", tmp_path / "console.log", tmp_path / "w9.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+    def spawn(args: list[str], out: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", *args], stdout=open(out, "ab"), stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+
+    launcher = spawn(["run", str(cfg), "--run-dir", str(run_dir), *sync], console)
+    w9 = spawn(["rollout", "--config", str(cfg), "--worker-id", "w9", *sync], w9_log)
     try:
         deadline = time.monotonic() + 180
         while not lines(run_dir / "metrics.jsonl"):
-            assert launcher.poll() is None, console.read_text()[-3000:]
+            assert launcher.poll() is None and w9.poll() is None, console.read_text()[-3000:]
             assert time.monotonic() < deadline, console.read_text()[-3000:]
             time.sleep(0.1)
+        child = _child_of(_child_of(launcher.pid, b"tandem.cli\0trainer"), SERVER_CHILD)
+        _stop_during_a_synchronous_publish(
+            child, run_dir / "metrics.jsonl", [run_dir / "logs" / "rollout-w0.log", w9_log]
+        )
         redis_server.stop(kill=True)
-        rc = launcher.wait(timeout=120)
+        t_down = time.monotonic()
+        os.kill(child, signal.SIGCONT)
+        codes = {"tandem run": launcher.wait(timeout=120), "w9": w9.wait(timeout=120)}
+        took = time.monotonic() - t_down
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    out = console.read_text()
-    assert rc == 3, out[-3000:]
-    ours = [ln for ln in out.splitlines() if ln.startswith("[tandem] giving up")]
-    assert len(ours) == 1 and "Redis at redis://127.0.0.1" in ours[0] and "redis_outage_s=3s" in ours[0], out
-    assert len([ln for ln in out.splitlines() if "[trainer] giving up: redis unreachable for" in ln]) == 1, out
-    for text in (out, *(p.read_text() for p in (run_dir / "logs").glob("*.log"))):
+        for p in (launcher, w9):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out, w9_out = console.read_text(), w9_log.read_text()
+    assert codes == {"tandem run": 3, "w9": 3}, (codes, out[-3000:], w9_out[-3000:])
+    assert re.search(r"\[trainer\] publishing version \d+ failed: RedisOutage", out), out[-3000:]
+    for prefix, text, says in (
+        ("[tandem]", out, r"Redis at redis://127\.0\.0\.1:\d+/0 unreachable for more than redis_outage_s=3s"),
+        ("[trainer]", out, r"redis unreachable for 3\.\ds \(redis_outage_s=3\)"),
+        ("[rollout w9]", w9_out, r"redis unreachable for 3\.\ds \(redis_outage_s=3\)"),
+    ):
+        gave_up = [ln for ln in text.splitlines() if ln.startswith(f"{prefix} giving up: ")]
+        assert len(gave_up) == 1 and re.search(says, gave_up[0]), f"{prefix}:\n{text[-3000:]}"
+    for text in (out, w9_out, *(p.read_text() for p in (run_dir / "logs").glob("*.log"))):
         assert "Traceback" not in text, text[-3000:]
+    assert took < 60, f"the services took {took:.0f}s to give up (bound 3 s)"
+    report("redis_gone_past_the_bound", bound_s=3, gave_up_s=round(took, 1), codes=codes)
