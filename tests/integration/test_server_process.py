@@ -141,6 +141,7 @@ def test_a_request_while_the_child_dies_fails_with_one_error(tensors, pool):
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_publish_whose_child_dies_under_it_goes_to_the_replacement(tensors, pool):
     """The child stopped (SIGSTOP) so that the publish waits for its reply, then SIGKILLed: the
     publish is sent to the replacement after the versions the dead child held, and succeeds."""
@@ -168,6 +169,7 @@ def test_a_publish_whose_child_dies_under_it_goes_to_the_replacement(tensors, po
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_child_that_dies_at_every_attempt_fails_the_publish_with_one_error(tensors, pool):
     """Every child SIGKILLed as soon as it exists: the publish gives up after ATTEMPTS children with one
     ServerProcessGone, and once children live again the next publish goes through."""
