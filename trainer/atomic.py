@@ -42,7 +42,9 @@ class _KeepsErrors:
         self.f.flush()
 
 
-def write_atomically(path: Path, write: Callable[[BinaryIO], None], before_sync: Callable[[], None] | None = None):
+def write_atomically(
+    path: Path, write: Callable[[BinaryIO], None], before_sync: Callable[[], None] | None = None
+) -> None:
     """Write `path` by rules 1-3 of the module docstring."""
     path = Path(path)
     tmp = path.with_name(path.name + SUFFIX)
