@@ -39,14 +39,16 @@ class RedisOutage(RedisConnectionError):
     """Redis stayed unreachable longer than the configured bound."""
 
 
-def _outage_in(error: BaseException) -> RedisOutage | None:
-    """The RedisOutage `error` is or wraps (redis-py re-raises connect() errors as ConnectionError)."""
-    for _ in range(8):
-        if isinstance(error, RedisOutage):
+def outage_in(error: BaseException | None, *, context: bool = False) -> RedisOutage | None:
+    """The RedisOutage `error` is or wraps: through `__cause__` (redis-py re-raises connect() errors
+    as ConnectionError; trainer.publisher's PublishError), with `context` also through `__context__`
+    (an error raised while an outage unwound a `finally`) and exception groups."""
+    for _ in range(16):
+        if error is None or isinstance(error, RedisOutage):
             return error
-        if error.__cause__ is None:
-            return None
-        error = error.__cause__
+        if context and isinstance(error, BaseExceptionGroup):
+            return next(filter(None, (outage_in(e, context=True) for e in error.exceptions)), None)
+        error = error.__cause__ or (error.__context__ if context else None)
     return None
 
 
@@ -103,7 +105,7 @@ class OutageRetry(Retry):
             try:
                 result = await do()
             except self._supported_errors as error:
-                inner = _outage_in(error)
+                inner = outage_in(error)
                 if inner is not None:  # an inner retry gave up (redis-py retries connect() too)
                     raise inner from None
                 if is_retryable and not is_retryable(error):

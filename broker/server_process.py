@@ -33,7 +33,9 @@ size that differs from the trainer's; a publish it refuses before its server saw
 
 Failure: a child that dies is replaced at once with one log line, on the same port, and given again
 every version whose buffer it had not released (the buffers are the trainer's, so nothing is lost);
-a worker's fetch in flight fails and is retried. A publish or query while no child runs starts one.
+a worker's fetch in flight fails and is retried. A publish or query while no child runs starts one;
+one whose child dies under it (no reply, a broken pipe) is sent again to the replacement, up to
+ATTEMPTS children in a row, then fails with one ServerProcessGone line.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TypeVar
 
 import numpy as np
 
@@ -59,6 +62,8 @@ from policy import manifest as mf
 
 MAX_MESSAGE = mf.MAX_MANIFEST_BYTES + (1 << 16)
 REPLY_TIMEOUT_S = 120.0  # a publish installs in the child's event loop (PolicyServer.publish: <= 30 s)
+T = TypeVar("T")
+ATTEMPTS = 3  # children one request is sent to before it fails: a child that dies at every attempt ends it
 
 
 def config_to_json(config: PolicyServerConfig) -> bytes:
@@ -115,19 +120,29 @@ class PolicyServerProcess:
                 "PolicyServerProcess.publish takes a FramedPolicy framed in a shared pool buffer "
                 "(broker.frames.BufferPool(shared=True))"
             )
-        with self._lock:
-            self._ensure_child()
+
+        def request(retry: bool) -> bool:
+            if retry and host.id in self._mapped and self._held.get(host.id) is policy:
+                return True  # the replacement was given it with the versions its predecessor held
             return self._publish(policy)
+
+        with self._lock:
+            try:
+                return self._on_a_child(f"publishing version {policy.manifest.version}", request)
+            except ServerProcessGone:  # not installed anywhere: not given to a later child either
+                with self._held_lock:
+                    dropped = self._held.pop(host.id) if self._held.get(host.id) is policy else None
+                if dropped is not None and dropped.release is not None:
+                    dropped.release()
+                raise
 
     def versions(self) -> list[int]:
         with self._lock:
-            self._ensure_child()
-            return list(self._request("VERSIONS")["versions"])
+            return list(self._on_a_child("VERSIONS", lambda _: self._request("VERSIONS"))["versions"])
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            self._ensure_child()
-            return dict(self._request("STATS"))
+            return dict(self._on_a_child("STATS", lambda _: self._request("STATS")))
 
     prometheus_samples = PolicyServer.prometheus_samples  # (kind, name, help, value) of stats()
 
@@ -161,6 +176,32 @@ class PolicyServerProcess:
         ).start()
         ipc.send(conn, "START", config_to_json(dataclasses.replace(self.config, port=self._port)))
         self._port = self._reply("START")["port"]
+
+    def _on_a_child(self, what: str, request: Callable[[bool], T]) -> T:
+        """`request(retry)` on a live child. A child that dies under it is reaped and replaced (with the
+        versions it held, _ensure_child) and the request sent again (retry=True), up to ATTEMPTS
+        children; then one ServerProcessGone line. Caller holds _lock."""
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                self._ensure_child()
+                return request(attempt > 1)
+            except (ServerProcessGone, ConnectionError) as e:
+                rc = self._reap()
+                if attempt == ATTEMPTS:
+                    raise ServerProcessGone(
+                        f"policy server process exited during {what} at each of {ATTEMPTS} attempts "
+                        f"(the last, pid {self.pid}, with {rc}: {type(e).__name__})"
+                    ) from None
+                self.log(f"policy server process {self.pid} exited ({rc}) during {what}: sending it to a new one")
+        raise AssertionError("unreachable")
+
+    def _reap(self) -> int:
+        """Wait for the current child, whose socket broke, to exit (killed if it lingers); its exit code."""
+        try:
+            return self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            return self._proc.wait()
 
     def _ensure_child(self) -> None:
         """A child that died is replaced, with the versions it held. Caller holds _lock."""

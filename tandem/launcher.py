@@ -144,9 +144,17 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
             if dead and len(dead) == len(workers):
                 print(f"[tandem] every rollout worker exited; see {logs}", file=sys.stderr)
                 _stop([trainer])
-                rc = 1
+                rc = (
+                    services.REDIS_OUTAGE_EXIT if {w.returncode for w in workers} == {services.REDIS_OUTAGE_EXIT} else 1
+                )
                 break
             time.sleep(0.5)
+        if rc == services.REDIS_OUTAGE_EXIT:
+            print(
+                f"[tandem] giving up: Redis at {run_config.redact_url(cfg.redis_url)} unreachable for more than "
+                f"redis_outage_s={cfg.redis_outage_s:g}s; --run-dir {run_dir} resumes the run",
+                file=sys.stderr,
+            )
     except KeyboardInterrupt:
         print("\n[tandem] Ctrl-C: stopping the trainer, then the rollout workers, then Redis", file=sys.stderr)
         try:

@@ -16,13 +16,14 @@ from collections.abc import Callable
 import numpy as np
 
 from broker.codec import PromptGroup
-from broker.outage import RedisOutage
+from broker.outage import outage_in
 from broker.signing import load_signer
 from broker.streams import run_async
 from policy.model import ModelConfig
 from policy.recipe import Recipe
 from rollout.tasks import Task, make_task
 from rollout.worker import RolloutWorker
+from trainer.publisher import PublishError
 from trainer.service import Trainer
 
 from .config import ModelSection, RunConfig
@@ -180,12 +181,21 @@ def serve_rollout(cfg: RunConfig, worker_id: str) -> int:
 
 
 REDIS_OUTAGE_EXIT = 3
+PUBLISH_FAILED_EXIT = 1
 
 
 def _exit_on_outage(run: Callable[[], int], who: str) -> int:
-    """Run a service; past `redis_outage_s` of Redis outage: one line, exit code 3 (restart me)."""
+    """Run a service. Past `redis_outage_s` of Redis outage (wherever it surfaced: a background task,
+    a publish, a `finally`): one line, exit code 3 (restart me). A publish that failed for good (its
+    serving child dying at every attempt): one line, exit code 1. Anything else is a bug: raised."""
     try:
         return run()
-    except RedisOutage as e:
+    except Exception as e:
+        outage = outage_in(e, context=True)
+        if outage is not None:
+            print(f"[{who}] giving up: {outage}", file=sys.stderr, flush=True)
+            return REDIS_OUTAGE_EXIT
+        if not isinstance(e, PublishError):
+            raise
         print(f"[{who}] giving up: {e}", file=sys.stderr, flush=True)
-        return REDIS_OUTAGE_EXIT
+        return PUBLISH_FAILED_EXIT

@@ -12,7 +12,8 @@ steps published higher versions, a new number above any in Redis: a number never
 A checkpoint (checkpoints/step-NNNNNN.pt, the newest `keep_checkpoints` kept) holds the fp32
 master weights, the AdamW state (two more tensors per parameter), the State below and the contract
 fingerprint: about 3x the model's fp32 size. It is written to a temporary file, fsynced and
-renamed, so a crash leaves the previous checkpoint whole.
+renamed (trainer.atomic), so a crash leaves the previous checkpoint whole; a write that fails (a full
+disk) leaves it whole too, is logged and retried at the next checkpoint while training goes on.
 
 The trainer is task-agnostic: the prompts it feeds and the warm-start examples come from
 callables the `tandem trainer` command builds from the configured task.
@@ -60,6 +61,7 @@ from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
 from . import admission, feeding, grpo
+from .atomic import stale_temporaries, write_atomically
 from .backends import make_backend
 from .config import TrainerConfig
 from .metrics import MetricsSink
@@ -339,7 +341,8 @@ class Trainer:
                 self.log(self._progress_line(row))
             await self.publisher.idle()  # the last version announced (or its failure raised)
             if (self.cfg.checkpoint_every and self.state.step > self._ckpt_step) or self.state.pending_commit:
-                await self._checkpoint_and_commit()  # keep what was done
+                if not await self._checkpoint_and_commit():  # keep what was done
+                    return self._exit_unsaved()
             if self._stop.is_set():
                 where = f"checkpoint step-{self._ckpt_step:06d}.pt" if self.cfg.checkpoint_every else "no checkpoints"
                 self.log(f"stopped at step {self.state.step} ({where})")
@@ -363,11 +366,24 @@ class Trainer:
             f") kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s"
         )
 
-    async def _checkpoint_and_commit(self) -> None:
-        if self.cfg.checkpoint_every:  # 0 = never: commit alone (no resume)
-            self._save_checkpoint()
+    async def _checkpoint_and_commit(self) -> bool:
+        """Checkpoint, then commit what it includes; False (nothing committed) if it was not written."""
+        if self.cfg.checkpoint_every and not self._save_checkpoint():  # 0 = never: commit alone (no resume)
+            return False
         fault_point("before_commit", self.state.step)
         await self._commit()
+        return True
+
+    def _exit_unsaved(self) -> int:
+        """The final checkpoint was not written: one line, exit code 1 (restart me). Nothing since the
+        newest checkpoint was committed, so a restart trains those steps again from their samples."""
+        since = (
+            "no checkpoint was written" if self._ckpt_step < 0 else f"the newest checkpoint is step {self._ckpt_step}"
+        )
+        self.log(
+            f"exiting 1: the final checkpoint (step {self.state.step}) was not written; {since}, a restart resumes there"
+        )
+        return 1
 
     async def _commit(self) -> None:
         """After a checkpoint: dead-letter the refused samples, mark every consumed sample used."""
@@ -379,8 +395,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoint / warm start
     async def _restore_or_warm_start(self) -> None:
-        for tmp in self.ckpt_dir.glob("*.tmp"):  # a write cut short by a crash
-            tmp.unlink()
+        for tmp in stale_temporaries(self.ckpt_dir):  # a write cut short by a crash
+            tmp.unlink(missing_ok=True)
         path = latest_checkpoint(self.ckpt_dir)
         if path is not None:
             ck = torch.load(path, map_location="cpu", weights_only=True)
@@ -438,36 +454,37 @@ class Trainer:
         with open(self.run_dir / "audit.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def _save_checkpoint(self) -> None:
-        """checkpoints/step-NNNNNN.pt, atomically (temporary file, fsync, rename, fsync of the
-        folder); then only the newest `keep_checkpoints` are kept. The retained versions used for
-        the mismatch metrics (trainer.versions) are not saved: after a restart, samples of older
-        versions are left out of the quantization/staleness split until they are gone."""
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    def _save_checkpoint(self) -> bool:
+        """checkpoints/step-NNNNNN.pt, atomically (trainer.atomic); then only the newest
+        `keep_checkpoints` are kept. A write that fails (a full disk: any OSError) leaves no temporary
+        file and the previous checkpoint the newest: one line, False, and training goes on (the next
+        checkpoint retries; the samples since the last one stay uncommitted until one is written).
+        The retained versions used for the mismatch metrics (trainer.versions) are not saved: after a
+        restart, samples of older versions are left out of the quantization/staleness split until
+        they are gone."""
         path = self.ckpt_dir / f"step-{self.state.step:06d}.pt"
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(
-                {
-                    **self.backend.state_dict(),  # model (canonical names), optimizer, backend
-                    "state": vars(self.state),
-                    "fingerprint": self.fingerprint,
-                    "weights_version": self._weights_version,
-                },
-                f,
-            )
-            f.flush()
-            fault_point("mid_checkpoint", self.state.step)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(self.ckpt_dir, os.O_RDONLY)
+        ck = {
+            **self.backend.state_dict(),  # model (canonical names), optimizer, backend
+            "state": vars(self.state),
+            "fingerprint": self.fingerprint,
+            "weights_version": self._weights_version,
+        }
         try:
-            os.fsync(fd)  # the rename itself is durable
-        finally:
-            os.close(fd)
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            write_atomically(
+                path, functools.partial(torch.save, ck), lambda: fault_point("mid_checkpoint", self.state.step)
+            )
+        except OSError as e:
+            newest = latest_checkpoint(self.ckpt_dir)
+            self.log(
+                f"checkpoint {path.name} not written ({e.strerror or e}); training on, the newest checkpoint is "
+                f"{newest.name if newest else 'none'}; the next checkpoint tries again"
+            )
+            return False
         self._ckpt_step = self.state.step
         for old in checkpoints(self.ckpt_dir)[: -self.cfg.keep_checkpoints]:
             old.unlink()
+        return True
 
     # ------------------------------------------------------------------ publish / feed
     async def _publish(self) -> float:

@@ -5,9 +5,11 @@ with the versions it held (real processes, real gRPC on loopback)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -16,7 +18,7 @@ from test_publish_frames import CFG, CONTRACT, assert_bitwise_equal, client, fra
 
 from broker import frames
 from broker.policy_server import PolicyServerConfig
-from broker.server_process import PolicyServerProcess
+from broker.server_process import ATTEMPTS, PolicyServerProcess, ServerProcessGone
 from policy import manifest as M
 
 pytestmark = pytest.mark.integration
@@ -136,4 +138,62 @@ def test_a_request_while_the_child_dies_fails_with_one_error(tensors, pool):
         wait_for(lambda: server.restarts == 1)
         assert server.versions() == []
     finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_publish_whose_child_dies_under_it_goes_to_the_replacement(tensors, pool):
+    """The child stopped (SIGSTOP) so that the publish waits for its reply, then SIGKILLed: the
+    publish is sent to the replacement after the versions the dead child held, and succeeds."""
+    lines = []
+    server = PolicyServerProcess(PolicyServerConfig(keep_versions=3), log=lines.append)
+    server.start()
+    try:
+        for v in (1, 2):
+            server.publish(framed(v, tensors, pool))
+        old = server.pid
+        os.kill(old, signal.SIGSTOP)
+        result = []
+        publishing = threading.Thread(target=lambda: result.append(server.publish(framed(3, tensors, pool))))
+        publishing.start()
+        time.sleep(0.5)  # the publish is sent and waits for the stopped child's reply
+        os.kill(old, signal.SIGKILL)
+        publishing.join(timeout=60)
+        assert result == [True]
+        assert server.pid != old and server.versions() == [1, 2, 3]
+        with client(server) as c:
+            for v in (1, 2, 3):
+                assert_bitwise_equal(c.fetch(v).tensors, tensors)
+        assert any(f"{old} exited (-9) during publishing version 3" in ln for ln in lines), lines
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_child_that_dies_at_every_attempt_fails_the_publish_with_one_error(tensors, pool):
+    """Every child SIGKILLed as soon as it exists: the publish gives up after ATTEMPTS children with one
+    ServerProcessGone, and once children live again the next publish goes through."""
+    server = PolicyServerProcess(PolicyServerConfig(keep_versions=2), log=lambda s: None)
+    server.start()
+    server.publish(framed(1, tensors, pool))
+    stop = threading.Event()
+
+    def kill_every_child():
+        while not stop.is_set():
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(server.pid, signal.SIGKILL)
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_every_child)
+    killer.start()
+    try:
+        with pytest.raises(ServerProcessGone, match=f"publishing version 2 at each of {ATTEMPTS} attempts") as e:
+            server.publish(framed(2, tensors, pool))
+        assert "\n" not in str(e.value)
+        stop.set()
+        killer.join()
+        assert server.publish(framed(2, tensors, pool)) is True
+        assert server.versions() == [1, 2]
+    finally:
+        stop.set()
         server.stop()
