@@ -8,11 +8,30 @@
 # Logs and bench.json land in $OUT (default /tmp/tandem-bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# Prepended: wheels installed to a side folder on PYTHONPATH (pip install --target DIR) stay visible.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tandem-bench}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+# Every optional package tests/gpu skips without (pytest.importorskip): found (version, folder) or missing.
+# shellcheck disable=SC2046
+python3 - $(grep -ho 'importorskip("[^"]*")' tests/gpu/*.py | cut -d'"' -f2 | sort -u) <<'PY' | tee "$OUT/packages.txt"
+import importlib, importlib.metadata as md, os, sys
+dists = md.packages_distributions()
+for name in sys.argv[1:]:
+    try:
+        m = importlib.import_module(name)
+    except Exception as e:  # any failure to import skips the tests, as a missing package does
+        print(f"optional package {name}: missing ({type(e).__name__}: {e}); the tests that need it skip")
+        continue
+    where = os.path.dirname(m.__file__ or "?")
+    for _ in range(name.count(".") + (os.path.basename(m.__file__ or "") == "__init__.py")):
+        where = os.path.dirname(where)
+    owners = set(dists.get(name.split(".")[0], []))  # the version of the copy imported, from its folder
+    versions = {d.version for d in md.distributions(path=[where]) if d.metadata["Name"] in owners}
+    print(f"optional package {name}: found, {' '.join(versions) or getattr(m, '__version__', '?')} in {where}")
+PY
 status=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # --noconftest: the shared conftest imports the Redis helpers, which this image lacks; the

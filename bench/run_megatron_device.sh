@@ -8,7 +8,7 @@
 # Logs and bench_megatron.json land in $OUT (default /tmp/tandem-bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # prepended: side folders stay visible
 OUT=${OUT:-/tmp/tandem-bench}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"

@@ -189,13 +189,18 @@ def explain(key: str) -> str:
         if not dataclasses.is_dataclass(hint):
             return f"{path}{part} ({_type_name(hint)}, default {default!r}): {doc}"
         cls, path = hint, f"{path}{part}."
-    lines = [f"{path.rstrip('.') or 'top level'}: {(cls.__doc__ or '').strip().splitlines()[0]}"]
+    lines = [f"{path.rstrip('.') or 'top level'}: {_summary(cls)}"]
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = "section" if dataclasses.is_dataclass(hints[f.name]) else _type_name(hints[f.name])
         shown = "" if kind == "section" else f", default {getattr(default, f.name)!r}"
         lines.append(f"  {path}{f.name} ({kind}{shown}): {docs.get(f.name, '')}")
     return "\n".join(lines)
+
+
+def _summary(cls) -> str:
+    """The first paragraph of a class docstring (it may span lines), whitespace collapsed."""
+    return " ".join(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].split())
 
 
 def _near(name: str, names) -> list[str]:

@@ -3,7 +3,8 @@
 Every title names the run (its run_id and folder); every plot over steps has a dashed vertical
 line wherever the trainer resumed from a checkpoint (a metrics row with `resumed_from`). The
 mismatch plot is on a log axis: its quantization part (~1e-7 per token) is the project's central
-claim and would sit flat at 0 on a linear one next to the staleness part (~1e-1).
+claim and would sit flat at 0 on a linear one next to the staleness part (~1e-1). Exact zeros
+sit at LOG_FLOOR, named in the legend; a step without a value is not drawn (`mismatch_value`).
 """
 
 from __future__ import annotations
@@ -96,8 +97,7 @@ def mismatch_figure(rows: list[dict], label: str):
     steps = [r["step"] for r in rows]
 
     def series(key):
-        values = [r.get(key) for r in rows]
-        return [max(v, LOG_FLOOR) if isinstance(v, (int, float)) else float("nan") for v in values]
+        return [mismatch_value(r, key) for r in rows]
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     # The total, dashed and on top: it mostly equals the staleness part, which would hide it.
@@ -109,14 +109,36 @@ def mismatch_figure(rows: list[dict], label: str):
         ax.plot(steps, series("logp_abs_diff_quant_p50"), "--", label="quantization part, median over tokens")
         ax.plot(steps, series("logp_abs_diff_quant_p95"), "--", label="quantization part, 95th percentile")
     ax.plot(steps, series("kl_k3"), ".-", alpha=0.6, label="KL k3 (behav || prox)")
+    if any(y == LOG_FLOOR for line in ax.get_lines() for y in line.get_ydata()):
+        ax.axhline(
+            LOG_FLOOR, color="0.6", linewidth=0.8, label=f"exact 0, drawn at {LOG_FLOOR:g} (no value: not drawn)"
+        )
     _mark_resumes(ax, rows)
     ax.set_yscale("log")
     ax.set_xlabel("trainer step")
-    ax.set_ylabel(f"nats per completion token (log; <= 0 drawn at {LOG_FLOOR:g})")
+    ax.set_ylabel("nats per completion token (log)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"train / rollout mismatch, {label}")
     return fig
+
+
+def mismatch_value(row: dict, key: str) -> float:
+    """The value the mismatch plot draws for `key` at one step's row, on its log axis:
+
+    1. absent, null, NaN or not a number: NaN, so the step is not drawn (absent is absent);
+    2. the staleness part of a step whose samples all came from the current version
+       (`staleness_max` 0, as at step 1): NaN, as there was nothing stale to measure;
+    3. <= 0 (an exact 0; the k3 estimator can round slightly negative): LOG_FLOOR, which the
+       legend names;
+    4. otherwise the value itself.
+    """
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return float("nan")
+    if key == "logp_abs_diff_stale" and row.get("staleness_max") == 0:
+        return float("nan")
+    return max(float(value), LOG_FLOOR)
 
 
 def staleness_figure(rows: list[dict], label: str):

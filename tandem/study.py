@@ -3,7 +3,7 @@
 A study config (YAML; configs/study/*.yaml):
 
     name: staleness-x-precision
-    description: free text, copied into the report
+    description: free text, copied into the report (what ran, instead, when `grid.`/`runs` overrides change it)
     base: demo.yaml              # the base run config (next to this file, else under configs/)
     set:                         # overrides applied to every run (dotted keys or nested mappings)
       trainer.max_steps: 100
@@ -155,8 +155,9 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"study config {p}: name={name!r} (letters, digits, '-', '_' and '.')")
     sets = _mapping(data.get("set"), "set", p)
-    grid = _mapping(data.get("grid"), "grid", p)
+    grid = _flatten_keys(_mapping(data.get("grid"), "grid", p))
     runs = _mapping(data.get("runs"), "runs", p)
+    file_grid, file_runs = dict(grid), list(runs)
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -190,10 +191,10 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
         raise ValueError(f"study config {p}: base {base_ref!r} found neither next to it nor under configs/")
     study = Study(
         name=name,
-        description=str(data.get("description") or "").strip(),
+        description=describe(str(data.get("description") or "").strip(), file_grid, grid, file_runs, list(runs)),
         base=base,
         set=_flatten(sets),
-        grid={k: list(v) for k, v in _flatten_keys(grid).items()},
+        grid={k: list(v) for k, v in grid.items()},
         runs={k: _flatten(v) for k, v in runs.items()},
     )
     source = {
@@ -205,6 +206,24 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
         "runs": study.runs,
     }
     return Study(**{**study.__dict__, "source": source})
+
+
+def describe(text: str, file_grid: dict, grid: dict, file_runs: list[str], runs: list[str]) -> str:
+    """The description a study's report shows: the file's `text` while the command line left its grid
+    and named runs as the file has them; else what ran, noting that the file's text (written for
+    what the file runs) is left out."""
+    if grid == file_grid and runs == file_runs:
+        return text
+
+    def flow(values: list) -> str:
+        return "[" + ", ".join(map(str, values)) + "]"
+
+    changed = [f"grid.{k}={flow(grid[k])}" for k in grid if grid[k] != file_grid.get(k)]
+    changed += [f"runs={flow(runs)}"] if runs != file_runs else []
+    axes = " x ".join(f"{k} in {flow(v)}" for k, v in grid.items()) or "none"
+    ran = f"What ran: the grid {axes}; named runs: {', '.join(runs) or 'none'}."
+    return ran + (f" (The study file's description is left out: {', '.join(changed)} on the command line changed"
+                  " what it describes.)" if text else "")  # fmt: skip
 
 
 def _mapping(value, what: str, p: Path) -> dict:

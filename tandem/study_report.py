@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -227,18 +228,47 @@ def _log_axis(ax, values: list[float]) -> None:
         ax.set_yscale("symlog", linthresh=min(positive) / 2)
 
 
-def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> list[Path]:
+LEGEND_FONTSIZE = 9  # readable in a report at the PNGs' size
+
+
+def figures(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> list[tuple[str, Any]]:
+    """The report's figures as (file name, matplotlib Figure): reward curves per recipe; mismatch, KL
+    and dropped fraction against max_staleness (when the grid varies it); the named runs' mismatch.
+    Every figure has a title naming the study; steps and staleness axes have integer ticks only."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = _panels(runs, rows)
     if not panels:
         return []
-    paths = []
+    return [
+        ("reward_curves.png", _reward_curves(study, panels, out)),
+        *_versus_staleness(study, panels),
+        *_named_runs(study, runs, rows),
+    ]
 
-    # Reward curves: one panel per recipe, one curve per setting, mean +- std over seeds.
+
+def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, fig in figures(study, runs, rows, out):
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    return paths
+
+
+def _integer_ticks(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _reward_curves(study: Study, panels: dict, out: Path):
+    """One panel per recipe, one curve per setting, mean +- std over seeds."""
+    import matplotlib.pyplot as plt
+
     n = len(panels)
     cols = min(3, n)
     fig, axes = plt.subplots(
@@ -261,18 +291,21 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
                                 color=line.get_color(), alpha=0.2)  # fmt: skip
         ax.set_title(panel)
         ax.set_xlabel("trainer step")
+        _integer_ticks(ax.xaxis)
         ax.set_ylabel("reward (trailing mean, 10% of steps)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=LEGEND_FONTSIZE)
     for ax in axes[n:]:
         ax.set_visible(False)
     fig.suptitle(f"{study.name}: reward, mean ± std over seeds")
-    paths.append(out / "reward_curves.png")
-    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    return fig
 
-    # Against staleness (grid settings that vary max_staleness): mismatch parts, KL, dropped fraction.
+
+def _versus_staleness(study: Study, panels: dict) -> list[tuple[str, Any]]:
+    """Grid settings that vary max_staleness: mismatch parts, KL and dropped fraction against it."""
+    import matplotlib.pyplot as plt
+
     series: dict[str, dict[int, list[dict]]] = {}
     for panel, groups in panels.items():
         for _, members in groups.items():
@@ -282,59 +315,64 @@ def _plots(study: Study, runs: list[StudyRun], rows: list[dict], out: Path) -> l
                 other = {k: v for k, v in run.keys.items() if k not in (SEED_KEY, STALENESS_KEY, "recipe")}
                 label = panel + ("".join(f", {k.rsplit('.', 1)[-1]}={v}" for k, v in other.items()))
                 series.setdefault(label, {}).setdefault(row["max_staleness"], []).append(row)
-    if series:
-        specs = (
-            ("mismatch_vs_staleness.png", ("logp_abs_diff_quant", "logp_abs_diff_stale", "logp_abs_diff"),
-             "mean |Δ log p| per token"),
-            ("kl_vs_staleness.png", ("kl_k3",), "KL k3 (behaviour || proximal), mean over steps"),
-            ("dropped_vs_staleness.png", ("dropped_stale_frac",), "fraction of samples dropped as stale"),
-        )  # fmt: skip
-        for fname, keys, ylabel in specs:
-            fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False, layout="constrained")
-            for ax, key in zip(axes[0], keys):
-                for label, by_s in series.items():
-                    xs = sorted(by_s)
-                    xs = [s for s in xs if any(r[key] is not None for r in by_s[s])]
-                    ys = [_mean_of(r[key] for r in by_s[s]) for s in xs]
-                    es = [statistics.pstdev([r[key] for r in by_s[s] if r[key] is not None]) for s in xs]
-                    ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
-                ax.set_xlabel("max_staleness")
-                ax.set_ylabel(ylabel)
-                if key.startswith("logp_abs_diff"):  # the quantization part can be 1e-7 beside 1e-1
-                    _log_axis(ax, [r[key] for by_s in series.values() for rs in by_s.values() for r in rs])
-                ax.set_title(key)
-                ax.grid(alpha=0.3)
-                ax.legend(fontsize=6)
-            paths.append(out / fname)
-            fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-            plt.close(fig)
+    if not series:
+        return []
+    specs = (
+        ("mismatch_vs_staleness.png", ("logp_abs_diff_quant", "logp_abs_diff_stale", "logp_abs_diff"),
+         "mean |Δ log p| per token", "train / rollout mismatch"),
+        ("kl_vs_staleness.png", ("kl_k3",), "KL k3 (behaviour || proximal), mean over steps", "KL"),
+        ("dropped_vs_staleness.png", ("dropped_stale_frac",), "fraction of samples dropped as stale",
+         "samples dropped as stale"),
+    )  # fmt: skip
+    out = []
+    for fname, keys, ylabel, what in specs:
+        fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False, layout="constrained")
+        for ax, key in zip(axes[0], keys):
+            for label, by_s in series.items():
+                xs = [s for s in sorted(by_s) if any(r[key] is not None for r in by_s[s])]
+                ys = [_mean_of(r[key] for r in by_s[s]) for s in xs]
+                es = [statistics.pstdev([r[key] for r in by_s[s] if r[key] is not None]) for s in xs]
+                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)
+            ax.set_xlabel("max_staleness")
+            ax.set_xticks(sorted({s for by_s in series.values() for s in by_s}))
+            ax.set_ylabel(ylabel)
+            if key.startswith("logp_abs_diff"):  # the quantization part can be 1e-7 beside 1e-1
+                _log_axis(ax, [r[key] for by_s in series.values() for rs in by_s.values() for r in rs])
+            ax.set_title(key)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=LEGEND_FONTSIZE)
+        fig.suptitle(f"{study.name}: {what} against max_staleness, mean ± std over seeds")
+        out.append((fname, fig))
+    return out
 
-    # Named runs (the ablations): the mismatch parts side by side.
+
+def _named_runs(study: Study, runs: list[StudyRun], rows: list[dict]) -> list[tuple[str, Any]]:
+    """The named runs (the ablations): the mismatch parts side by side."""
+    import matplotlib.pyplot as plt
+
     named = [(run, row) for run, row in zip(runs, rows) if run.named and "final_reward" in row]
-    if named:
-        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(named)), 4))
-        width = 0.4
-        for j, (key, label) in enumerate(
-            (("logp_abs_diff_quant", "quantization part"), ("logp_abs_diff_stale", "staleness part"))
-        ):
-            ax.bar([i + (j - 0.5) * width for i in range(len(named))], [row[key] or 0.0 for _, row in named], width,
-                   label=label)  # fmt: skip
-        ax.set_xticks(range(len(named)))
-        ax.set_xticklabels(
-            [run.name + (" [contract broken]" if row["contract_breaking"] else "") for run, row in named],
-            rotation=30,
-            ha="right",
-            fontsize=7,
-        )
-        ax.set_ylabel("mean |Δ log p| per token")
-        _log_axis(ax, [row[k] for _, row in named for k in ("logp_abs_diff_quant", "logp_abs_diff_stale")])
-        ax.set_title(f"{study.name}: mismatch of the named runs")
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend()
-        paths.append(out / "mismatch_named_runs.png")
-        fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
-        plt.close(fig)
-    return paths
+    if not named:
+        return []
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(named)), 4))
+    width = 0.4
+    for j, (key, label) in enumerate(
+        (("logp_abs_diff_quant", "quantization part"), ("logp_abs_diff_stale", "staleness part"))
+    ):
+        ax.bar([i + (j - 0.5) * width for i in range(len(named))], [row[key] or 0.0 for _, row in named], width,
+               label=label)  # fmt: skip
+    ax.set_xticks(range(len(named)))
+    ax.set_xticklabels(
+        [run.name + (" [contract broken]" if row["contract_breaking"] else "") for run, row in named],
+        rotation=30,
+        ha="right",
+        fontsize=8,
+    )
+    ax.set_ylabel("mean |Δ log p| per token")
+    _log_axis(ax, [row[k] for _, row in named for k in ("logp_abs_diff_quant", "logp_abs_diff_stale")])
+    ax.set_title(f"{study.name}: mismatch of the named runs")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=LEGEND_FONTSIZE)
+    return [("mismatch_named_runs.png", fig)]
 
 
 # ------------------------------------------------------------------------------ the report

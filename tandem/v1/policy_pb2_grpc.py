@@ -6,7 +6,7 @@ import warnings
 from tandem.v1 import manifest_pb2 as tandem_dot_v1_dot_manifest__pb2
 from tandem.v1 import policy_pb2 as tandem_dot_v1_dot_policy__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -64,6 +64,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needles):
     assert "password" not in res.stderr and ":pw@" not in res.stderr
 
 
+def test_explain_a_section_gives_its_whole_summary(tmp_path):
+    res = tandem("run", "--explain", "model", cwd=tmp_path)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    head = res.stdout.splitlines()[0]
+    assert head.startswith("model: The model:") and head.endswith("a preset, if given, must agree with it)."), head
+
+
 def test_yaml_syntax_error_in_the_file_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run_id: x\ntrainer: {max_steps: 3\n")

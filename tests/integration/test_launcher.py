@@ -172,7 +172,7 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
 
     # The run folder is the user's alone; checkpoints are proportionate and pruned.
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
-    for path in [run_dir / "config.yaml", run_dir / "metrics.jsonl", logs / "trainer.log"]:
+    for path in [run_dir / "config.yaml", run_dir / "run.secret", run_dir / "metrics.jsonl", logs / "trainer.log"]:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     ckpts = sorted((run_dir / "checkpoints").glob("step-*.pt"))
     assert 1 <= len(ckpts) <= 2 and ckpts[-1].name == f"step-{stopped:06d}.pt"
@@ -198,6 +198,11 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
     assert rows[stopped].get("resumed_from") == stopped and all("resumed_from" not in r for r in rows[:stopped])
     used = [g[0] for line in _lines(run_dir / "audit.jsonl") for g in line["groups"]]
     assert len(used) == len(set(used)) == 2 * (stopped + 2), "a prompt group used twice: Redis forgot the run"
+    # The README's list of the run folder's files names everything the folder holds.
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    listed = readme.split("the run folder (`runs/demo-<time>/`", 1)[1].split("\n\n", 1)[0]
+    unlisted = [p.name for p in run_dir.iterdir() if f"`{p.name}{'/' if p.is_dir() else '`'}" not in listed]
+    assert not unlisted, f"README.md does not list {unlisted} among the run folder's files"
     # Counters continue from the checkpoint's totals.
     state = torch.load(sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1], weights_only=True)["state"]
     assert state["samples"] == 8 * (stopped + 2) and state["step"] == stopped + 2

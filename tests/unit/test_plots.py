@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -50,6 +51,49 @@ def test_mismatch_is_log_scale_with_percentiles_and_resume_marker():
     assert min(quant.get_ydata()) == plots.LOG_FLOOR  # the exact 0 is on the axis, not dropped
     assert "run exp7" in ax.get_title()
     assert _vlines(ax) == [3.5]
+
+
+def test_mismatch_value_rules():
+    nan = float("nan")
+    stale0 = {"staleness_max": 0, "logp_abs_diff_stale": 0.0, "logp_abs_diff_quant": 0.0, "kl_k3": -1e-9}
+    values = {
+        "absent": plots.mismatch_value({}, "logp_abs_diff"),
+        "null": plots.mismatch_value({"logp_abs_diff": None}, "logp_abs_diff"),
+        "NaN": plots.mismatch_value({"logp_abs_diff": nan}, "logp_abs_diff"),
+        "stale part, nothing stale": plots.mismatch_value(stale0, "logp_abs_diff_stale"),
+        "stale part, stale samples": plots.mismatch_value({**stale0, "staleness_max": 1}, "logp_abs_diff_stale"),
+        "exact 0": plots.mismatch_value(stale0, "logp_abs_diff_quant"),
+        "negative k3": plots.mismatch_value(stale0, "kl_k3"),
+        "value": plots.mismatch_value({"kl_k3": 3e-7}, "kl_k3"),
+    }
+    drawn = {k: v for k, v in values.items() if v == v}
+    assert drawn == {
+        "stale part, stale samples": plots.LOG_FLOOR,
+        "exact 0": plots.LOG_FLOOR,
+        "negative k3": plots.LOG_FLOOR,
+        "value": 3e-7,
+    }
+
+
+def test_a_step_without_a_value_is_not_drawn_at_the_floor():
+    rows = _rows()
+    rows[0].update(staleness_max=0, staleness_mean=0.0, logp_abs_diff_stale=0.0)  # step 1: nothing stale yet
+    rows[2]["logp_abs_diff_quant"] = float("nan")  # step 3: no sample of a known version
+    del rows[4]["kl_k3"]  # step 5: not recorded
+    ax = plots.mismatch_figure(rows, "run exp7").axes[0]
+    lines = {line.get_label().split(":")[0].split(" (")[0]: list(line.get_ydata()) for line in ax.get_lines()}
+    floor = plots.LOG_FLOOR
+    assert lines["staleness part"] == [pytest.approx(v, nan_ok=True) for v in [float("nan")] + [0.05] * 5]
+    assert [v == v for v in lines["quantization part"]] == [True, True, False, True, True, True]
+    assert lines["quantization part"][1] == floor  # step 2's exact 0 stays on the axis
+    assert [v == v for v in lines["KL k3"]] == [True, True, True, True, False, True]
+    floor_entries = [s for s in lines if s.startswith("exact 0")]
+    assert floor_entries == [f"exact 0, drawn at {floor:g}"], lines.keys()
+    # With no exact zero anywhere, the legend has no floor entry.
+    for r in rows:
+        r.update(logp_abs_diff_quant=2e-7, kl_k3=1e-8)
+    labels = [line.get_label() for line in plots.mismatch_figure(rows, "run exp7").axes[0].get_lines()]
+    assert not any(s.startswith("exact 0") for s in labels)
 
 
 def test_every_plot_names_the_run_and_marks_the_resume(tmp_path):

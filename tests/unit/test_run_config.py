@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
@@ -92,6 +93,26 @@ def test_dump_masks_the_redis_password():
     assert (
         config.redact_url("rediss://:p%40ss@h:1/0?ssl_ca_certs=/ca.pem") == "rediss://:***@h:1/0?ssl_ca_certs=/ca.pem"
     )
+
+
+def _every_key(cls, path: str = "") -> list[str]:
+    """Every dotted key under dataclass `cls`: its sections and their leaves."""
+    keys, hints = [], typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        keys.append(path + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += _every_key(hints[f.name], f"{path}{f.name}.")
+    return keys
+
+
+def test_no_explanation_ends_mid_sentence():
+    keys = ["", *_every_key(config.RunConfig)]
+    assert "model" in keys and "trainer.tls.cert" in keys
+    for key in keys:
+        for line in config.explain(key).splitlines():
+            assert line.endswith("."), (key, line[-80:])
+    # A section's summary is its docstring's whole first paragraph, however many lines it spans.
+    assert config.explain("model").splitlines()[0].endswith("must agree with it).")
 
 
 def test_explain_shows_attribute_docstrings_and_unknown_keys_say_what_they_meant(capsys):

@@ -252,3 +252,61 @@ def test_report_pairs_seeds_against_bf16(tmp_path):
     assert "the runs ran at: `abc`" in report
     for png in ("reward_curves.png", "mismatch_named_runs.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_a_changed_grid_or_run_list_replaces_the_description_with_what_ran(tmp_path):
+    from tandem.study import describe
+
+    grid = {"recipe": ["bf16", "int4_qat"], "loop.max_staleness": [0, 1, 2]}
+    assert describe("text", grid, dict(grid), ["a"], ["a"]) == "text"
+    assert describe("text", grid, {**grid, "loop.max_staleness": [0, 2]}, ["a", "b"], ["b"]) == (
+        "What ran: the grid recipe in [bf16, int4_qat] x loop.max_staleness in [0, 2]; named runs: b."
+        " (The study file's description is left out: grid.loop.max_staleness=[0, 2], runs=[b] on the command line"
+        " changed what it describes.)"
+    )
+    assert describe("", {}, {"loop.seed": [0]}, [], []) == "What ran: the grid loop.seed in [0]; named runs: none."
+    p = _study(tmp_path, {"description": "five stalenesses", "grid": {"loop": {"max_staleness": [0, 1, 2, 4, 8]}}})
+    assert load_study(p, ["grid.loop.max_staleness=[0, 1, 2, 4, 8]"]).description == "five stalenesses"
+    study = load_study(p, ["grid.loop.max_staleness=[0,1]"])
+    assert study.description.startswith("What ran: the grid loop.max_staleness in [0, 1]; named runs: none.")
+    assert study.source["description"] == study.description  # DIR/study.yaml says the same
+
+
+def test_report_figures_have_titles_readable_legends_and_integer_ticks(tmp_path):
+    from tandem.study_report import LEGEND_FONTSIZE, figures, summary_rows, write_report
+
+    p = _study(
+        tmp_path,
+        {
+            "description": "stalenesses 0, 1 and 2",
+            "grid": {"recipe": ["bf16", "int4_qat"], "loop.max_staleness": [0, 1, 2]},
+            "runs": {"knob": {"recipe": "int4_qat", "rollout_recipe": "bf16"}},
+        },
+    )
+    study = load_study(p, ["grid.loop.max_staleness=[0,1]"])
+    runs, out = study.expand(), tmp_path / "out"
+    for run in runs:
+        _fake_run(out / run.name, [0.1, 0.2, 0.3], quant=0.001, stale=0.05, breaking=run.name == "knob")
+    made = figures(study, runs, summary_rows(runs, out), out)
+    assert [name for name, _ in made] == [
+        "reward_curves.png",
+        "mismatch_vs_staleness.png",
+        "kl_vs_staleness.png",
+        "dropped_vs_staleness.png",
+        "mismatch_named_runs.png",
+    ]
+    for name, fig in made:
+        fig.canvas.draw()
+        titles = [fig.get_suptitle()] + [ax.get_title() for ax in fig.axes]
+        assert any(t.startswith(f"{study.name}: ") for t in titles), (name, titles)
+        for ax in fig.axes:
+            if not ax.get_visible():
+                continue
+            assert all(t.get_fontsize() >= LEGEND_FONTSIZE >= 9 for t in ax.get_legend().get_texts()), name
+            if ax.get_xlabel() in ("trainer step", "max_staleness"):  # 3 steps; staleness 0 and 1
+                lo, hi = ax.get_xlim()
+                ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+                assert len(ticks) >= 2 and all(t == int(t) for t in ticks), (name, ticks)
+    report = write_report(study, runs, out, command="tandem study s.yaml grid.loop.max_staleness=[0,1]").read_text()
+    assert "stalenesses 0, 1 and 2" not in report
+    assert "What ran: the grid recipe in [bf16, int4_qat] x loop.max_staleness in [0, 1]; named runs: knob." in report
