@@ -4,6 +4,7 @@ tokenizer (`rollout.tasks.Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode
     tok = HFTokenizer.load("path/to/Qwen3-8B")          # tokenizer.json + tokenizer_config.json
     ids = tok.encode("2+2=", bos=True)                   # bos only if the tokenizer has one
     text = tok.chat_prompt("What is 2+2?")               # the chat template, when the folder has one
+    tok.save_pretrained("export/")                       # copies the files it was loaded from
 
 Special tokens come from `tokenizer_config.json` (`eos_token`, `pad_token`, `bos_token`, each a string
 or {"content": ...}; `special_tokens_map.json` is read too): eos is required; pad falls back to eos (a

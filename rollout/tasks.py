@@ -11,7 +11,8 @@ user's prompt file with exact / numeric verifiers (rollout/jsonl_task.py).
 
 The protocol (structural: any object with these members is a task):
 
-    tokenizer        a `Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode(text, bos=, eos=), decode(ids)
+    tokenizer        a `Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode(text, bos=, eos=), decode(ids),
+                        and optionally save_pretrained(folder) (a Hugging Face tokenizer folder for exports)
     max_new_tokens   the longest completion a rollout generates
     prompt(index)    -> Prompt, a pure function of (the task's seed, index), so that a restarted
                         trainer feeds the same data
