@@ -81,7 +81,8 @@ def write_tokenizer(tokenizer, out: Path) -> str:
     save = getattr(tokenizer, "save_pretrained", None)
     if save is None:
         return f"no tokenizer (the task's {type(tokenizer).__name__} has no save_pretrained)"
-    return "tokenizer " + ", ".join(save(out))
+    names = save(out)  # a user's tokenizer may return nothing
+    return "tokenizer " + (", ".join(map(str, names)) if names else f"written by {type(tokenizer).__name__}")
 
 
 def main(args) -> int:
