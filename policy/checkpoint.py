@@ -189,8 +189,9 @@ def hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16) -> dict:
     4.x and 5.x (both the `rope_theta` and `rope_parameters` spellings, `num_experts`)."""
     if cfg.has_shared_expert:
         raise ValueError(
-            f"shared_expert_ffn_dim={cfg.shared_expert_ffn_dim}: Hugging Face qwen3_moe has no shared expert, "
-            "so this model has no Hugging Face equivalent"
+            f"shared_expert_ffn_dim={cfg.shared_expert_ffn_dim}: neither Hugging Face qwen3_moe (no shared expert) "
+            "nor qwen2_moe (a sigmoid-gated shared expert, no q/k norms) computes Tandem's shared expert, so this "
+            "model has no Hugging Face equivalent; a model without one (the demo preset) exports"
         )
     dtype_name = {v: k for k, v in _DTYPES.items()}[dtype]
     d = {

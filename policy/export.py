@@ -34,7 +34,8 @@ the accumulator, which is what Tandem's rollout does. An engine that requires `i
 the folder instead of silently using a wrong static scale.
 
 Every safetensors file carries `tandem_contract_fingerprint`, `tandem_version` and `tandem_recipe` in
-its metadata, and config.json a `tandem` section with the same.
+its metadata, and config.json a `tandem` section with the same. `token_ids` (bos/eos/pad_token_id of
+the run's tokenizer) go into config.json and generation_config.json, so that `generate` stops at eos.
 """
 
 from __future__ import annotations
@@ -152,6 +153,12 @@ def _quant_config(export_format: str, options: dict, ignore: list[str]) -> tuple
     return {"quant_method": "modelopt", **quantization}, hf_quant
 
 
+def _write_generation_config(out: Path, token_ids: Mapping[str, int] | None) -> None:
+    if token_ids:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "generation_config.json").write_text(json.dumps(dict(token_ids), indent=2) + "\n")
+
+
 def export_policy(
     out: str | Path,
     cfg: ModelConfig,
@@ -161,6 +168,7 @@ def export_policy(
     recipe: str,
     fingerprint: str,
     version: int,
+    token_ids: Mapping[str, int] | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> dict:
     """Write version `version` of a policy to `out` in `export_format`; returns a summary dict
@@ -172,10 +180,15 @@ def export_policy(
     unknown = sorted(set(tensors) - set(shapes))
     if missing or unknown:
         raise ValueError(f"export: tensors do not match the model: missing {missing[:3]}, unknown {unknown[:3]}")
+    bad = sorted(set(token_ids or {}) - {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if bad:
+        raise ValueError(f"export: token_ids {bad}: expected bos_token_id, eos_token_id, pad_token_id")
+    config = hf_config(cfg)  # refuses a model without an HF equivalent before writing anything
     meta = {"tandem_contract_fingerprint": fingerprint, "tandem_version": str(version), "tandem_recipe": recipe}
-    extra = {"tandem": {"contract_fingerprint": fingerprint, "version": version, "recipe": recipe}}
+    extra = {"tandem": {"contract_fingerprint": fingerprint, "version": version, "recipe": recipe}, **(token_ids or {})}
     out = Path(out)
     if export_format == "hf":
+        _write_generation_config(out, token_ids)
         save_hf(
             out,
             cfg,
@@ -187,7 +200,6 @@ def export_policy(
         return {"format": "hf", "version": version, "quantized": 0, "bf16": len(shapes)}
 
     target = _TARGET[export_format]
-    config = hf_config(cfg)  # refuses a model without an HF equivalent before writing anything
     quantized = [n for n in shapes if formats.format_of(tensors[n]) == target]
     if not quantized:
         have = sorted({formats.format_of(t) for t in tensors.values()})
@@ -201,6 +213,7 @@ def export_policy(
         if len(shapes[n]) != 2 or n == "model.embed_tokens.weight":
             raise ValueError(f"{export_format}: {n} is {target} but is not a linear layer's weight")
 
+    _write_generation_config(out, token_ids)
     writer = ShardWriter(out, max_shard_bytes=max_shard_bytes, metadata=meta)
     ignore: list[str] = []
     for name, shape in shapes.items():

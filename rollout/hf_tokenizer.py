@@ -4,6 +4,7 @@ tokenizer (`rollout.tasks.Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode
     tok = HFTokenizer.load("path/to/Qwen3-8B")          # tokenizer.json + tokenizer_config.json
     ids = tok.encode("2+2=", bos=True)                   # bos only if the tokenizer has one
     text = tok.chat_prompt("What is 2+2?")               # the chat template, when the folder has one
+    tok.save_pretrained("export/")                       # copies the files it was loaded from
 
 Special tokens come from `tokenizer_config.json` (`eos_token`, `pad_token`, `bos_token`, each a string
 or {"content": ...}; `special_tokens_map.json` is read too): eos is required; pad falls back to eos (a
@@ -16,6 +17,7 @@ message and the generation prompt. Nothing is downloaded; nothing is executed bu
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -32,6 +34,7 @@ def _token(value) -> str | None:
 class HFTokenizer:
     def __init__(self, tokenizer: _HFTokenizer, *, eos: str, pad: str | None, bos: str | None, chat_template=None):
         self._tok = tokenizer
+        self.files: dict[str, Path] = {}  # name in a tokenizer folder -> the file `load` read
         ids = {}
         for role, token in (("eos", eos), ("pad", pad), ("bos", bos)):
             if token is not None:
@@ -73,13 +76,24 @@ class HFTokenizer:
             template = jinja.read_text()
         if template is not None and not isinstance(template, str):
             raise ValueError("task.tokenizer: only a single (string) chat_template is supported")
-        return cls(
+        out = cls(
             tok,
             eos=eos,
             pad=_token(config.get("pad_token")),
             bos=_token(config.get("bos_token")),
             chat_template=template,
         )
+        names = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+        out.files = {"tokenizer.json": file, **{n: file.parent / n for n in names if (file.parent / n).is_file()}}
+        return out
+
+    def save_pretrained(self, path: str | Path) -> list[str]:
+        """Copy the files this tokenizer was loaded from into the folder `path`; returns their names."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        for name, f in self.files.items():
+            shutil.copyfile(f, path / name)
+        return list(self.files)
 
     @property
     def vocab_size(self) -> int:

@@ -11,7 +11,8 @@ user's prompt file with exact / numeric verifiers (rollout/jsonl_task.py).
 
 The protocol (structural: any object with these members is a task):
 
-    tokenizer        a `Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode(text, bos=, eos=), decode(ids)
+    tokenizer        a `Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode(text, bos=, eos=), decode(ids),
+                        and optionally save_pretrained(folder) (a Hugging Face tokenizer folder for exports)
     max_new_tokens   the longest completion a rollout generates
     prompt(index)    -> Prompt, a pure function of (the task's seed, index), so that a restarted
                         trainer feeds the same data
@@ -32,9 +33,11 @@ warm-started policy is sometimes right.
 from __future__ import annotations
 
 import importlib
+import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -68,6 +71,35 @@ class CharTokenizer:
             if 3 <= i < len(self.itos):
                 out.append(self.itos[i])
         return "".join(out)
+
+    def save_pretrained(self, path: str | Path) -> list[str]:
+        """Write this tokenizer as a Hugging Face tokenizer folder; returns the file names written.
+
+        `AutoTokenizer.from_pretrained(path)` then encodes text as `encode(text, bos=True)` (the task's
+        prompts), or as `encode(text)` with `add_special_tokens=False`; it has the same <pad>, <bos> and
+        <eos> ids, decodes without special tokens, pads on the left (for batched generation) and, like
+        `encode`, raises on a character outside the vocabulary (there is no unknown token)."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+        from tokenizers import Tokenizer as Backend
+
+        tok = Backend(models.WordLevel(dict(self.stoi)))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+        tok.decoder = decoders.Fuse()  # characters join without spaces
+        tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, self.bos_id)])
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (PAD, BOS, EOS)])
+        special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "padding_side": "left",
+            "clean_up_tokenization_spaces": False,
+        }
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tok.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+        return ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
 
 @runtime_checkable

@@ -37,13 +37,14 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 class ModelSection:
     """The model: a preset plus field overrides (e.g. {"n_layers": 2}; vocab comes from the task), or a
     Hugging Face checkpoint folder whose config.json gives the architecture and whose weights start
-    training (then only `max_seq_len` may be overridden, and a preset, if given, must agree with it)."""
+    training (then overrides and a preset, if given, must agree with it; only `max_seq_len` may differ)."""
 
     preset: str = ""
-    """A `policy.model.PRESETS` name; empty means "tiny" (without a checkpoint)."""
+    """A `policy.model.PRESETS` name; empty means "tiny" (without a checkpoint). With a checkpoint it must
+    agree with config.json in every field but vocab_size and max_seq_len."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """ModelConfig fields that replace the preset's (vocab_size always comes from the task); with a
-    checkpoint, only max_seq_len."""
+    checkpoint, each must equal config.json's value, except max_seq_len."""
     checkpoint: str = ""
     """A Hugging Face folder (config.json + safetensors; qwen3 or qwen3_moe): its config.json is the
     model, its weights the trainer's start (policy/checkpoint.py)."""

@@ -30,25 +30,30 @@ from .config import ModelSection, RunConfig
 
 
 def model_config_for(model: ModelSection, vocab_size: int) -> ModelConfig:
-    """The run's model: the preset (vocab = the tokenizer's), or the checkpoint's config.json."""
+    """The run's model: the preset (vocab = the tokenizer's), or the checkpoint's config.json.
+
+    With a checkpoint, an override must equal the checkpoint's value (max_seq_len excepted), and a
+    preset must agree with it in every field but vocab_size and max_seq_len (a run takes neither
+    from a preset)."""
     if not model.checkpoint:
         overrides = {"max_seq_len": 64, **model.overrides, "vocab_size": vocab_size}
         return ModelConfig.preset(model.preset or "tiny", **overrides)
     from policy.checkpoint import read_config
 
-    arch = sorted(set(model.overrides) - {"max_seq_len"})
+    checkpoint = read_config(model.checkpoint).to_dict()
+    cfg = ModelConfig.from_dict({**checkpoint, **model.overrides})  # validated, lists as tuples
+    arch = sorted(k for k in model.overrides if k != "max_seq_len" and cfg.to_dict()[k] != checkpoint[k])
     if arch:
         raise ValueError(
             f"model.overrides {arch}: with model.checkpoint the architecture comes from its config.json "
-            "(only max_seq_len may be overridden)"
+            f"({', '.join(f'{k}={checkpoint[k]!r}' for k in arch)}; only max_seq_len may differ)"
         )
-    cfg = dataclasses.replace(read_config(model.checkpoint), **model.overrides)
     if model.preset:
-        preset = ModelConfig.preset(model.preset, **model.overrides)
+        preset = ModelConfig.preset(model.preset, **model.overrides).to_dict()
         diff = [
             f"{k}: preset {v!r}, checkpoint {cfg.to_dict()[k]!r}"
-            for k, v in preset.to_dict().items()
-            if v != cfg.to_dict()[k]
+            for k, v in preset.items()
+            if k not in ("vocab_size", "max_seq_len") and v != cfg.to_dict()[k]
         ]
         if diff:
             raise ValueError(f"model.preset={model.preset!r} disagrees with model.checkpoint: " + "; ".join(diff))

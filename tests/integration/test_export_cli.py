@@ -3,6 +3,7 @@ user runs them (subprocesses of the `tandem` command)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -51,7 +52,7 @@ def test_export_from_a_policy_server(tmp_path, server):
         "export", server.address, "--version", "1", "--format", "compressed-tensors", "--out", str(tmp_path / "o")
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "exported version 1" in r.stdout
+    assert "exported version 1" in r.stdout and "no tokenizer (a policy server does not know" in r.stdout
     config = json.loads((tmp_path / "o" / "config.json").read_text())
     assert config["tandem"]["contract_fingerprint"] == contract.fingerprint() and config["tandem"]["version"] == 1
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "o", dtype=torch.bfloat16)
@@ -70,6 +71,18 @@ def test_export_from_a_policy_server(tmp_path, server):
     assert r.returncode == 2 and "has no nvfp4 weights" in r.stderr
     r = tandem("export", str(tmp_path / "nothing"), "--format", "hf", "--out", str(tmp_path / "z"))
     assert r.returncode == 2 and "neither a run folder" in r.stderr
+
+
+def test_export_of_a_model_with_a_shared_expert_is_one_line(tmp_path, server):
+    cfg = dataclasses.replace(CFG, shared_expert_ffn_dim=128)
+    recipe = Recipe.load("bf16")
+    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
+    tensors = mf.quantize_params(dict(Transformer(cfg, seed=3).named_parameters()), recipe.plan(cfg))
+    server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors))
+    r = tandem("export", server.address, "--format", "hf", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr
+    assert r.stderr.startswith("tandem export: shared_expert_ffn_dim=128: neither Hugging Face qwen3_moe")
+    assert not (tmp_path / "o").exists()  # refused before anything is written
 
 
 def test_import_hf_plans_without_loading(tmp_path):

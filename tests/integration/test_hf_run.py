@@ -1,6 +1,7 @@
 """A user's whole path: a Hugging Face Qwen3 folder (built here with transformers) as `model.checkpoint`,
 `tandem run` for a few GRPO steps (private Redis, trainer, one rollout worker), then `tandem export` of
-the run's last version as compressed-tensors int4 and as bf16, both loaded by transformers."""
+the run's last version as compressed-tensors int4 and as bf16, both loaded by transformers, each with
+the run's tokenizer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
+from rollout.hf_tokenizer import HFTokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -83,6 +86,16 @@ def test_train_from_a_hf_checkpoint_on_a_jsonl_task_and_export(tmp_path):
         r = tandem("export", str(run_dir), "--format", fmt, "--out", str(tmp_path / f"out-{fmt}"))
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"exported version {version}" in r.stdout
+        # the run's tokenizer travels with the export: the task's own files, read by transformers
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            ours = REPO / "configs/data/arith_tokenizer" / name
+            assert (tmp_path / f"out-{fmt}" / name).read_bytes() == ours.read_bytes()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out-hf")
+    task_tok = HFTokenizer.load(REPO / "configs/data/arith_tokenizer")
+    text = "What is 12 plus 30?"
+    assert tok(text, add_special_tokens=False).input_ids == task_tok.encode(text)
+    assert tok.eos_token_id == task_tok.eos_id
+    assert json.loads((tmp_path / "out-hf" / "generation_config.json").read_text())["eos_token_id"] == task_tok.eos_id
     tokens = torch.randint(0, 366, (2, 7), generator=torch.Generator().manual_seed(0))
     logits = {}
     for fmt in ("compressed-tensors", "hf"):

@@ -240,10 +240,16 @@ def test_model_checkpoint_in_the_run_config(tmp_path):
     cfg = model_config_for(ModelSection(checkpoint=str(tmp_path)), vocab_size=50)
     assert cfg == read_config(tmp_path) and cfg.vocab_size == 67  # the checkpoint's vocab, not the tokenizer's
     assert model_config_for(ModelSection(checkpoint=str(tmp_path), overrides={"max_seq_len": 64}), 50).max_seq_len == 64
-    with pytest.raises(ValueError, match=r"model.overrides \['dim'\]"):
+    with pytest.raises(ValueError, match=r"model.overrides \['dim'\]: .* \(dim=48; only max_seq_len may differ"):
         model_config_for(ModelSection(checkpoint=str(tmp_path), overrides={"dim": 64}), 50)
-    with pytest.raises(ValueError, match="disagrees with model.checkpoint: vocab_size"):
+    agreeing = ModelSection(checkpoint=str(tmp_path), overrides={"dim": 48, "shared_expert_ffn_dim": 0})
+    assert model_config_for(agreeing, 50) == cfg  # an override that says what config.json says is no conflict
+    with pytest.raises(ValueError, match="disagrees with model.checkpoint: dim: preset 128, checkpoint 48"):
         model_config_for(ModelSection(checkpoint=str(tmp_path), preset="tiny-dense"), 50)
+    # a run takes neither vocab_size nor max_seq_len from a preset: the demo's export agrees with preset demo
+    demo = ModelConfig.preset("demo", vocab_size=15, max_seq_len=64)
+    save_hf(tmp_path / "demo", demo, Transformer(demo).named_parameters())
+    assert model_config_for(ModelSection(checkpoint=str(tmp_path / "demo"), preset="demo"), 15) == demo
     assert model_config_for(ModelSection(preset="tiny"), 15) == ModelConfig.preset(
         "tiny", vocab_size=15, max_seq_len=64
     )
