@@ -209,21 +209,6 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=10_000.0,
         max_seq_len=1024,
     ),
-    # The demo's model: "tiny" without the shared expert, so that it is exactly a Hugging Face qwen3_moe
-    # (transformers' qwen2_moe has a shared expert, but gated by a sigmoid and without q/k norms).
-    "demo": ModelConfig(
-        vocab_size=512,
-        dim=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        n_experts=8,
-        top_k=2,
-        expert_ffn_dim=256,
-        rope_theta=10_000.0,
-        max_seq_len=1024,
-    ),
     # ~0.74B parameters: GPU smoke tests and TP planning at a realistic shape.
     "small": ModelConfig(
         vocab_size=32768,
@@ -283,6 +268,9 @@ PRESETS: dict[str, ModelConfig] = {
         max_seq_len=40960,
     ),
 }
+# The demo's model: "tiny" without the shared expert, so that it is exactly a Hugging Face qwen3_moe
+# (transformers' qwen2_moe has a shared expert, but gated by a sigmoid and without q/k norms).
+PRESETS["demo"] = dataclasses.replace(PRESETS["tiny"], shared_expert_ffn_dim=0)
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
