@@ -94,7 +94,8 @@ def scaled_config(cfg, recipe, total_bytes: float):
 
 def synthetic_tensors(cfg, plan, seed: int = 0) -> dict:
     """QuantizedParams of every parameter as the plan says (nvfp4 or bf16), parts random bytes: views
-    into one random buffer (generating the bytes is not what is measured)."""
+    into one random buffer (generating the bytes is not what is measured), masked to values a worker
+    accepts (finite bf16: exponent's top bit cleared; E4M3 block scales non-negative, never NaN)."""
     import numpy as np
     import torch
 
@@ -119,13 +120,16 @@ def synthetic_tensors(cfg, plan, seed: int = 0) -> dict:
         if e.format == "nvfp4":
             parts = {
                 "codes": take(m * k // 2, torch.uint8, (m, k // 2)),
-                "block_scales": take(m * k // 16, torch.uint8, (m, k // 16)).view(torch.float8_e4m3fn),
+                "block_scales": take(m * k // 16, torch.uint8, (m, k // 16))
+                .bitwise_and_(0x7E)
+                .view(torch.float8_e4m3fn),
                 "global_scale": torch.ones(1),
             }
             at += 4
             q = formats.nvfp4.from_parts(parts, (m, k), scope=e.kwargs.get("scope", "tensor"))
         else:
-            q = formats.bf16.from_parts({"values": take(2 * m * k, torch.bfloat16, (m, k))}, (m, k))
+            values = take(2 * m * k, torch.int16, (m, k)).bitwise_and_(~0x4000).view(torch.bfloat16)
+            q = formats.bf16.from_parts({"values": values}, (m, k))
         out[name] = M.QuantizedParam(e.format, dict(e.kwargs), q)
     return out
 

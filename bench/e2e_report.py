@@ -36,7 +36,7 @@ from pathlib import Path
 
 LIVE = re.compile(
     r"(?P<worker>[\w.-]+): policy v(?P<version>\d+) live \((?P<bytes>\d+) bytes, (?P<load>[\d.]+)s, "
-    r"(?P<after>[-\d.na]+)s after publish\); under v(?P<prev>\w+): (?P<groups>\d+) groups, "
+    r"(?P<after>[-\d.na]+|\?)s after publish\); under v(?P<prev>\w+): (?P<groups>\d+) groups, "
     r"(?P<tokens>\d+) tokens in (?P<gen>[\d.]+)s generating"
 )
 # The swap's split, on the same line (rollout/worker.py since issue 18's prefetch).
@@ -67,7 +67,7 @@ def read_live(run: Path) -> list[dict]:
                         "version": int(d["version"]),
                         "bytes": int(d["bytes"]),
                         "load_s": float(d["load"]),
-                        "after_publish_s": float(d["after"]),
+                        "after_publish_s": None if d["after"] == "?" else float(d["after"]),
                         "prev": None if d["prev"] == "None" else int(d["prev"]),
                         "groups": int(d["groups"]),
                         "tokens": int(d["tokens"]),
@@ -139,7 +139,9 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
     rollout_per_step = gps * group_s / workers if group_s else None
     train_per_step = _mean([r["step_time_s"] + r.get("publish_s", 0.0) for r in win])
     versions = sorted({e["version"] for e in live if e["version"] > first_v})
-    slowest = [max(e["after_publish_s"] for e in live if e["version"] == v) for v in versions]
+    timed = [e for e in live if e["after_publish_s"] is not None]  # "?": the pointer had no publish time
+    timed_versions = sorted({e["version"] for e in timed} & set(versions))
+    slowest = [max(e["after_publish_s"] for e in timed if e["version"] == v) for v in timed_versions]
     everyone = [v for v in versions if len({e["worker"] for e in live if e["version"] == v}) == workers]
     gpu = read_gpu(run, t_start, steady[-1]["time"])
     last = rows[-1]

@@ -68,7 +68,7 @@ def test_explain_a_section_gives_its_whole_summary(tmp_path):
     res = tandem("run", "--explain", "model", cwd=tmp_path)
     assert res.returncode == 0 and res.stderr == "", res.stderr
     head = res.stdout.splitlines()[0]
-    assert head.startswith("model: The model:") and head.endswith("a preset, if given, must agree with it)."), head
+    assert head.startswith("model: The model:") and head.endswith("only `max_seq_len` may differ)."), head
 
 
 def test_yaml_syntax_error_in_the_file_names_file_and_line(tmp_path):

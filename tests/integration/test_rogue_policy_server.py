@@ -73,6 +73,7 @@ def write_config(tmp: Path, run_id: str, redis_url: str) -> Path:
         "run_secret_file": str(write_secret_file(tmp / "run.secret")),
         "loop": {"max_staleness": 1},
         "model": {"overrides": MODEL},
+        "trainer": {"group_size": 2},  # the groups add_group makes
         "rollout": {
             "fetch_process": True,  # the fetch children: errors cross the process boundary
             "fetch_processes": 2,

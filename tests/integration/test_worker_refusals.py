@@ -76,10 +76,16 @@ async def test_worker_dead_letters_what_it_cannot_run_and_goes_on(redis_url, run
     tensors = mf.quantize_params(dict(model.named_parameters()), recipe.plan(model_config))
     contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
     with PolicyServer(PolicyServerConfig()) as server:
-        server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors))
+        manifest = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
+        server.publish(manifest)
         async with connect(redis_url) as r:
             await PolicyRegistry(r, keys, signer=SIGNER).publish(
-                PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)
+                PolicyPointer(
+                    version=1,
+                    address=server.address,
+                    contract_fingerprint=worker.fingerprint,
+                    content_digest=mf.manifest_digest(manifest.manifest).hex(),
+                )
             )
             await PromptQueue(r, keys, signer=SIGNER).add(
                 [_group("bad-fields", task={}), _group("bad-n", n_samples=3), _group("good")]

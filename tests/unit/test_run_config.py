@@ -112,7 +112,7 @@ def test_no_explanation_ends_mid_sentence():
         for line in config.explain(key).splitlines():
             assert line.endswith("."), (key, line[-80:])
     # A section's summary is its docstring's whole first paragraph, however many lines it spans.
-    assert config.explain("model").splitlines()[0].endswith("must agree with it).")
+    assert config.explain("model").splitlines()[0].endswith("only `max_seq_len` may differ).")
 
 
 def test_explain_shows_attribute_docstrings_and_unknown_keys_say_what_they_meant(capsys):
