@@ -46,6 +46,7 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from broker.frames import page_lock, page_unlock
+from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ClientTLS
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
@@ -105,6 +106,7 @@ class PolicyClientConfig:
     max_send_message_bytes: int = 4 << 20
     streams: int = 1  # concurrent FetchTensors streams (one connection each) per fetch, tensors split by bytes
     tls: ClientTLS = field(default_factory=ClientTLS)  # plaintext unless tls.ca is set
+    run_token: str = field(default="", repr=False)  # sent with every call (broker.signing.policy_token)
 
     def __post_init__(self) -> None:
         bad = []
@@ -290,6 +292,7 @@ class _Tensor:
 class PolicyClient:
     def __init__(self, config: PolicyClientConfig):
         self.config = config
+        self._metadata = ((RUN_TOKEN_HEADER, config.run_token),) if config.run_token else None
         self._channel = self._make_channel()
         self._extra_channels: list = []  # streams 2..N of a fetch, one connection each
         self._get_manifest = self._channel.unary_unary(
@@ -358,6 +361,7 @@ class PolicyClient:
             health_pb2.HealthCheckRequest(service=service),
             timeout=self.config.call_timeout_s,
             wait_for_ready=wait_for_ready,
+            metadata=self._metadata,
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
@@ -368,7 +372,7 @@ class PolicyClient:
         req = policy_pb2.GetManifestRequest()
         if version is not None:
             req.version = version
-        raw = self._get_manifest(req, timeout=self.config.call_timeout_s, wait_for_ready=True)
+        raw = self._get_manifest(req, timeout=self.config.call_timeout_s, wait_for_ready=True, metadata=self._metadata)
         m = manifest_from_bytes(raw)
         if version is not None and m.version != version:
             raise ValueError(f"asked for version {version}, server sent version {m.version}")
@@ -381,7 +385,8 @@ class PolicyClient:
     ) -> Iterator[policy_pb2.VersionAnnouncement]:
         """Announcements of versions newer than `after_version`, until `timeout_s` passes (then it
         just ends: DEADLINE_EXCEEDED is the normal end of a watch)."""
-        call = self._watch(policy_pb2.WatchVersionsRequest(after_version=after_version), timeout=timeout_s)
+        req = policy_pb2.WatchVersionsRequest(after_version=after_version)
+        call = self._watch(req, timeout=timeout_s, metadata=self._metadata)
         try:
             yield from call
         except grpc.RpcError as e:
@@ -527,7 +532,8 @@ class PolicyClient:
             # fetch_timeout_s on every one of max_attempts restarts.
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled(f"version {manifest.version}: fetch cancelled")
-            call = fetch(req, timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=False)
+            timeout = max(0.001, deadline - time.monotonic())
+            call = fetch(req, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
             if cancel is not None:
                 cancel._register(call)
             bad_index = None
