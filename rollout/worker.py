@@ -61,7 +61,7 @@ from broker.policy_client import (
     check_reachable,
 )
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
-from broker.signing import Signer
+from broker.signing import Signer, policy_token
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
@@ -439,6 +439,7 @@ class RolloutWorker:
             fetch_timeout_s=self.cfg.fetch_timeout_s,
             streams=self.cfg.fetch_streams,
             tls=self.cfg.tls,
+            run_token=policy_token(self.signer),
         )
         if self.fetcher is not None:
             fetched = self.fetcher.fetch(request, check=self._check_manifest, cancel=cancel)
