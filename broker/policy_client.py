@@ -30,6 +30,7 @@ superseded it).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import heapq
 import os
@@ -47,7 +48,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from broker.frames import page_lock, page_unlock
 from broker.signing import RUN_TOKEN_HEADER
-from broker.tls import ClientTLS
+from broker.tls import ClientTLS, TLSHandshakeError, handshake_problem
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     ChecksumMismatch,
@@ -76,6 +77,7 @@ __all__ = [
     "PolicyClient",
     "PolicyClientConfig",
     "ReceiveBuffers",
+    "TLSHandshakeError",
     "split_by_bytes",
 ]
 
@@ -372,13 +374,28 @@ class PolicyClient:
         req = policy_pb2.GetManifestRequest()
         if version is not None:
             req.version = version
-        raw = self._get_manifest(req, timeout=self.config.call_timeout_s, wait_for_ready=True, metadata=self._metadata)
+        raw = self._manifest_bytes(req)
         m = manifest_from_bytes(raw)
         if version is not None and m.version != version:
             raise ValueError(f"asked for version {version}, server sent version {m.version}")
         if self.config.expected_fingerprint is not None:
             check_fingerprint(m, self.config.expected_fingerprint)
         return m
+
+    def _manifest_bytes(self, req: policy_pb2.GetManifestRequest) -> bytes:
+        """GetManifest. A first UNAVAILABLE is a server not up yet or a TLS handshake that fails (gRPC
+        tells them apart only as a call that waits until its deadline): `handshake_problem` decides,
+        TLSHandshakeError at once for the second, else the call waits up to call_timeout_s."""
+        call = functools.partial(self._get_manifest, req, timeout=self.config.call_timeout_s, metadata=self._metadata)
+        try:
+            return call(wait_for_ready=False)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        problem = handshake_problem(self.config.address, self.config.tls)
+        if problem is not None:
+            raise TLSHandshakeError(problem)
+        return call(wait_for_ready=True)
 
     def watch_versions(
         self, after_version: int = 0, *, timeout_s: float = 60.0

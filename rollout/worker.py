@@ -211,6 +211,7 @@ class RolloutWorker:
         # refused for not matching it: immutable, so never fetched again.
         self.expected = expected_tensors(recipe.plan(model_config))
         self.refused_versions: set[int] = set()
+        self._fetch_error = ""  # the last fetch failure logged (why()), until a fetch succeeds
         self.groups_done = 0
         self._since_swap = [0, 0, 0.0]  # groups, completion tokens, generating seconds under the version in use
         self.stop = asyncio.Event()
@@ -458,6 +459,7 @@ class RolloutWorker:
         pointer = pf.pointer
         try:
             await self._finish(pf)
+            self._fetch_error = ""
             return True
         except ManifestRefused as e:
             self.refused_versions.add(pointer.version)
@@ -471,10 +473,12 @@ class RolloutWorker:
         except (grpc.RpcError, ValueError, OSError) as e:  # ValueError: checksum/manifest problems
             self.metrics.fetch_failures.inc()
             self._retry_at = time.monotonic() + self.retry_s
-            self.log(
-                f"{self.worker_id}: fetching v{pointer.version} from {self.cfg.policy_address or pointer.address} "
-                f"failed, will retry: {why(e)}"
-            )
+            if why(e) != self._fetch_error:  # the same failure again (a TLS setting, ...) is counted, not logged
+                self._fetch_error = why(e)
+                self.log(
+                    f"{self.worker_id}: fetching v{pointer.version} from {self.cfg.policy_address or pointer.address} "
+                    f"failed, will retry (the same error again is not logged): {why(e)}"
+                )
         if self.batcher is not None:
             self.batcher.cancel_swap()  # not loadable now: go on with the current version
         return False
