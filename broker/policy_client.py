@@ -564,6 +564,9 @@ class PolicyClient:
                     next_index = chunk.chunk_index + 1
             except grpc.RpcError as e:
                 if cancel is not None and cancel.is_set():
+                    # The call is its own RpcError, and its traceback's frames hold the call and this
+                    # frame's buffers: cut it, or that cycle keeps a fetch child's slab until the GC runs.
+                    e.__traceback__ = None
                     raise FetchCancelled(f"version {manifest.version}: fetch cancelled") from None
                 if e.code() not in _RETRYABLE or restarts >= self.config.max_attempts or time.monotonic() >= deadline:
                     raise
