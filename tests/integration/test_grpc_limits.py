@@ -16,10 +16,11 @@ import pytest
 from broker.health import HealthServer
 from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
-from broker.signing import RUN_TOKEN_HEADER
+from broker.signing import RUN_TOKEN_HEADER, load_signer, write_secret_file
 from policy import manifest as mf
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
+from tandem.cli import main
 from tandem.v1 import policy_pb2
 
 pytestmark = pytest.mark.integration
@@ -90,7 +91,7 @@ def test_streams_per_connection_are_capped(packed):
             for t in readers:
                 t.join()
             assert peak == 3, peak  # the other 5 waited for a slot
-            assert got == [n_chunks] * len(calls) and server.stats()["fetch_streams"] == 8
+            assert got == [n_chunks] * len(calls) and server.stats()["fetch_streams"] == 8, server.stats()
         finally:
             for c in calls:
                 c.cancel()
@@ -238,13 +239,15 @@ def test_a_stream_staller_cannot_starve_a_worker(packed):
                 ch.close()
 
 
-def test_without_the_run_token_nothing_is_served(packed):
+def test_without_the_run_token_nothing_is_served(packed, tmp_path, capsys):
     """A server with a run token that serves workers only: no token or a wrong one gets UNAUTHENTICATED
-    on every call (counted), the token gets the policy."""
-    with PolicyServer(PolicyServerConfig(run_token=TOKEN, serve_unauthenticated=False)) as server:
+    on every call (counted), the token gets the policy; `tandem inspect --run-secret-file` sends it."""
+    secret = write_secret_file(tmp_path / "run.secret")
+    token = load_signer(str(secret)).policy_token()
+    with PolicyServer(PolicyServerConfig(run_token=token, serve_unauthenticated=False)) as server:
         server.publish(packed)
-        for token in ("", "cd" * 32):
-            with PolicyClient(PolicyClientConfig(address=server.address, run_token=token)) as c:
+        for wrong in ("", "cd" * 32):
+            with PolicyClient(PolicyClientConfig(address=server.address, run_token=wrong)) as c:
                 with pytest.raises(grpc.RpcError) as e:
                     c.get_manifest()
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
@@ -255,5 +258,8 @@ def test_without_the_run_token_nothing_is_served(packed):
             )
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert server.stats()["refused_unauthenticated"] == 3 and server.stats()["chunks_sent"] == 0
-        with PolicyClient(PolicyClientConfig(address=server.address, run_token=TOKEN)) as c:
+        with PolicyClient(PolicyClientConfig(address=server.address, run_token=token)) as c:
             assert c.fetch(1).stats.chunks == sum(len(t.chunk_xxh3) for t in packed.manifest.tensors)
+        assert main(["inspect", server.address, "--tensors", "0"]) != 0
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert main(["inspect", server.address, "--tensors", "0", "--run-secret-file", str(secret)]) == 0
