@@ -28,10 +28,16 @@ requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL
 above the transport limit (`max_receive_message_bytes`) are refused by gRPC itself with
 RESOURCE_EXHAUSTED. Health (grpc.health.v1) reports NOT_SERVING until the first publish.
 
-A FetchTensors stream has a server-side deadline (`fetch_deadline_s`): a reader that stops reading
-is ended with DEADLINE_EXCEEDED (counted: `fetch_deadline_exceeded`) and resumes at its next chunk.
-`stats()` has two gauges, `active_fetches` and `active_watches` (handlers running now), also exported
-to Prometheus (`prometheus_samples`).
+Capacity. A FetchTensors stream whose reader takes no chunk for `stall_s` (each `context.write`
+returns when HTTP/2 flow control lets the message out) or that runs past `fetch_deadline_s` is ended
+(counted: `fetch_stalled`, `fetch_deadline_exceeded`); the client resumes at its next chunk. Streams
+(FetchTensors, WatchVersions) are admitted by `admit`: at most `max_concurrent_rpcs`, of which
+unauthenticated peers hold at most `max_unauthenticated_streams` and one address
+`max_streams_per_peer`; with a `run_token` and `serve_unauthenticated` off only authenticated peers
+(the token as metadata, or an mTLS certificate) are served at all. gRPC's own RPC limit is not used:
+it frees a slot only when the HTTP/2 stream closes, which a reader that stops reading never lets
+happen (gRPC asyncio cannot reset one stream; its connection's age does). `stats()` has gauges
+(`active_fetches`, `active_watches`, `streams`, `unauthenticated_streams`), also on Prometheus.
 
 Faults (corrupted chunks, dropped streams) are injected by the tests, from outside: a subclass that
 wraps the FetchTensors message generator `_fetch_messages` (tests/integration/test_policy_grpc.py) and a TCP proxy.
@@ -99,10 +105,10 @@ class PolicyServerConfig:
     keepalive_s: float = 60.0
     min_ping_interval_s: float = 10.0
     idle_s: float = 600.0
-    # Server-side deadline of one FetchTensors stream (a reader that stops reading is ended, counted in
-    # `fetch_deadline_exceeded`, and the client resumes at its next chunk). gRPC's asyncio server cannot
-    # reset an HTTP/2 stream from a handler, so the transport buffers a stalled stream holds go when its
-    # connection goes: connections are closed after fetch_deadline_s (GOAWAY) + fetch_deadline_s (grace).
+    # Server-side deadline of one FetchTensors stream (counted in `fetch_deadline_exceeded`; the client
+    # resumes at its next chunk). gRPC's asyncio server cannot reset an HTTP/2 stream from a handler, so
+    # what the transport buffered for an ended stream goes when its connection goes: connections are
+    # closed after fetch_deadline_s (GOAWAY) + fetch_deadline_s (grace).
     fetch_deadline_s: float = 300.0
     # A FetchTensors stream whose reader consumed no chunk for stall_s (gRPC's flow control held the
     # next write that long) is ended (counted in `fetch_stalled`); the client resumes at its next chunk.

@@ -201,7 +201,6 @@ def test_prometheus_binds_where_configured():
     assert env_overrides({"TANDEM_ROLLOUT_METRICS_HOST": "10.1.2.3"}) == ['rollout.metrics_host="10.1.2.3"']
 
 
-@pytest.mark.slow
 def test_a_stream_staller_cannot_starve_a_worker(packed):
     """32 connections x 16 FetchTensors streams that are never read, from an unauthenticated peer,
     while a worker (the run token) fetches: the staller holds at most its share of streams (the rest
