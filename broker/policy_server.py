@@ -297,8 +297,8 @@ def admit(
     1. no stream beyond max_concurrent_rpcs;
     2. an authenticated peer is admitted;
     3. an unauthenticated peer is refused when the server has a run token and serve_unauthenticated is off;
-    4. it is refused when unauthenticated peers hold max_unauthenticated_streams already, so the rest of
-       max_concurrent_rpcs stays for authenticated workers;
+    4. with a run token (workers to keep capacity for), it is refused when unauthenticated peers hold
+       max_unauthenticated_streams already: the rest of max_concurrent_rpcs stays for the workers;
     5. it is refused when its address holds max_streams_per_peer already."""
     if streams >= config.max_concurrent_rpcs:
         return EXHAUSTED, f"{streams} streams are being served, the limit"
@@ -306,7 +306,7 @@ def admit(
         return None
     if config.run_token and not config.serve_unauthenticated:
         return grpc.StatusCode.UNAUTHENTICATED, "this server serves authenticated workers only (the run token or mTLS)"
-    if unauthenticated_streams >= config.max_unauthenticated_streams:
+    if config.run_token and unauthenticated_streams >= config.max_unauthenticated_streams:
         return EXHAUSTED, f"unauthenticated peers hold {unauthenticated_streams} streams, the limit"
     if peer_streams >= config.max_streams_per_peer:
         return EXHAUSTED, f"this address holds {peer_streams} streams, the per-peer limit for unauthenticated peers"

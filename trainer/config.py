@@ -112,10 +112,10 @@ class TrainerConfig:
     the secret, or an mTLS client certificate); true also serves other clients, within
     max_unauthenticated_streams. Without a run secret nobody can be told apart: everybody is served."""
     max_unauthenticated_streams: int = 64
-    """Streams all unauthenticated clients may hold together (the rest of the server's 256 is kept for
-    workers); each client address at most max_streams_per_peer."""
+    """With a run secret and serve_unauthenticated: the streams all unauthenticated clients may hold
+    together (the rest of the server's 256 is kept for workers)."""
     max_streams_per_peer: int = 16
-    """Streams one unauthenticated client address may hold."""
+    """Streams one unauthenticated client address may hold (without a run secret: every worker's)."""
     policy_server_process: bool | None = None
     """Serve policies from a child process (broker/server_process.py) instead of a thread of the
     trainer: serving a version holds the GIL for every chunk, which starved the training loop's kernel

@@ -7,7 +7,9 @@ import grpc
 from broker.policy_server import PolicyServerConfig, admit, peer_address
 
 EXHAUSTED, UNAUTHENTICATED = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED
-SHARED = PolicyServerConfig(max_concurrent_rpcs=10, max_unauthenticated_streams=4, max_streams_per_peer=2)
+SHARED = PolicyServerConfig(
+    max_concurrent_rpcs=10, max_unauthenticated_streams=4, max_streams_per_peer=2, run_token="ab" * 32
+)
 
 
 def _admit(config=SHARED, *, auth=False, streams=0, peer=0, unauth=0):
@@ -25,6 +27,13 @@ def test_authenticated_workers_keep_what_unauthenticated_peers_cannot_take():
     assert _admit(streams=4, unauth=3, peer=1) is None
     assert _admit(streams=4, unauth=4, peer=0) == EXHAUSTED  # rule 4: the share is full
     assert _admit(auth=True, streams=4, unauth=4, peer=9) is None  # rule 2: 6 of 10 stay for workers
+
+
+def test_without_a_run_token_nobody_is_told_apart_and_only_addresses_are_limited():
+    anyone = PolicyServerConfig(max_concurrent_rpcs=10, max_unauthenticated_streams=4, max_streams_per_peer=2)
+    assert _admit(anyone, streams=8, unauth=8, peer=1) is None  # rule 4 needs workers to keep capacity for
+    assert _admit(anyone, streams=8, unauth=8, peer=2) == EXHAUSTED  # rule 5
+    assert _admit(anyone, streams=10, unauth=10, peer=0) == EXHAUSTED  # rule 1
 
 
 def test_one_address_holds_at_most_its_streams():
