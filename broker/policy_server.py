@@ -796,8 +796,8 @@ class PolicyServer:
     async def _end_stream(self, context, stalled: bool) -> None:
         """Abort a FetchTensors the server ended. Its status queues behind the data its reader left
         unread, so a reader that reads no more never gets it: after stall_s more the handler gives up
-        (a cancelled handler sends no status), which gives its gRPC RPC slot back; the HTTP/2 stream
-        itself (gRPC asyncio cannot reset one) stays with its connection until that closes."""
+        (a cancelled handler sends no status) and ends; the HTTP/2 stream itself (gRPC asyncio cannot
+        reset one) stays with its connection until that closes."""
         cfg = self.config
         why = f"no chunk taken for {cfg.stall_s} s" if stalled else f"past the deadline of {cfg.fetch_deadline_s} s"
         try:
