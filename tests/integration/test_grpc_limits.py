@@ -68,18 +68,30 @@ def _established_server_sockets(port: int) -> int:
 
 def test_streams_per_connection_are_capped(packed):
     """8 streams on one connection, 3 slots: while they drain, never more than 3 handlers run (each
-    blocks until its reader reads: the policy is more than gRPC buffers), and all 8 complete."""
+    blocks until its reader reads: the policy is more than gRPC buffers), and all 8 complete. A stream
+    the client opens as another ends can reach the server before that one is closed there: the server
+    refuses it (RST_STREAM REFUSED_STREAM, before any handler), and the reader asks again, as the
+    policy client does (it resumes on UNAVAILABLE)."""
     n_chunks = sum(len(t.chunk_xxh3) for t in packed.manifest.tensors)
     with PolicyServer(PolicyServerConfig(max_streams_per_connection=3)) as server:
         server.publish(packed)
         ch, calls = _stalled_streams(server.address, 8)
         try:
             _wait(lambda: server.stats()["active_fetches"] == 3)
-            got = [0] * len(calls)
+            got, errors = [0] * len(calls), []
 
             def drain(i: int) -> None:
-                for _ in calls[i]:
-                    got[i] += 1
+                for _ in range(8):
+                    try:
+                        for _ in calls[i]:
+                            got[i] += 1
+                        return
+                    except grpc.RpcError as e:
+                        errors.append((i, e.code(), e.details()))
+                        if got[i] or "error code 7" not in (e.details() or ""):
+                            return
+                    req = policy_pb2.FetchTensorsRequest(version=1).SerializeToString()
+                    calls[i] = ch.unary_stream(FETCH)(req, timeout=60)
 
             readers = [threading.Thread(target=drain, args=(i,)) for i in range(len(calls))]
             peak = 0
@@ -91,7 +103,7 @@ def test_streams_per_connection_are_capped(packed):
             for t in readers:
                 t.join()
             assert peak == 3, peak  # the other 5 waited for a slot
-            assert got == [n_chunks] * len(calls) and server.stats()["fetch_streams"] == 8, server.stats()
+            assert got == [n_chunks] * len(calls) and server.stats()["fetch_streams"] == 8, (errors, server.stats())
         finally:
             for c in calls:
                 c.cancel()
