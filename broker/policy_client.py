@@ -32,6 +32,7 @@ superseded it).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import heapq
 import os
@@ -48,7 +49,8 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from broker.frames import page_lock, page_unlock
-from broker.tls import ClientTLS
+from broker.signing import RUN_TOKEN_HEADER
+from broker.tls import ClientTLS, TLSHandshakeError, handshake_problem
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     ChecksumMismatch,
@@ -78,6 +80,7 @@ __all__ = [
     "PolicyClient",
     "PolicyClientConfig",
     "ReceiveBuffers",
+    "TLSHandshakeError",
     "split_by_bytes",
 ]
 
@@ -108,6 +111,7 @@ class PolicyClientConfig:
     max_send_message_bytes: int = 4 << 20
     streams: int = 1  # concurrent FetchTensors streams (one connection each) per fetch, tensors split by bytes
     tls: ClientTLS = field(default_factory=ClientTLS)  # plaintext unless tls.ca is set
+    run_token: str = field(default="", repr=False)  # sent with every call (broker.signing.policy_token)
 
     def __post_init__(self) -> None:
         bad = []
@@ -294,6 +298,7 @@ class _Tensor:
 class PolicyClient:
     def __init__(self, config: PolicyClientConfig):
         self.config = config
+        self._metadata = ((RUN_TOKEN_HEADER, config.run_token),) if config.run_token else None
         self._channel = self._make_channel()
         self._extra_channels: list = []  # streams 2..N of a fetch, one connection each
         self._get_manifest = self._channel.unary_unary(
@@ -362,6 +367,7 @@ class PolicyClient:
             health_pb2.HealthCheckRequest(service=service),
             timeout=self.config.call_timeout_s,
             wait_for_ready=wait_for_ready,
+            metadata=self._metadata,
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
@@ -373,7 +379,7 @@ class PolicyClient:
         req = policy_pb2.GetManifestRequest()
         if version is not None:
             req.version = version
-        raw = self._get_manifest(req, timeout=self.config.call_timeout_s, wait_for_ready=True)
+        raw = self._manifest_bytes(req)
         m = manifest_from_bytes(raw, digest=digest)
         if version is not None and m.version != version:
             raise ValueError(f"asked for version {version}, server sent version {m.version}")
@@ -381,12 +387,28 @@ class PolicyClient:
             check_fingerprint(m, self.config.expected_fingerprint)
         return m
 
+    def _manifest_bytes(self, req: policy_pb2.GetManifestRequest) -> bytes:
+        """GetManifest. A first UNAVAILABLE is a server not up yet or a TLS handshake that fails (gRPC
+        tells them apart only as a call that waits until its deadline): `handshake_problem` decides,
+        TLSHandshakeError at once for the second, else the call waits up to call_timeout_s."""
+        call = functools.partial(self._get_manifest, req, timeout=self.config.call_timeout_s, metadata=self._metadata)
+        try:
+            return call(wait_for_ready=False)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        problem = handshake_problem(self.config.address, self.config.tls)
+        if problem is not None:
+            raise TLSHandshakeError(problem)
+        return call(wait_for_ready=True)
+
     def watch_versions(
         self, after_version: int = 0, *, timeout_s: float = 60.0
     ) -> Iterator[policy_pb2.VersionAnnouncement]:
         """Announcements of versions newer than `after_version`, until `timeout_s` passes (then it
         just ends: DEADLINE_EXCEEDED is the normal end of a watch)."""
-        call = self._watch(policy_pb2.WatchVersionsRequest(after_version=after_version), timeout=timeout_s)
+        req = policy_pb2.WatchVersionsRequest(after_version=after_version)
+        call = self._watch(req, timeout=timeout_s, metadata=self._metadata)
         try:
             yield from call
         except grpc.RpcError as e:
@@ -536,7 +558,8 @@ class PolicyClient:
             # fetch_timeout_s on every one of max_attempts restarts.
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled(f"version {manifest.version}: fetch cancelled")
-            call = fetch(req, timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=False)
+            timeout = max(0.001, deadline - time.monotonic())
+            call = fetch(req, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
             if cancel is not None:
                 cancel._register(call)
             bad_index = None
@@ -550,6 +573,9 @@ class PolicyClient:
                     next_index = chunk.chunk_index + 1
             except grpc.RpcError as e:
                 if cancel is not None and cancel.is_set():
+                    # The call is its own RpcError, and its traceback's frames hold the call and this
+                    # frame's buffers: cut it, or that cycle keeps a fetch child's slab until the GC runs.
+                    e.__traceback__ = None
                     raise FetchCancelled(f"version {manifest.version}: fetch cancelled") from None
                 if e.code() not in _RETRYABLE or restarts >= self.config.max_attempts or time.monotonic() >= deadline:
                     raise

@@ -28,10 +28,16 @@ requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL
 above the transport limit (`max_receive_message_bytes`) are refused by gRPC itself with
 RESOURCE_EXHAUSTED. Health (grpc.health.v1) reports NOT_SERVING until the first publish.
 
-A FetchTensors stream has a server-side deadline (`fetch_deadline_s`): a reader that stops reading
-is ended with DEADLINE_EXCEEDED (counted: `fetch_deadline_exceeded`) and resumes at its next chunk.
-`stats()` has two gauges, `active_fetches` and `active_watches` (handlers running now), also exported
-to Prometheus (`prometheus_samples`).
+Capacity. A FetchTensors stream whose reader takes no chunk for `stall_s` (each `context.write`
+returns when HTTP/2 flow control lets the message out) or that runs past `fetch_deadline_s` is ended
+(counted: `fetch_stalled`, `fetch_deadline_exceeded`); the client resumes at its next chunk. Streams
+(FetchTensors, WatchVersions) are admitted by `admit`: at most `max_concurrent_rpcs`, of which
+unauthenticated peers hold at most `max_unauthenticated_streams` and one address
+`max_streams_per_peer`; with a `run_token` and `serve_unauthenticated` off only authenticated peers
+(the token as metadata, or an mTLS certificate) are served at all. gRPC's own RPC limit is not used:
+it frees a slot only when the HTTP/2 stream closes, which a reader that stops reading never lets
+happen (gRPC asyncio cannot reset one stream; its connection's age does). `stats()` has gauges
+(`active_fetches`, `active_watches`, `streams`, `unauthenticated_streams`), also on Prometheus.
 
 Faults (corrupted chunks, dropped streams) are injected by the tests, from outside: a subclass that
 wraps the FetchTensors message generator `_fetch_messages` (tests/integration/test_policy_grpc.py) and a TCP proxy.
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import logging
 import threading
 from collections import OrderedDict
@@ -51,6 +58,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from broker.frames import FramedPolicy, TensorFrames, frame_buffers, frame_packed
+from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ServerTLS
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
@@ -69,6 +77,7 @@ from tandem.v1 import policy_pb2
 log = logging.getLogger("tandem.policy_server")
 
 SERVICE_NAME = "tandem.v1.PolicyService"
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,11 +105,20 @@ class PolicyServerConfig:
     keepalive_s: float = 60.0
     min_ping_interval_s: float = 10.0
     idle_s: float = 600.0
-    # Server-side deadline of one FetchTensors stream (a reader that stops reading is ended, counted in
-    # `fetch_deadline_exceeded`, and the client resumes at its next chunk). gRPC's asyncio server cannot
-    # reset an HTTP/2 stream from a handler, so the transport buffers a stalled stream holds go when its
-    # connection goes: connections are closed after fetch_deadline_s (GOAWAY) + fetch_deadline_s (grace).
+    # Server-side deadline of one FetchTensors stream (counted in `fetch_deadline_exceeded`; the client
+    # resumes at its next chunk). gRPC's asyncio server cannot reset an HTTP/2 stream from a handler, so
+    # what the transport buffered for an ended stream goes when its connection goes: connections are
+    # closed after fetch_deadline_s (GOAWAY) + fetch_deadline_s (grace).
     fetch_deadline_s: float = 300.0
+    # A FetchTensors stream whose reader consumed no chunk for stall_s (gRPC's flow control held the
+    # next write that long) is ended (counted in `fetch_stalled`); the client resumes at its next chunk.
+    stall_s: float = 5.0
+    # Who may hold streams (FetchTensors, WatchVersions): `admit`'s rules. A peer is authenticated by
+    # the run token (metadata broker.signing.RUN_TOKEN_HEADER) or, with mTLS, by its client certificate.
+    run_token: str = field(default="", repr=False)
+    serve_unauthenticated: bool = True
+    max_unauthenticated_streams: int = 64
+    max_streams_per_peer: int = 16
 
     def __post_init__(self) -> None:
         bad = []
@@ -113,6 +131,8 @@ class PolicyServerConfig:
             "shard_layouts_per_version",
             "max_streams_per_connection",
             "max_concurrent_rpcs",
+            "max_unauthenticated_streams",
+            "max_streams_per_peer",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -132,6 +152,16 @@ class PolicyServerConfig:
             )
         if isinstance(self.max_send_message_bytes, int) and self.max_send_message_bytes < (2 << 20):
             bad.append(f"max_send_message_bytes={self.max_send_message_bytes} must be >= 2 MiB (1 MiB chunks)")
+        if isinstance(self.max_unauthenticated_streams, int) and isinstance(self.max_concurrent_rpcs, int):
+            if self.max_unauthenticated_streams >= self.max_concurrent_rpcs:
+                bad.append(
+                    f"max_unauthenticated_streams={self.max_unauthenticated_streams} must be below "
+                    f"max_concurrent_rpcs={self.max_concurrent_rpcs} (the rest is kept for authenticated workers)"
+                )
+        if not isinstance(self.run_token, str):
+            bad.append("run_token must be a string")
+        if not isinstance(self.serve_unauthenticated, bool):
+            bad.append(f"serve_unauthenticated={self.serve_unauthenticated!r} must be a bool")
         bad += self.tls.missing_files()
         for name in (
             "start_timeout_s",
@@ -140,6 +170,7 @@ class PolicyServerConfig:
             "min_ping_interval_s",
             "idle_s",
             "fetch_deadline_s",
+            "stall_s",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -249,6 +280,37 @@ class _Version:
         return layout
 
 
+def admit(
+    *, authenticated: bool, streams: int, peer_streams: int, unauthenticated_streams: int, config: PolicyServerConfig
+) -> tuple[grpc.StatusCode, str] | None:
+    """Why a new stream (or, with zero counts, a request) is refused (status, reason), or None to admit it. `streams`:
+    the streams served now; `peer_streams`: those of the peer's client address (its IP);
+    `unauthenticated_streams`: those of all unauthenticated peers. Rules, in order:
+    1. no stream beyond max_concurrent_rpcs;
+    2. an authenticated peer is admitted;
+    3. an unauthenticated peer is refused when the server has a run token and serve_unauthenticated is off;
+    4. with a run token (workers to keep capacity for), it is refused when unauthenticated peers hold
+       max_unauthenticated_streams already: the rest of max_concurrent_rpcs stays for the workers;
+    5. it is refused when its address holds max_streams_per_peer already."""
+    if streams >= config.max_concurrent_rpcs:
+        return EXHAUSTED, f"{streams} streams are being served, the limit"
+    if authenticated:
+        return None
+    if config.run_token and not config.serve_unauthenticated:
+        return grpc.StatusCode.UNAUTHENTICATED, "this server serves authenticated workers only (the run token or mTLS)"
+    if config.run_token and unauthenticated_streams >= config.max_unauthenticated_streams:
+        return EXHAUSTED, f"unauthenticated peers hold {unauthenticated_streams} streams, the limit"
+    if peer_streams >= config.max_streams_per_peer:
+        return EXHAUSTED, f"this address holds {peer_streams} streams, the per-peer limit for unauthenticated peers"
+    return None
+
+
+def peer_address(peer: str) -> str:
+    """A gRPC peer string without its port: "ipv4:127.0.0.1:5555" -> "ipv4:127.0.0.1" (one per host)."""
+    head, sep, port = peer.rpartition(":")
+    return head if sep and port.isdigit() else peer
+
+
 class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
@@ -279,9 +341,15 @@ class PolicyServer:
             "bytes_sent": 0,
             "rejected_requests": 0,
             "fetch_deadline_exceeded": 0,
+            "fetch_stalled": 0,
+            "refused_unauthenticated": 0,
+            "refused_limit": 0,
             "active_fetches": 0,
             "active_watches": 0,
+            "streams": 0,
+            "unauthenticated_streams": 0,
         }
+        self._peer_streams: dict[str, int] = {}  # unauthenticated client address -> streams it holds
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -355,8 +423,7 @@ class PolicyServer:
                 ("grpc.max_connection_age_ms", int(cfg.fetch_deadline_s * 1000)),
                 ("grpc.max_connection_age_grace_ms", int(cfg.fetch_deadline_s * 1000)),
             ],
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
-        )
+        )  # no maximum_concurrent_rpcs: gRPC frees its slot only when the HTTP/2 stream closes (`admit` caps)
         server.add_generic_rpc_handlers(
             (
                 grpc.method_handlers_generic_handler(
@@ -516,6 +583,30 @@ class PolicyServer:
             "FetchTensors streams ended by the server's fetch deadline (streams)",
             s["fetch_deadline_exceeded"],
         )
+        yield (
+            "counter",
+            "tandem_policy_fetch_stalled_total",
+            "FetchTensors streams ended because their reader took no chunk for stall_s (streams)",
+            s["fetch_stalled"],
+        )
+        yield (
+            "counter",
+            "tandem_policy_refused_unauthenticated_total",
+            "requests refused for want of the run token or a client certificate (requests)",
+            s["refused_unauthenticated"],
+        )
+        yield (
+            "counter",
+            "tandem_policy_refused_limit_total",
+            "streams refused by the server's, the unauthenticated or the per-peer limit (streams)",
+            s["refused_limit"],
+        )
+        yield (
+            "gauge",
+            "tandem_policy_unauthenticated_streams",
+            "streams held by unauthenticated peers now (streams)",
+            s["unauthenticated_streams"],
+        )
         yield "counter", "tandem_policy_chunks_sent_total", "tensor chunks handed to gRPC (chunks)", s["chunks_sent"]
         yield "counter", "tandem_policy_sent_bytes_total", "TensorChunk bytes handed to gRPC (bytes)", s["bytes_sent"]
         yield "counter", "tandem_policy_rejected_requests_total", "requests refused (requests)", s["rejected_requests"]
@@ -551,8 +642,54 @@ class PolicyServer:
             self._counters["rejected_requests"] += 1
         await context.abort(e.code, e.message)
 
+    def _authenticated(self, context) -> bool:
+        if self.config.tls.client_ca:  # mTLS: gRPC let in only peers whose certificate that CA signed
+            return True
+        token = self.config.run_token
+        if not token:
+            return False
+        sent = dict(context.invocation_metadata() or ()).get(RUN_TOKEN_HEADER, "")
+        return isinstance(sent, str) and hmac.compare_digest(sent.encode(), token.encode())
+
+    def _admit(self, context, *, stream: bool = True) -> tuple[str, bool]:
+        """(address, authenticated) of an admitted caller, its stream counted (`_release` uncounts it);
+        _Abort (UNAUTHENTICATED or RESOURCE_EXHAUSTED, counted) when `admit` refuses it."""
+        authenticated = self._authenticated(context)
+        address = peer_address(context.peer() or "")
+        with self._lock:
+            c = self._counters
+            counts = (c["streams"], self._peer_streams.get(address, 0), c["unauthenticated_streams"])
+            why = admit(
+                authenticated=authenticated,
+                streams=counts[0] if stream else 0,
+                peer_streams=counts[1] if stream else 0,
+                unauthenticated_streams=counts[2] if stream else 0,
+                config=self.config,
+            )
+            if why is not None:
+                code, reason = why
+                c["refused_limit" if code == EXHAUSTED else "refused_unauthenticated"] += 1
+                raise _Abort(code, reason)
+            if stream:
+                c["streams"] += 1
+                if not authenticated:
+                    self._peer_streams[address] = counts[1] + 1
+                    c["unauthenticated_streams"] += 1
+        return address, authenticated
+
+    def _release(self, slot: tuple[str, bool]) -> None:
+        address, authenticated = slot
+        with self._lock:
+            self._counters["streams"] -= 1
+            if not authenticated:
+                self._counters["unauthenticated_streams"] -= 1
+                left = self._peer_streams.pop(address) - 1
+                if left:
+                    self._peer_streams[address] = left
+
     async def _get_manifest(self, request: bytes, context) -> bytes:
         try:
+            self._admit(context, stream=False)
             req = self._parse(policy_pb2.GetManifestRequest, request)
             return self._lookup(req.version if req.HasField("version") else None).manifest_bytes
         except _Abort as e:
@@ -617,26 +754,49 @@ class PolicyServer:
             self._unhold(v)
 
     async def _fetch_tensors(self, request: bytes, context) -> None:
-        """FetchTensors: the messages of `_fetch_messages`, written within the server's deadline."""
+        """FetchTensors: the messages of `_fetch_messages`, each written within stall_s of the reader
+        taking the one before (`context.write` returns when flow control lets the message out), all
+        within fetch_deadline_s."""
+        try:
+            slot = self._admit(context)
+        except _Abort as e:
+            await self._reject(context, e)
+            return
+        cfg, loop = self.config, asyncio.get_running_loop()
         stream = self._fetch_messages(request, context)
         with self._lock:
             self._counters["active_fetches"] += 1
+        end = loop.time() + cfg.fetch_deadline_s
+        stalled = None  # True: ended for want of progress, False: by the deadline
         try:
-            async with asyncio.timeout(self.config.fetch_deadline_s):
+            async with asyncio.timeout_at(end) as timer:
                 async for msg in stream:
+                    timer.reschedule(min(end, loop.time() + cfg.stall_s))
                     await context.write(msg)
         except TimeoutError:
-            with self._lock:
-                self._counters["fetch_deadline_exceeded"] += 1
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"FetchTensors ran past the server's deadline of {self.config.fetch_deadline_s} s; "
-                f"resume at the next chunk",
-            )
+            stalled = timer.when() < end
         finally:
-            await stream.aclose()  # the counters are final when the RPC ends
+            await stream.aclose()  # the counters are final when the stream's capacity is given back
             with self._lock:
                 self._counters["active_fetches"] -= 1
+                if stalled is not None:
+                    self._counters["fetch_stalled" if stalled else "fetch_deadline_exceeded"] += 1
+            self._release(slot)
+        if stalled is not None:
+            await self._end_stream(context, stalled)
+
+    async def _end_stream(self, context, stalled: bool) -> None:
+        """Abort a FetchTensors the server ended. Its status queues behind the data its reader left
+        unread, so a reader that reads no more never gets it: after stall_s more the handler gives up
+        (a cancelled handler sends no status) and ends; the HTTP/2 stream itself (gRPC asyncio cannot
+        reset one) stays with its connection until that closes."""
+        cfg = self.config
+        why = f"no chunk taken for {cfg.stall_s} s" if stalled else f"past the deadline of {cfg.fetch_deadline_s} s"
+        try:
+            async with asyncio.timeout(cfg.stall_s):
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"FetchTensors ended: {why}; resume there")
+        except TimeoutError:
+            raise asyncio.CancelledError from None
 
     async def _fetch_messages(self, request: bytes, context):
         """The requested chunk messages, in order (or an abort naming what is wrong with the request)."""
@@ -688,6 +848,7 @@ class PolicyServer:
     async def _watch_versions(self, request: bytes, context):
         try:
             req = self._parse(policy_pb2.WatchVersionsRequest, request)
+            slot = self._admit(context)
         except _Abort as e:
             await self._reject(context, e)
             return
@@ -706,6 +867,7 @@ class PolicyServer:
         finally:
             with self._lock:
                 self._counters["active_watches"] -= 1
+            self._release(slot)
 
 
 def _new_event_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:

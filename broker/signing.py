@@ -5,10 +5,12 @@ it sits in `policy:latest`), feed prompts that crash workers, or point every wor
 server of their choosing. With a run secret, every trajectory entry carries
 `s = HMAC(key, "tandem.trajectory\\0" || d)` over its encoded bytes `d`, every prompt entry
 `s = HMAC(key, "tandem.prompt\\0" || d)`, and `policy:latest` carries
-`sig = HMAC(key, "tandem.policy_pointer\\0" || version \\n address \\n fingerprint \\n published_at)`
-over the stored strings. The trainer dead-letters and counts trajectories without a valid tag;
-workers dead-letter and count such prompts, and refuse such pointers.
-The domain prefix keeps a tag for one kind of message from verifying as another.
+`sig = HMAC(key, "tandem.policy_pointer\\0" || version \\n address \\n fingerprint \\n published_at
+\\n content_digest)` over the stored strings. The trainer dead-letters and counts trajectories without
+a valid tag; workers dead-letter and count such prompts, and refuse such pointers.
+The domain prefix keeps a tag for one kind of message from verifying as another. The policy
+server's run token (`policy_token`, the tag of an empty message in its own domain) authenticates
+workers to the trainer's gRPC: sent as metadata `RUN_TOKEN_HEADER`, it reveals nothing of the secret.
 
 The secret: 32 random bytes as 64 hex characters, in a file (`run_secret_file`, e.g. a mounted
 Kubernetes Secret) or the TANDEM_RUN_SECRET environment variable; `tandem run` generates one per
@@ -26,6 +28,8 @@ from pathlib import Path
 TRAJECTORY = b"tandem.trajectory"
 PROMPT = b"tandem.prompt"
 POLICY_POINTER = b"tandem.policy_pointer"
+POLICY_TOKEN = b"tandem.policy_token"
+RUN_TOKEN_HEADER = "x-tandem-run-token"  # gRPC metadata keys are lower case
 SECRET_ENV = "TANDEM_RUN_SECRET"
 _MIN_KEY_BYTES = 16
 
@@ -51,6 +55,15 @@ class Signer:
 
     def verify(self, domain: bytes, payload: bytes, tag: bytes | None) -> bool:
         return tag is not None and hmac.compare_digest(self.sign(domain, payload), tag)
+
+    def policy_token(self) -> str:
+        """The run's token for the policy gRPC (64 hex characters), the same for trainer and workers."""
+        return self.sign(POLICY_TOKEN, b"").hex()
+
+
+def policy_token(signer: Signer | None) -> str:
+    """`signer.policy_token()`, or "" (no token: the server treats the client as unauthenticated)."""
+    return signer.policy_token() if signer is not None else ""
 
 
 def load_signer(secret_file: str = "", environ: dict | None = None) -> Signer | None:

@@ -100,6 +100,7 @@ class FetchRequest:
     fetch_timeout_s: float = 60.0
     streams: int = 1
     tls: ClientTLS = dataclasses.field(default_factory=ClientTLS)
+    run_token: str = dataclasses.field(default="", repr=False)
 
     def client_config(self) -> PolicyClientConfig:
         return PolicyClientConfig(
@@ -108,6 +109,7 @@ class FetchRequest:
             fetch_timeout_s=self.fetch_timeout_s,
             streams=self.streams,
             tls=self.tls,
+            run_token=self.run_token,
         )
 
     def to_bytes(self) -> bytes:

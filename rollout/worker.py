@@ -71,7 +71,7 @@ from broker.policy_client import (
     check_reachable,
 )
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
-from broker.signing import Signer
+from broker.signing import Signer, policy_token
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
@@ -242,6 +242,7 @@ class RolloutWorker:
         # (version, source address, content digest) whose source served other content than the signed pointer
         # names: the pointer is authentic, the source is not; it is not asked for that version again.
         self.distrusted: set[tuple[int, str, str]] = set()
+        self._fetch_error = ""  # the last fetch failure logged (why()), until a fetch succeeds
         self.groups_done = 0
         # What a prompt group must satisfy before it reaches the engine (rollout.prompt_check), with
         # `group_size` the run's (trainer.group_size; None: any up to max_batch).
@@ -562,6 +563,7 @@ class RolloutWorker:
             fetch_timeout_s=self.cfg.fetch_timeout_s,
             streams=self.cfg.fetch_streams,
             tls=self.cfg.tls,
+            run_token=policy_token(self.signer),
         )
         if self.fetcher is not None:
             fetched = self.fetcher.fetch(request, check=self._check_manifest, cancel=cancel)
@@ -584,6 +586,7 @@ class RolloutWorker:
         pointer = pf.pointer
         try:
             await self._finish(pf)
+            self._fetch_error = ""
             return True
         except ManifestRefused as e:
             self.refused_versions.add(pointer.version)
@@ -674,11 +677,16 @@ class RolloutWorker:
         check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
 
     def _retry_later(self, pointer: PolicyPointer, e: BaseException) -> None:
+        """Count a failed fetch and retry it in `retry_s`; the same failure again (a TLS setting, ...) is
+        counted, not logged."""
         self.metrics.fetch_failures.inc()
         self._retry_at = time.monotonic() + self.retry_s
-        self.log(
-            f"{self.worker_id}: fetching v{pointer.version} from {self._source(pointer)} failed, will retry: {why(e)}"
-        )
+        if why(e) != self._fetch_error:
+            self._fetch_error = why(e)
+            self.log(
+                f"{self.worker_id}: fetching v{pointer.version} from {self._source(pointer)} failed, "
+                f"will retry (the same error again is not logged): {why(e)}"
+            )
 
     def _distrust(self, pointer: PolicyPointer, e: BaseException) -> None:
         source = self._source(pointer)

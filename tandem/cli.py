@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help). Keep sorted by the order a user meets them.
@@ -36,6 +37,10 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs every failed TLS handshake at INFO: a misconfigured worker would grow both
+    # sides' logs by a line per reconnect. Services log gRPC's errors only (the policy client names a
+    # handshake's failure itself); a GRPC_VERBOSITY set by the user wins, and child processes inherit it.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

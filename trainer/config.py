@@ -104,6 +104,18 @@ class TrainerConfig:
     fetch_deadline_s: float = 300.0
     """Server-side deadline of one FetchTensors stream (seconds): a rollout that stops reading is cut
     off and resumes at its next chunk; connections live at most twice this (broker.policy_server)."""
+    stall_s: float = 5.0
+    """A FetchTensors stream whose reader takes no chunk for this many seconds is ended (counted); the
+    rollout resumes at its next chunk (broker.policy_server)."""
+    serve_unauthenticated: bool = False
+    """With a run secret, the policy gRPC serves only authenticated workers (the run token derived from
+    the secret, or an mTLS client certificate); true also serves other clients, within
+    max_unauthenticated_streams. Without a run secret nobody can be told apart: everybody is served."""
+    max_unauthenticated_streams: int = 64
+    """With a run secret and serve_unauthenticated: the streams all unauthenticated clients may hold
+    together (the rest of the server's 256 is kept for workers)."""
+    max_streams_per_peer: int = 16
+    """Streams one unauthenticated client address may hold (without a run secret: every worker's)."""
     policy_server_process: bool | None = None
     """Serve policies from a child process (broker/server_process.py) instead of a thread of the
     trainer: serving a version holds the GIL for every chunk, which starved the training loop's kernel
@@ -172,6 +184,12 @@ class TrainerConfig:
             errors.append(f"policy_server_process={self.policy_server_process!r} (want true, false or null)")
         if not self.fetch_deadline_s > 0:
             errors.append(f"fetch_deadline_s={self.fetch_deadline_s} (must be > 0)")
+        if not self.stall_s > 0:
+            errors.append(f"stall_s={self.stall_s} (must be > 0)")
+        for name in ("max_unauthenticated_streams", "max_streams_per_peer"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 256:
+                errors.append(f"{name}={v!r} (an int in [1, 255]: the server serves 256 streams)")
         if not -1 <= self.metrics_port <= 65535:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
         if errors:

@@ -44,7 +44,7 @@ from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer, PolicyRegistry
 from broker.server_process import PolicyServerProcess
-from broker.signing import Signer
+from broker.signing import Signer, policy_token
 from broker.streams import (
     DATA_FIELD,
     DeadLetter,
@@ -218,6 +218,11 @@ class Trainer:
             reflection=cfg.grpc_reflection,
             tls=cfg.tls,
             fetch_deadline_s=cfg.fetch_deadline_s,
+            stall_s=cfg.stall_s,
+            run_token=policy_token(self.signer),
+            serve_unauthenticated=cfg.serve_unauthenticated,
+            max_unauthenticated_streams=cfg.max_unauthenticated_streams,
+            max_streams_per_peer=cfg.max_streams_per_peer,
         )
         cuda = self.device.type == "cuda"
         in_child = cuda if cfg.policy_server_process is None else cfg.policy_server_process

@@ -29,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="CA certificate: connect with TLS")
     p.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
     p.add_argument("--tls-key", default=None, help="client private key (mTLS)")
+    p.add_argument(
+        "--run-secret-file",
+        default="",
+        help="the run's secret (a tandem run's run.secret; default $TANDEM_RUN_SECRET): sends the run token "
+        "that a trainer with a run secret requires",
+    )
 
 
 def from_run_dir(run_dir: Path, version: int | None):
@@ -56,11 +62,13 @@ def from_run_dir(run_dir: Path, version: int | None):
 
 def from_server(args):
     from broker.policy_client import PolicyClient, PolicyClientConfig
+    from broker.signing import load_signer, policy_token
     from broker.tls import ClientTLS
     from policy.model import ModelConfig
 
     tls = ClientTLS(ca=args.tls_ca or "", cert=args.tls_cert or "", key=args.tls_key or "")
-    config = PolicyClientConfig(address=args.source, fetch_timeout_s=args.timeout, tls=tls)
+    token = policy_token(load_signer(args.run_secret_file))
+    config = PolicyClientConfig(address=args.source, fetch_timeout_s=args.timeout, tls=tls, run_token=token)
     with PolicyClient(config) as client:
         policy = client.fetch(args.version)
     m = policy.manifest

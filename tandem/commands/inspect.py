@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", default=None, help="CA certificate: connect with TLS")
     parser.add_argument("--tls-cert", default=None, help="client certificate (mTLS)")
     parser.add_argument("--tls-key", default=None, help="client private key (mTLS)")
+    parser.add_argument(
+        "--run-secret-file",
+        default="",
+        help="the run's secret (a tandem run's run.secret; default $TANDEM_RUN_SECRET): sends the run token "
+        "that a trainer with a run secret requires",
+    )
 
 
 def load(args: argparse.Namespace):
@@ -38,10 +44,12 @@ def load(args: argparse.Namespace):
     if ":" not in args.target:
         raise ValueError(f"{args.target!r} is neither a file nor a host:port address")
     from broker.policy_client import PolicyClient, PolicyClientConfig, check_reachable
+    from broker.signing import load_signer, policy_token
     from broker.tls import ClientTLS
 
     tls = ClientTLS(ca=args.tls_ca or "", cert=args.tls_cert or "", key=args.tls_key or "")
-    config = PolicyClientConfig(address=args.target, call_timeout_s=args.timeout, tls=tls)
+    token = policy_token(load_signer(args.run_secret_file))
+    config = PolicyClientConfig(address=args.target, call_timeout_s=args.timeout, tls=tls, run_token=token)
     check_reachable(args.target, min(args.timeout, 3.0))
     with PolicyClient(config) as client:
         _check_handshake(client, args)

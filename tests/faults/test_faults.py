@@ -415,7 +415,8 @@ def test_partition_then_a_stalled_policy_fetch(tmp_path, redis_server, run_id, f
         to_trainer.heal()
         rejoin = _until_trained_by(run, "w1", step_at_heal)
 
-        with PolicyClient(PolicyClientConfig(address=f"127.0.0.1:{grpc_port}")) as c:
+        token = load_signer(str(tmp_path / "run.secret")).policy_token()  # the trainer serves workers only
+        with PolicyClient(PolicyClientConfig(address=f"127.0.0.1:{grpc_port}", run_token=token)) as c:
             m = c.get_manifest()
         to_trainer.stall_after(len(mf.manifest_to_bytes(m)) + m.total_bytes // 2)  # the next fetch, mid-stream
         deadline = time.monotonic() + 120

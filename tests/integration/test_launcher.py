@@ -22,6 +22,9 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker.policy_client import PolicyClient, PolicyClientConfig
+from broker.signing import load_signer
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODEL = {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64}
@@ -150,6 +153,13 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
             req = reflection_pb2.ServerReflectionRequest(list_services="")
             (resp,) = list(stub.ServerReflectionInfo(iter([req]), timeout=10))
         assert "tandem.v1.PolicyService" in {s.name for s in resp.list_services_response.service}
+        # Policies go to the run's workers only: a client without the run token gets nothing.
+        with PolicyClient(PolicyClientConfig(address=address)) as c, pytest.raises(grpc.RpcError) as e:
+            c.get_manifest()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+        token = load_signer(str(run_dir / "run.secret")).policy_token()
+        with PolicyClient(PolicyClientConfig(address=address, run_token=token)) as c:
+            assert c.get_manifest().version >= 1
 
         # Ctrl-C at the terminal: SIGINT to the whole foreground process group.
         os.killpg(proc.pid, signal.SIGINT)

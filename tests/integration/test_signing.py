@@ -10,7 +10,7 @@ import pytest
 from broker.codec import Trajectory, encode_trajectory
 from broker.keys import Keys
 from broker.registry import PolicyPointer, PolicyRegistry
-from broker.signing import SECRET_ENV, TRAJECTORY, Signer, load_signer, write_secret_file
+from broker.signing import SECRET_ENV, TRAJECTORY, Signer, load_signer, policy_token, write_secret_file
 from broker.streams import DATA_FIELD, SIG_FIELD, TrajectoryStream, connect, read_deadletter
 
 pytestmark = pytest.mark.integration
@@ -81,3 +81,12 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path):
     (tmp_path / "short").write_text("abcd")
     with pytest.raises(ValueError, match="2 bytes, want at least 16"):
         load_signer(str(tmp_path / "short"), environ={})
+
+
+def test_the_policy_token_is_the_runs_and_reveals_no_tag_of_another_kind(tmp_path):
+    a = load_signer(str(write_secret_file(tmp_path / "a.secret")), environ={})
+    b = load_signer(str(write_secret_file(tmp_path / "b.secret")), environ={})
+    token = policy_token(a)
+    assert len(token) == 64 and token == a.policy_token() and token != policy_token(b)
+    assert bytes.fromhex(token) != a.sign(TRAJECTORY, b"")  # its own domain: not an empty trajectory's tag
+    assert policy_token(None) == ""  # no secret: no token, the client is unauthenticated
