@@ -1,0 +1,85 @@
+"""The held-out split (trainer.eval_every): disjoint from every prompt the trainer feeds or
+warm-starts on, for the addition task and a jsonl file (fraction and separate file), and a run
+without it unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from rollout.hf_tokenizer import HFTokenizer
+from rollout.jsonl_task import JsonlTask
+from rollout.tasks import AdditionTask, TaskConfig, is_heldout, make_task
+from tandem import config
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "configs/data/arith.jsonl"
+TOKENIZER = REPO / "configs/data/arith_tokenizer"
+
+
+def _text(task, prompt) -> str:
+    return task.tokenizer.decode(prompt.tokens)
+
+
+def test_addition_split_is_disjoint_and_covers_the_rest():
+    task = AdditionTask(digits=1, seed=3, heldout_fraction=0.2)
+    space = {f"{a}+{b}=" for a in range(10) for b in range(10)}
+    held = {t for t in space if is_heldout(t, 0.2)}
+    assert 5 <= len(held) <= 40  # about a fifth of the 100 sums
+    fed = {_text(task, task.prompt(i)) for i in range(3000)}
+    rng = random.Random(0)
+    warm = {_text(task, task.example(rng)) for _ in range(3000)}
+    evals = {_text(task, task.heldout_prompt(i)) for i in range(500)}
+    assert not (fed | warm) & held  # never trained on
+    assert fed == warm == space - held  # every other sum is trained on
+    assert evals == held
+    # A pure function of (seed, index): another instance gives the same prompts.
+    again = AdditionTask(digits=1, seed=3, heldout_fraction=0.2)
+    assert [again.heldout_prompt(i).tokens for i in range(20)] == [task.heldout_prompt(i).tokens for i in range(20)]
+
+
+def test_addition_without_a_split_feeds_what_it_fed_before():
+    task = AdditionTask(digits=2, seed=1)
+    for i in range(50):
+        a_b = AdditionTask(digits=2).sample(random.Random(1 * 1_000_003 + i))
+        assert _text(task, task.prompt(i)) == a_b[0]
+    with pytest.raises(ValueError, match="no held-out prompt"):
+        task.heldout_prompt(0)
+
+
+def test_jsonl_fraction_and_file_splits_are_disjoint(tmp_path):
+    tok = HFTokenizer.load(TOKENIZER)
+    cfg = TaskConfig(
+        name="jsonl", path=str(DATA), prompt_field="question", tokenizer=str(TOKENIZER), heldout_fraction=0.25
+    )
+    task = make_task(cfg, seed=0)
+    assert isinstance(task, JsonlTask) and task.heldout_rows
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    assert len(task.rows) + len(task.heldout_rows) == len(rows)
+    held = {q for q, _ in task.heldout_rows}
+    n = len(task.rows)
+    fed = {tok.decode(task.prompt(i).tokens) for i in range(3 * n)}
+    assert fed == {q for q, _ in task.rows} and not fed & held
+    assert {tok.decode(task.heldout_prompt(i).tokens) for i in range(len(task.heldout_rows))} == held
+
+    # A separate held-out file: its prompts leave the training rows.
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    cfg = TaskConfig(name="jsonl", path=str(DATA), prompt_field="question", tokenizer=str(TOKENIZER),
+                     heldout_path=str(heldout))  # fmt: skip
+    task = make_task(cfg, seed=0)
+    assert [q for q, _ in task.heldout_rows] == [r["question"] for r in rows[:3]]
+    assert len(task.rows) == len(rows) - 3 and not {q for q, _ in task.rows} & {q for q, _ in task.heldout_rows}
+
+
+def test_eval_without_a_split_is_refused_naming_the_keys():
+    with pytest.raises(ValueError, match=r"trainer.eval_every=5 needs held-out prompts: set task.heldout_fraction"):
+        config.load(None, ["trainer.eval_every=5"])
+    with pytest.raises(ValueError, match=r"task.heldout_fraction=1.0 \(want 0 <= f < 1\)"):
+        config.load(None, ["task.heldout_fraction=1.0"])
+    with pytest.raises(ValueError, match="task.heldout_path belongs to task.name=jsonl"):
+        config.load(None, ["task.heldout_path=x.jsonl"])
+    assert config.load(None, ["trainer.eval_every=5", "task.heldout_fraction=0.1"]).trainer.eval_every == 5
