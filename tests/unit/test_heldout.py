@@ -83,3 +83,42 @@ def test_eval_without_a_split_is_refused_naming_the_keys():
     with pytest.raises(ValueError, match="task.heldout_path belongs to task.name=jsonl"):
         config.load(None, ["task.heldout_path=x.jsonl"])
     assert config.load(None, ["trainer.eval_every=5", "task.heldout_fraction=0.1"]).trainer.eval_every == 5
+
+
+def _constant_model(token: int, vocab: int):
+    """A model that always puts logit dim on `token` and 0 elsewhere: every layer's output
+    projections zero, so the residual stream stays the embedding (all ones) whatever the prompt."""
+    import torch
+
+    from policy.model import ModelConfig, Transformer
+
+    model = Transformer(ModelConfig.preset("tiny", n_layers=1, vocab_size=vocab, max_seq_len=32), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if name.endswith("norm.weight") or "embed_tokens" in name else 0.0)
+        model.lm_head.weight[token] = 1.0
+    return model
+
+
+def test_heldout_accuracy_scores_the_models_completions_on_held_out_prompts(tmp_path):
+    from rollout.evaluate import heldout_accuracy
+    from rollout.tasks import CharTokenizer
+
+    CharTokenizer().save_pretrained(tmp_path / "tok")
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    held.write_text(
+        "".join(json.dumps({"prompt": f"9+{i}=", "answer": a}) + "\n" for i, a in enumerate(["", "", "", "7"]))
+    )
+    task = make_task(
+        TaskConfig(name="jsonl", path=str(train), heldout_path=str(held), tokenizer=str(tmp_path / "tok"),
+                   verifier="exact", max_new_tokens=3),
+        seed=0,
+    )  # fmt: skip
+    vocab = task.tokenizer.vocab_size
+    # Always <eos> at once: the empty completion, right for the three empty answers of four.
+    ends = heldout_accuracy(_constant_model(task.tokenizer.eos_id, vocab), task, k=4, temperature=1.0)
+    assert ends == {"eval_greedy_accuracy": 0.75, "eval_sampled_accuracy": 0.75}
+    # Always "7", never <eos>: a completion that never ends scores 0.
+    sevens = heldout_accuracy(_constant_model(task.tokenizer.encode("7")[0], vocab), task, k=4, temperature=1.0)
+    assert sevens == {"eval_greedy_accuracy": 0.0, "eval_sampled_accuracy": 0.0}
