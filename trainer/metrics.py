@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -126,6 +127,9 @@ class WandbWriter:
     """Every number of a row logged at its step to a W&B run under `folder`/wandb (offline: no network)."""
 
     def __init__(self, cfg: WandbConfig, folder: Path, *, name: str, config: dict):
+        if cfg.mode == "offline":  # its core's logs and staging too, unless the user placed them
+            os.environ.setdefault("WANDB_CACHE_DIR", str(Path(folder) / "wandb" / "cache"))
+            os.environ.setdefault("WANDB_DATA_DIR", str(Path(folder) / "wandb" / "data"))
         import wandb
 
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)

@@ -48,7 +48,9 @@ def wandb_records(path: Path) -> list:
     return records
 
 
-def test_tensorboard_and_wandb_offline_get_every_row(tmp_path):
+def test_tensorboard_and_wandb_offline_get_every_row(tmp_path, monkeypatch):
+    for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)  # the writer places them in the run folder
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = LoggingConfig(tensorboard=True, wandb=WandbConfig(enabled=True))
@@ -74,6 +76,7 @@ def test_tensorboard_and_wandb_offline_get_every_row(tmp_path):
     ]
     assert [(h["_step"], h["reward_mean"], h["lr"]) for h in history] == [(s, 0.25 * s, 1e-3 / s) for s in (1, 2, 3)]
     assert history[1]["eval_greedy_accuracy"] == 0.5 and "staleness_hist" not in history[0]
+    assert list((tmp_path / "wandb" / "cache" / "wandb" / "logs").glob("core-debug-*.log"))  # not in ~/.cache
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.display_name == "unit" and run.project == "tandem"
 
