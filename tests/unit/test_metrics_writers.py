@@ -6,6 +6,7 @@ progress line's ETA, by hand."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from trainer.config import LoggingConfig, WandbConfig
 from trainer.metrics import MetricsSink, eta_s, format_duration, make_writers
 
+REPO = Path(__file__).resolve().parents[2]
 ROWS = [
     {"step": s, "reward_mean": 0.25 * s, "lr": 1e-3 / s, "staleness_hist": {"0": 8}, "contract_breaking": False,
      "rollout_recipe": "nvfp4_moe", **({"eval_greedy_accuracy": 0.5} if s == 2 else {})}
@@ -110,3 +112,21 @@ def test_eta_is_the_recent_mean_step_time_times_the_steps_left():
     assert [format_duration(s) for s in (None, 0.4, 59.6, 61, 3599, 3600 * 3 + 7 * 60 + 20)] == [
         "?", "0s", "1m00s", "1m01s", "59m59s", "3h07m"
     ]  # fmt: skip
+
+
+def test_tandem_run_without_the_library_is_one_line_and_exit_2_before_any_folder(tmp_path):
+    """`tandem run logging.tensorboard=true` where tensorboard is not installed (a module on the path
+    that fails to import, as a missing package does)."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "tensorboard.py").write_text("raise ImportError('No module named tensorboard')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim), str(REPO)])}
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tandem.cli", "run", "--run-dir", str(run_dir), "logging.tensorboard=true"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == (
+        "tandem run: logging.tensorboard=true needs the tensorboard package, which is not installed "
+        "(pip install tensorboard)"
+    )
+    assert not run_dir.exists()
