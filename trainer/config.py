@@ -27,11 +27,11 @@ class LRSchedule:
     def __post_init__(self):
         errors = []
         if self.kind not in LR_SCHEDULES:
-            errors.append(f"lr_schedule.kind={self.kind!r} (one of {', '.join(LR_SCHEDULES)})")
+            errors.append(f"trainer.lr_schedule.kind={self.kind!r} (one of {', '.join(LR_SCHEDULES)})")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            errors.append(f"lr_schedule.warmup_steps={self.warmup_steps!r} (an int >= 0)")
+            errors.append(f"trainer.lr_schedule.warmup_steps={self.warmup_steps!r} (an int >= 0)")
         if not 0 <= self.min_lr_ratio <= 1:
-            errors.append(f"lr_schedule.min_lr_ratio={self.min_lr_ratio!r} (want 0..1)")
+            errors.append(f"trainer.lr_schedule.min_lr_ratio={self.min_lr_ratio!r} (want 0..1)")
         if errors:
             raise ValueError("; ".join(errors))
 

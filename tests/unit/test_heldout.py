@@ -1,6 +1,7 @@
 """The held-out split (trainer.eval_every): disjoint from every prompt the trainer feeds or
-warm-starts on, for the addition task and a jsonl file (fraction and separate file), and a run
-without it unchanged."""
+warm-starts on, for the addition task and a jsonl file (fraction and separate file), a run without
+it unchanged; held-out accuracy of hand-made models by hand; bad schedule and evaluation values
+refused by name."""
 
 from __future__ import annotations
 
@@ -122,3 +123,12 @@ def test_heldout_accuracy_scores_the_models_completions_on_held_out_prompts(tmp_
     # Always "7", never <eos>: a completion that never ends scores 0.
     sevens = heldout_accuracy(_constant_model(task.tokenizer.encode("7")[0], vocab), task, k=4, temperature=1.0)
     assert sevens == {"eval_greedy_accuracy": 0.0, "eval_sampled_accuracy": 0.0}
+
+
+def test_schedule_and_eval_values_are_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"trainer.lr_schedule.kind='step' \(one of constant, linear, cosine\)"):
+        config.load(None, ["trainer.lr_schedule.kind=step"])
+    with pytest.raises(ValueError, match=r"trainer.lr_schedule.min_lr_ratio=2.0 \(want 0..1\)"):
+        config.load(None, ["trainer.lr_schedule.min_lr_ratio=2.0"])
+    with pytest.raises(ValueError, match=r"eval_every=3 needs backend='torch'"):
+        config.load(None, ["trainer.backend=megatron", "trainer.device=cuda", "trainer.eval_every=3"])
