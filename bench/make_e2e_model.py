@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             lr=args.warmstart_lr,
             pad_id=task.tokenizer.pad_id,
             warmup=args.warmstart_warmup,
-            cosine=args.warmstart_schedule == "cosine",
+            kind=args.warmstart_schedule,
             autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
             log=lambda s: print(f"[make_e2e_model] {s}", flush=True),
         )

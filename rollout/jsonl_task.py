@@ -18,6 +18,8 @@ Verifiers, on the completion decoded up to the first eos (a completion that neve
            Numbers: optional sign, digits with optional thousands commas, optional decimals.
 Custom verifiers: a `module:attr` task factory (rollout.tasks), which may wrap `JsonlTask`.
 
+Held out for evaluation (trainer.eval_every): the rows of `heldout_path`, whose prompt texts are
+then left out of training, or the rows whose text `is_heldout` under `heldout_fraction`.
 Prompt i (what the trainer feeds) is row `perm_e[i mod n]` of epoch e = i // n, where `perm_e` is a
 shuffle of the n rows seeded by (seed, e): a pure function of (seed, i), every row once per epoch. The
 warm-start example is a random row with its answer as the reference completion. The whole file is
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .hf_tokenizer import HFTokenizer
-from .tasks import Prompt
+from .tasks import Prompt, is_heldout
 
 __all__ = ["VERIFIERS", "JsonlTask", "last_number", "read_rows"]
 
@@ -78,11 +80,28 @@ def read_rows(path: Path, prompt_field: str, answer_field: str) -> list[tuple[st
     return rows
 
 
+def split_rows(rows: list[tuple[str, str]], cfg) -> tuple[list, list]:
+    """(training rows, held-out rows) of the task section `cfg` (see the module docstring)."""
+    if cfg.heldout_path:
+        held = read_rows(Path(cfg.heldout_path), cfg.prompt_field, cfg.answer_field)
+        texts = {text for text, _ in held}
+        train = [r for r in rows if r[0] not in texts]
+    else:
+        held = [r for r in rows if is_heldout(r[0], cfg.heldout_fraction)]
+        train = [r for r in rows if not is_heldout(r[0], cfg.heldout_fraction)]
+    if not train:
+        raise ValueError(f"task.path={cfg.path!r}: every row is held out (task.heldout_fraction / heldout_path)")
+    if cfg.heldout_fraction and not held:
+        raise ValueError(f"task.heldout_fraction={cfg.heldout_fraction}: no row of {cfg.path!r} is held out")
+    return train, held
+
+
 @dataclass(frozen=True, kw_only=True)
 class JsonlTask:
     """Prompts and answers from a JSONL file, scored by a built-in verifier (see the module docstring)."""
 
     rows: tuple[tuple[str, str], ...]
+    heldout_rows: tuple[tuple[str, str], ...] = ()
     tokenizer: HFTokenizer = field(compare=False)
     verifier: str = "numeric"
     tolerance: float = 1e-6
@@ -101,10 +120,11 @@ class JsonlTask:
         if self.chat_template and self.tokenizer.chat_template is None:
             errors.append("task.chat_template is true but the tokenizer has no chat_template")
         if self.verifier == "numeric":
-            bad = [i for i, (_, a) in enumerate(self.rows) if last_number(a) is None]
+            every = self.rows + self.heldout_rows
+            bad = [i for i, (_, a) in enumerate(every) if last_number(a) is None]
             if bad:
                 errors.append(
-                    f"verifier numeric: {len(bad)} answers have no number (row {bad[0] + 1}: {self.rows[bad[0]][1]!r})"
+                    f"verifier numeric: {len(bad)} answers have no number (row {bad[0] + 1}: {every[bad[0]][1]!r})"
                 )
         if errors:
             raise ValueError("; ".join(errors))
@@ -117,8 +137,11 @@ class JsonlTask:
             raise ValueError("task.name=jsonl needs task.path (a JSONL file)")
         if not cfg.tokenizer:
             raise ValueError("task.name=jsonl needs task.tokenizer (a folder with tokenizer.json)")
+        rows = read_rows(Path(cfg.path), cfg.prompt_field, cfg.answer_field)
+        rows, held = split_rows(rows, cfg)
         return cls(
-            rows=tuple(read_rows(Path(cfg.path), cfg.prompt_field, cfg.answer_field)),
+            rows=tuple(rows),
+            heldout_rows=tuple(held),
             tokenizer=HFTokenizer.load(cfg.tokenizer),
             verifier=cfg.verifier,
             tolerance=float(cfg.tolerance),
@@ -127,8 +150,8 @@ class JsonlTask:
             seed=seed,
         )
 
-    def _prompt(self, row: int) -> Prompt:
-        text, answer = self.rows[row]
+    def _prompt(self, row: int | tuple[str, str]) -> Prompt:
+        text, answer = self.rows[row] if isinstance(row, int) else row
         tok = self.tokenizer
         if self.chat_template:
             tokens = tok.encode(tok.chat_prompt(text))
@@ -148,6 +171,11 @@ class JsonlTask:
 
     def example(self, rng: random.Random) -> Prompt:
         return self._prompt(rng.randrange(len(self.rows)))
+
+    def heldout_prompt(self, index: int) -> Prompt:
+        if not self.heldout_rows:
+            raise ValueError("task.heldout_fraction / task.heldout_path: this task holds out no prompt")
+        return self._prompt(self.heldout_rows[index % len(self.heldout_rows)])
 
     def reward(self, completion: str, answer: str) -> float:
         if self.verifier == "exact":

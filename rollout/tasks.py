@@ -21,6 +21,9 @@ The protocol (structural: any object with these members is a task):
                         travelled with the prompt group (plain msgpack-able data: strings, numbers)
     check_fields(fields) -> str | None   (optional) why `score` cannot take these fields, None when it
                         can: a worker refuses (dead-letters) a prompt group whose fields it fails
+    heldout_prompt(index) -> Prompt   (optional; for trainer.eval_every) a held-out prompt, one that
+                        `prompt` and `example` never give: the built-ins split their prompt space by
+                        `is_heldout(prompt text, task.heldout_fraction)`
 
 Built-in task `addition`: multi-digit addition with a programmatic verifier and a character
 tokenizer. Chosen because a 1-5M parameter model learns it on a CPU in minutes, its reward is exact
@@ -32,6 +35,7 @@ warm-started policy is sometimes right.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import random
@@ -42,6 +46,13 @@ from typing import Any, Protocol, runtime_checkable
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+="
+MAX_DRAWS = 10_000  # draws of a prompt on one side of the held-out split before giving up
+
+
+def is_heldout(text: str, fraction: float) -> bool:
+    """Whether a prompt text is held out for evaluation: the first 8 bytes of its sha256, read as a
+    number in [0, 1), fall below `fraction`. A pure function of the text: the same split everywhere."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64 < fraction
 
 
 class CharTokenizer:
@@ -166,8 +177,18 @@ class TaskConfig:
     """jsonl: the longest completion a rollout generates."""
     chat_template: bool = False
     """jsonl: wrap each prompt in the tokenizer's chat template (one user message)."""
+    heldout_fraction: float = 0.0
+    """addition and jsonl: the share of the prompt space held out for evaluation (trainer.eval_every),
+    chosen by a hash of the prompt text and never fed or warm-started on; 0 = none."""
+    heldout_path: str = ""
+    """jsonl: a file of held-out prompts (the same fields as task.path); prompts of task.path with
+    the same text are left out of training."""
 
     def __post_init__(self):
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"task.heldout_fraction={self.heldout_fraction!r} (want 0 <= f < 1)")
+        if self.heldout_path and (self.name != "jsonl" or self.heldout_fraction):
+            raise ValueError("task.heldout_path belongs to task.name=jsonl, without task.heldout_fraction")
         if self.name not in TASKS and ":" not in self.name:
             raise ValueError(
                 f"task.name={self.name!r}: not a built-in task ({', '.join(sorted(TASKS))}) "
@@ -183,6 +204,7 @@ class AdditionTask:
 
     digits: int = 2
     seed: int = 0
+    heldout_fraction: float = 0.0  # prompts with is_heldout(text) are for evaluation only
     tokenizer: CharTokenizer = field(default_factory=CharTokenizer, compare=False)
 
     def __post_init__(self):
@@ -198,15 +220,28 @@ class AdditionTask:
         a, b = (rng.randint(0, 10 ** rng.randint(1, self.digits) - 1) for _ in range(2))
         return f"{a}+{b}=", str(a + b)
 
-    def example(self, rng: random.Random) -> Prompt:
-        text, answer = self.sample(rng)
-        tok = self.tokenizer
-        return Prompt(
-            tokens=tok.encode(text, bos=True), fields={"answer": answer}, reference=tok.encode(answer, eos=True)
+    def _draw(self, rng: random.Random, *, heldout: bool) -> Prompt:
+        """The first sample from `rng` on the asked side of the held-out split."""
+        for _ in range(MAX_DRAWS):
+            text, answer = self.sample(rng)
+            if is_heldout(text, self.heldout_fraction) == heldout:
+                tok = self.tokenizer
+                return Prompt(
+                    tokens=tok.encode(text, bos=True), fields={"answer": answer}, reference=tok.encode(answer, eos=True)
+                )
+        side = "held-out" if heldout else "training"
+        raise ValueError(
+            f"task.heldout_fraction={self.heldout_fraction}: no {side} prompt in {MAX_DRAWS} draws (digits={self.digits})"
         )
+
+    def example(self, rng: random.Random) -> Prompt:
+        return self._draw(rng, heldout=False)
 
     def prompt(self, index: int) -> Prompt:
         return self.example(random.Random(self.seed * 1_000_003 + index))
+
+    def heldout_prompt(self, index: int) -> Prompt:
+        return self._draw(random.Random(f"heldout:{self.seed}:{index}"), heldout=True)
 
     @staticmethod
     def reward(completion_text_until_eos: str, ended_with_eos: bool, answer: str) -> float:
@@ -226,7 +261,7 @@ class AdditionTask:
 
 
 def make_addition(cfg: TaskConfig, *, seed: int) -> AdditionTask:
-    return AdditionTask(digits=cfg.digits, seed=seed)
+    return AdditionTask(digits=cfg.digits, seed=seed, heldout_fraction=cfg.heldout_fraction)
 
 
 def make_jsonl(cfg: TaskConfig, *, seed: int) -> Task:

@@ -28,7 +28,7 @@ import yaml
 from policy.loop import AsyncConfig
 from rollout.config import RolloutConfig
 from rollout.tasks import TaskConfig
-from trainer.config import TrainerConfig
+from trainer.config import LoggingConfig, TrainerConfig
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -103,6 +103,8 @@ class RunConfig:
     """The trainer service."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """A rollout worker."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard and W&B writers beside metrics.jsonl."""
 
     def __post_init__(self):
         errors = []
@@ -112,6 +114,11 @@ class RunConfig:
             errors.append(f"num_rollout_workers={self.num_rollout_workers} (want 0..64)")
         if not 0 <= self.redis_outage_s <= 3600:
             errors.append(f"redis_outage_s={self.redis_outage_s} (want 0..3600 seconds)")
+        if self.trainer.eval_every and not (self.task.heldout_fraction or self.task.heldout_path):
+            errors.append(
+                f"trainer.eval_every={self.trainer.eval_every} needs held-out prompts: set task.heldout_fraction "
+                "(or task.heldout_path for a jsonl task)"
+            )
         if errors:
             raise ValueError("RunConfig: " + "; ".join(errors))
 

@@ -1,4 +1,5 @@
-"""PNG plots of a run folder's metrics.jsonl: reward, train/rollout mismatch, staleness.
+"""PNG plots of a run folder's metrics.jsonl: reward (and held-out accuracy), train/rollout
+mismatch, staleness.
 
 Every title names the run (its run_id and folder); every plot over steps has a dashed vertical
 line wherever the trainer resumed from a checkpoint (a metrics row with `resumed_from`). The
@@ -81,6 +82,10 @@ def reward_figure(rows: list[dict], label: str):
     if len(rewards) >= w:
         avg = [sum(rewards[i - w + 1 : i + 1]) / w for i in range(w - 1, len(rewards))]
         ax.plot(steps[w - 1 :], avg, linewidth=2, label=f"moving average ({w} steps)")
+    for key, style, what in (("eval_greedy_accuracy", "s-", "greedy"), ("eval_sampled_accuracy", "^-", "sampled")):
+        evals = [(r["step"], r[key]) for r in rows if key in r]
+        if evals:
+            ax.plot(*zip(*evals), style, markersize=4, label=f"held-out accuracy, {what} (trainer.eval_every)")
     _mark_resumes(ax, rows)
     ax.set_xlabel("trainer step")
     ax.set_ylabel("reward")

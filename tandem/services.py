@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import yaml
 
 from broker.codec import PromptGroup
 from broker.outage import outage_in
@@ -21,12 +22,14 @@ from broker.signing import load_signer
 from broker.streams import run_async
 from policy.model import ModelConfig
 from policy.recipe import Recipe
+from rollout.evaluate import heldout_accuracy
 from rollout.tasks import Task, make_task
 from rollout.worker import RolloutWorker
+from trainer.metrics import check_writers, make_writers
 from trainer.publisher import PublishError
 from trainer.service import Trainer
 
-from .config import ModelSection, RunConfig
+from .config import ModelSection, RunConfig, dump
 
 
 def model_config_for(model: ModelSection, vocab_size: int) -> ModelConfig:
@@ -98,10 +101,15 @@ def check(cfg: RunConfig) -> None:
     """Everything about `cfg` that can be checked without Redis or a process: the task, the model
     preset and overrides, the recipe and its plan for that model. ValueError names the problem."""
     try:
-        _, model_config, recipe = task_and_model(cfg)
+        task, model_config, recipe = task_and_model(cfg)
     except TypeError as e:  # a model override of the wrong type
         raise ValueError(f"model.overrides: {e}") from None
     recipe.plan(model_config)
+    check_writers(cfg.logging)
+    if cfg.trainer.eval_every:
+        if not callable(getattr(task, "heldout_prompt", None)):
+            raise ValueError(f"trainer.eval_every: task {cfg.task.name!r} has no heldout_prompt(index) (rollout.tasks)")
+        task.heldout_prompt(0)  # a split with no held-out prompt says so here
 
 
 def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
@@ -140,9 +148,19 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         warm_start_example=example,
         pad_id=task.tokenizer.pad_id,
         init_weights=initial_weights(cfg),
+        evaluate=evaluation(cfg, task),
+        writers=make_writers(cfg.logging, run_dir, name=cfg.run_id, config=yaml.safe_load(dump(cfg))),
         max_completion_tokens=task.max_new_tokens,
         log=lambda s: print(f"[trainer] {s}", flush=True),
     )
+
+
+def evaluation(cfg: RunConfig, task: Task):
+    """trainer.eval_every's evaluation: held-out accuracy of a model (rollout.evaluate), or None when off."""
+    if not cfg.trainer.eval_every:
+        return None
+    k, temperature, seed = cfg.trainer.eval_prompts, cfg.loop.temperature, cfg.loop.seed
+    return lambda model: heldout_accuracy(model, task, k=k, temperature=temperature, seed=seed)
 
 
 def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:

@@ -4,6 +4,7 @@ The trainer loop (trainer/service.py) talks to a backend only through these meth
 same loop for both:
     token_logprobs(tokens, targets, attention_mask=, temperature=)  -> [B, T] fp32 (autograd on)
     update(loss) -> grad norm        zero grads, backward, clip, optimizer step, refresh the QAT cache
+    set_lr(lr)                       the learning rate of the next updates
     canonical() -> {name: tensor}    the fp32 master weights under the canonical names (views or copies)
     load_weights({name: tensor})     copy canonical tensors in (a Hugging Face checkpoint, a resume)
     apply_qat() / qat_hook           install QAT (once, after the warm start); the hook's cache
@@ -83,6 +84,11 @@ class _Backend:
 
     def eval(self) -> None:
         self.module.eval()
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the optimizer's next updates (trainer.lr_schedule)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def update(self, loss: Tensor) -> float:
         """One optimizer update on `loss`: backward, clip to `grad_clip`, step, refresh the QAT cache."""

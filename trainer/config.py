@@ -10,6 +10,59 @@ from dataclasses import dataclass, field
 from broker.health import HealthConfig
 from broker.tls import ServerTLS
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRSchedule:
+    """The RL steps' learning rate: trainer.lr times trainer.warmstart.lr_factor at each step."""
+
+    kind: str = "constant"
+    """After the warmup: "constant", or "linear" / "cosine" decay to min_lr_ratio * lr at max_steps."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr / warmup_steps to lr (0 = none)."""
+    min_lr_ratio: float = 0.0
+    """The decay's floor as a fraction of lr (0..1)."""
+
+    def __post_init__(self):
+        errors = []
+        if self.kind not in LR_SCHEDULES:
+            errors.append(f"trainer.lr_schedule.kind={self.kind!r} (one of {', '.join(LR_SCHEDULES)})")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            errors.append(f"trainer.lr_schedule.warmup_steps={self.warmup_steps!r} (an int >= 0)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            errors.append(f"trainer.lr_schedule.min_lr_ratio={self.min_lr_ratio!r} (want 0..1)")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """Weights & Biases: the metrics rows logged to a W&B run (offline: a folder in the run folder)."""
+
+    enabled: bool = False
+    """Log every metrics row to W&B (needs the wandb package)."""
+    mode: str = "offline"
+    """"offline" (the default: written under the run folder's wandb/, no network; `wandb sync` uploads
+    it later) or "online" (needs a W&B login)."""
+    project: str = "tandem"
+    """The W&B project; the W&B run is named after run_id."""
+
+    def __post_init__(self):
+        if self.mode not in ("offline", "online"):
+            raise ValueError(f"logging.wandb.mode={self.mode!r} (offline or online)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Writers fed the same rows as metrics.jsonl (trainer.metrics), each library imported only when on."""
+
+    tensorboard: bool = False
+    """Write every metrics row's numbers as TensorBoard scalars under the run folder's tensorboard/
+    (needs the tensorboard package)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging (offline by default)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
@@ -23,7 +76,9 @@ class TrainerConfig:
     group_size: int = 8
     """Samples per prompt (the GRPO group), >= 2."""
     lr: float = 3e-4
-    """AdamW learning rate of the RL steps."""
+    """AdamW learning rate of the RL steps (the peak, under lr_schedule)."""
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    """Warmup and decay of the RL steps' learning rate (a function of the step: resumes exactly)."""
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
     weight_decay: float = 0.0
@@ -79,6 +134,13 @@ class TrainerConfig:
     """Examples per warm-start step."""
     warmstart_lr: float = 3e-3
     """Learning rate of the warm start."""
+    # held-out evaluation
+    eval_every: int = 0
+    """Every this many steps, greedy and sampled accuracy on held-out prompts the trainer never trains
+    on (task.heldout_fraction or task.heldout_path), with the trainer's current weights: metrics
+    eval_greedy_accuracy and eval_sampled_accuracy. 0 = off."""
+    eval_prompts: int = 32
+    """Held-out prompts per evaluation (the same ones every time)."""
     # services
     grpc_host: str = "127.0.0.1"
     """Address the policy gRPC server binds (a pod binds "0.0.0.0")."""
@@ -166,6 +228,10 @@ class TrainerConfig:
             errors.append(
                 f"backend='megatron' needs device='cuda' (got {self.device!r}): its GPTModel runs on CUDA only"
             )
+        if self.eval_every < 0 or self.eval_prompts < 1:
+            errors.append(f"eval_every={self.eval_every}, eval_prompts={self.eval_prompts} (want >= 0 and >= 1)")
+        if self.eval_every and self.backend != "torch":
+            errors.append(f"eval_every={self.eval_every} needs backend='torch' (it generates with policy.model)")
         if self.warmstart_steps < 0:
             errors.append(f"warmstart_steps={self.warmstart_steps} (must be >= 0)")
         if self.grpc_advertise:

@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON object per line in metrics.jsonl, and a Prometheus endpoint.
+"""Per-step metrics: one JSON object per line in metrics.jsonl, a Prometheus endpoint, and the
+writers of `logging:` (TensorBoard, W&B; `make_writers`), each fed every row's numbers.
 
 Prometheus (names per the conventions: `_total` counters, `_seconds`, units in every HELP):
 - counters `tandem_trainer_<name>_total` for every integer counter of the trainer's State
@@ -12,11 +13,16 @@ Prometheus (names per the conventions: `_total` counters, `_seconds`, units in e
 
 from __future__ import annotations
 
+import importlib
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from broker.metrics import MetricsEndpoint
+
+from .config import LoggingConfig, WandbConfig
 
 # metrics.jsonl key -> (Prometheus gauge name, HELP). Cumulative quantities are counters instead.
 GAUGES = {
@@ -51,6 +57,15 @@ GAUGES = {
     "clip_frac": ("tandem_trainer_clip_frac", "fraction of tokens whose PPO ratio was clipped, last step (0..1)"),
     "tis_frac": ("tandem_trainer_tis_frac", "fraction of tokens whose importance weight hit the cap, last step (0..1)"),
     "step_time_s": ("tandem_trainer_last_step_seconds", "wall time of the last optimizer step (seconds)"),
+    "lr": ("tandem_trainer_learning_rate", "learning rate of the last optimizer step (trainer.lr_schedule; unitless)"),
+    "eval_greedy_accuracy": (
+        "tandem_trainer_eval_greedy_accuracy",
+        "greedy accuracy on held-out prompts at the last evaluation (0..1)",
+    ),
+    "eval_sampled_accuracy": (
+        "tandem_trainer_eval_sampled_accuracy",
+        "sampled accuracy (loop.temperature) on held-out prompts at the last evaluation (0..1)",
+    ),
     "outstanding_groups": (
         "tandem_trainer_outstanding_groups",
         "prompt groups fed and not yet used or dropped, after the last step (groups)",
@@ -76,10 +91,101 @@ COUNTER_HELP = {
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+class MetricWriter(Protocol):
+    """What MetricsSink feeds every row to, after metrics.jsonl."""
+
+    def write(self, row: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The row's numbers by key: `step`, bools, text and nested values left out."""
+    return {
+        k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+class TensorBoardWriter:
+    """Every number of a row as a scalar at its step, in TensorBoard event files under `folder`."""
+
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(folder))
+
+    def write(self, row: dict) -> None:
+        for key, value in scalars(row).items():
+            self._writer.add_scalar(key, value, row["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbWriter:
+    """Every number of a row logged at its step to a W&B run under `folder`/wandb (offline: no network)."""
+
+    def __init__(self, cfg: WandbConfig, folder: Path, *, name: str, config: dict):
+        if cfg.mode == "offline":  # its core's logs and staging too, unless the user placed them
+            os.environ.setdefault("WANDB_CACHE_DIR", str(Path(folder) / "wandb" / "cache"))
+            os.environ.setdefault("WANDB_DATA_DIR", str(Path(folder) / "wandb" / "data"))
+        import wandb
+
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True)
+        self._run = wandb.init(
+            project=cfg.project, name=name, mode=cfg.mode, dir=str(folder), config=config, settings=settings
+        )
+
+    def write(self, row: dict) -> None:
+        self._run.log(scalars(row), step=row["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+WRITER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # config key -> package it imports
+
+
+def check_writers(cfg: LoggingConfig) -> None:
+    """ValueError naming the key and the package when a writer is on and its library is missing."""
+    wanted = [key for key, on in (("tensorboard", cfg.tensorboard), ("wandb", cfg.wandb.enabled)) if on]
+    for key in wanted:
+        try:
+            importlib.import_module(WRITER_PACKAGES[key])
+        except ImportError:
+            pkg = WRITER_PACKAGES[key]
+            raise ValueError(
+                f"logging.{key}{'.enabled' if key == 'wandb' else ''}=true needs the {pkg} package, which is not "
+                f"installed (pip install {pkg})"
+            ) from None
+
+
+def make_writers(cfg: LoggingConfig, run_dir: Path, *, name: str, config: dict) -> list[MetricWriter]:
+    """The writers `cfg` turns on: tensorboard/ and wandb/ in the run folder."""
+    check_writers(cfg)
+    writers: list[MetricWriter] = []
+    if cfg.tensorboard:
+        writers.append(TensorBoardWriter(Path(run_dir) / "tensorboard"))
+    if cfg.wandb.enabled:
+        writers.append(WandbWriter(cfg.wandb, Path(run_dir), name=name, config=config))
+    return writers
+
+
 class MetricsSink:
-    def __init__(self, path: Path, *, port: int = -1, host: str = "127.0.0.1", state: Callable[[], dict] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        port: int = -1,
+        host: str = "127.0.0.1",
+        state: Callable[[], dict] | None = None,
+        writers: Sequence[MetricWriter] = (),
+    ):
         """port: -1 = no Prometheus endpoint, 0 = a free port (see `.port`), else that port.
-        state: returns the trainer's State as a dict; its integers are exported (see module doc)."""
+        state: returns the trainer's State as a dict; its integers are exported (see module doc).
+        writers: fed every row after metrics.jsonl (closed with the sink)."""
+        self.writers = list(writers)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
@@ -105,6 +211,8 @@ class MetricsSink:
         sample, leaves its gauge at the last step that had one: a gauge is never set to NaN)."""
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        for writer in self.writers:
+            writer.write(row)
         if self.endpoint is None:
             return
         for key, gauge in self._gauges.items():
@@ -115,6 +223,8 @@ class MetricsSink:
 
     def close(self) -> None:
         self._file.close()
+        for writer in self.writers:
+            writer.close()
         if self.endpoint is not None:
             self.endpoint.close()
 
@@ -134,3 +244,23 @@ def state_samples(state: dict):
             continue
         help_text = COUNTER_HELP.get(name, f"the trainer's cumulative {name.replace('_', ' ')} (count)")
         yield "counter", f"tandem_trainer_{name}_total", help_text, value
+
+
+def eta_s(step_ends: Sequence[float], steps_left: int) -> float | None:
+    """Seconds to the end of the run: the mean wall time between the recent step ends given
+    (a monotonic clock, oldest first) times `steps_left`; None with fewer than two ends."""
+    if len(step_ends) < 2:
+        return None
+    return (step_ends[-1] - step_ends[0]) / (len(step_ends) - 1) * max(0, steps_left)
+
+
+def format_duration(seconds: float | None) -> str:
+    """ "?" for None, else "45s", "12m05s" or "3h07m"."""
+    if seconds is None:
+        return "?"
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -22,6 +22,7 @@ callables the `tandem trainer` command builds from the configured task.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -30,7 +31,7 @@ import secrets
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,12 +65,12 @@ from . import admission, feeding, grpo
 from .atomic import stale_temporaries, write_atomically
 from .backends import make_backend
 from .config import TrainerConfig
-from .metrics import MetricsSink
+from .metrics import MetricsSink, MetricWriter, eta_s, format_duration
 from .publisher import Publisher
 from .sequences import pack, scatter_rows
 from .validation import TrajectoryRules, check_trajectory
 from .versions import RetainedVersions, aliasing
-from .warmstart import warm_start
+from .warmstart import lr_factor, warm_start
 
 # Test hook of tests/faults: TANDEM_FAULT_POINT=<name>@<step> SIGKILLs the trainer at that point of
 # that step (read once, at import). Points: "mid_checkpoint" (the checkpoint's temporary file
@@ -155,8 +156,12 @@ class Trainer:
         pad_id: int,
         max_completion_tokens: int = 64,
         init_weights: Callable[[Transformer], None] | None = None,
+        evaluate: Callable[[Transformer], dict] | None = None,
+        writers: Sequence[MetricWriter] = (),
         log: Callable[[str], None] = print,
     ):
+        """evaluate: the held-out evaluation run every `eval_every` steps on the current model (its
+        numbers join the step's metrics row); writers: fed every metrics row (trainer.metrics)."""
         self.cfg, self.loop, self.log = cfg, loop, log
         self.max_staleness = loop.max_staleness
         self.temperature = loop.temperature  # the rollouts' sampling temperature: log-probs must match it
@@ -169,6 +174,10 @@ class Trainer:
         self._weights_version: int | None = None  # the version the model's weights are (None: moved since)
         self._resumed_from: int | None = None  # the checkpoint step this process resumed from
         self.make_prompt, self.warm_start_example, self.pad_id = make_prompt, warm_start_example, pad_id
+        self.evaluate = evaluate
+        if cfg.eval_every and evaluate is None:
+            raise ValueError(f"trainer.eval_every={cfg.eval_every} but the trainer was given no evaluation")
+        self._step_ends: collections.deque[float] = collections.deque(maxlen=11)  # for the ETA: 10 steps
         self.init_weights = init_weights  # e.g. a Hugging Face checkpoint; used when no checkpoint of ours exists
         torch.manual_seed(seed)
         self.model_config, self.recipe = model_config, recipe
@@ -236,7 +245,11 @@ class Trainer:
             port=cfg.health.port, service=TRAINER_HEALTH, host=cfg.health.host
         )  # Kubernetes probes
         self.metrics = MetricsSink(
-            self.run_dir / "metrics.jsonl", port=cfg.metrics_port, host=cfg.metrics_host, state=lambda: vars(self.state)
+            self.run_dir / "metrics.jsonl",
+            port=cfg.metrics_port,
+            host=cfg.metrics_host,
+            state=lambda: vars(self.state),
+            writers=writers,
         )
         if self.metrics.endpoint is not None:
             self.metrics.endpoint.add_callback(self.server.prometheus_samples)
@@ -301,8 +314,11 @@ class Trainer:
                     self.state.pending_commit += [(r.stream_id, r.trajectory.sample_id) for r in self._consumed]
                     break
                 collect_s = time.perf_counter() - t_collect
+                lr = self._lr()
+                self.backend.set_lr(lr)
                 row = self.optimize(self.recompute_logprobs(groups))
                 row.update(
+                    lr=lr,
                     collect_s=collect_s,
                     publish_s=self._publish_s,
                     quantize_s=self._quantize_s,
@@ -316,6 +332,8 @@ class Trainer:
                 self.state.version += publish
                 self._weights_version = self.state.version if publish else None
                 row.update(step=self.state.step, policy_version=self.state.version, time=time.time())
+                if self.cfg.eval_every and self.state.step % self.cfg.eval_every == 0:
+                    row.update(self._evaluate())
                 # Publishing runs off the step (trainer.publisher); what the step still waits for is logged.
                 # Starting it before the checkpoint is safe: a restart from an older checkpoint numbers its
                 # weights above any version announced since (see _restore_or_warm_start).
@@ -360,15 +378,38 @@ class Trainer:
             self.metrics.close()
             await self.redis.aclose()
 
+    def _lr(self) -> float:
+        """The learning rate of the step about to be taken: a function of State.step alone (resumes exactly)."""
+        s = self.cfg.lr_schedule
+        t = self.state.step
+        return self.cfg.lr * lr_factor(
+            t, steps=self.cfg.max_steps, warmup=s.warmup_steps, kind=s.kind, min_ratio=s.min_lr_ratio
+        )
+
+    def _evaluate(self) -> dict:
+        """Held-out accuracy of the current weights, and the seconds it took (`eval_s`)."""
+        t0 = time.perf_counter()
+        with self.autocast:
+            out = dict(self.evaluate(self.backend.model))
+        return {**out, "eval_s": time.perf_counter() - t0}
+
     def _progress_line(self, r: dict) -> str:
-        """One line per step; a mismatch part over no known sample (all from before a restart) reads n/a."""
+        """One line per step; a mismatch part over no known sample (all from before a restart) reads n/a.
+        The ETA is the mean wall time of the last 10 steps times the steps left (trainer.metrics.eta_s)."""
+        self._step_ends.append(time.monotonic())
+        eta = format_duration(eta_s(self._step_ends, self.cfg.max_steps - r["step"]))
         quant, stale = r.get("logp_abs_diff_quant"), r.get("logp_abs_diff_stale")
         split = "n/a" if quant is None else f"{quant:.1e} stale {stale:.4f}"
+        evals = (
+            f" eval greedy {r['eval_greedy_accuracy']:.3f} sampled {r['eval_sampled_accuracy']:.3f}"
+            if "eval_greedy_accuracy" in r
+            else ""
+        )
         return (
             f"step {r['step']:>4}/{self.cfg.max_steps} v{r['policy_version']} reward {r['reward_mean']:.3f} "
             f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']} dropped {r['dropped_stale']}s/"
             f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {split}"
-            f") kl {r['kl_k3']:.5f} {r['step_time_s']:.2f}s"
+            f") kl {r['kl_k3']:.5f} lr {r['lr']:.2e} {r['step_time_s']:.2f}s{evals} eta {eta}"
         )
 
     async def _checkpoint_and_commit(self) -> bool:

@@ -6,10 +6,9 @@ the prompts, which is where the demo's RL starts. Simplified: plain cross-entrop
 tokens only, AdamW; the example source is any callable returning (prompt, answer) token lists, so
 the trainer stays task-agnostic.
 
-Learning rate: constant `lr` by default; with `warmup` > 0 and `cosine=True` (bench/make_e2e_model.py)
-    lr_t = lr * (t + 1) / warmup                                          t < warmup
-    lr_t = lr * (1 + cos(pi * (t - warmup) / (steps - warmup))) / 2       after (0 at the end)
-for step t = 0..steps-1: a short warmup for a random init, and an annealed end (a sharper model).
+Learning rate: constant `lr` by default; `warmup` and `kind` give the schedule of `lr_factor`
+(bench/make_e2e_model.py: warmup + cosine, a short warmup for a random init and an annealed end).
+The trainer's RL steps use the same function (`trainer.lr_schedule`).
 
 Mixed precision: `autocast_dtype` (e.g. torch.bfloat16 on CUDA) wraps each step's forward and loss
 in its own autocast region, never the optimizer step. Autocast caches its casts of leaf weights for
@@ -41,13 +40,13 @@ def warm_start(
     lr: float,
     pad_id: int,
     warmup: int = 0,
-    cosine: bool = False,
+    kind: str = "constant",
     autocast_dtype: torch.dtype | None = None,
     log: Callable[[str], None] = print,
 ) -> list[float]:
     """Train `model` in place; returns the loss of every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_factor(t, steps=steps, warmup=warmup, cosine=cosine))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_factor(t, steps=steps, warmup=warmup, kind=kind))
     device = next(model.parameters()).device
     losses = []
     t0 = time.time()
@@ -69,10 +68,16 @@ def warm_start(
     return losses
 
 
-def lr_factor(t: int, *, steps: int, warmup: int = 0, cosine: bool = False) -> float:
-    """lr_t / lr at step t (the module docstring's schedule)."""
+def lr_factor(t: int, *, steps: int, warmup: int = 0, kind: str = "constant", min_ratio: float = 0.0) -> float:
+    """lr_t / lr at step t = 0..steps-1, with m = min_ratio and p = (t - warmup) / (steps - warmup):
+    (t + 1) / warmup                      t < warmup (linear warmup, whatever the kind)
+    1                                     constant (and any kind when steps <= warmup)
+    m + (1 - m) * (1 - p)                 linear decay to m at the end
+    m + (1 - m) * (1 + cos(pi * p)) / 2   cosine decay to m at the end"""
     if t < warmup:
         return (t + 1) / warmup
-    if not cosine or steps <= warmup:
+    if kind == "constant" or steps <= warmup:
         return 1.0
-    return (1 + math.cos(math.pi * (t - warmup) / (steps - warmup))) / 2
+    p = min(1.0, (t - warmup) / (steps - warmup))
+    decay = 1 - p if kind == "linear" else (1 + math.cos(math.pi * p)) / 2
+    return min_ratio + (1 - min_ratio) * decay

@@ -27,6 +27,7 @@ from broker.signing import load_signer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+LR_SCHEDULE = {"kind": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1}
 MODEL = {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64}
 
 
@@ -48,8 +49,13 @@ def _config(tmp: Path, max_steps: int) -> Path:
             "keep_checkpoints": 2,
             "collect_timeout_s": 120.0,
             "policy_server_process": True,  # the CUDA default, here on the CPU: serving from a child process
+            "lr_schedule": LR_SCHEDULE,
+            "eval_every": 2,
+            "eval_prompts": 4,
         },
+        "task": {"heldout_fraction": 0.2},
         "rollout": {"fetch_timeout_s": 10.0},
+        "logging": {"tensorboard": True},
     }
     path = tmp / f"config-{max_steps}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -116,6 +122,7 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
         assert _value(fams, "tandem_trainer_step_seconds", "tandem_trainer_step_seconds_count") >= 1
         assert _value(fams, "tandem_trainer_step") >= 2 and _value(fams, "tandem_trainer_policy_version") >= 2
         assert "tandem_trainer_logp_abs_diff_quant_p95" in fams and "process_cpu_seconds" in fams
+        assert _value(fams, "tandem_trainer_learning_rate") > 0
         # The policy server's counters, from its own process (trainer.policy_server_process).
         assert _value(fams, "tandem_policy_sent_bytes", "tandem_policy_sent_bytes_total") > 0
         for f in fams.values():
@@ -178,6 +185,9 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
     stopped = _lines(run_dir / "metrics.jsonl")[-1]["step"]
     assert f"stopped at step {stopped} (checkpoint step-{stopped:06d}.pt)" in (logs / "trainer.log").read_text()
     assert "[trainer] step" in console.read_text()  # the console shows progress; trainer.log keeps it too
+    assert re.search(
+        r"\[trainer\] step +2/200 .* lr \S+ .* eval greedy \S+ sampled \S+ eta \d+[smh]", console.read_text()
+    )
     assert "[trainer] step" in (logs / "trainer.log").read_text()
 
     # The run folder is the user's alone; checkpoints are proportionate and pruned.
@@ -206,6 +216,24 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
     rows = _lines(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, stopped + 3))
     assert rows[stopped].get("resumed_from") == stopped and all("resumed_from" not in r for r in rows[:stopped])
+    # The LR schedule is a function of the step (each run's max_steps its horizon): the resumed run
+    # goes on from the checkpoint's step. Held-out accuracy every 2 steps; TensorBoard has the rows.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainer.warmstart import lr_factor
+
+    def lr(t, steps):
+        s = LR_SCHEDULE
+        return 3e-4 * lr_factor(t, steps=steps, warmup=s["warmup_steps"], kind=s["kind"], min_ratio=s["min_lr_ratio"])
+
+    want = [lr(t, 200) for t in range(stopped)] + [lr(t, stopped + 2) for t in range(stopped, stopped + 2)]
+    assert [r["lr"] for r in rows] == pytest.approx(want, rel=1e-12)
+    assert [r["step"] for r in rows if "eval_greedy_accuracy" in r] == [s for s in range(1, stopped + 3) if s % 2 == 0]
+    assert all(0 <= r[k] <= 1 for r in rows for k in ("eval_greedy_accuracy", "eval_sampled_accuracy") if k in r)
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tb = {e.step: e.value for e in acc.Scalars("reward_mean")}
+    assert tb == pytest.approx({r["step"]: r["reward_mean"] for r in rows}, rel=1e-6)
     used = [g[0] for line in _lines(run_dir / "audit.jsonl") for g in line["groups"]]
     assert len(used) == len(set(used)) == 2 * (stopped + 2), "a prompt group used twice: Redis forgot the run"
     # The README's list of the run folder's files names everything the folder holds.

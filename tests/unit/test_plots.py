@@ -108,3 +108,18 @@ def test_every_plot_names_the_run_and_marks_the_resume(tmp_path):
     written = plots.write_plots(tmp_path)
     assert [p.name for p in written] == ["reward.png", "mismatch.png", "staleness.png"]
     assert all(p.stat().st_size > 1000 for p in written)
+
+
+def test_reward_plot_draws_held_out_accuracy_at_the_evaluated_steps():
+    rows = _rows()
+    for r in rows[1::2]:  # steps 2, 4, 6
+        r.update(eval_greedy_accuracy=r["step"] / 10, eval_sampled_accuracy=r["step"] / 20)
+    ax = plots.reward_figure(rows, "run x").axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    greedy = lines["held-out accuracy, greedy (trainer.eval_every)"]
+    sampled = lines["held-out accuracy, sampled (trainer.eval_every)"]
+    assert list(greedy.get_xdata()) == [2, 4, 6] and list(greedy.get_ydata()) == [0.2, 0.4, 0.6]
+    assert list(sampled.get_ydata()) == [0.1, 0.2, 0.3]
+    assert not any(
+        "held-out" in label for label in (x.get_label() for x in plots.reward_figure(_rows(), "x").axes[0].get_lines())
+    )

@@ -15,12 +15,25 @@ from trainer.warmstart import lr_factor, warm_start
 
 
 def test_lr_factor_warmup_then_cosine_to_zero():
-    f = [lr_factor(t, steps=6, warmup=2, cosine=True) for t in range(6)]
+    f = [lr_factor(t, steps=6, warmup=2, kind="cosine") for t in range(6)]
     # warmup 1/2, 2/2; then (1 + cos(pi * k / 4)) / 2 for k = 0..3
     want = [0.5, 1.0, 1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2]
     assert f == pytest.approx(want, abs=1e-12)
     assert [lr_factor(t, steps=6) for t in range(6)] == [1.0] * 6  # the trainer's default: constant
     assert [lr_factor(t, steps=4, warmup=2) for t in range(4)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_lr_factor_linear_and_cosine_decay_to_the_floor():
+    # linear, no warmup, 5 steps, floor 0.2: 0.2 + 0.8 * (1 - t / 5)
+    lin = [lr_factor(t, steps=5, kind="linear", min_ratio=0.2) for t in range(5)]
+    assert lin == pytest.approx([1.0, 0.84, 0.68, 0.52, 0.36], abs=1e-12)
+    # cosine after 1 warmup step, 5 steps, floor 0.5: 0.5 + 0.5 * (1 + cos(pi * k / 4)) / 2, k = t - 1
+    cos = [lr_factor(t, steps=5, warmup=1, kind="cosine", min_ratio=0.5) for t in range(5)]
+    assert cos == pytest.approx(
+        [1.0, 1.0, 0.5 + 0.25 * (1 + math.cos(math.pi / 4)), 0.75, 0.5 + 0.25 * (1 + math.cos(3 * math.pi / 4))],
+        abs=1e-12,
+    )
+    assert lr_factor(10, steps=5, kind="linear", min_ratio=0.1) == pytest.approx(0.1)  # past the end: the floor
 
 
 def test_warm_start_lowers_the_loss_under_the_schedule():
@@ -34,7 +47,9 @@ def test_warm_start_lowers_the_loss_under_the_schedule():
         return p.tokens, p.reference
 
     torch.manual_seed(0)
-    losses = warm_start(model, example, steps=20, batch=8, lr=3e-3, pad_id=0, warmup=3, cosine=True, log=lambda s: None)
+    losses = warm_start(
+        model, example, steps=20, batch=8, lr=3e-3, pad_id=0, warmup=3, kind="cosine", log=lambda s: None
+    )
     assert len(losses) == 20 and losses[-1] < 0.5 * losses[0]
 
 
