@@ -14,6 +14,7 @@ streams and prompt sequence.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from broker.local_redis import LocalRedis, LocalRedisConfig
 from broker.signing import SECRET_ENV, write_secret_file
 
 from . import config as run_config
-from . import services
+from . import preflight, services
 from .plots import write_plots
 
 
@@ -95,10 +96,58 @@ def check_redis(url: str, timeout_s: float = 3.0) -> None:
         client.close()
 
 
-def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> int:
+CANNOT_START = 2  # what `tandem trainer` / `tandem rollout` exit with for a config or port they refuse
+
+
+def _changes_on_resume(run_dir: Path, cfg: run_config.RunConfig, accept: bool) -> list:
+    """What the resume changes against the folder's config.yaml; ValueError listing them unless accepted."""
+    diff = preflight.changes(run_config.load(run_dir / "config.yaml"), cfg)
+    refused = preflight.needs_acceptance(diff)
+    if refused and not accept:
+        raise ValueError(
+            f"--run-dir {run_dir} was run with other settings: {preflight.describe(refused)}; "
+            "pass --accept-changes to resume with them (the previous config.yaml is kept in config-history/)"
+        )
+    return diff
+
+
+def _keep_previous_config(run_dir: Path, diff: list) -> None:
+    history = run_dir / "config-history"
+    history.mkdir(exist_ok=True)
+    kept = history / f"config-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+    kept.write_bytes((run_dir / "config.yaml").read_bytes())
+    print(f"[tandem] resuming with changes: {preflight.describe(diff)} (the previous config: {kept})")
+
+
+def _port_overrides(ports: dict[str, tuple[str, int]]) -> list[str]:
+    return [f"{key}={port}" for key, (_, port) in ports.items()]
+
+
+def _write_ports(run_dir: Path, ports: dict, redis_url: str) -> None:
+    """ports.json: {service: {key: "host:port"}} and the Redis URL (password masked); printed once."""
+    table = {service: {k: f"{h}:{p}" for k, (h, p) in keys.items()} for service, keys in ports.items()}
+    (run_dir / "ports.json").write_text(json.dumps({**table, "redis": run_config.redact_url(redis_url)}, indent=1))
+    shown = "; ".join(
+        f"{s} " + ", ".join(f"{k.split('.', 1)[1]} {a}" for k, a in keys.items()) for s, keys in table.items()
+    )
+    print(f"[tandem] ports: {shown} (in {run_dir / 'ports.json'})")
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    return lines[-1] if lines else f"no output (see {log})"
+
+
+def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, accept_changes: bool = False) -> int:
     # Everything that can be wrong with the config fails here, before any process or folder exists.
     cfg = run_config.load(config_path, overrides)
-    services.check(cfg)
+    model_config = services.check(cfg)
+    preflight.check_workers(cfg)
+    preflight.check_memory(cfg, model_config.num_parameters(), cfg.num_rollout_workers)
+    run_dir = Path(run_dir or Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    resuming = preflight.check_run_folder(run_dir)
+    changed = _changes_on_resume(run_dir, cfg, accept_changes) if resuming else []
+    ports = preflight.bind_ports(preflight.port_plan(cfg, cfg.num_rollout_workers))
     if cfg.redis_url:
         check_redis(cfg.redis_url)
     # Ctrl-C and SIGTERM both stop the run in order (explicitly: a shell may have started us
@@ -106,9 +155,10 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     os.umask(0o077)  # the run folder is the user's alone: 0700 folders, 0600 files (children inherit)
-    run_dir = Path(run_dir or Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)  # also a folder made by an older version
+    if changed:
+        _keep_previous_config(run_dir, changed)
     redis, trainer, workers, rc = None, None, [], 1
     logs = run_dir / "logs"
     try:
@@ -130,15 +180,32 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
         env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_REDIS_URL": cfg.redis_url}
         for name in run_config.REDIS_URL_PARTS:  # already in the URL
             env.pop(name, None)
+        _write_ports(run_dir, ports, cfg.redis_url)
         common = ["--config", str(resolved)]
-        trainer = _spawn(["trainer", *common, "--run-dir", str(run_dir)], logs / "trainer.log", env, console=True)
+        trainer = _spawn(
+            ["trainer", *common, "--run-dir", str(run_dir), *_port_overrides(ports["trainer"])],
+            logs / "trainer.log",
+            env,
+            console=True,
+        )
         workers = [
-            _spawn(["rollout", *common, "--worker-id", f"w{i}"], logs / f"rollout-w{i}.log", env)
+            _spawn(
+                ["rollout", *common, "--worker-id", f"w{i}", *_port_overrides(ports[f"w{i}"])],
+                logs / f"rollout-w{i}.log",
+                env,
+            )
             for i in range(cfg.num_rollout_workers)
         ]
         while True:
             rc = trainer.poll()
             if rc is not None:
+                break
+            unstarted = [i for i, w in enumerate(workers) if w.poll() == CANNOT_START]
+            if unstarted:  # a port taken since the check, a file gone: the run cannot be what was asked
+                log = logs / f"rollout-w{unstarted[0]}.log"
+                print(f"[tandem] rollout worker w{unstarted[0]} could not start: {_last_line(log)}", file=sys.stderr)
+                _stop([trainer])
+                rc = CANNOT_START
                 break
             dead = [i for i, w in enumerate(workers) if w.poll() is not None]
             if dead and len(dead) == len(workers):
