@@ -29,6 +29,14 @@ LAUNCHER_FILLED = ("redis_url", "run_secret_file")
 RUN_FOLDER_MARKS = ("config.yaml", "study-run.yaml")
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "unset"
+
+
+UNSET = _Unset()
+
+
 def _get(cfg: RunConfig, key: str):
     value = cfg
     for part in key.split("."):
@@ -52,7 +60,7 @@ def port_plan(cfg: RunConfig, workers: int) -> dict[str, dict[str, tuple[str, in
     seen: dict[int, str] = {}
     for service, ports in plan.items():
         for key, (_, port) in ports.items():
-            where = f"{key}={port}" + ("" if service == "trainer" else f" ({service}'s)")
+            where = _what(service, key, port)
             if port and port in seen:
                 raise ValueError(f"{seen[port]} and {where}: one port for two servers")
             seen.setdefault(port, where)
@@ -63,10 +71,16 @@ def bind_ports(plan: dict[str, dict[str, tuple[str, int]]]) -> dict[str, dict[st
     """`plan` with every fixed port checked free (bind test) and every 0 replaced by a free port."""
     out = {}
     for service, ports in plan.items():
-        out[service] = {}
-        for key, (host, port) in ports.items():
-            out[service][key] = (host, _bind_test(host, port, f"{key}={port}" if port else key))
+        out[service] = {k: (host, _bind_test(host, port, _what(service, k, port))) for k, (host, port) in ports.items()}
     return out
+
+
+def _what(service: str, key: str, port: int) -> str:
+    """How a port is named in a refusal: its key and value (and a worker's own port)."""
+    index = 0 if service == "trainer" else int(service[1:])
+    if not port:
+        return key
+    return f"{key}={port - index} ({service}'s port {port})" if index else f"{key}={port}"
 
 
 def _bind_test(host: str, port: int, what: str) -> int:
@@ -177,14 +191,6 @@ def needs_acceptance(diff: list[tuple[str, object, object]]) -> list[tuple[str, 
 
 def describe(diff: list[tuple[str, object, object]]) -> str:
     return ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff)
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "unset"
-
-
-UNSET = _Unset()
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
