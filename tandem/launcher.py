@@ -1,11 +1,13 @@
 """`tandem run`: one machine, separate processes: a private redis-server (unless the config
 names a Redis URL), the trainer and N rollout workers, exactly the services Kubernetes runs.
 
-The launcher checks the config completely (recipe, model, Redis reachable) before it starts
+The launcher checks the config completely (recipe, model, files, Redis reachable, and what
+tandem.preflight checks: ports, memory, the run folder, a resume's changes) before it starts
 anything, writes the run folder (mode 0700, files 0600: config.yaml resolved with secrets masked,
-logs/ with trainer.log and one log per worker, and what the trainer writes: metrics.jsonl,
-checkpoints/, plots), shows the trainer's progress on the console, and on Ctrl-C or when the
-trainer finishes stops the trainer, then the rollouts with SIGTERM (they drain), then Redis.
+ports.json, logs/ with trainer.log and one log per worker, and what the trainer writes:
+metrics.jsonl, checkpoints/, plots), passes each service its ports, shows the trainer's progress
+on the console, and on Ctrl-C or when the trainer finishes (or a worker cannot start: exit 2)
+stops the trainer, then the rollouts with SIGTERM (they drain), then Redis.
 Every child runs in its own process session, so a terminal's Ctrl-C reaches the launcher alone.
 The private Redis keeps an append-only file in `redis/`: `--run-dir` resumes against the same
 streams and prompt sequence.
@@ -143,6 +145,7 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, a
     cfg = run_config.load(config_path, overrides)
     model_config = services.check(cfg)
     preflight.check_workers(cfg)
+    preflight.check_devices(cfg)
     preflight.check_memory(cfg, model_config.num_parameters(), cfg.num_rollout_workers)
     run_dir = Path(run_dir or Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     resuming = preflight.check_run_folder(run_dir)

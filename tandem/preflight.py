@@ -11,6 +11,7 @@ validation; each problem is a ValueError whose one line names the key, value, po
 4. Resume: every leaf key whose value differs from the folder's `config.yaml` (`redis_url` and
    `run_secret_file` left empty are the launcher's to fill: not a change). Only the ports,
    `trainer.max_steps` and `num_rollout_workers` change without `--accept-changes`.
+5. Devices: `trainer.device` and `rollout.device` name a device this machine has.
 """
 
 from __future__ import annotations
@@ -144,6 +145,18 @@ def check_memory(cfg: RunConfig, n_params: int, workers: int, capacity=device_me
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:,.1f} GB"
+
+
+def check_devices(cfg: RunConfig) -> None:
+    """trainer.device and rollout.device name a device this machine has."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for key, spec in (("trainer.device", cfg.trainer.device), ("rollout.device", cfg.rollout.device)):
+        index = int(spec.partition(":")[2] or 0)
+        if spec.startswith("cuda") and index >= count:
+            have = f"only {count} CUDA device(s)" if count else "no CUDA device is available"
+            raise ValueError(f"{key}={spec!r}: {have} here")
 
 
 def check_workers(cfg: RunConfig) -> None:

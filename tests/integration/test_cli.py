@@ -59,6 +59,7 @@ def assert_one_line_error(res, *needles: str) -> None:
         (["run", "rollout.tls.ca=/nope/ca.pem"], ["rollout.tls.ca='/nope/ca.pem' is not a file"]),
         (["run", "run_secret_file=/nope"], ["run_secret_file='/nope'"]),
         (["run", "trainer.grpc_port=9000", "trainer.metrics_port=9000"], ["trainer.metrics_port=9000", "one port"]),
+        (["run", "rollout.device=cuda:7"], ["rollout.device='cuda:7'", "CUDA device"]),
         (["trainer"], ["--config FILE or set TANDEM_CONFIG"]),
         (["rollout"], ["--config FILE or set TANDEM_CONFIG"]),
         (["trainer", "--config", "demo.yaml", "recipe=nvfp5"], ["unknown recipe"]),
