@@ -134,9 +134,9 @@ def check_memory(cfg: RunConfig, n_params: int, workers: int, capacity=device_me
     for device, need in memory_needed(n_params, cfg, workers).items():
         have = capacity(device)
         if have is not None and need > have:
-            model = f"model.preset={cfg.model.preset or 'tiny'!r}" + (
-                f", model.overrides={cfg.model.overrides}" if cfg.model.overrides else ""
-            )
+            m = cfg.model
+            model = f"model.checkpoint={m.checkpoint!r}" if m.checkpoint else f"model.preset={m.preset or 'tiny'!r}"
+            model += f", model.overrides={m.overrides}" if m.overrides else ""
             raise ValueError(
                 f"{model}: {n_params / 1e9:,.1f}B parameters need at least {_gb(need)} on {device} "
                 f"(trainer 16 B a parameter, each CPU rollout worker 4), which has {_gb(have)}"

@@ -82,6 +82,7 @@ def held_port():
         yield s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_taken_port_is_named_with_its_key_before_anything_starts(tmp_path, held_port):
     p = held_port
     for args, needle in (
