@@ -121,6 +121,13 @@ def _keep_previous_config(run_dir: Path, diff: list) -> None:
     print(f"[tandem] resuming with changes: {preflight.describe(diff)} (the previous config: {kept})")
 
 
+def _env_overrides() -> list[str]:
+    """What the services will read from this environment (TLS paths, hosts, ...), so that it is checked
+    here first; Redis is the launcher's to choose (its children get the URL it picks)."""
+    redis = ("TANDEM_REDIS_URL", *run_config.REDIS_URL_PARTS)
+    return run_config.env_overrides({k: v for k, v in os.environ.items() if k not in redis})
+
+
 def _port_overrides(ports: dict[str, tuple[str, int]]) -> list[str]:
     return [f"{key}={port}" for key, (_, port) in ports.items()]
 
@@ -142,7 +149,7 @@ def _last_line(log: Path) -> str:
 
 def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, accept_changes: bool = False) -> int:
     # Everything that can be wrong with the config fails here, before any process or folder exists.
-    cfg = run_config.load(config_path, overrides)
+    cfg = run_config.load(config_path, _env_overrides() + overrides)
     model_config = services.check(cfg)
     preflight.check_workers(cfg)
     preflight.check_devices(cfg)

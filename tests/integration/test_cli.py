@@ -99,6 +99,12 @@ def test_a_taken_port_is_named_with_its_key_before_anything_starts(tmp_path, hel
         assert not list(tmp_path.iterdir()), "nothing may be created for a port that cannot be bound"
 
 
+def test_a_file_the_services_would_read_from_the_environment_is_checked_up_front(tmp_path):
+    res = tandem("run", cwd=tmp_path, env={"TANDEM_ROLLOUT_TLS_CA": "/nope/ca.pem"})
+    assert_one_line_error(res, "rollout.tls.ca='/nope/ca.pem' is not a file")
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_folder_that_is_no_run_folder_is_left_alone(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o755)
