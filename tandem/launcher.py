@@ -103,7 +103,11 @@ CANNOT_START = 2  # what `tandem trainer` / `tandem rollout` exit with for a con
 
 def _changes_on_resume(run_dir: Path, cfg: run_config.RunConfig, accept: bool) -> list:
     """What the resume changes against the folder's config.yaml; ValueError listing them unless accepted."""
-    diff = preflight.changes(run_config.load(run_dir / "config.yaml"), cfg)
+    try:
+        before = run_config.load(run_dir / "config.yaml")
+    except ValueError as e:
+        raise ValueError(f"--run-dir {run_dir}: its config.yaml cannot be compared with this run's: {e}") from None
+    diff = preflight.changes(before, cfg)
     refused = preflight.needs_acceptance(diff)
     if refused and not accept:
         raise ValueError(
