@@ -148,21 +148,25 @@ for run in $RUNS; do
     [ "$left" -lt "$limit" ] && limit=$left
     if [ "$limit" -lt 60 ]; then echo "=== $run: skipped, ${left}s of BUDGET_S left"; continue; fi
   fi
-  rm -rf "$dir" && mkdir -p "$dir"
+  # `tandem run` refuses a non-empty folder that is not a run folder: what the script writes beside the
+  # run goes into $side until the run is over, then into the run folder.
+  side=$E2E_DIR/$run.side
+  rm -rf "$dir" "$side" && mkdir -p "$side"
   samplers=()
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 |
-      while IFS= read -r line; do echo "$(date +%s.%N),$line"; done > "$dir/gpu_util.csv" &
+      while IFS= read -r line; do echo "$(date +%s.%N),$line"; done > "$side/gpu_util.csv" &
     samplers+=($!)
-    gpu_procs > "$dir/gpu_procs.csv" &
+    gpu_procs > "$side/gpu_procs.csv" &
     samplers+=($!)
   fi
   echo "=== $run: tandem run $CONFIG trainer.max_steps=$STEPS ${extra[*]} ${DEVICE_ARGS[*]}"
   start=$(date +%s)
   timeout -s INT -k 60 "$limit" "$PYTHON" -m tandem.cli run "$CONFIG" --run-dir "$dir" model.checkpoint="$MODEL" \
-    trainer.max_steps="$STEPS" "${extra[@]}" "${DEVICE_ARGS[@]}" 2>&1 | tee "$dir/launcher.log"
+    trainer.max_steps="$STEPS" "${extra[@]}" "${DEVICE_ARGS[@]}" 2>&1 | tee "$side/launcher.log"
   rc=${PIPESTATUS[0]}
   for p in "${samplers[@]}"; do kill "$p" 2>/dev/null; done  # nvidia-smi then ends on its closed pipe
+  mkdir -p "$dir" && mv "$side"/* "$dir"/ && rmdir "$side"
   steps=$(wc -l < "$dir/metrics.jsonl" 2>/dev/null || echo 0)
   echo "=== $run: exit $rc after $(( $(date +%s) - start )) s (limit ${limit} s), $steps step(s)"
   # A run cut at its time limit (timeout's 124) after a step or more is bounded, not failed.

@@ -77,7 +77,8 @@ class RunConfig:
     redis_url: str = ""
     """redis://, rediss:// or unix:// URL; empty: `tandem run` starts a private redis-server."""
     num_rollout_workers: int = 2
-    """Rollout worker processes `tandem run` starts (0..64)."""
+    """Rollout worker processes `tandem run` starts (1..64 there; the services started on their own
+    do not read it)."""
     recipe: str = "nvfp4_moe"
     """A built-in recipe name or a recipe YAML file (`tandem plan RECIPE` shows it)."""
     rollout_recipe: str = ""

@@ -1,11 +1,13 @@
 """`tandem run`: one machine, separate processes: a private redis-server (unless the config
 names a Redis URL), the trainer and N rollout workers, exactly the services Kubernetes runs.
 
-The launcher checks the config completely (recipe, model, Redis reachable) before it starts
+The launcher checks the config completely (recipe, model, files, Redis reachable, and what
+tandem.preflight checks: ports, memory, the run folder, a resume's changes) before it starts
 anything, writes the run folder (mode 0700, files 0600: config.yaml resolved with secrets masked,
-logs/ with trainer.log and one log per worker, and what the trainer writes: metrics.jsonl,
-checkpoints/, plots), shows the trainer's progress on the console, and on Ctrl-C or when the
-trainer finishes stops the trainer, then the rollouts with SIGTERM (they drain), then Redis.
+ports.json, logs/ with trainer.log and one log per worker, and what the trainer writes:
+metrics.jsonl, checkpoints/, plots), passes each service its ports, shows the trainer's progress
+on the console, and on Ctrl-C or when the trainer finishes (or a worker cannot start: exit 2)
+stops the trainer, then the rollouts with SIGTERM (they drain), then Redis.
 Every child runs in its own process session, so a terminal's Ctrl-C reaches the launcher alone.
 The private Redis keeps an append-only file in `redis/`: `--run-dir` resumes against the same
 streams and prompt sequence.
@@ -14,6 +16,7 @@ streams and prompt sequence.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +29,7 @@ from broker.local_redis import LocalRedis, LocalRedisConfig
 from broker.signing import SECRET_ENV, write_secret_file
 
 from . import config as run_config
-from . import services
+from . import preflight, services
 from .plots import write_plots
 
 
@@ -95,10 +98,70 @@ def check_redis(url: str, timeout_s: float = 3.0) -> None:
         client.close()
 
 
-def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> int:
+CANNOT_START = 2  # what `tandem trainer` / `tandem rollout` exit with for a config or port they refuse
+
+
+def _changes_on_resume(run_dir: Path, cfg: run_config.RunConfig, accept: bool) -> list:
+    """What the resume changes against the folder's config.yaml; ValueError listing them unless accepted."""
+    try:
+        before = run_config.load(run_dir / "config.yaml")
+    except ValueError as e:
+        raise ValueError(f"--run-dir {run_dir}: its config.yaml cannot be compared with this run's: {e}") from None
+    diff = preflight.changes(before, cfg)
+    refused = preflight.needs_acceptance(diff)
+    if refused and not accept:
+        raise ValueError(
+            f"--run-dir {run_dir} was run with other settings: {preflight.describe(refused)}; "
+            "pass --accept-changes to resume with them (the previous config.yaml is kept in config-history/)"
+        )
+    return diff
+
+
+def _keep_previous_config(run_dir: Path, diff: list) -> None:
+    history = run_dir / "config-history"
+    history.mkdir(exist_ok=True)
+    kept = history / f"config-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+    kept.write_bytes((run_dir / "config.yaml").read_bytes())
+    print(f"[tandem] resuming with changes: {preflight.describe(diff)} (the previous config: {kept})")
+
+
+def _env_overrides() -> list[str]:
+    """What the services will read from this environment (TLS paths, hosts, ...), so that it is checked
+    here first; Redis is the launcher's to choose (its children get the URL it picks)."""
+    redis = ("TANDEM_REDIS_URL", *run_config.REDIS_URL_PARTS)
+    return run_config.env_overrides({k: v for k, v in os.environ.items() if k not in redis})
+
+
+def _port_overrides(ports: dict[str, tuple[str, int]]) -> list[str]:
+    return [f"{key}={port}" for key, (_, port) in ports.items()]
+
+
+def _write_ports(run_dir: Path, ports: dict, redis_url: str) -> None:
+    """ports.json: {service: {key: "host:port"}} and the Redis URL (password masked); printed once."""
+    table = {service: {k: f"{h}:{p}" for k, (h, p) in keys.items()} for service, keys in ports.items()}
+    (run_dir / "ports.json").write_text(json.dumps({**table, "redis": run_config.redact_url(redis_url)}, indent=1))
+    shown = "; ".join(
+        f"{s} " + ", ".join(f"{k.split('.', 1)[1]} {a}" for k, a in keys.items()) for s, keys in table.items()
+    )
+    print(f"[tandem] ports: {shown} (in {run_dir / 'ports.json'})")
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    return lines[-1] if lines else f"no output (see {log})"
+
+
+def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, accept_changes: bool = False) -> int:
     # Everything that can be wrong with the config fails here, before any process or folder exists.
-    cfg = run_config.load(config_path, overrides)
-    services.check(cfg)
+    cfg = run_config.load(config_path, _env_overrides() + overrides)
+    model_config = services.check(cfg)
+    preflight.check_workers(cfg)
+    preflight.check_devices(cfg)
+    preflight.check_memory(cfg, model_config.num_parameters(), cfg.num_rollout_workers)
+    run_dir = Path(run_dir or Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    resuming = preflight.check_run_folder(run_dir)
+    changed = _changes_on_resume(run_dir, cfg, accept_changes) if resuming else []
+    ports = preflight.bind_ports(preflight.port_plan(cfg, cfg.num_rollout_workers))
     if cfg.redis_url:
         check_redis(cfg.redis_url)
     # Ctrl-C and SIGTERM both stop the run in order (explicitly: a shell may have started us
@@ -106,9 +169,10 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     os.umask(0o077)  # the run folder is the user's alone: 0700 folders, 0600 files (children inherit)
-    run_dir = Path(run_dir or Path("runs") / f"{cfg.run_id}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)  # also a folder made by an older version
+    if changed:
+        _keep_previous_config(run_dir, changed)
     redis, trainer, workers, rc = None, None, [], 1
     logs = run_dir / "logs"
     try:
@@ -130,15 +194,32 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str]) -> i
         env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_REDIS_URL": cfg.redis_url}
         for name in run_config.REDIS_URL_PARTS:  # already in the URL
             env.pop(name, None)
+        _write_ports(run_dir, ports, cfg.redis_url)
         common = ["--config", str(resolved)]
-        trainer = _spawn(["trainer", *common, "--run-dir", str(run_dir)], logs / "trainer.log", env, console=True)
+        trainer = _spawn(
+            ["trainer", *common, "--run-dir", str(run_dir), *_port_overrides(ports["trainer"])],
+            logs / "trainer.log",
+            env,
+            console=True,
+        )
         workers = [
-            _spawn(["rollout", *common, "--worker-id", f"w{i}"], logs / f"rollout-w{i}.log", env)
+            _spawn(
+                ["rollout", *common, "--worker-id", f"w{i}", *_port_overrides(ports[f"w{i}"])],
+                logs / f"rollout-w{i}.log",
+                env,
+            )
             for i in range(cfg.num_rollout_workers)
         ]
         while True:
             rc = trainer.poll()
             if rc is not None:
+                break
+            unstarted = [i for i, w in enumerate(workers) if w.poll() == CANNOT_START]
+            if unstarted:  # a port taken since the check, a file gone: the run cannot be what was asked
+                log = logs / f"rollout-w{unstarted[0]}.log"
+                print(f"[tandem] rollout worker w{unstarted[0]} could not start: {_last_line(log)}", file=sys.stderr)
+                _stop([trainer])
+                rc = CANNOT_START
                 break
             dead = [i for i, w in enumerate(workers) if w.poll() is not None]
             if dead and len(dead) == len(workers):

@@ -30,6 +30,7 @@ from trainer.publisher import PublishError
 from trainer.service import Trainer
 
 from .config import ModelSection, RunConfig, dump
+from .preflight import check_ports
 
 
 def model_config_for(model: ModelSection, vocab_size: int) -> ModelConfig:
@@ -97,9 +98,11 @@ def initial_weights(cfg: RunConfig):
     return lambda model: load_hf_into(model, cfg.model.checkpoint)
 
 
-def check(cfg: RunConfig) -> None:
-    """Everything about `cfg` that can be checked without Redis or a process: the task, the model
-    preset and overrides, the recipe and its plan for that model. ValueError names the problem."""
+def check(cfg: RunConfig) -> ModelConfig:
+    """Everything about `cfg` that can be checked without Redis or a process: the files it names,
+    the task, the model preset and overrides, the recipe and its plan for that model. ValueError
+    names the problem; returns the model's config."""
+    check_files(cfg)
     try:
         task, model_config, recipe = task_and_model(cfg)
     except TypeError as e:  # a model override of the wrong type
@@ -110,6 +113,17 @@ def check(cfg: RunConfig) -> None:
         if not callable(getattr(task, "heldout_prompt", None)):
             raise ValueError(f"trainer.eval_every: task {cfg.task.name!r} has no heldout_prompt(index) (rollout.tasks)")
         task.heldout_prompt(0)  # a split with no held-out prompt says so here
+    return model_config
+
+
+def check_files(cfg: RunConfig) -> None:
+    """Every file path of `cfg` that is set names a file: the TLS PEMs, the run secret (and its
+    secret readable)."""
+    missing = [f"trainer.{m}" for m in cfg.trainer.tls.missing_files()]
+    missing += [f"rollout.{m}" for m in cfg.rollout.tls.missing_files()]
+    if missing:
+        raise ValueError("; ".join(missing))
+    load_signer(cfg.run_secret_file, environ={})
 
 
 def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
@@ -182,6 +196,7 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
 
 
 def serve_trainer(cfg: RunConfig, run_dir) -> int:
+    check_ports(cfg, "trainer")  # a port another program holds: one line naming the key (exit 2)
     trainer = make_trainer(cfg, run_dir)
 
     async def main():
@@ -194,6 +209,7 @@ def serve_trainer(cfg: RunConfig, run_dir) -> int:
 
 
 def serve_rollout(cfg: RunConfig, worker_id: str) -> int:
+    check_ports(cfg, "rollout")
     worker = make_worker(cfg, worker_id)
 
     async def main():

@@ -301,6 +301,9 @@ class Trainer:
             )
         try:
             await self._restore_or_warm_start()
+            if self._stop.is_set() and not self.state.version:
+                self.log("stopped during the warm start: nothing saved, a restart warms up again")
+                return 0
             await self._reconcile_prompts()
             t_publish = time.perf_counter()
             await self._publish()
@@ -474,15 +477,20 @@ class Trainer:
             self.backend.init_weights(self.init_weights)
             self.log(f"initial weights loaded ({time.perf_counter() - t0:.1f}s)")
         if self.cfg.warmstart_steps:
-            warm_start(
+            # On a thread, so that the event loop takes a stop request (a signal) between its steps.
+            losses = await asyncio.to_thread(
+                warm_start,
                 self.backend,
                 self.warm_start_example,
                 steps=self.cfg.warmstart_steps,
                 batch=self.cfg.warmstart_batch,
                 lr=self.cfg.warmstart_lr,
                 pad_id=self.pad_id,
+                stop=self._stop.is_set,
                 log=self.log,
             )
+            if len(losses) < self.cfg.warmstart_steps:
+                return  # stopped: nothing saved, a restart warms up again
         self.state.version = self._weights_version = 1
         if self.cfg.checkpoint_every:
             self._save_checkpoint()

@@ -42,9 +42,11 @@ def warm_start(
     warmup: int = 0,
     kind: str = "constant",
     autocast_dtype: torch.dtype | None = None,
+    stop: Callable[[], bool] = lambda: False,
     log: Callable[[str], None] = print,
 ) -> list[float]:
-    """Train `model` in place; returns the loss of every step."""
+    """Train `model` in place; returns the loss of every step taken: `stop()` is asked before each
+    step, and True ends the warm start there (fewer losses than `steps`)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_factor(t, steps=steps, warmup=warmup, kind=kind))
     device = next(model.parameters()).device
@@ -52,6 +54,9 @@ def warm_start(
     t0 = time.time()
     model.train()
     for step in range(steps):
+        if stop():
+            log(f"warm start stopped after step {step}/{steps}")
+            break
         prompts, answers = zip(*(sample() for _ in range(batch)))
         tokens, targets, attn, mask = (t.to(device) for t in pack(prompts, answers, pad_id))
         with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):

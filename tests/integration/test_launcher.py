@@ -255,3 +255,73 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
     res = subprocess.run(probe + ["--version", "999"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "holds the weights of version 999 (kept: " in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_ports_in_the_run_folder_a_resume_that_changes_the_lr_and_ctrl_c_in_the_warm_start(tmp_path):
+    """One launch: a run folder whose config.yaml had another lr, resumed with --accept-changes
+    (the old config kept, the change printed); a fixed rollout.metrics_port shared by two workers
+    (w0 binds it, w1 the next), free ports for the trainer, all in ports.json and printed once;
+    then Ctrl-C in the middle of a long warm start, which the trainer takes between two steps."""
+    from broker.local_redis import free_port
+    from tandem import config
+
+    run_dir, console = tmp_path / "run", tmp_path / "console.txt"
+    cfg_path = _config(tmp_path, max_steps=3)
+    run_dir.mkdir()
+    before = config.dump(config.load(cfg_path))
+    (run_dir / "config.yaml").write_text(before)
+    base = free_port()
+    long_warm_start = ["trainer.lr=0.01", "trainer.warmstart_steps=100000", f"rollout.metrics_port={base}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "run", str(cfg_path), "--run-dir", str(run_dir), *long_warm_start]
+        + ["--accept-changes"],
+        stdout=open(console, "ab"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    logs = run_dir / "logs"
+    try:
+        _wait(lambda: "warm start step 1/100000" in _text(logs / "trainer.log"), "the warm start", 180, proc, console)
+        ports = json.loads((run_dir / "ports.json").read_text())
+        assert ports["w0"] == {"rollout.metrics_port": f"127.0.0.1:{base}"}
+        assert ports["w1"] == {"rollout.metrics_port": f"127.0.0.1:{base + 1}"}
+        trainer = ports["trainer"]
+        assert set(trainer) == {"trainer.grpc_port", "trainer.metrics_port"} and ports["redis"].startswith("redis://")
+        assert all(int(a.rsplit(":", 1)[1]) > 0 for a in trainer.values())
+        # each service bound what ports.json says
+        for w, port in (("w0", base), ("w1", base + 1)):
+            _wait(
+                lambda w=w: _port(logs / f"rollout-{w}.log", r"metrics \(Prometheus\) on port (\d+)"),
+                f"{w}'s metrics port",
+                60,
+                proc,
+                console,
+            )
+            assert _port(logs / f"rollout-{w}.log", r"metrics \(Prometheus\) on port (\d+)") == str(port)
+        trainer_log = _text(logs / "trainer.log")
+        assert f"Prometheus port {trainer['trainer.metrics_port'].rsplit(':', 1)[1]}" in trainer_log
+        assert f"policy server on {trainer['trainer.grpc_port']};" in trainer_log
+        out = console.read_text()
+        assert out.count("[tandem] ports: ") == 1 and f"w1 metrics_port 127.0.0.1:{base + 1}" in out
+        assert "trainer.lr: 0.0003 -> 0.01" in out and "trainer.warmstart_steps: 5 -> 100000" in out
+        (kept,) = (run_dir / "config-history").iterdir()
+        assert kept.read_text() == before
+        assert config.load(run_dir / "config.yaml").trainer.lr == 0.01
+
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at the terminal
+        assert proc.wait(timeout=120) == 130, console.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    trainer_log = _text(logs / "trainer.log")
+    assert re.search(r"warm start stopped after step \d+/100000", trainer_log), trainer_log[-2000:]
+    assert "stopped during the warm start: nothing saved" in trainer_log
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("*.pt"))
+    for log in [console, *logs.glob("*.log")]:
+        assert "Traceback" not in log.read_text(), f"{log.name}:\n{log.read_text()[-3000:]}"
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

@@ -80,3 +80,21 @@ def test_warm_start_under_autocast_computes_with_the_current_weights():
         logp = model.token_logprobs(tokens, targets, attention_mask=attn)
     assert float(-(logp * mask).sum() / mask.sum()) == pytest.approx(losses[-1], abs=1e-4)
     assert losses[-1] != pytest.approx(losses[0], abs=1e-2)  # the weights moved
+
+
+def test_a_stop_request_ends_the_warm_start_between_steps():
+    task = AdditionTask(digits=1, seed=0)
+    model = Transformer(ModelConfig.preset("tiny", n_layers=1, vocab_size=max(64, task.tokenizer.vocab_size)), seed=0)
+    rng, asked, lines = random.Random(0), [], []
+
+    def example():
+        p = task.example(rng)
+        return p.tokens, p.reference
+
+    def stop() -> bool:  # asked before each step: True at the fourth question
+        asked.append(1)
+        return len(asked) == 4
+
+    losses = warm_start(model, example, steps=1000, batch=2, lr=1e-3, pad_id=0, stop=stop, log=lines.append)
+    assert len(losses) == 3 and len(asked) == 4 and lines[-1] == "warm start stopped after step 3/1000"
+    assert not model.training  # left in eval mode, as after a whole warm start
