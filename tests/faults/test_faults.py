@@ -110,7 +110,7 @@ def test_redis_restart_with_aof(tmp_path, redis_server, run_id):
 
 
 def test_redis_wiped_mid_run_and_between_resumes(tmp_path, redis_server, run_id):
-    """Defect 9: a private Redis without persistence loses everything, once between two resumes (the
+    """A private Redis without persistence loses everything, once between two resumes (the
     workers running), then twice while the trainer and the workers run: restarted with no data, and
     FLUSHALL. The checkpoint alone keeps prompts from being lost or trained twice; no worker exits;
     every loss is seen (a retried write cannot hide it) and the backlog stays within its bound."""
@@ -123,20 +123,19 @@ def test_redis_wiped_mid_run_and_between_resumes(tmp_path, redis_server, run_id)
         redis_server.start()
         run.start_trainer(f"trainer.max_steps={max_steps}")
         run.wait_steps(4)
-        t_fault = time.time()
         redis_server.wipe()  # mid-run: restarted without its data
         redis_server.start()
+        t_fault = time.time()  # Redis is back, empty: the trainer's next feed round must see the loss
+        _wait_for_line(run, "trainer", "Redis lost its data", 2)
         recovery.append(run.wait_step_after(t_fault))
-        # At once (every step starts with a feed round, which must see it), with the workers stopped:
-        # nobody makes the prompts group again, so the trainer's feed rounds find none for a while.
-        seen = run.log_tail("trainer", 1 << 20).count("Redis lost its data")
-        assert seen == 2, f"{seen} of 2 losses seen:\n{run.log_tail('trainer')}"
+        # Then FLUSHALL with the workers stopped: nobody makes the prompts group again, so the trainer's
+        # feed rounds find none for a while.
         for p in run.workers.values():
             p.send_signal(signal.SIGSTOP)
         try:
             with redis.Redis(port=redis_server.port, socket_timeout=5.0) as r:
                 r.flushall()  # mid-run: emptied without a restart (no connection drops)
-            _wait_for_line(run, "trainer", "Redis lost its data", seen + 1)
+            _wait_for_line(run, "trainer", "Redis lost its data", 3)
             time.sleep(1.5)  # three more feed rounds (a 0.5 s read each) without a prompts group
         finally:
             for p in run.workers.values():
