@@ -179,8 +179,7 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
     two more steps passed: twice while a publish waits for its reply (the child stopped first,
     _stop_during_a_synchronous_publish), once at a random moment. Every kill is survived: the
     replacement gets the versions the dead one held and the in-flight publish; the run completes,
-    exactly-once, with no publish failure and no traceback. (Before the fix a kill during a publish ended
-    the trainer: PublishError, BrokenPipe or ServerProcessGone.)"""
+    exactly-once, with no publish failure and no traceback."""
     max_steps = 20
     run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=max_steps, policy_server_process=True))
     kills = []
