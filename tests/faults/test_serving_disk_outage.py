@@ -218,9 +218,10 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
 def test_redis_gone_past_the_bound_ends_every_service_with_3_and_one_line(tmp_path, redis_server, run_id):
     """`tandem run` (trainer + worker w0; synchronous, serving child on) and a worker started on its
     own (w9), against a Redis SIGKILLed for good while the trainer waits for a publish (its serving
-    child stopped, continued once Redis is gone), so that the trainer's outage surfaces inside a
-    PublishError (a traceback and exit 1 before). Past redis_outage_s (3 s): the launcher and w9
-    exit 3; the launcher, the trainer and w9 each say so in one line; no traceback anywhere."""
+    child stopped, continued once Redis is gone), so that the outage may surface inside a
+    PublishError (tests/unit/test_atomic.py checks that it is found there). Past redis_outage_s (3 s):
+    the launcher and w9 exit 3; the launcher, the trainer and w9 each say so in one line; no
+    traceback anywhere."""
     sync = ["redis_outage_s=3", "loop.max_staleness=0"]
     cfg = config(tmp_path, run_id, redis_server.url, max_steps=200, workers=1, policy_server_process=True)
     run_dir, console, w9_log = tmp_path / "run", tmp_path / "console.log", tmp_path / "w9.log"
@@ -256,7 +257,9 @@ def test_redis_gone_past_the_bound_ends_every_service_with_3_and_one_line(tmp_pa
                 p.wait()
     out, w9_out = console.read_text(), w9_log.read_text()
     assert codes == {"tandem run": 3, "w9": 3}, (codes, out[-3000:], w9_out[-3000:])
-    assert re.search(r"\[trainer\] publishing version \d+ failed: RedisOutage", out), out[-3000:]
+    # Which Redis call meets the outage first (the publish's announce, or the trainer's own feed or
+    # heartbeat) is a race under load; a publish that failed, failed by the outage.
+    assert set(re.findall(r"\[trainer\] publishing version \d+ failed: (\w+)", out)) <= {"RedisOutage"}, out[-3000:]
     for prefix, text, says in (
         ("[tandem]", out, r"Redis at redis://127\.0\.0\.1:\d+/0 unreachable for more than redis_outage_s=3s"),
         ("[trainer]", out, r"redis unreachable for 3\.\ds \(redis_outage_s=3\)"),
