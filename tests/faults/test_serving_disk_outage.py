@@ -43,13 +43,15 @@ def _tmpfs(folder: Path, size: str):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.decode().strip()}")
     try:
+        (folder / "filler").touch()  # for _fill
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def _fill(folder: Path) -> Path:
-    """Fill the file system of `folder` to the last byte: a real ENOSPC for the next write there."""
+    """Fill the file system of `folder` to the last byte: a real ENOSPC for the next write there. The
+    filler file exists from the mount on (`_tmpfs`): on a full tmpfs even creating a file fails."""
     filler = folder / "filler"
     with open(filler, "ab") as f:
         try:
@@ -97,7 +99,7 @@ def test_a_full_disk_during_checkpoints_keeps_the_previous_one_and_training_goes
             newest = latest_checkpoint(ckpts)
             assert newest.name == f"step-{failed[2]}.pt"
             assert torch.load(newest, map_location="cpu", weights_only=True)["state"]["step"] == int(failed[2])
-            filler.unlink()  # room again: the next checkpoint is written
+            filler.write_bytes(b"")  # room again: the next checkpoint is written
             written = _wait_line(run, r"step +(\d+)/", after=again.end())
             deadline = time.monotonic() + 60
             while latest_checkpoint(ckpts).name <= f"step-{int(written[1]):06d}.pt":
@@ -116,7 +118,7 @@ def test_a_full_disk_during_checkpoints_keeps_the_previous_one_and_training_goes
             assert end, run.log_tail("trainer")
             resume_at = int(end[2])
             assert latest_checkpoint(ckpts).name == f"step-{resume_at:06d}.pt" and not list(ckpts.glob("*.tmp"))
-            filler.unlink()
+            filler.write_bytes(b"")
             (ckpts / f"step-{resume_at + 1:06d}.pt.tmp").write_bytes(b"cut short")  # a killed trainer's
             max_steps = resume_at + 3
             run.start_trainer(f"trainer.max_steps={max_steps}")
