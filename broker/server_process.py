@@ -62,6 +62,7 @@ from policy import manifest as mf
 
 MAX_MESSAGE = mf.MAX_MANIFEST_BYTES + (1 << 16)
 REPLY_TIMEOUT_S = 120.0  # a publish installs in the child's event loop (PolicyServer.publish: <= 30 s)
+SLOW_REPLY_S = 3.0  # a reply this late is logged once (a stopped or swapped-out child), then waited for
 T = TypeVar("T")
 ATTEMPTS = 3  # children one request is sent to before it fails: a child that dies at every attempt ends it
 
@@ -235,7 +236,7 @@ class PolicyServerProcess:
         if new:
             ipc.send_fd(self._conn, host.fd)
             self._mapped.add(host.id)
-        return bool(self._reply("PUBLISH")["installed"])
+        return bool(self._reply(f"PUBLISH of version {policy.manifest.version}")["installed"])
 
     def _request(self, kind: str) -> dict:
         ipc.send(self._conn, kind)
@@ -243,9 +244,13 @@ class PolicyServerProcess:
 
     def _reply(self, what: str) -> dict:
         try:
-            kind, payload = self._replies.get(timeout=REPLY_TIMEOUT_S)
+            kind, payload = self._replies.get(timeout=SLOW_REPLY_S)
         except queue.Empty:
-            raise TimeoutError(f"policy server process: no reply to {what} in {REPLY_TIMEOUT_S:.0f} s") from None
+            self.log(f"policy server process {self.pid}: no reply to {what} in {SLOW_REPLY_S:.0f} s: still waiting")
+            try:
+                kind, payload = self._replies.get(timeout=REPLY_TIMEOUT_S - SLOW_REPLY_S)
+            except queue.Empty:
+                raise TimeoutError(f"policy server process: no reply to {what} in {REPLY_TIMEOUT_S:.0f} s") from None
         if kind == "OK":
             return json.loads(payload)
         if kind == "GONE":

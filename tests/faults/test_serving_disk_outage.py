@@ -146,20 +146,36 @@ def _child_of(pid: int, marker: bytes) -> int | None:
 SERVER_CHILD = b"broker.server_process"  # the trainer's policy-server child (broker/server_process.py)
 
 
-def _stop_during_a_synchronous_publish(child: int, metrics: Path, worker_logs: list[Path], tries: int = 10) -> None:
-    """SIGSTOP the serving child so that the trainer (max_staleness 0) waits for a publish. Step k's
-    line (policy_version k+1) is written once v(k+1) is announced; a worker then fetches it, and
-    with it live, step k+1 trains and its publish waits. With the child stopped before a worker had
-    v(k+1), the workers' fetches wait instead (and the trainer for samples): continue it and retry."""
+def _newest_live(worker_log: Path) -> int:
+    """The newest version a worker's log says went live (0: none yet)."""
+    text = worker_log.read_text() if worker_log.exists() else ""
+    return max((int(v) for v in re.findall(r"policy v(\d+) live", text)), default=0)
+
+
+def _stop_during_a_synchronous_publish(
+    child: int, metrics: Path, trainer_log: Path, worker_logs: list[Path], tries: int = 5
+) -> None:
+    """SIGSTOP the serving child while the trainer (max_staleness 0) publishes. Step k's line
+    (policy_version k+1) is written once v(k+1) is announced; once every worker has v(k+1) live,
+    step k+1 trains and the publish of v(k+2) waits for the stopped child, which the trainer says
+    (PolicyServerProcess: "no reply to PUBLISH of version ..."). With no such line in 20 s (the
+    child stopped while a worker still fetched from it), it is continued and the next step tried."""
     for _ in range(tries):
-        os.kill(child, signal.SIGSTOP)
-        time.sleep(3.0)
         k = len(lines(metrics))
-        if any(p.exists() and re.search(rf"policy v{k + 1} live", p.read_text()) for p in worker_logs):
-            return
+        deadline = time.monotonic() + 60
+        while min(_newest_live(p) for p in worker_logs) <= k:
+            assert time.monotonic() < deadline, f"no worker had v{k + 1} live in 60 s"
+            time.sleep(0.05)
+        mark = len(trainer_log.read_text())
+        os.kill(child, signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if re.search(r"no reply to PUBLISH of version \d+ in", trainer_log.read_text()[mark:]):
+                return
+            time.sleep(0.1)
         os.kill(child, signal.SIGCONT)
         deadline = time.monotonic() + 60
-        while len(lines(metrics)) == k:
+        while len(lines(metrics)) <= k:
             assert time.monotonic() < deadline, f"no step after step {k} in 60 s"
             time.sleep(0.05)
     raise AssertionError(f"the trainer never waited for a publish in {tries} tries")
@@ -197,7 +213,10 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
                 run.wait_steps(run.steps() + 2)  # the workers caught up
             if kind == "mid_publish":
                 _stop_during_a_synchronous_publish(
-                    child, run.run_dir / "metrics.jsonl", [run.logs / f"{w}.log" for w in run.workers]
+                    child,
+                    run.run_dir / "metrics.jsonl",
+                    run.logs / "trainer.log",
+                    [run.logs / f"{w}.log" for w in run.workers],
                 )
             else:
                 time.sleep(random.uniform(0.0, 1.0))
@@ -211,7 +230,7 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
     replaced = re.findall(r"policy server process \d+ exited \(-9\): started a new one .* with versions \[(.*)\]", log)
     assert len(replaced) == len(kills) and all(replaced), log[-3000:]  # each with the versions it held
     during = len(re.findall(r"exited \(-9\) during publishing version", log))
-    assert during >= kills.count("mid_publish"), log[-3000:]
+    assert during >= kills.count("mid_publish"), log[-3000:]  # each stopped one had a publish waiting
     assert "failed" not in log and "Traceback" not in log, log[-3000:]
     figures = audit(run.run_dir, max_steps)
     report("serving_child_killed", faults=len(kills), during_publish=during, **figures)
@@ -245,7 +264,7 @@ def test_redis_gone_past_the_bound_ends_every_service_with_3_and_one_line(tmp_pa
             time.sleep(0.1)
         child = _child_of(_child_of(launcher.pid, b"tandem.cli\0trainer"), SERVER_CHILD)
         _stop_during_a_synchronous_publish(
-            child, run_dir / "metrics.jsonl", [run_dir / "logs" / "rollout-w0.log", w9_log]
+            child, run_dir / "metrics.jsonl", console, [run_dir / "logs" / "rollout-w0.log", w9_log]
         )
         redis_server.stop(kill=True)
         t_down = time.monotonic()

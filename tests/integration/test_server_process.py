@@ -156,7 +156,10 @@ def test_a_publish_whose_child_dies_under_it_goes_to_the_replacement(tensors, po
         result = []
         publishing = threading.Thread(target=lambda: result.append(server.publish(framed(3, tensors, pool))))
         publishing.start()
-        time.sleep(0.5)  # the publish is sent and waits for the stopped child's reply
+        deadline = time.monotonic() + 30
+        while not any(f"{old}: no reply to PUBLISH of version 3 in" in ln for ln in lines):
+            assert time.monotonic() < deadline, lines  # the publish waits for the stopped child's reply
+            time.sleep(0.05)
         os.kill(old, signal.SIGKILL)
         publishing.join(timeout=60)
         assert result == [True]
