@@ -2,8 +2,10 @@
 validation; each problem is a ValueError whose one line names the key, value, port or folder.
 
 1. Ports: every listening port of the run, by its key (-1 = off: none). Worker i binds a fixed
-   `rollout.*port` P at P + i; 0 is a free port the launcher picks. Two keys fixed to one port
-   are refused, naming both; a fixed port another program holds is refused (bind test).
+   `rollout.*port` P at P + i; 0 is a free port the launcher picks below the kernel's ephemeral
+   range (where no program's port 0 or outgoing connection lands between the pick and the
+   service's bind). Two keys fixed to one port are refused, naming both; a fixed port another
+   program holds is refused (bind test).
 2. Memory: at least 16 bytes a parameter for the trainer (fp32 weights, gradients, two AdamW
    moments) and 4 for each rollout worker on the CPU (its dequantized fp32 weights), summed per
    device; more than that device's memory is refused with both figures.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -70,9 +73,15 @@ def port_plan(cfg: RunConfig, workers: int) -> dict[str, dict[str, tuple[str, in
 
 def bind_ports(plan: dict[str, dict[str, tuple[str, int]]]) -> dict[str, dict[str, tuple[str, int]]]:
     """`plan` with every fixed port checked free (bind test) and every 0 replaced by a free port."""
+    taken = {port for ports in plan.values() for _, port in ports.values() if port}
     out = {}
     for service, ports in plan.items():
-        out[service] = {k: (host, _bind_test(host, port, _what(service, k, port))) for k, (host, port) in ports.items()}
+        out[service] = {}
+        for key, (host, port) in ports.items():
+            what = _what(service, key, port)
+            bound = _bind_test(host, port, what) if port else _pick_port(host, what, taken)
+            taken.add(bound)
+            out[service][key] = (host, bound)
     return out
 
 
@@ -84,8 +93,32 @@ def _what(service: str, key: str, port: int) -> str:
     return f"{key}={port - index} ({service}'s port {port})" if index else f"{key}={port}"
 
 
+PICK_FROM = 10000  # the lowest port the launcher picks for 0 (rule 1)
+
+
+def _below_ephemeral() -> range:
+    """Ports from PICK_FROM up to the kernel's ephemeral range (empty where it starts lower)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return range(PICK_FROM, low)
+
+
+def _pick_port(host: str, what: str, taken: set[int]) -> int:
+    """A free port on `host` below the ephemeral range and not in `taken` (rule 1); the kernel's
+    choice if none is found."""
+    free = [p for p in _below_ephemeral() if p not in taken]
+    for port in random.sample(free, min(50, len(free))):
+        try:
+            return _bind_test(host, port, what)
+        except ValueError:
+            continue
+    return _bind_test(host, 0, what)
+
+
 def _bind_test(host: str, port: int, what: str) -> int:
-    """The port bound on `host` (a free one for 0), released again; ValueError naming `what`."""
+    """The port bound on `host` (the kernel's choice for 0), released again; ValueError naming `what`."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no owner

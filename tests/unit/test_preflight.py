@@ -25,6 +25,17 @@ def test_worker_ports_are_the_base_plus_the_index_and_free_ports_stay_free():
     assert plan["w0"] == {"rollout.metrics_port": ("127.0.0.1", 0)}
 
 
+def test_free_ports_are_picked_apart_below_the_ephemeral_range():
+    """Port 0 becomes a port no program's own port 0 (or outgoing connection) can take before the
+    service binds it: below /proc/sys/net/ipv4/ip_local_port_range, one per key."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    plan = preflight.port_plan(cfg("trainer.metrics_port=0", "trainer.health.port=0", "rollout.health.port=0"), 8)
+    bound = preflight.bind_ports(plan)
+    ports = [port for keys in bound.values() for _, port in keys.values()]
+    assert len(ports) == 1 + 2 + 8 * 2 and len(set(ports)) == len(ports)
+    assert all(preflight.PICK_FROM <= p < low for p in ports), ports
+
+
 def test_two_keys_on_one_port_are_refused_naming_both():
     with pytest.raises(ValueError, match=r"trainer.grpc_port=9000 and trainer.metrics_port=9000: one port"):
         preflight.port_plan(cfg("trainer.grpc_port=9000", "trainer.metrics_port=9000"), workers=1)
