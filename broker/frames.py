@@ -45,6 +45,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -139,14 +140,17 @@ def manifest_layout(manifest: manifest_pb2.Manifest) -> FrameLayout:
 # -- host buffers --------------------------------------------------------------------------------------
 
 
-def page_lock(arr: np.ndarray) -> int:
+def page_lock(arr: np.ndarray) -> Callable[[], None]:
     """Page-lock `arr`'s memory in place (cudaHostRegister: host-to-device copies from it run at DMA
-    speed); the CUDA error code, 0 when done. `page_unlock(arr.ctypes.data)` undoes it."""
-    return int(torch.cuda.cudart().cudaHostRegister(arr.ctypes.data, arr.nbytes, 0))
-
-
-def page_unlock(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
+    speed); OSError naming the CUDA error if it cannot. The registration ends when the returned
+    function is called or when `arr` is freed, whichever comes first: CUDA must never keep a
+    registration of freed memory, or copies into memory later allocated at those addresses fail
+    ("CUDA error: invalid argument")."""
+    address = arr.ctypes.data
+    rc = int(torch.cuda.cudart().cudaHostRegister(address, arr.nbytes, 0))
+    if rc != 0:
+        raise OSError(f"cudaHostRegister of {arr.nbytes} bytes failed (cudaError {rc})")
+    return weakref.finalize(arr, torch.cuda.cudart().cudaHostUnregister, address)
 
 
 class HostBuffer:
@@ -161,7 +165,7 @@ class HostBuffer:
     def __init__(self, capacity: int, *, pin: bool, shared: bool = False):
         self.capacity, self.id = capacity, next(HostBuffer._ids)
         self.fd = -1
-        self._registered = 0
+        self._unlock: Callable[[], None] | None = None
         self._keep = self._mmap = None
         if shared:
             self.fd, self._mmap = ipc.shared_memory("tandem-policy-frames", max(capacity, 1))
@@ -170,23 +174,21 @@ class HostBuffer:
             arr = np.empty(capacity, dtype=np.uint8)
         self.pinned = False
         if pin and capacity:
-            rc = page_lock(arr)
-            if rc == 0:
-                self._registered, self.pinned = arr.ctypes.data, True
-            elif shared:
-                log.warning("cudaHostRegister of %d shared bytes failed (cudaError %d); unpinned", capacity, rc)
-            else:
-                log.warning(
-                    "cudaHostRegister of %d bytes failed (cudaError %d); using torch pinned memory", capacity, rc
-                )
-                self._keep = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-                arr, self.pinned = self._keep.numpy(), True
+            try:
+                self._unlock, self.pinned = page_lock(arr), True
+            except OSError as e:
+                if shared:
+                    log.warning("%s; shared buffer unpinned", e)
+                else:
+                    log.warning("%s; using torch pinned memory", e)
+                    self._keep = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+                    arr, self.pinned = self._keep.numpy(), True
         self.array = arr
 
     def close(self) -> None:
-        if self._registered:
-            page_unlock(self._registered)
-            self._registered = 0
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -48,7 +48,7 @@ import numpy as np
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from broker.frames import page_lock, page_unlock
+from broker.frames import page_lock
 from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ClientTLS, TLSHandshakeError, handshake_problem
 from policy.manifest import (
@@ -214,6 +214,7 @@ class ReceiveBuffers:
         self.pinned = pinned
         self._key: tuple | None = None
         self._slab: np.ndarray | None = None
+        self._unlock: Callable[[], None] | None = None
         self._views: dict[str, np.ndarray] = {}
         self.allocations = 0  # slabs allocated so far (1 while the layout stays the same)
 
@@ -225,7 +226,7 @@ class ReceiveBuffers:
             offsets, total = self.offsets(sizes)
             self._slab = self._allocate(max(total, 1))
             if self.pinned:
-                self._pin(self._slab)
+                self._unlock = page_lock(self._slab)
             self._views = {n: self._slab[offsets[n] : offsets[n] + sizes[n]] for n in sizes}
             self._key = key
             self.allocations += 1
@@ -244,16 +245,11 @@ class ReceiveBuffers:
         """A new slab of `nbytes` bytes (process-private memory here; shared memory in subclasses)."""
         return np.empty(nbytes, dtype=np.uint8)
 
-    @staticmethod
-    def _pin(slab: np.ndarray) -> None:
-        rc = page_lock(slab)
-        if rc != 0:
-            raise OSError(f"cudaHostRegister of {slab.nbytes} bytes failed (error {rc})")
-
     def close(self) -> None:
         """Give the slab back (unpinned first)."""
-        if self._slab is not None and self.pinned:
-            page_unlock(self._slab.ctypes.data)
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock = None
         self._slab, self._views, self._key = None, {}, None
 
 

@@ -3,6 +3,9 @@ same bytes and checksums as build_manifest, and staging protects parts that alia
 
 from __future__ import annotations
 
+import gc
+
+import numpy as np
 import pytest
 import torch
 
@@ -63,3 +66,30 @@ def test_staged_parts_aliasing_a_parameter_survive_an_in_place_update():
     f = staged.run()
     got = b"".join(f.data[a:b].tobytes() for a, b in f.layout.tensors[0].data)
     assert got == want.view(torch.uint8).cpu().numpy().tobytes()
+
+
+def test_page_locked_memory_freed_without_unlock_leaves_no_registration():
+    """A page-locked buffer dropped without its unlock (a pool never closed) ends its registration
+    with its memory: host memory later allocated at the same addresses takes device-to-host copies.
+    A registration that outlived its memory made such copies fail ("CUDA error: invalid argument")
+    in whichever later test allocated there."""
+    nbytes = 48 << 20  # mmap-backed: freed memory goes back, and the next allocation reuses its addresses
+    src = torch.arange(nbytes, device="cuda", dtype=torch.int64).to(torch.uint8)
+    for _ in range(3):
+        arr = np.empty(nbytes, dtype=np.uint8)
+        frames.page_lock(arr)  # the unlock dropped on purpose
+        address = arr.ctypes.data
+        del arr
+        gc.collect()
+        again = np.empty(nbytes, dtype=np.uint8)
+        reused = again.ctypes.data == address
+        torch.from_numpy(again).copy_(src)  # pageable: a stale registration here is an invalid argument
+        torch.cuda.synchronize()
+        assert torch.equal(torch.from_numpy(again), src.cpu()), f"bytes differ (addresses reused: {reused})"
+        del again
+    for p in (frames.HostBuffer(nbytes, pin=True), frames.BufferPool(pin=True).acquire(nbytes)):
+        assert p.pinned
+        del p
+    gc.collect()
+    torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).copy_(src)
+    torch.cuda.synchronize()
