@@ -95,6 +95,9 @@ class PolicyServerConfig:
     tls: ServerTLS = field(default_factory=ServerTLS)
     use_uvloop: bool = True
     reflection: bool = False  # gRPC server reflection (grpcurl-style tools can list the services)
+    # SO_REUSEPORT: several servers (broker.server_process.ServingProcesses) listen on one port and
+    # the kernel spreads connections over them. Off, a taken port is an error.
+    reuse_port: bool = False
     start_timeout_s: float = 30.0
     stop_grace_s: float = 2.0
     # Abuse limits: concurrent streams per connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS) and in
@@ -160,8 +163,9 @@ class PolicyServerConfig:
                 )
         if not isinstance(self.run_token, str):
             bad.append("run_token must be a string")
-        if not isinstance(self.serve_unauthenticated, bool):
-            bad.append(f"serve_unauthenticated={self.serve_unauthenticated!r} must be a bool")
+        for name in ("serve_unauthenticated", "reuse_port"):
+            if not isinstance(getattr(self, name), bool):
+                bad.append(f"{name}={getattr(self, name)!r} must be a bool")
         bad += self.tls.missing_files()
         for name in (
             "start_timeout_s",
@@ -413,7 +417,7 @@ class PolicyServer:
             options=[
                 ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_send_message_bytes),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(cfg.reuse_port)),
                 ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
                 ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
                 ("grpc.keepalive_timeout_ms", 20_000),

@@ -23,6 +23,9 @@ each buffer once (its descriptor passed with SCM_RIGHTS) and serves the frames f
 the child's server has evicted a version and nothing reads it any more, the child says RELEASED and
 the buffer goes back to the trainer's pool (the rule of broker.frames, across the boundary).
 
+ServingProcesses runs several of these on one port (SO_REUSEPORT), each mapping the same buffers: a
+publish goes to all, a buffer returns once every one released it (trainer.policy_server_processes).
+
 Nothing pickled crosses it (broker.ipc: length-prefixed "KIND payload" messages):
     parent -> child   START {config json} | PUBLISH {json}\\n<serialized manifest> (+ the memfd when the
                       child has not mapped that buffer yet) | VERSIONS | STATS | STOP
@@ -40,6 +43,7 @@ ATTEMPTS children in a row, then fails with one ServerProcessGone line.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import mmap
@@ -286,6 +290,90 @@ class PolicyServerProcess:
                 self._ensure_child()
             except Exception as e:  # the next publish or query tries again
                 self.log(f"policy server process: could not start a new one: {type(e).__name__}: {e}")
+
+
+class ServingProcesses:
+    """`processes` policy-server processes (PolicyServerProcess each) on one port: SO_REUSEPORT lets
+    the kernel spread the workers' connections over them, so serving is not one event loop's. Each
+    maps the same framed buffers; a publish goes to all of them (at once, in threads) and a
+    version's buffer returns to its pool once every one has released it. A child that dies is
+    replaced on the port by its own handle, as with one. Limits (max_concurrent_rpcs, the
+    per-peer stream caps) hold per process: N processes admit N times as many streams."""
+
+    def __init__(self, config: PolicyServerConfig, *, processes: int, log: Callable[[str], None] = print):
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise ValueError(f"processes={processes!r} (want an int >= 1)")
+        self.config = dataclasses.replace(config, reuse_port=processes > 1)
+        self.processes, self.log = processes, log
+        self.children: list[PolicyServerProcess] = []
+
+    def start(self) -> int:
+        """Start the children (the first picks the port when it is 0, the rest bind it too); the port."""
+        first = PolicyServerProcess(self.config, log=self.log)
+        port = first.start()
+        self.children = [first]
+        for _ in range(1, self.processes):
+            child = PolicyServerProcess(dataclasses.replace(self.config, port=port), log=self.log)
+            child.start()
+            self.children.append(child)
+        return port
+
+    @property
+    def port(self) -> int:
+        return self.children[0].port
+
+    @property
+    def address(self) -> str:
+        return self.children[0].address
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [c.pid for c in self.children]
+
+    @property
+    def restarts(self) -> int:
+        return sum(c.restarts for c in self.children)
+
+    def publish(self, policy: FramedPolicy) -> bool:
+        """Publish to every child (as PolicyServerProcess.publish; the first child's answer). The
+        buffer goes back to its pool when the last child releases it."""
+        copies = released_by_all(policy, len(self.children))
+        with concurrent.futures.ThreadPoolExecutor(len(self.children)) as pool:
+            results = list(pool.map(lambda cp: cp[0].publish(cp[1]), zip(self.children, copies)))
+        return results[0]
+
+    def versions(self) -> list[int]:
+        return self.children[0].versions()
+
+    def stats(self) -> dict[str, int]:
+        """Every counter summed over the children."""
+        total: dict[str, int] = {}
+        for child in self.children:
+            for k, v in child.stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    prometheus_samples = PolicyServer.prometheus_samples  # of the summed stats()
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop()
+
+
+def released_by_all(policy: FramedPolicy, holders: int) -> list[FramedPolicy]:
+    """`holders` copies of `policy` whose `release` gives its buffer back once all of them called it."""
+    if policy.release is None or holders == 1:
+        return [policy] * holders
+    left, lock = [holders], threading.Lock()
+
+    def release() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            policy.release()
+
+    return [dataclasses.replace(policy, release=release) for _ in range(holders)]
 
 
 # -- the child ----------------------------------------------------------------------------------------

@@ -182,6 +182,9 @@ class TrainerConfig:
     """Serve policies from a child process (broker/server_process.py) instead of a thread of the
     trainer: serving a version holds the GIL for every chunk, which starved the training loop's kernel
     launches to 5% of their rate on the H200 host. null: on CUDA yes, on the CPU no (small versions)."""
+    policy_server_processes: int = 1
+    """With the server in child processes: how many serve the policy port together (SO_REUSEPORT;
+    broker.server_process.ServingProcesses), so that serving is not one event loop's."""
     collect_timeout_s: float = 300.0
     """Give up waiting for trajectories after this long (seconds)."""
     max_abs_reward: float = 1e3
@@ -248,6 +251,17 @@ class TrainerConfig:
             errors.append(f"mps_thread_percentage={self.mps_thread_percentage!r} (an int in [0, 100]; 0 = no limit)")
         if self.policy_server_process is not None and not isinstance(self.policy_server_process, bool):
             errors.append(f"policy_server_process={self.policy_server_process!r} (want true, false or null)")
+        if (
+            isinstance(self.policy_server_processes, bool)
+            or not isinstance(self.policy_server_processes, int)
+            or self.policy_server_processes < 1
+        ):
+            errors.append(f"policy_server_processes={self.policy_server_processes!r} (an int >= 1)")
+        elif self.policy_server_processes > 1 and self.policy_server_process is False:
+            errors.append(
+                f"policy_server_processes={self.policy_server_processes} with policy_server_process=false "
+                "(several serving processes need the server in child processes)"
+            )
         if not self.fetch_deadline_s > 0:
             errors.append(f"fetch_deadline_s={self.fetch_deadline_s} (must be > 0)")
         if not self.stall_s > 0:

@@ -44,7 +44,7 @@ from broker.health import TRAINER_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer, PolicyRegistry
-from broker.server_process import PolicyServerProcess
+from broker.server_process import ServingProcesses
 from broker.signing import Signer, policy_token
 from broker.streams import (
     DATA_FIELD,
@@ -235,7 +235,11 @@ class Trainer:
         )
         cuda = self.device.type == "cuda"
         in_child = cuda if cfg.policy_server_process is None else cfg.policy_server_process
-        self.server = PolicyServerProcess(server_config, log=self.log) if in_child else PolicyServer(server_config)
+        self.server = (
+            ServingProcesses(server_config, processes=cfg.policy_server_processes, log=self.log)
+            if in_child
+            else PolicyServer(server_config)
+        )
         # Versions are framed into reusable page-locked host buffers (shared memory that the server's
         # process maps, when it has one) and published off the step.
         self.buffers = frames.BufferPool(pin=cuda, shared=in_child)

@@ -49,6 +49,7 @@ def _config(tmp: Path, max_steps: int) -> Path:
             "keep_checkpoints": 2,
             "collect_timeout_s": 120.0,
             "policy_server_process": True,  # the CUDA default, here on the CPU: serving from a child process
+            "policy_server_processes": 2,  # two of them on one port (SO_REUSEPORT)
             "lr_schedule": LR_SCHEDULE,
             "eval_every": 2,
             "eval_prompts": 4,
@@ -123,7 +124,7 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
         assert _value(fams, "tandem_trainer_step") >= 2 and _value(fams, "tandem_trainer_policy_version") >= 2
         assert "tandem_trainer_logp_abs_diff_quant_p95" in fams and "process_cpu_seconds" in fams
         assert _value(fams, "tandem_trainer_learning_rate") > 0
-        # The policy server's counters, from its own process (trainer.policy_server_process).
+        # The policy server's counters, summed over its processes (trainer.policy_server_processes).
         assert _value(fams, "tandem_policy_sent_bytes", "tandem_policy_sent_bytes_total") > 0
         for f in fams.values():
             if f.name.startswith("tandem_"):

@@ -17,8 +17,9 @@ from mixed_formats import mixed_tensors  # tests/mixed_formats.py: conftest.py p
 from test_publish_frames import CFG, CONTRACT, assert_bitwise_equal, client, framed
 
 from broker import frames
+from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServerConfig
-from broker.server_process import ATTEMPTS, PolicyServerProcess, ServerProcessGone
+from broker.server_process import ATTEMPTS, PolicyServerProcess, ServerProcessGone, ServingProcesses, released_by_all
 from policy import manifest as M
 
 pytestmark = pytest.mark.integration
@@ -199,4 +200,48 @@ def test_a_child_that_dies_at_every_attempt_fails_the_publish_with_one_error(ten
         assert server.versions() == [1, 2]
     finally:
         stop.set()
+        server.stop()
+
+
+def test_released_by_all_gives_the_buffer_back_after_the_last_holder():
+    calls = []
+    f = frames.FramedPolicy(manifest=None, layout=None, data=None, release=lambda: calls.append(1))
+    copies = released_by_all(f, 3)
+    for c in copies[:2]:
+        c.release()
+    assert calls == []
+    copies[2].release()
+    assert calls == [1]
+    assert released_by_all(dataclasses.replace(f, release=None), 2)[0].release is None
+
+
+def test_several_serving_processes_share_one_port_and_each_buffer(tensors, pool):
+    """Two children on one port (SO_REUSEPORT): a fetch over 16 connections is served by both, bit
+    for bit; an evicted version's buffer returns only once both released it; a killed child is
+    replaced on the port and serves again."""
+    lines = []
+    server = ServingProcesses(PolicyServerConfig(keep_versions=2), processes=2, log=lines.append)
+    server.start()
+    wide = PolicyClientConfig(
+        address=server.address, expected_fingerprint=CONTRACT.fingerprint(), call_timeout_s=10.0,
+        fetch_timeout_s=30.0, retry_backoff_s=0.0, streams=16,
+    )  # fmt: skip
+    try:
+        assert len(set(server.pids)) == 2
+        for v in (1, 2, 3):
+            assert server.publish(framed(v, tensors, pool)) is True
+        wait_for(lambda: pool.free_buffers() == 1)  # v1 evicted by both children
+        assert pool.allocated == 3 and server.versions() == [2, 3]
+        with contextlib.closing(PolicyClient(wide)) as c:
+            assert_bitwise_equal(c.fetch(3).tensors, tensors)
+        per_child = [child.stats()["fetch_streams"] for child in server.children]
+        assert all(n > 0 for n in per_child) and server.stats()["fetch_streams"] == sum(per_child), per_child
+        old = server.pids[1]
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: server.children[1].pid != old and server.children[1].versions() == [2, 3])
+        server.publish(framed(4, tensors, pool))
+        with contextlib.closing(PolicyClient(wide)) as c:
+            assert_bitwise_equal(c.fetch(4).tensors, tensors)
+        assert any(f"{old} exited (-9)" in ln for ln in lines), lines
+    finally:
         server.stop()

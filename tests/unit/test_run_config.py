@@ -53,11 +53,19 @@ def test_demo_config_loads_and_overrides_apply():
         ("rollout.fetch_processes=true", r"rollout.fetch_processes: expected int"),
         ("trainer.mps_thread_percentage=101", r"mps_thread_percentage=101 \(an int in \[0, 100\]"),
         ("trainer.policy_server_process=2", r"policy_server_process=2 \(want true, false or null\)"),
+        ("trainer.policy_server_processes=0", r"policy_server_processes=0 \(an int >= 1\)"),
     ],
 )
 def test_bad_configs_name_the_problem(override, message):
     with pytest.raises(ValueError, match=message):
         config.load(None, [override])
+
+
+def test_several_serving_processes_need_the_server_in_child_processes():
+    bad = ["trainer.policy_server_processes=2", "trainer.policy_server_process=false"]
+    with pytest.raises(ValueError, match="policy_server_processes=2 with policy_server_process=false"):
+        config.load(None, bad)
+    assert config.load(None, bad[:1]).trainer.policy_server_processes == 2
 
 
 def test_yaml_alias_bomb_is_refused_before_it_is_expanded():
