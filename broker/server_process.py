@@ -180,7 +180,7 @@ class PolicyServerProcess:
             target=self._read, args=(proc, conn, self._replies), name="policy-server-ipc", daemon=True
         ).start()
         ipc.send(conn, "START", config_to_json(dataclasses.replace(self.config, port=self._port)))
-        self._port = self._reply("START")["port"]
+        self._port = self._reply("START", slow_s=REPLY_TIMEOUT_S)["port"]  # a child importing is slow
 
     def _on_a_child(self, what: str, request: Callable[[bool], T]) -> T:
         """`request(retry)` on a live child. A child that dies under it is reaped and replaced (with the
@@ -246,13 +246,13 @@ class PolicyServerProcess:
         ipc.send(self._conn, kind)
         return self._reply(kind)
 
-    def _reply(self, what: str) -> dict:
+    def _reply(self, what: str, slow_s: float = SLOW_REPLY_S) -> dict:
         try:
-            kind, payload = self._replies.get(timeout=SLOW_REPLY_S)
+            kind, payload = self._replies.get(timeout=slow_s)
         except queue.Empty:
-            self.log(f"policy server process {self.pid}: no reply to {what} in {SLOW_REPLY_S:.0f} s: still waiting")
+            self.log(f"policy server process {self.pid}: no reply to {what} in {slow_s:.0f} s: still waiting")
             try:
-                kind, payload = self._replies.get(timeout=REPLY_TIMEOUT_S - SLOW_REPLY_S)
+                kind, payload = self._replies.get(timeout=max(REPLY_TIMEOUT_S - slow_s, 0.001))
             except queue.Empty:
                 raise TimeoutError(f"policy server process: no reply to {what} in {REPLY_TIMEOUT_S:.0f} s") from None
         if kind == "OK":
