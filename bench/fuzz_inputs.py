@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import random
 import sys
 import time
@@ -186,14 +187,16 @@ def target_config() -> Callable[[random.Random], None]:
 def target_pointer() -> Callable[[random.Random], None]:
     signer = Signer(b"k" * 32)
     p = PolicyPointer(
-        version=7, address="10.0.0.1:50051", contract_fingerprint="f" * 64, published_at=1.5, content_digest="d" * 64
-    )
-    fields = (str(p.version), p.address, p.contract_fingerprint, repr(p.published_at), p.content_digest)
-    good = {
-        b"version": fields[0].encode(), b"address": fields[1].encode(), b"contract_fingerprint": fields[2].encode(),
-        b"published_at": fields[3].encode(), b"content_digest": fields[4].encode(),
-        b"sig": signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex().encode(),
-    }  # fmt: skip
+        version=7, address="10.0.0.1:50051", contract_fingerprint="f" * 64, published_at=1.5, content_digest="d" * 64,
+        fanout=2, relays=(("w0", "10.0.0.2:7000"), ("w1", "10.0.0.3:7000"), ("w2", "10.0.0.4:7000")),
+    )  # fmt: skip
+    relays = json.dumps([list(r) for r in p.relays], separators=(",", ":"))
+    fields = (
+        str(p.version), p.address, p.contract_fingerprint, repr(p.published_at), p.content_digest, str(p.fanout), relays
+    )  # fmt: skip
+    names = (b"version", b"address", b"contract_fingerprint", b"published_at", b"content_digest", b"fanout", b"relays")
+    good = {name: f.encode() for name, f in zip(names, fields)}
+    good[b"sig"] = signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex().encode()
 
     def one(rng: random.Random) -> None:
         h = dict(good)

@@ -1,8 +1,10 @@
 """Where the current policy is (`policy:latest` + announce channel) and who is alive (heartbeats).
 
-`policy:latest` is a hash {version, address, contract_fingerprint, published_at, content_digest}
-(the manifest's own digest, policy.manifest.manifest_digest, hex: what the worker trusts, whoever
-serves the bytes; signed with the rest, and required by a worker with the run secret). A Lua
+`policy:latest` is a hash {version, address, contract_fingerprint, published_at, content_digest,
+fanout, relays} (content_digest: the manifest's own digest, policy.manifest.manifest_digest, hex:
+what the worker trusts, whoever serves the bytes; fanout and relays: the tree of worker relays the
+version travels over, broker.fanout; all signed together, and a signature is required by a worker
+with the run secret). A Lua
 script updates it only forward (a higher version; or the same version with the same
 fingerprint, e.g. a restarted policy server on a new address) and publishes on the
 announce channel in the same atomic step. Pub/sub is fire-and-forget, so watchers treat a
@@ -31,12 +33,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from broker import fanout
 from broker.keys import Keys, check_name
 from broker.outage import run_script
 from broker.signing import POLICY_POINTER, Signer
 
 _MAX_EXACT_VERSION = 2**53  # Lua compares versions as doubles
 _MAX_INFO_BYTES = 4096
+MAX_FANOUT = 64
+MAX_RELAYS = 4096  # members a pointer names (a pool larger than this fetches past them from the trainer)
 
 _PUBLISH = """
 local cur = redis.call('HGET', KEYS[1], 'version')
@@ -48,8 +53,9 @@ if cur then
   end
 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'address', ARGV[2], 'contract_fingerprint', ARGV[3],
-           'published_at', ARGV[4], 'content_digest', ARGV[5], 'sig', ARGV[8])
-redis.call('PUBLISH', ARGV[6], ARGV[7])
+           'published_at', ARGV[4], 'content_digest', ARGV[5], 'fanout', ARGV[6], 'relays', ARGV[7],
+           'sig', ARGV[10])
+redis.call('PUBLISH', ARGV[8], ARGV[9])
 return 1
 """
 
@@ -61,6 +67,10 @@ class PolicyPointer:
     contract_fingerprint: str
     published_at: float = 0.0
     content_digest: str = ""  # hex manifest_digest of the version's manifest ("": none, refused when signed)
+    # The fan-out tree (broker.fanout): its degree (0: every worker fetches from `address`) and the
+    # members in tree order, each (worker id, its relay's "host:port").
+    fanout: int = 0
+    relays: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         errors = []
@@ -79,8 +89,18 @@ class PolicyPointer:
         d = self.content_digest
         if not isinstance(d, str) or d and (len(d) != 64 or d.strip("0123456789abcdef")):
             errors.append(f"content_digest={str(d)[:80]!r} (want '' or 64 lowercase hex characters)")
+        errors += _relay_errors(self.fanout, self.relays)
         if errors:
             raise ValueError("PolicyPointer: " + "; ".join(errors))
+
+    def sources(self, member: str) -> list[str]:
+        """The addresses `member` fetches this version from, in order (its ancestors' relays, then
+        the trainer's `address`)."""
+        if not self.fanout:
+            return [self.address]
+        relay_of = dict(self.relays)
+        chain = fanout.sources([m for m, _ in self.relays], self.fanout, member)
+        return [relay_of[m] if m != fanout.TRAINER else self.address for m in chain]
 
     def to_json(self) -> str:
         return json.dumps(
@@ -90,11 +110,33 @@ class PolicyPointer:
                 "contract_fingerprint": self.contract_fingerprint,
                 "published_at": self.published_at,
                 "content_digest": self.content_digest,
+                "fanout": self.fanout,
+                "relays": [list(r) for r in self.relays],
             }
         )
 
 
-_SIGNED = (b"version", b"address", b"contract_fingerprint", b"published_at", b"content_digest")
+def _relay_errors(degree: object, relays: object) -> list[str]:
+    if isinstance(degree, bool) or not isinstance(degree, int) or not 0 <= degree <= MAX_FANOUT:
+        return [f"fanout={degree!r} (want an int in [0, {MAX_FANOUT}])"]
+    if not isinstance(relays, tuple) or len(relays) > MAX_RELAYS:
+        return [f"relays: want a tuple of at most {MAX_RELAYS} (worker id, address) pairs"]
+    if relays and not degree:
+        return ["relays without a fanout degree"]
+    bad = [
+        r for r in relays
+        if not (isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, str) and 0 < len(x) <= 256 for x in r))
+        or any(ch.isspace() for ch in "".join(r))
+    ]  # fmt: skip
+    ids = [r[0] for r in relays]
+    if bad:
+        return [f"relays: {str(bad[0])[:80]} is not a (worker id, address) pair of 1-256 characters each"]
+    if len(set(ids)) != len(ids):
+        return ["relays: a worker named twice"]
+    return []
+
+
+_SIGNED = (b"version", b"address", b"contract_fingerprint", b"published_at", b"content_digest", b"fanout", b"relays")
 
 
 def _signed_bytes(*fields: str) -> bytes:
@@ -110,6 +152,8 @@ def parse_pointer(h: dict[bytes, bytes]) -> PolicyPointer | None:
             contract_fingerprint=h[b"contract_fingerprint"].decode(),
             published_at=float(h[b"published_at"]),
             content_digest=h.get(b"content_digest", b"").decode(),
+            fanout=int(h.get(b"fanout", b"0")),
+            relays=tuple(tuple(r) for r in json.loads(h.get(b"relays", b"[]"))),
         )
     except (KeyError, ValueError, UnicodeDecodeError, AttributeError, TypeError):
         return None
@@ -123,7 +167,7 @@ def pointer_signed(h: dict[bytes, bytes], signer: Signer) -> bool:
         signed, tag = _signed_bytes(*fields), bytes.fromhex(h.get(b"sig", b"").decode())
     except (KeyError, ValueError, UnicodeDecodeError, AttributeError):
         return False
-    if not fields[-1]:  # a pointer that does not name its content authenticates nothing of it
+    if not h[b"content_digest"]:  # a pointer that does not name its content authenticates nothing of it
         return False
     return signer.verify(POLICY_POINTER, signed, tag)
 
@@ -148,6 +192,8 @@ class PolicyRegistry:
             pointer.contract_fingerprint,
             repr(float(pointer.published_at)),
             pointer.content_digest,
+            str(pointer.fanout),
+            json.dumps([list(r) for r in pointer.relays], separators=(",", ":")),
         )
         sig = "" if self.signer is None else self.signer.sign(POLICY_POINTER, _signed_bytes(*fields)).hex()
         try:

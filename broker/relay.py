@@ -1,48 +1,22 @@
-"""Rollout workers serving the versions they hold to other workers (relays), and the fan-out tree.
+"""Rollout workers serving the versions they hold to other workers (relays; the tree: broker.fanout).
 
 A worker that fetched and verified a whole version (tp_size 1) serves it to peers with the
 trainer's own server code (broker.policy_server.PolicyServer: the same limits, run token and TLS).
 `reframe` lays the verified bytes out as the TensorChunk messages the trainer served, with the
 manifest's own checksums: nothing is hashed again (every chunk was checked on receipt, and the
 peer that fetches checks each again, so a relay that corrupts a byte is caught by its reader).
-
-The tree (`sources`): with each version the trainer names the pool's members in order; member i
-(0-based) fetches from member i // F - 1, the first F from the trainer itself, so the trainer sends F
-copies of a version whatever the pool's size and a member sits log_F(N) hops deep. A member's
-sources are its ancestors, nearest first, then the trainer (TRAINER): a dead, slow or wrong relay
-sends the fetch on to the next one. A member not named (joined since) fetches from the trainer.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 
 from broker.frames import BufferPool, FramedPolicy, manifest_layout
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from tandem.v1 import manifest_pb2
-
-TRAINER = ""  # the trainer's place in a list of sources
-
-
-def sources(members: Sequence[str], degree: int, member: str) -> list[str]:
-    """Where `member` fetches a version from, in order: its ancestors in the tree of `degree`
-    over `members` (nearest first), then TRAINER."""
-    if degree < 1:
-        raise ValueError(f"fan-out degree {degree} (want >= 1)")
-    if member not in members:
-        return [TRAINER]
-    chain, i = [], list(members).index(member)
-    while (i := i // degree - 1) >= 0:
-        chain.append(members[i])
-    return [*chain, TRAINER]
-
-
-def trainer_children(members: Sequence[str], degree: int) -> list[str]:
-    """The members that fetch from the trainer itself: its egress is len() copies a version."""
-    return list(members[:degree])
 
 
 def reframe(manifest: manifest_pb2.Manifest, tensors: Mapping[str, np.ndarray], pool: BufferPool) -> FramedPolicy:

@@ -10,6 +10,7 @@ import pytest
 
 from broker.keys import Keys
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
+from broker.signing import Signer
 from broker.streams import connect
 
 
@@ -128,3 +129,39 @@ async def test_heartbeat_loop_beats_until_stopped_then_disappears(redis_url, run
         stop.set()
         await asyncio.wait_for(task, 5)
         assert await hb.live() == {}
+
+
+async def test_the_relay_tree_travels_signed_with_the_pointer(redis_url, run_id):
+    """fanout and relays round-trip through policy:latest, signed with the rest: each member's
+    sources are its ancestors' relays, then the trainer; a relay address rewritten in Redis fails
+    the signature, so the pointer is refused."""
+    signer = Signer(b"k" * 32)
+    members = tuple((f"w{i}", f"10.0.0.{i}:7000") for i in range(6))
+    pointer = PolicyPointer(
+        version=4, address="trainer:50051", contract_fingerprint="fp-a", content_digest="ab" * 32, fanout=2,
+        relays=members,
+    )  # fmt: skip
+    async with connect(redis_url) as r:
+        keys = Keys(run_id=run_id)
+        reg = PolicyRegistry(r, keys, signer)
+        assert await reg.publish(pointer)
+        got = await reg.latest()
+        assert (got.fanout, got.relays) == (2, members)
+        assert got.sources("w0") == ["trainer:50051"]
+        assert got.sources("w4") == ["10.0.0.1:7000", "trainer:50051"]
+        assert got.sources("w9") == ["trainer:50051"]  # joined since: from the trainer
+        await r.hset(keys.policy_latest, "relays", '[["w0","evil:1"]]')
+        assert await reg.latest() is None and reg.refused == 1
+
+
+def test_relay_trees_are_validated():
+    base = {"version": 1, "address": "a:1", "contract_fingerprint": "fp"}
+    for fanout, relays, says in (
+        (0, (("w0", "a:2"),), "relays without a fanout degree"),
+        (65, (), r"fanout=65 \(want an int in \[0, 64\]\)"),
+        (2, (("w0", "a:2"), ("w0", "a:3")), "a worker named twice"),
+        (2, (("w0", "a 2"),), "is not a \\(worker id, address\\) pair"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            PolicyPointer(**base, fanout=fanout, relays=relays)
+    assert PolicyPointer(**base).sources("w0") == ["a:1"]

@@ -90,11 +90,11 @@ SIGNER = Signer(b"k" * 32)
 
 
 def pointer_hash(digest: str, *, sign_digest: str | None = None) -> dict[bytes, bytes]:
-    """A policy:latest hash signed as registry.py documents: HMAC over the five fields joined by \\n."""
-    fields = ["7", "10.0.0.1:50051", "f" * 64, "1.5", digest]
-    signed = fields[:4] + [digest if sign_digest is None else sign_digest]
+    """A policy:latest hash signed as registry.py documents: HMAC over its seven fields joined by \\n."""
+    fields = ["7", "10.0.0.1:50051", "f" * 64, "1.5", digest, "0", "[]"]
+    signed = fields[:4] + [digest if sign_digest is None else sign_digest] + fields[5:]
     sig = SIGNER.sign(POLICY_POINTER, "\n".join(signed).encode()).hex()
-    names = (b"version", b"address", b"contract_fingerprint", b"published_at", b"content_digest")
+    names = (b"version", b"address", b"contract_fingerprint", b"published_at", b"content_digest", b"fanout", b"relays")
     return {**{k: v.encode() for k, v in zip(names, fields)}, b"sig": sig.encode()}
 
 

@@ -1,10 +1,10 @@
-"""The fan-out tree of broker.relay, by hand: who fetches from whom, and the trainer's egress."""
+"""The fan-out tree of broker.fanout, by hand: who fetches from whom, and the trainer's egress."""
 
 from __future__ import annotations
 
 import pytest
 
-from broker.relay import TRAINER, sources, trainer_children
+from broker.fanout import TRAINER, sources, trainer_children
 
 POOL = [f"w{i}" for i in range(8)]
 
