@@ -182,6 +182,16 @@ class TrainerConfig:
     """Serve policies from a child process (broker/server_process.py) instead of a thread of the
     trainer: serving a version holds the GIL for every chunk, which starved the training loop's kernel
     launches to 5% of their rate on the H200 host. null: on CUDA yes, on the CPU no (small versions)."""
+    policy_deltas: bool = True
+    """Serve a version as a delta (XOR + zstd per changed tensor, broker/delta.py) against a version the
+    worker holds, when that is smaller than the full version. On by default: every rebuilt tensor is
+    checked against the manifest's checksums (a bad delta is refused and fetched whole), the existing
+    tests pass with it on, and on the demo model a delta is a few percent of a full version
+    (docs/benchmarks.md). Off: every fetch is a full version."""
+    delta_full_every: int = 16
+    """With policy_deltas: every this-many-th publish (the first included) is served only as a full
+    version, so a worker rebuilds at most delta_full_every - 1 versions in a row from deltas. The
+    mean cost per version is about (1 + (K - 1) * delta fraction) / K of a full one; 1 = never a delta."""
     collect_timeout_s: float = 300.0
     """Give up waiting for trajectories after this long (seconds)."""
     max_abs_reward: float = 1e3
@@ -248,6 +258,14 @@ class TrainerConfig:
             errors.append(f"mps_thread_percentage={self.mps_thread_percentage!r} (an int in [0, 100]; 0 = no limit)")
         if self.policy_server_process is not None and not isinstance(self.policy_server_process, bool):
             errors.append(f"policy_server_process={self.policy_server_process!r} (want true, false or null)")
+        if not isinstance(self.policy_deltas, bool):
+            errors.append(f"policy_deltas={self.policy_deltas!r} (want true or false)")
+        if (
+            isinstance(self.delta_full_every, bool)
+            or not isinstance(self.delta_full_every, int)
+            or self.delta_full_every < 1
+        ):
+            errors.append(f"delta_full_every={self.delta_full_every!r} (an int >= 1; 1 = every version full)")
         if not self.fetch_deadline_s > 0:
             errors.append(f"fetch_deadline_s={self.fetch_deadline_s} (must be > 0)")
         if not self.stall_s > 0:
