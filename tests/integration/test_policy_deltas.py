@@ -99,6 +99,7 @@ class RoguePolicyServer(PolicyServer):
 def serve(*pols: M.PackedPolicy, cls=PolicyServer, **kw):
     """A started server (keep_versions 4 unless said) with `pols` published."""
     kw.setdefault("keep_versions", 4)
+    kw.setdefault("deltas", True)
     with cls(PolicyServerConfig(**kw)) as s:
         for p in pols:
             s.publish(p)
