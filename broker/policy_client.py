@@ -28,8 +28,8 @@ checked against the version's manifest, chunk xxh3s and sha256, as a full fetch 
 fails anything (its description, a payload chunk's xxh3, decoding, the rebuilt checksums, a dropped
 stream: a delta stream is not resumed) is refused with one log line, counted
 (`FetchStats.delta_refused`) and the version is fetched whole in the same call. The bytes land
-where a full fetch's would, which may be the parent's own memory (`buffers` holding it): after a
-fetch into it, failed or not, that parent is gone.
+where a full fetch's would, which may be the parent's own memory (`buffers` holding it, each tensor
+at its own place): after a fetch into it, failed or not, that parent is gone.
 
 Speed (`bench/bench_swap.py`): `streams` > 1 splits one fetch's tensors into that many groups of
 about equal bytes, each fetched by its own FetchTensors stream on its own connection (the RPC
@@ -798,10 +798,11 @@ def _receive_payloads(call, manifest, payloads: dict[str, np.ndarray], stats: Fe
 def _rebuild_checked(t: _Tensor, parent: np.ndarray, payload: np.ndarray | None) -> None:
     """t's bytes from the parent's (XOR the payload, if any), then checked against the manifest:
     every chunk's xxh3 and the tensor's sha256 (DeltaError naming the tensor otherwise)."""
+    parent = dl.as_bytes(parent)
     if payload is not None:
         dl.decode(t.entry.name, payload, parent, t.data)
-    elif not np.shares_memory(t.data, parent):
-        np.copyto(t.data, dl.as_bytes(parent))
+    elif t.data.ctypes.data != parent.ctypes.data:  # a parent in place (the same buffers) is already there
+        np.copyto(t.data, parent)
     n, cb = t.layout.nbytes, t.chunk_bytes
     xxh3s, shas = chunk_checksums(t.data, [(j * cb, min(n, (j + 1) * cb)) for j in range(t.n_chunks)])
     if xxh3s != list(t.entry.chunk_xxh3) or tensor_sha256(n, shas) != t.entry.sha256:
