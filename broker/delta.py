@@ -13,11 +13,13 @@ Rules:
    tensor against the version's manifest (chunk xxh3s and sha256), whatever this module says.
 3. `decode` may write into the parent's own memory (out is parent): the XOR runs element by element.
 4. A delta is served only when its payload bytes are below the version's full bytes (`worth_it`).
-zstd (de)compression and numpy's XOR release the GIL: callers encode or decode tensors in threads.
+zstd (de)compression and numpy's XOR release the GIL: callers encode or decode tensors in threads
+(each thread keeps its own zstd contexts: making one costs about what a small tensor does).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,6 +27,20 @@ import numpy as np
 import zstandard
 
 LEVEL = 3  # zstd level of XOR payloads (bench/bench_delta.py measures it)
+_contexts = threading.local()  # this thread's zstd compressors (by level) and decompressor
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    by_level = _contexts.__dict__.setdefault("compressors", {})
+    if level not in by_level:
+        by_level[level] = zstandard.ZstdCompressor(level=level)
+    return by_level[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_contexts, "decompressor"):
+        _contexts.decompressor = zstandard.ZstdDecompressor()
+    return _contexts.decompressor
 
 
 class DeltaError(ValueError):
@@ -50,7 +66,7 @@ def encode(new, parent, *, level: int = LEVEL) -> bytes | None:
     x = xor(new, parent)
     if not x.any():
         return None
-    return zstandard.ZstdCompressor(level=level).compress(x)
+    return _compressor(level).compress(x)
 
 
 def max_payload_bytes(nbytes: int) -> int:
@@ -69,7 +85,7 @@ def decode(name: str, payload, parent, out: np.ndarray) -> None:
         size = zstandard.frame_content_size(payload)
         if size != n:
             raise DeltaError(f"tensor {name}: the delta frame holds {size} bytes, the tensor has {n}")
-        x = zstandard.ZstdDecompressor().decompress(payload, max_output_size=n, allow_extra_data=False)
+        x = _decompressor().decompress(payload, max_output_size=n, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise DeltaError(f"tensor {name}: undecodable delta payload: {e}") from None
     if len(x) != n:
