@@ -357,6 +357,17 @@ def build_delta(v: _Version, parent: _Version, parent_digest: bytes, *, threads:
     return _Delta(parent.version, parent_digest, encodings, layout, total)
 
 
+def _delta_selection(d: _Delta, v: _Version, req) -> tuple[list[bytes], _Layout, list[int]]:
+    """A delta stream's first message (the description of the requested tensors, manifest order),
+    the layout its chunks come from, and the positions of the requested ones from start_chunk on."""
+    order = {t.name: i for i, t in enumerate(v.manifest.tensors)}
+    names = sorted(set(req.tensor_names or v.entries), key=order.__getitem__)
+    layout = d.layout
+    ranges = sorted(layout.ranges[n] for n in names if n in layout.ranges)
+    positions = [i for a, b in ranges for i in range(a, b) if layout.indices[i] >= req.start_chunk]
+    return [d.header(v.version, names)], layout, positions
+
+
 def admit(
     *, authenticated: bool, streams: int, peer_streams: int, unauthenticated_streams: int, config: PolicyServerConfig
 ) -> tuple[grpc.StatusCode, str] | None:
@@ -918,13 +929,7 @@ class PolicyServer:
             first: list[bytes] = []
             d = await self._delta_for(v, req.held) if req.held and tp_size == 1 else None
             if d is not None:
-                names = list(req.tensor_names) or list(v.entries)
-                order = {t.name: i for i, t in enumerate(v.manifest.tensors)}
-                names = sorted(set(names), key=order.__getitem__)
-                first = [d.header(v.version, names)]
-                layout = d.layout
-                ranges = sorted(layout.ranges[n] for n in names if n in layout.ranges)
-                positions = [i for a, b in ranges for i in range(a, b) if layout.indices[i] >= req.start_chunk]
+                first, layout, positions = _delta_selection(d, v, req)
             self._hold(v)  # released when the stream ends
         except _Abort as e:
             await self._reject(context, e)
@@ -932,7 +937,7 @@ class PolicyServer:
         with self._lock:
             self._counters["fetch_streams"] += 1
             self._counters["delta_streams"] += d is not None
-        sent = nbytes = 0
+        sent, nbytes = len(first), sum(map(len, first))
         try:
             for msg in first:
                 yield msg
@@ -954,9 +959,13 @@ class PolicyServer:
             return None
         with self._lock:
             known = [
-                h.version for h in held if h.version != v.version and self._digests.get(h.version) == h.manifest_digest
+                h.version
+                for h in held
+                if h.version != v.version
+                and h.version in self._versions
+                and self._digests[h.version] == h.manifest_digest
             ]
-            parent = self._versions.get(max(known)) if known else None
+            parent = self._versions[max(known)] if known else None
         if parent is None:
             return None
         fut = v.deltas.get(parent.version)

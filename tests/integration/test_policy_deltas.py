@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -244,3 +245,15 @@ def test_fetch_process_children_rebuild_in_the_shared_slab(versions):
             assert_bytes_of(v2, versions[2])
     finally:
         fetcher.close()
+
+
+def test_too_many_held_versions_is_invalid_argument(versions):
+    with serve(versions[1]) as s, grpc.insecure_channel(s.address) as channel:
+        fetch = channel.unary_stream("/tandem.v1.PolicyService/FetchTensors")
+        req = policy_pb2.FetchTensorsRequest(version=1)
+        for v in range(17):
+            req.held.add(version=v + 1, manifest_digest=bytes(32))
+        with pytest.raises(grpc.RpcError) as e:
+            list(fetch(req.SerializeToString(), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "17 held versions exceed the limit of 16" in e.value.details()
