@@ -166,8 +166,11 @@ def test_flipped_delta_bytes_are_refused_and_fetched_whole(versions, fix_xxh3):
         s.flip, s.fix_xxh3 = True, fix_xxh3
         v2 = c.fetch(2, parent=c.fetch(1).held())
         assert v2.stats.delta_refused == 1 and v2.stats.delta_parent == 0
-        why = "fails the manifest's checksums" if fix_xxh3 else "failed its xxh3 check"
-        assert why in v2.stats.delta_refusal or "undecodable" in v2.stats.delta_refusal
+        why = v2.stats.delta_refusal
+        if fix_xxh3:  # the payload decodes to other bytes, or not at all
+            assert "fails the manifest's checksums" in why or "undecodable delta payload" in why, why
+        else:
+            assert "failed its xxh3 check" in why, why
         assert_bytes_of(v2, versions[2])
 
 
@@ -234,15 +237,26 @@ def test_deltas_off_serves_full(versions):
 
 
 def test_fetch_process_children_rebuild_in_the_shared_slab(versions):
+    """Two fetch children, each rebuilding its part in the slab that holds the previous version; a
+    corrupt delta is refused and fetched whole, and the slab then holds that version for the next."""
     fetcher = FetchProcess(pinned=False, reuse=True, processes=2, log=lambda line: None)
     try:
-        with serve(versions[1], versions[2]) as s:
+        with serve(*versions.values(), cls=RoguePolicyServer) as s:
             req = {"address": s.address, "fingerprint": FP}
             v1 = fetcher.fetch(FetchRequest(version=1, **req))
             assert v1.stats.delta_parent == 0
             v2 = fetcher.fetch(FetchRequest(version=2, **req))
             assert v2.stats.delta_parent == 1 and v2.stats.delta_refused == 0
             assert_bytes_of(v2, versions[2])
+            s.flip, s.fix_xxh3 = True, True
+            v3 = fetcher.fetch(FetchRequest(version=3, **req))
+            assert v3.stats.delta_refused >= 1  # by each child whose part changed
+            assert_bytes_of(v3, versions[3])
+            s.flip = False
+            v4 = fetcher.fetch(FetchRequest(version=4, **req))
+            assert v4.stats.delta_parent == 3 and v4.stats.delta_refused == 0
+            assert_bytes_of(v4, versions[4])
+            assert fetcher.buffers.allocations == 1
     finally:
         fetcher.close()
 
