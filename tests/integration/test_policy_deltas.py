@@ -125,6 +125,9 @@ def test_delta_when_the_parent_is_held_full_when_not(versions):
         assert v2.stats.delta_parent == 1 and v2.stats.delta_refused == 0
         assert v2.stats.bytes < versions[2].manifest.total_bytes / 4  # three nudged tensors of many
         assert_bytes_of(v2, versions[2])
+        # the encoding is the transport's: the version's manifest (and so its fingerprint) is the publish's
+        assert M.manifest_digest(v2.manifest) == M.manifest_digest(versions[2].manifest)
+        assert v2.manifest.contract_fingerprint == FP
         assert c.fetch(2).stats.delta_parent == 0  # nothing held: full
         assert s.stats()["delta_streams"] == 1
 
