@@ -21,6 +21,16 @@ times per chunk); a stream that drops (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL,
 the chunk after the last good one. Every call has a deadline; one fetch, all its streams together,
 has `fetch_timeout_s`.
 
+Deltas (broker/delta.py): `fetch(parent=HeldPolicy)` (a version this client fetched whole and
+verified before, `FetchedPolicy.held()`) tells the server that version is held; the server may
+then send a delta against it. Every tensor rebuilt from a delta (an unchanged one included) is
+checked against the version's manifest, chunk xxh3s and sha256, as a full fetch is; a delta that
+fails anything (its description, a payload chunk's xxh3, decoding, the rebuilt checksums, a dropped
+stream: a delta stream is not resumed) is refused with one log line, counted
+(`FetchStats.delta_refused`) and the version is fetched whole in the same call. The bytes land
+where a full fetch's would, which may be the parent's own memory (`buffers` holding it, each tensor
+at its own place): after a fetch into it, failed or not, that parent is gone.
+
 Speed (`bench/bench_swap.py`): `streams` > 1 splits one fetch's tensors into that many groups of
 about equal bytes, each fetched by its own FetchTensors stream on its own connection (the RPC
 selects tensors by name), in parallel threads; `fetch(buffers=ReceiveBuffers(...))` receives into
@@ -35,6 +45,7 @@ import concurrent.futures
 import functools
 import hashlib
 import heapq
+import logging
 import os
 import socket
 import threading
@@ -48,6 +59,8 @@ import numpy as np
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from broker import delta as dl
+from broker.delta import HeldPolicy
 from broker.frames import page_lock
 from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ClientTLS, TLSHandshakeError, handshake_problem
@@ -58,8 +71,10 @@ from policy.manifest import (
     TensorLayout,
     check_fingerprint,
     check_tp_compatible,
+    chunk_checksums,
     chunk_count,
     first_chunk_indices,
+    manifest_digest,
     manifest_from_bytes,
     rebuild,
     tensor_layout,
@@ -77,12 +92,15 @@ __all__ = [
     "FetchStats",
     "FetchedPolicy",
     "FingerprintMismatch",
+    "HeldPolicy",
     "PolicyClient",
     "PolicyClientConfig",
     "ReceiveBuffers",
     "TLSHandshakeError",
     "split_by_bytes",
 ]
+
+log = logging.getLogger("tandem.policy_client")
 
 SERVICE = "/tandem.v1.PolicyService/"
 HASH_THREADS = 16  # chunk sha256 threads per fetch at most (and at most one per usable core: hash_threads)
@@ -156,11 +174,20 @@ class FetchStats:
     seconds: float = 0.0
     receive_s: float = 0.0  # until the last chunk arrived (hashing overlaps it)
     verify_s: float = 0.0  # after that, until every tensor's digest was checked
+    delta_parent: int = 0  # the version the bytes were rebuilt against (0: fetched whole)
+    delta_refused: int = 0  # deltas refused (then fetched whole)
+    delta_refusal: str = ""  # why the first one was
 
     def add(self, other: FetchStats) -> None:
         """Another stream's counts into these."""
-        for name in ("chunks", "bytes", "streams", "refetched_chunks", "resumed_streams"):
+        for name in ("chunks", "bytes", "streams", "refetched_chunks", "resumed_streams", "delta_refused"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.delta_parent = max(self.delta_parent, other.delta_parent)
+        self.delta_refusal = self.delta_refusal or other.delta_refusal
+
+
+class _DeltaFailed(Exception):
+    """A delta stream that cannot be used (one line): the version is fetched whole instead."""
 
 
 class FetchCancelled(Exception):
@@ -261,10 +288,17 @@ class FetchedPolicy:
     stats: FetchStats = field(default_factory=FetchStats)
     tp_rank: int = 0
     tp_size: int = 1
+    data: dict[str, np.ndarray] = field(default_factory=dict)  # the verified bytes the tensors were rebuilt from
 
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    def held(self) -> HeldPolicy | None:
+        """This version to fetch the next against (`fetch(parent=)`), when it holds every tensor whole."""
+        if self.tp_size != 1 or sorted(self.data) != sorted(t.name for t in self.manifest.tensors):
+            return None
+        return HeldPolicy(self.version, manifest_digest(self.manifest), self.data)
 
 
 class _Tensor:
@@ -282,13 +316,21 @@ class _Tensor:
         self.filled = 0
         self.chunk_sha256: list[concurrent.futures.Future] = []  # one per chunk received, in order
         self.n_chunks = chunk_count(layout.nbytes, chunk_bytes)
+        self.chunk_bytes = chunk_bytes
         self.done = False
         self.expected_sha256 = b""
         self.values: concurrent.futures.Future | None = None  # check_values, run once the bytes are all in
+        self.rebuilt = b""  # the manifest's sha256, once the bytes were rebuilt from a delta and checked
 
     def sha256(self) -> bytes:
         """The tensor's digest over its chunks' sha256s (once every chunk is in)."""
+        if self.rebuilt:
+            return self.rebuilt
         return tensor_sha256(self.layout.nbytes, [f.result() for f in self.chunk_sha256])
+
+    def reset(self) -> None:
+        """Nothing received yet (a refused delta: fetched whole next)."""
+        self.filled, self.chunk_sha256, self.done, self.values, self.rebuilt = 0, [], False, None, b""
 
 
 class PolicyClient:
@@ -426,20 +468,21 @@ class PolicyClient:
         buffers: ReceiveBuffers | None = None,
         cancel: FetchCancel | None = None,
         digest: str = "",
+        parent: HeldPolicy | None = None,
     ) -> FetchedPolicy:
         """Manifest + tensors of `version` (latest if None), all verified, rebuilt via from_parts.
         `digest` as for get_manifest; `check(manifest)` runs before anything is allocated (e.g.
         policy.manifest_check); the bytes land in `buffers` when given (the tensors then alias them),
-        else in fresh memory."""
+        else in fresh memory; `parent`: a held version the server may send a delta against."""
         manifest = self.get_manifest(version, digest=digest)
         if check is not None:
             check(manifest)
         raw, layouts, stats = self.fetch_bytes(
-            manifest, names=names, tp_rank=tp_rank, tp_size=tp_size, buffers=buffers, cancel=cancel
+            manifest, names=names, tp_rank=tp_rank, tp_size=tp_size, buffers=buffers, cancel=cancel, parent=parent
         )
         entries = {t.name: t for t in manifest.tensors}
         tensors = {n: rebuild(entries[n], layouts[n], data) for n, data in raw.items()}
-        return FetchedPolicy(manifest, tensors, layouts, stats, tp_rank, tp_size)
+        return FetchedPolicy(manifest, tensors, layouts, stats, tp_rank, tp_size, raw)
 
     def fetch_bytes(
         self,
@@ -450,9 +493,10 @@ class PolicyClient:
         tp_size: int = 1,
         buffers: ReceiveBuffers | None = None,
         cancel: FetchCancel | None = None,
+        parent: HeldPolicy | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, TensorLayout], FetchStats]:
         """The verified bytes (uint8 numpy arrays) of each selected tensor (or TP shard) of a verified
-        manifest, over `config.streams` concurrent streams."""
+        manifest, over `config.streams` concurrent streams; `parent` as for `fetch` (whole tensors only)."""
         check_tp(tp_rank, tp_size)
         check_tp_compatible(manifest, tp_size)
         entries = {t.name: t for t in manifest.tensors}
@@ -471,12 +515,15 @@ class PolicyClient:
             for n, t in state.items():
                 t.data = views[n]
                 t.view = memoryview(t.data)
+        sizes = {n: t.layout.nbytes for n, t in state.items()}
+        if parent is not None and (tp_size != 1 or parent.version == manifest.version or not parent.covers(sizes)):
+            parent = None
         stats = FetchStats()
         t0 = time.perf_counter()
         workers = hash_threads()
         hasher = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sha256")
         try:
-            self._stream_all(manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel)
+            self._stream_all(manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel, parent)
             stats.receive_s = time.perf_counter() - t0
         except BaseException:
             hasher.shutdown(cancel_futures=True)  # a failed or cancelled fetch hashes nothing more
@@ -497,13 +544,15 @@ class PolicyClient:
         stats.verify_s = stats.seconds - stats.receive_s
         return ({n: t.data for n, t in state.items()}, {n: t.layout for n, t in state.items()}, stats)
 
-    def _stream_all(self, manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel) -> None:
+    def _stream_all(self, manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel, parent) -> None:
         """`_stream` over config.streams groups of the selected tensors (about equal bytes each, the
         largest first onto the least loaded group), each on its own connection and thread. A failing
         stream cancels the others; its error is raised."""
         n = min(self.config.streams, len(selected))
         if n <= 1:
-            return self._stream(manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel=cancel)
+            return self._stream(
+                manifest, state, names, selected, tp_rank, tp_size, stats, hasher, cancel=cancel, parent=parent
+            )
         in_order = sorted(selected, key=lambda x: state[x].first_index)
         groups = split_by_bytes({x: state[x].layout.nbytes for x in in_order}, n)
         cancel = cancel or FetchCancel()
@@ -513,7 +562,19 @@ class PolicyClient:
             part = FetchStats()
             try:
                 mine = {x: state[x] for x in group}
-                self._stream(manifest, mine, group, group, tp_rank, tp_size, part, hasher, fetch=fetch, cancel=cancel)
+                self._stream(
+                    manifest,
+                    mine,
+                    group,
+                    group,
+                    tp_rank,
+                    tp_size,
+                    part,
+                    hasher,
+                    fetch=fetch,
+                    cancel=cancel,
+                    parent=parent,
+                )
             except BaseException as e:
                 if not isinstance(e, FetchCancelled) or not errors:
                     errors.append(e)
@@ -529,10 +590,11 @@ class PolicyClient:
             raise (real or errors)[0]
 
     def _stream(
-        self, manifest, state, names, selected, tp_rank, tp_size, stats, hasher, *, fetch=None, cancel=None
+        self, manifest, state, names, selected, tp_rank, tp_size, stats, hasher, *, fetch=None, cancel=None, parent=None
     ) -> None:
         """Run FetchTensors until every selected chunk arrived, resuming and re-fetching as needed
-        (on `fetch`: one connection's FetchTensors; the main channel's by default)."""
+        (on `fetch`: one connection's FetchTensors; the main channel's by default). The first
+        request offers `parent`; a delta that fails is refused and the tensors fetched whole."""
         fetch = fetch or self._fetch
         next_index = 0
         refetches: dict[int, int] = {}
@@ -548,6 +610,9 @@ class PolicyClient:
                 tp_size=tp_size,
                 start_chunk=next_index,
             )
+            offer = parent if next_index == 0 else None
+            if offer is not None:
+                req.held.add(version=offer.version, manifest_digest=offer.digest)
             stats.streams += 1
             # Not wait_for_ready: the manifest just came from this server, so if it is gone now (a trainer
             # that died mid-fetch; its successor listens elsewhere) fail fast instead of waiting out
@@ -561,6 +626,11 @@ class PolicyClient:
             bad_index = None
             try:
                 for chunk in call:
+                    if chunk.HasField("delta"):
+                        if offer is None or next_index:
+                            raise ValueError(f"version {manifest.version}: a delta description nobody asked for")
+                        self._take_delta(call, chunk.delta, manifest, state, offer, stats, hasher, cancel)
+                        return
                     if not self._accept(chunk, state, manifest, next_index, hasher):
                         bad_index = chunk.chunk_index  # checksum failed: fetch this chunk again
                         break
@@ -579,6 +649,14 @@ class PolicyClient:
                 stats.resumed_streams += 1
                 time.sleep(self.config.retry_backoff_s * restarts)
                 continue
+            except _DeltaFailed as e:
+                stats.delta_refused += 1
+                stats.delta_refusal = stats.delta_refusal or str(e)
+                log.warning("version %d: %s; fetching it whole", manifest.version, e)
+                parent = None
+                for t in state.values():
+                    t.reset()
+                continue
             finally:
                 call.cancel()
                 if cancel is not None:
@@ -593,6 +671,28 @@ class PolicyClient:
             restarts += 1
             stats.refetched_chunks += 1
             next_index = bad_index
+
+    def _take_delta(self, call, desc, manifest, state, parent: HeldPolicy, stats, hasher, cancel) -> None:
+        """The rest of a stream served as a delta against `parent` (described by `desc`): payloads
+        received and xxh3-checked, every tensor rebuilt and checked against the manifest. _DeltaFailed
+        (one line) on anything wrong, FetchCancelled when cancelled."""
+        v = manifest.version
+        try:
+            payloads = _delta_payloads(desc, manifest, state, parent)
+            _receive_payloads(call, manifest, payloads, stats)
+            jobs = [hasher.submit(_rebuild_checked, state[n], parent.data[n], payloads.get(n)) for n in state]
+            failed = [e for e in (f.exception() for f in jobs) if e is not None]  # all ended: none writes any more
+            if failed:
+                raise failed[0]
+        except (grpc.RpcError, ValueError, OverflowError) as e:  # DeltaError is a ValueError
+            if cancel is not None and cancel.is_set():
+                raise FetchCancelled(f"version {v}: fetch cancelled") from None
+            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+            raise _DeltaFailed(f"delta against v{parent.version} refused: {why[:300]}") from None
+        for t in state.values():
+            t.rebuilt, t.expected_sha256, t.done = t.entry.sha256, t.entry.sha256, True
+            t.values = hasher.submit(check_values, v, t.entry.format, t.layout, t.data)
+        stats.delta_parent = parent.version
 
     @staticmethod
     def _accept(chunk, state: dict[str, _Tensor], manifest, next_index: int, hasher) -> bool:
@@ -642,6 +742,67 @@ class PolicyClient:
             t.done = True
             t.values = hasher.submit(check_values, v, t.entry.format, t.layout, t.data)
         return True
+
+
+def _delta_payloads(desc, manifest, state: dict[str, _Tensor], parent: HeldPolicy) -> dict[str, np.ndarray]:
+    """Check a delta description against the request (its parent, exactly the tensors asked for,
+    sane payload sizes): each XOR_ZSTD tensor's empty payload buffer by name. DeltaError otherwise."""
+    if desc.parent_version != parent.version or desc.parent_manifest_digest != parent.digest:
+        raise dl.DeltaError(f"the delta is against v{desc.parent_version}, not the v{parent.version} held")
+    names = [t.name for t in desc.tensors]
+    if sorted(names) != sorted(state):
+        raise dl.DeltaError(f"the delta describes {len(names)} tensors, not the {len(state)} asked for")
+    out = {}
+    for t in desc.tensors:
+        n = state[t.name].layout.nbytes
+        if t.encoding == policy_pb2.UNCHANGED and t.payload_bytes == 0:
+            continue
+        if t.encoding != policy_pb2.XOR_ZSTD or not 0 < t.payload_bytes <= dl.max_payload_bytes(n):
+            raise dl.DeltaError(f"tensor {t.name}: encoding {t.encoding} with {t.payload_bytes} payload bytes")
+        out[t.name] = np.empty(t.payload_bytes, dtype=np.uint8)
+    return out
+
+
+def _receive_payloads(call, manifest, payloads: dict[str, np.ndarray], stats: FetchStats) -> None:
+    """The payload chunks of a delta stream into `payloads`, in order, each xxh3-checked (DeltaError
+    on a wrong, missing or extra one)."""
+    cb, filled, last = manifest.chunk_bytes, dict.fromkeys(payloads, 0), -1
+    for chunk in call:
+        buf = payloads.get(chunk.tensor_name)
+        data = chunk.data
+        if (
+            buf is None
+            or chunk.version != manifest.version
+            or chunk.chunk_index <= last
+            or chunk.offset != filled[chunk.tensor_name]
+            or chunk.tensor_nbytes != buf.nbytes
+            or len(data) != min(cb, buf.nbytes - chunk.offset)
+        ):
+            raise dl.DeltaError(f"unexpected delta chunk {chunk.chunk_index} (tensor {chunk.tensor_name!r})")
+        if xxhash.xxh3_64_intdigest(data) != chunk.xxh3:
+            raise dl.DeltaError(f"delta chunk {chunk.chunk_index} of tensor {chunk.tensor_name} failed its xxh3 check")
+        buf[chunk.offset : chunk.offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        filled[chunk.tensor_name] += len(data)
+        last = chunk.chunk_index
+        stats.chunks += 1
+        stats.bytes += len(data)
+    short = [n for n, b in payloads.items() if filled[n] != b.nbytes]
+    if short:
+        raise dl.DeltaError(f"the delta stream ended before tensor(s) {short[:5]} were complete")
+
+
+def _rebuild_checked(t: _Tensor, parent: np.ndarray, payload: np.ndarray | None) -> None:
+    """t's bytes from the parent's (XOR the payload, if any), then checked against the manifest:
+    every chunk's xxh3 and the tensor's sha256 (DeltaError naming the tensor otherwise)."""
+    parent = dl.as_bytes(parent)
+    if payload is not None:
+        dl.decode(t.entry.name, payload, parent, t.data)
+    elif t.data.ctypes.data != parent.ctypes.data:  # a parent in place (the same buffers) is already there
+        np.copyto(t.data, parent)
+    n, cb = t.layout.nbytes, t.chunk_bytes
+    xxh3s, shas = chunk_checksums(t.data, [(j * cb, min(n, (j + 1) * cb)) for j in range(t.n_chunks)])
+    if xxh3s != list(t.entry.chunk_xxh3) or tensor_sha256(n, shas) != t.entry.sha256:
+        raise dl.DeltaError(f"tensor {t.entry.name}: rebuilt from the delta, it fails the manifest's checksums")
 
 
 def split_by_bytes(sizes: dict[str, int], n: int) -> list[list[str]]:

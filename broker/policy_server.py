@@ -39,6 +39,15 @@ it frees a slot only when the HTTP/2 stream closes, which a reader that stops re
 happen (gRPC asyncio cannot reset one stream; its connection's age does). `stats()` has gauges
 (`active_fetches`, `active_watches`, `streams`, `unauthenticated_streams`), also on Prometheus.
 
+Deltas (broker/delta.py). A request that names versions the client holds (`held`, with their
+manifest digests) may be answered with a delta against one of them: the newest held version this
+server holds with the same digest. The delta of (version, parent) is built once, in a worker thread,
+on first request (XOR + zstd per changed tensor, framed like a version; cached per version, at most
+`keep_versions` parents) and served when its payload is smaller than the full version, else the full
+version is served. Every `delta_full_every`-th publish (the first included) is served full only, so
+a worker's chain of deltas is at most delta_full_every - 1 long. A stream served as a delta starts
+with a message carrying the DeltaDescription; the client verifies what it rebuilds against the manifest.
+
 Faults (corrupted chunks, dropped streams) are injected by the tests, from outside: a subclass that
 wraps the FetchTensors message generator `_fetch_messages` (tests/integration/test_policy_grpc.py) and a TCP proxy.
 """
@@ -49,6 +58,7 @@ import asyncio
 import concurrent.futures
 import hmac
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -57,6 +67,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from broker import delta as dl
 from broker.frames import FramedPolicy, TensorFrames, frame_buffers, frame_packed
 from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ServerTLS
@@ -64,6 +75,7 @@ from policy.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
     PackedPolicy,
+    chunk_count,
     manifest_digest,
     manifest_to_bytes,
     shard_tensor_bytes,
@@ -77,6 +89,7 @@ from tandem.v1 import policy_pb2
 log = logging.getLogger("tandem.policy_server")
 
 SERVICE_NAME = "tandem.v1.PolicyService"
+MAX_HELD_VERSIONS = 16  # FetchTensorsRequest.held entries at most
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -122,6 +135,11 @@ class PolicyServerConfig:
     serve_unauthenticated: bool = True
     max_unauthenticated_streams: int = 64
     max_streams_per_peer: int = 16
+    # Deltas against a version the client holds (module docstring); every delta_full_every-th publish full
+    # only. Off here (a bare server serves full versions, as its tests expect); the trainer turns it on
+    # (trainer.policy_deltas).
+    deltas: bool = False
+    delta_full_every: int = 16
 
     def __post_init__(self) -> None:
         bad = []
@@ -136,6 +154,7 @@ class PolicyServerConfig:
             "max_concurrent_rpcs",
             "max_unauthenticated_streams",
             "max_streams_per_peer",
+            "delta_full_every",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -163,7 +182,7 @@ class PolicyServerConfig:
                 )
         if not isinstance(self.run_token, str):
             bad.append("run_token must be a string")
-        for name in ("serve_unauthenticated", "reuse_port"):
+        for name in ("serve_unauthenticated", "reuse_port", "deltas"):
             if not isinstance(getattr(self, name), bool):
                 bad.append(f"{name}={getattr(self, name)!r} must be a bool")
         bad += self.tls.missing_files()
@@ -263,6 +282,8 @@ class _Version:
             announcement.parent_version = m.parent_version
         self.announcement_bytes = announcement.SerializeToString(deterministic=True)
         self.shards: OrderedDict[tuple[int, int], asyncio.Future] = OrderedDict()
+        self.deltas: OrderedDict[int, asyncio.Future] = OrderedDict()  # parent version -> _Delta | None
+        self.full_only = False  # served full only (set at install: every delta_full_every-th publish)
 
     def build_shard(self, tp_rank: int, tp_size: int) -> _Layout:
         """Cut every tensor for one rank (runs in a worker thread; reads only immutable state)."""
@@ -282,6 +303,72 @@ class _Version:
             else:
                 layout.reuse_tensor(self.full, name)
         return layout
+
+
+@dataclass
+class _Delta:
+    """A version's delta against one parent: each tensor's (encoding, payload bytes), and the XOR_ZSTD
+    payloads' chunk messages (their own chunk index space; `layout.ranges` has the changed tensors)."""
+
+    parent: int
+    parent_digest: bytes
+    encodings: dict[str, tuple[int, int]]
+    layout: _Layout
+    payload_bytes: int
+
+    def header(self, version: int, names: list[str]) -> bytes:
+        """The stream's first message: the description of `names` (manifest order)."""
+        d = policy_pb2.DeltaDescription(parent_version=self.parent, parent_manifest_digest=self.parent_digest)
+        for n in names:
+            encoding, nbytes = self.encodings[n]
+            d.tensors.add(name=n, encoding=encoding, payload_bytes=nbytes)
+        return policy_pb2.TensorChunk(version=version, delta=d).SerializeToString(deterministic=True)
+
+
+def build_delta(v: _Version, parent: _Version, parent_digest: bytes, *, threads: int | None = None) -> _Delta | None:
+    """v's delta against `parent` (reads both buffers: the caller holds them), or None when there is
+    none (tensors that do not match up, broker.delta rule 1) or it is not smaller than v."""
+    sizes = {n: e.nbytes for n, e in v.entries.items()}
+    if dl.xor_compatible(sizes, {n: e.nbytes for n, e in parent.entries.items()}):
+        return None
+    names = [t.name for t in v.manifest.tensors]
+
+    def encode(name: str) -> bytes | None:
+        if v.entries[name].sha256 == parent.entries[name].sha256:
+            return None  # equal digests: equal bytes
+        return dl.encode(v.full.tensor_bytes(name), parent.full.tensor_bytes(name))
+
+    workers = threads or min(16, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="policy-delta") as pool:
+        payloads = list(pool.map(encode, names))
+    total = sum(len(p) for p in payloads if p is not None)
+    if not dl.worth_it(total, v.manifest.total_bytes):
+        return None
+    items, encodings, index, cb = [], {}, 0, v.manifest.chunk_bytes
+    for name, p in zip(names, payloads):
+        if p is None:
+            encodings[name] = (policy_pb2.UNCHANGED, 0)
+            continue
+        encodings[name] = (policy_pb2.XOR_ZSTD, len(p))
+        items.append((name, index, p))
+        index += chunk_count(len(p), cb)
+    layout = _Layout()
+    if items:
+        frames, data, _ = frame_buffers(v.version, items, cb, threads=workers)
+        for f in frames.tensors:
+            layout.add_frames(f, data)
+    return _Delta(parent.version, parent_digest, encodings, layout, total)
+
+
+def _delta_selection(d: _Delta, v: _Version, req) -> tuple[list[bytes], _Layout, list[int]]:
+    """A delta stream's first message (the description of the requested tensors, manifest order),
+    the layout its chunks come from, and the positions of the requested ones from start_chunk on."""
+    order = {t.name: i for i, t in enumerate(v.manifest.tensors)}
+    names = sorted(set(req.tensor_names or v.entries), key=order.__getitem__)
+    layout = d.layout
+    ranges = sorted(layout.ranges[n] for n in names if n in layout.ranges)
+    positions = [i for a, b in ranges for i in range(a, b) if layout.indices[i] >= req.start_chunk]
+    return [d.header(v.version, names)], layout, positions
 
 
 def admit(
@@ -352,7 +439,9 @@ class PolicyServer:
             "active_watches": 0,
             "streams": 0,
             "unauthenticated_streams": 0,
+            "delta_streams": 0,
         }
+        self._published = 0  # versions installed (every delta_full_every-th is served full only)
         self._peer_streams: dict[str, int] = {}  # unauthenticated client address -> streams it holds
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -540,6 +629,8 @@ class PolicyServer:
             if v.version <= self._latest:
                 raise ValueError(f"publish: version {v.version} is not newer than {self._latest}")
             self._digests[v.version] = digest
+            v.full_only = self._published % self.config.delta_full_every == 0
+            self._published += 1
             first = self._latest == 0
             self._latest = v.version
             self._versions[v.version] = v
@@ -614,6 +705,12 @@ class PolicyServer:
         yield "counter", "tandem_policy_chunks_sent_total", "tensor chunks handed to gRPC (chunks)", s["chunks_sent"]
         yield "counter", "tandem_policy_sent_bytes_total", "TensorChunk bytes handed to gRPC (bytes)", s["bytes_sent"]
         yield "counter", "tandem_policy_rejected_requests_total", "requests refused (requests)", s["rejected_requests"]
+        yield (
+            "counter",
+            "tandem_policy_delta_streams_total",
+            "FetchTensors streams served as a delta against a version the client holds (streams)",
+            s["delta_streams"],
+        )
 
     # -- handlers -----------------------------------------------------------------------------
 
@@ -818,6 +915,8 @@ class PolicyServer:
                 bad.append(f"{len(req.tensor_names)} tensor names exceed the limit of {self.config.max_tensor_names}")
             if any(len(n) > MAX_NAME_CHARS for n in req.tensor_names):
                 bad.append(f"a tensor name is longer than {MAX_NAME_CHARS} characters")
+            if len(req.held) > MAX_HELD_VERSIONS:
+                bad.append(f"{len(req.held)} held versions exceed the limit of {MAX_HELD_VERSIONS}")
             if bad:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(bad))
             v = self._lookup(req.version)
@@ -830,14 +929,21 @@ class PolicyServer:
                 )
             layout = await self._layout_for(v, req.tp_rank, tp_size)
             positions = self._selection(req, v, layout)
+            first: list[bytes] = []
+            d = await self._delta_for(v, req.held) if req.held and tp_size == 1 else None
+            if d is not None:
+                first, layout, positions = _delta_selection(d, v, req)
             self._hold(v)  # released when the stream ends
         except _Abort as e:
             await self._reject(context, e)
             return
         with self._lock:
             self._counters["fetch_streams"] += 1
-        sent = nbytes = 0
+            self._counters["delta_streams"] += d is not None
+        sent, nbytes = len(first), sum(map(len, first))
         try:
+            for msg in first:
+                yield msg
             for pos in positions:
                 msg = layout.messages[pos]
                 sent += 1  # counted when handed to gRPC
@@ -848,6 +954,49 @@ class PolicyServer:
             with self._lock:
                 self._counters["chunks_sent"] += sent
                 self._counters["bytes_sent"] += nbytes
+
+    async def _delta_for(self, v: _Version, held) -> _Delta | None:
+        """v's delta against the newest version in `held` that this server holds with the same
+        manifest digest (built on first request, in a worker thread; cached), or None: serve full."""
+        if not self.config.deltas or v.full_only:
+            return None
+        with self._lock:
+            known = [
+                h.version
+                for h in held
+                if h.version != v.version
+                and h.version in self._versions
+                and self._digests[h.version] == h.manifest_digest
+            ]
+            parent = self._versions[max(known)] if known else None
+        if parent is None:
+            return None
+        fut = v.deltas.get(parent.version)
+        if fut is None:
+            fut = asyncio.wrap_future(self._executor.submit(self._build_delta, v, parent))
+            v.deltas[parent.version] = fut
+            while len(v.deltas) > self.config.keep_versions:
+                v.deltas.popitem(last=False)
+        try:
+            return await asyncio.shield(fut)
+        except _Abort:  # evicted before the build started
+            v.deltas.pop(parent.version, None)
+            return None
+        except Exception:  # a bug: serve full, do not cache it
+            v.deltas.pop(parent.version, None)
+            log.exception("building the delta of version %d against %d failed", v.version, parent.version)
+            return None
+
+    def _build_delta(self, v: _Version, parent: _Version) -> _Delta | None:
+        self._hold(v)
+        try:
+            self._hold(parent)
+            try:
+                return build_delta(v, parent, self._digests[parent.version])
+            finally:
+                self._unhold(parent)
+        finally:
+            self._unhold(v)
 
     async def _watch_versions(self, request: bytes, context):
         try:

@@ -25,12 +25,17 @@ every chunk and tensor of it, and writes each tensor at its offset in the whole 
 ends when every child sent DONE (the stats summed); the first ERROR cancels the others and is
 raised (a real error before a FetchCancelled of a cancelled sibling).
 
+Deltas (broker/delta.py): with `reuse`, the slab holds the last version fetched whole and verified
+until the next fetch writes over it; SLAB then names it as the parent (when the slab was kept, so
+the layout is the same) and each child offers it for its part (`fetch_bytes(parent=...)`), every
+tensor rebuilt in place and checked against the manifest. A fetch that fails leaves no parent.
+
 Nothing pickled crosses the boundary: length-prefixed byte messages over a socketpair
 (`Connection.send_bytes`), each "KIND payload":
     parent -> first child   FETCH {json request}
     parent -> other child   JOIN {json request}, then MANIFEST <the serialized manifest>
-    parent -> each child    SLAB {"nbytes": ..., "new": bool, "names": [its tensors] | null = all}
-                            (+ the memfd when new) | CANCEL
+    parent -> each child    SLAB {"nbytes": ..., "new": bool, "names": [its tensors] | null = all,
+                            "parent": {"version": v, "digest": hex} | null} (+ the memfd when new) | CANCEL
     child -> parent         MANIFEST <the serialized manifest> (first child) | DONE {json FetchStats}
                             | ERROR <Type> <one line>
 An ERROR is raised in the parent as the type the in-process fetch raises (ChecksumMismatch,
@@ -64,6 +69,7 @@ import grpc
 import numpy as np
 
 from broker import ipc
+from broker.delta import HeldPolicy
 from broker.policy_client import (
     ChecksumMismatch,
     FetchCancel,
@@ -269,6 +275,7 @@ class FetchProcess:
         self.reuse, self.processes, self.log = reuse, processes, log
         self.restarts = 0  # children replaced after dying
         self._children: list[_Child] = []  # started at the first fetch; [0] fetches the manifest
+        self._held: tuple[int, str, int] | None = None  # the slab's verified version, its digest, slab allocations
 
     @property
     def pids(self) -> list[int]:
@@ -301,10 +308,14 @@ class FetchProcess:
                 self._replace(i, f"exited ({c.proc.returncode}) while idle")
         if not self.reuse:
             self.buffers.close()
+        held, self._held = self._held, None  # the fetch writes over it
         try:
-            return self._exchange(request, check, cancel or FetchCancel())
+            fetched = self._exchange(request, check, cancel or FetchCancel(), held)
         finally:
             self.buffers.release_fd()
+        if self.reuse:
+            self._held = (fetched.version, mf.manifest_digest(fetched.manifest).hex(), self.buffers.allocations)
+        return fetched
 
     def _replace(self, i: int, why: str) -> None:
         old = self._children[i]
@@ -313,7 +324,7 @@ class FetchProcess:
         self.restarts += 1
         self.log(f"fetch process {old.pid} {why}: started a new one (pid {self._children[i].pid})")
 
-    def _exchange(self, request: FetchRequest, check, cancel: FetchCancel) -> FetchedPolicy:
+    def _exchange(self, request: FetchRequest, check, cancel: FetchCancel, held) -> FetchedPolicy:
         """FETCH to the first child; its MANIFEST verified and checked here, the slab laid out and
         each child given its part (`_hand_out`); then every part's DONE or ERROR. The first failure
         (an ERROR, a child gone, the check, `cancel`) CANCELs the parts still running, and is raised
@@ -352,7 +363,7 @@ class FetchProcess:
                 except BaseException as e:
                     refused = e
                     continue
-                running += self._hand_out(request, payload, layouts)
+                running += self._hand_out(request, payload, layouts, held)
             elif kind == "DONE":
                 running.remove(child)
                 parts.append(FetchStats(**{k: v for k, v in json.loads(payload).items() if k in _STATS_FIELDS}))
@@ -374,7 +385,7 @@ class FetchProcess:
         views = self.buffers.views({n: lay.nbytes for n, lay in layouts.items()})
         entries = {t.name: t for t in manifest.tensors}
         tensors = {n: mf.rebuild(entries[n], layouts[n], views[n]) for n in layouts}
-        return FetchedPolicy(manifest, tensors, layouts, merged_stats(parts))
+        return FetchedPolicy(manifest, tensors, layouts, merged_stats(parts), data={n: views[n] for n in layouts})
 
     def _accept_manifest(self, raw: bytes, request: FetchRequest, check):
         """The manifest verified again here, checked, and its tensors' layouts, laid out in the slab."""
@@ -388,12 +399,16 @@ class FetchProcess:
         self.buffers.views({n: lay.nbytes for n, lay in layouts.items()})  # allocated (or kept) here
         return manifest, layouts
 
-    def _hand_out(self, request: FetchRequest, raw_manifest: bytes, layouts) -> list[_Child]:
+    def _hand_out(self, request: FetchRequest, raw_manifest: bytes, layouts, held) -> list[_Child]:
         """Each child its part: the version's tensors in groups of about equal bytes, one per child
         (split_by_bytes), each written at its offset in the whole slab. The first child has the
         manifest; the others get JOIN and the MANIFEST first. SLAB carries the slab's descriptor to
-        a child that has not mapped it. Returns the children started here."""
+        a child that has not mapped it, and the parent version `held` while the slab still holds it
+        (not reallocated since). Returns the children started here."""
         groups = split_by_bytes({n: lay.nbytes for n, lay in layouts.items()}, len(self._children))
+        parent = None
+        if held is not None and held[2] == self.buffers.allocations:
+            parent = {"version": held[0], "digest": held[1]}
         started = []
         for i, (c, group) in enumerate(zip(self._children, groups)):
             if i > 0:
@@ -401,7 +416,12 @@ class FetchProcess:
                 c.send("MANIFEST", raw_manifest)
                 started.append(c)
             new = c.slab != self.buffers.allocations
-            slab = {"nbytes": self.buffers.nbytes, "new": new, "names": group if len(groups) > 1 else None}
+            slab = {
+                "nbytes": self.buffers.nbytes,
+                "new": new,
+                "names": group if len(groups) > 1 else None,
+                "parent": parent,
+            }
             c.send("SLAB", json.dumps(slab).encode(), fd=self.buffers.fd if new else -1)
             c.slab = self.buffers.allocations
         self.buffers.release_fd()
@@ -515,12 +535,16 @@ def _fetch(conn: Connection, job: _Job, state: dict) -> FetchStats:
             if kind != "MANIFEST":
                 raise cancelled
             manifest = verified_manifest(raw, req, "the parent sent")
-        kind, names = job.inbox.get()
+        kind, message = job.inbox.get()
         if kind != "SLAB":  # the main thread mapped a new slab into state["slab"] first
             raise cancelled
         slab = state["slab"]
         slab.layout = {n: lay.nbytes for n, lay in whole_layouts(manifest).items()}
-        _, _, stats = client.fetch_bytes(manifest, names=names, buffers=slab, cancel=job.cancel)
+        held = message.get("parent")
+        parent = HeldPolicy(held["version"], bytes.fromhex(held["digest"]), slab.views(slab.layout)) if held else None
+        _, _, stats = client.fetch_bytes(
+            manifest, names=message["names"], buffers=slab, cancel=job.cancel, parent=parent
+        )
     return stats
 
 
@@ -550,7 +574,7 @@ def main(argv: list[str]) -> int:
             if slab["new"]:  # mapped here, at once: a descriptor never waits in a queue
                 state["slab"] = None  # the previous mapping goes
                 state["slab"] = _MappedSlab(ipc.recv_fd(conn, "SLAB"), slab["nbytes"])
-            job.inbox.put((kind, slab["names"]))
+            job.inbox.put((kind, slab))
         elif kind == "CANCEL" and job is not None:
             job.cancel.cancel()
             job.inbox.put((kind, None))

@@ -58,6 +58,7 @@ import grpc
 import numpy as np
 
 from broker.codec import PromptGroup, Trajectory, sample_id_for
+from broker.delta import HeldPolicy
 from broker.health import ROLLOUT_HEALTH, HealthServer
 from broker.keys import Keys
 from broker.metrics import MetricsEndpoint
@@ -125,6 +126,17 @@ class WorkerMetrics:
             "drain_wait (fetched, waiting for the groups in flight), h2d (copy into the engine or model), "
             "swap (the batcher and bookkeeping) (seconds)",
             ["part"],
+            registry=reg,
+        )
+        self.delta_fetches = prom.Counter(
+            "tandem_rollout_policy_delta_fetches",
+            "versions rebuilt from a delta against the version held before (broker/delta.py) (versions)",
+            registry=reg,
+        )
+        self.deltas_refused = prom.Counter(
+            "tandem_rollout_policy_deltas_refused",
+            "deltas refused (a wrong parent, a corrupt payload, a rebuilt tensor failing the manifest's "
+            "checksums) and fetched whole instead (deltas)",
             registry=reg,
         )
         self.fetch_failures = prom.Counter(
@@ -229,6 +241,7 @@ class RolloutWorker:
         )
         self.host_buffers = self.fetcher.buffers if in_child else ReceiveBuffers(pinned=True) if cuda else None
         self._prefetch: _Prefetch | None = None
+        self._held: HeldPolicy | None = None  # the last version fetched here, to fetch the next against (a delta)
         self._retry_at = 0.0  # monotonic time before which a failed fetch is not started again
         self.batcher: ContinuousBatcher | None = None  # made at the first version, swapped per version
         self.inflight: dict = {}  # group_id -> (prompt record or None, its PromptGroup, start time)
@@ -571,6 +584,9 @@ class RolloutWorker:
         # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
         # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
         check_reachable(request.address)
+        held = self._held
+        if self.host_buffers is not None:
+            self._held = None  # the fetch writes over it
         with PolicyClient(request.client_config()) as client:
             fetched = client.fetch(
                 pointer.version,
@@ -578,7 +594,9 @@ class RolloutWorker:
                 check=self._check_manifest,
                 buffers=self.host_buffers,
                 cancel=cancel,
+                parent=held,
             )
+        self._held = fetched.held()
         return fetched, time.perf_counter()
 
     async def _finish_or_log(self, pf: _Prefetch) -> bool:
@@ -659,6 +677,10 @@ class RolloutWorker:
         after_publish = time.time() - pointer.published_at if pointer.published_at else None  # None: not said
         self.metrics.fetch_seconds.observe(st.seconds + parts["h2d"])
         self.metrics.fetch_bytes.inc(st.bytes)
+        self.metrics.delta_fetches.inc(st.delta_parent > 0)
+        self.metrics.deltas_refused.inc(st.delta_refused)
+        if st.delta_refused:
+            self.log(f"{self.worker_id}: v{fetched.version}: {st.delta_refusal}; fetched it whole")
         self.metrics.version.set(self.version)
         if after_publish is not None:
             self.metrics.publish_to_live.set(after_publish)
@@ -670,7 +692,8 @@ class RolloutWorker:
             f"{t2 - pf.seen:.2f}s, {'?' if after_publish is None else f'{after_publish:.2f}'}s after publish); "
             f"under v{previous}: {groups} groups, {tokens} tokens in {gen_s:.2f}s generating; "
             + ", ".join(f"{k} {v:.2f}s" for k, v in parts.items())
-            + f" ({how}, {self.cfg.fetch_streams} stream(s))"
+            + f" ({how}, {self.cfg.fetch_streams} stream(s)"
+            + (f", delta against v{st.delta_parent})" if st.delta_parent else ")")
         )
 
     def _check_manifest(self, manifest) -> None:

@@ -185,6 +185,17 @@ class TrainerConfig:
     policy_server_processes: int = 1
     """With the server in child processes: how many serve the policy port together (SO_REUSEPORT;
     broker.server_process.ServingProcesses), so that serving is not one event loop's."""
+    policy_deltas: bool = True
+    """Serve a version as a delta (XOR + zstd per changed tensor, broker/delta.py) against a version the
+    worker holds, when that is smaller than the full version. On by default: every rebuilt tensor is
+    checked against the manifest's checksums (a bad delta is refused and fetched whole), the tests of
+    whole runs (trainer + workers, faults included) pass with it on, and on the demo model a delta is
+    10-35% of a full nvfp4_moe version per step (docs/benchmarks.md). A bare PolicyServerConfig keeps
+    it off (the server's own tests count full versions' bytes). Off: every fetch is a full version."""
+    delta_full_every: int = 16
+    """With policy_deltas: every this-many-th publish (the first included) is served only as a full
+    version, so a worker rebuilds at most delta_full_every - 1 versions in a row from deltas. The
+    mean cost per version is about (1 + (K - 1) * delta fraction) / K of a full one; 1 = never a delta."""
     collect_timeout_s: float = 300.0
     """Give up waiting for trajectories after this long (seconds)."""
     max_abs_reward: float = 1e3
@@ -262,6 +273,14 @@ class TrainerConfig:
                 f"policy_server_processes={self.policy_server_processes} with policy_server_process=false "
                 "(several serving processes need the server in child processes)"
             )
+        if not isinstance(self.policy_deltas, bool):
+            errors.append(f"policy_deltas={self.policy_deltas!r} (want true or false)")
+        if (
+            isinstance(self.delta_full_every, bool)
+            or not isinstance(self.delta_full_every, int)
+            or self.delta_full_every < 1
+        ):
+            errors.append(f"delta_full_every={self.delta_full_every!r} (an int >= 1; 1 = every version full)")
         if not self.fetch_deadline_s > 0:
             errors.append(f"fetch_deadline_s={self.fetch_deadline_s} (must be > 0)")
         if not self.stall_s > 0:

@@ -232,6 +232,8 @@ class Trainer:
             serve_unauthenticated=cfg.serve_unauthenticated,
             max_unauthenticated_streams=cfg.max_unauthenticated_streams,
             max_streams_per_peer=cfg.max_streams_per_peer,
+            deltas=cfg.policy_deltas,
+            delta_full_every=cfg.delta_full_every,
         )
         cuda = self.device.type == "cuda"
         in_child = cuda if cfg.policy_server_process is None else cfg.policy_server_process

@@ -190,6 +190,10 @@ def test_async_loop_with_faults(tmp_path, redis_url, run_id):
 
     log = (logs / "trainer.log").read_text()
     assert "resumed from" in log
+    # Versions reach the surviving worker as deltas against the one it holds (trainer.policy_deltas),
+    # none refused; the restarted trainer's first version comes whole (its server knows no parent).
+    w0 = (logs / "w0.log").read_text()
+    assert "delta against v" in w0 and "fetched it whole" not in w0, w0[-3000:]
     rows = _lines(metrics)
     assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1)), "each step exactly once after the restart"
     versions = [r["policy_version"] for r in rows]

@@ -1,0 +1,124 @@
+"""Delta versions: a version's tensors encoded against a parent version's (DESIGN.md, "Distribution
+at pool scale"). Pure functions over byte buffers; the policy server encodes, the client decodes.
+
+Each tensor is its packed contract bytes (codes and scales, as the manifest lays them out), and
+travels as one of:
+  UNCHANGED  the parent's bytes: no payload;
+  XOR_ZSTD   zstd(new XOR parent): one zstd frame that records its content size.
+Rules:
+1. Only tensors of equal size are XOR-ed: a version whose tensors the parent lacks, or has at
+   another size, has no delta (`xor_compatible` names the first such tensor).
+2. `decode` refuses (DeltaError, one line) a payload that is not exactly one zstd frame of the
+   tensor's size; it never decides that a rebuilt tensor is right: the client checks every rebuilt
+   tensor against the version's manifest (chunk xxh3s and sha256), whatever this module says.
+3. `decode` may write into the parent's own memory (out is parent): the XOR runs element by element.
+4. A delta is served only when its payload bytes are below the version's full bytes (`worth_it`).
+zstd (de)compression and numpy's XOR release the GIL: callers encode or decode tensors in threads
+(each thread keeps its own zstd contexts: making one costs about what a small tensor does).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+LEVEL = 3  # zstd level of XOR payloads (bench/bench_delta.py measures it)
+_contexts = threading.local()  # this thread's zstd compressors (by level) and decompressor
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    by_level = _contexts.__dict__.setdefault("compressors", {})
+    if level not in by_level:
+        by_level[level] = zstandard.ZstdCompressor(level=level)
+    return by_level[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_contexts, "decompressor"):
+        _contexts.decompressor = zstandard.ZstdDecompressor()
+    return _contexts.decompressor
+
+
+class DeltaError(ValueError):
+    """A delta payload or description that cannot be decoded (one line naming the tensor)."""
+
+
+def as_bytes(buf) -> np.ndarray:
+    """A buffer's bytes as a flat uint8 array (no copy)."""
+    return np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
+
+
+def xor(a, b, out: np.ndarray | None = None) -> np.ndarray:
+    """a XOR b, byte by byte (equal sizes), into `out` when given (which may be a or b)."""
+    a, b = as_bytes(a), as_bytes(b)
+    if a.nbytes != b.nbytes:
+        raise DeltaError(f"XOR of {a.nbytes} and {b.nbytes} bytes")
+    return np.bitwise_xor(a, b, out=out)
+
+
+def encode(new, parent, *, level: int = LEVEL) -> bytes | None:
+    """The XOR_ZSTD payload of `new` against `parent` (equal sizes), or None when they are equal
+    (UNCHANGED)."""
+    x = xor(new, parent)
+    if not x.any():
+        return None
+    return _compressor(level).compress(x)
+
+
+def max_payload_bytes(nbytes: int) -> int:
+    """The largest XOR_ZSTD payload a tensor of `nbytes` may have (above zstd's compress bound)."""
+    return nbytes + nbytes // 128 + 4096
+
+
+def decode(name: str, payload, parent, out: np.ndarray) -> None:
+    """Write parent XOR unzstd(payload) into `out` (as many bytes as `parent`; `out` may be `parent`).
+    DeltaError naming `name` when the payload is not one zstd frame of that size."""
+    parent = as_bytes(parent)
+    n = parent.nbytes
+    if out.nbytes != n:
+        raise DeltaError(f"tensor {name}: the parent has {n} bytes, the version {out.nbytes}")
+    try:
+        size = zstandard.frame_content_size(payload)
+        if size != n:
+            raise DeltaError(f"tensor {name}: the delta frame holds {size} bytes, the tensor has {n}")
+        x = _decompressor().decompress(payload, max_output_size=n, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise DeltaError(f"tensor {name}: undecodable delta payload: {e}") from None
+    if len(x) != n:
+        raise DeltaError(f"tensor {name}: the delta decoded to {len(x)} bytes, the tensor has {n}")
+    np.bitwise_xor(parent, np.frombuffer(x, dtype=np.uint8), out=out)
+
+
+def xor_compatible(sizes: Mapping[str, int], parent_sizes: Mapping[str, int]) -> str:
+    """ "" when every tensor of `sizes` (name -> bytes) is in `parent_sizes` at the same size; else
+    why not (the first tensor that is not)."""
+    for name, n in sizes.items():
+        p = parent_sizes.get(name)
+        if p is None:
+            return f"the parent has no tensor {name}"
+        if p != n:
+            return f"tensor {name} has {n} bytes, {p} in the parent"
+    return ""
+
+
+def worth_it(payload_bytes: int, full_bytes: int) -> bool:
+    """Serve the delta (payloads summed over the version) rather than the full version (rule 4)."""
+    return payload_bytes < full_bytes
+
+
+@dataclass(frozen=True)
+class HeldPolicy:
+    """A version a client holds whole and verified, to fetch the next against: its number, its
+    manifest's digest (policy.manifest.manifest_digest) and its tensors' bytes by name."""
+
+    version: int
+    digest: bytes
+    data: Mapping[str, np.ndarray]
+
+    def covers(self, sizes: Mapping[str, int]) -> bool:
+        """Whether it has every tensor of `sizes` (name -> bytes) at that size (rule 1)."""
+        return not xor_compatible(sizes, {n: a.nbytes for n, a in self.data.items()})
