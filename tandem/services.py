@@ -2,8 +2,8 @@
 so the task (prompts, verifier, tokenizer; `rollout.tasks.Task`) is built here once per process and
 injected into both sides: the task-agnostic trainer gets its prompts and warm-start examples as
 callables, a rollout worker the task itself. The trainer's process (seed, CUDA environment, memory
-cap) is set up here too, before its components are built (`trainer_device`), and `serve` runs a
-built trainer under the signal handlers and exit codes of a service."""
+cap) is set up here too, before its components are built (`setup_trainer_process`), and `serve`
+runs a built trainer under the signal handlers and exit codes of a service."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def check_files(cfg: RunConfig) -> None:
     load_signer(cfg.run_secret_file, environ={})
 
 
-def trainer_device(cfg: TrainerConfig, *, seed: int) -> torch.device:
+def setup_trainer_process(cfg: TrainerConfig, *, seed: int) -> torch.device:
     """Set up the trainer's process for `cfg.device`: the torch seed, the CUDA allocator and MPS
     settings (read once, when CUDA starts: before anything touches the device; a user's own
     PYTORCH_CUDA_ALLOC_CONF wins) and the per-process memory cap; ValueError without a CUDA device."""
@@ -153,9 +153,9 @@ def trainer_device(cfg: TrainerConfig, *, seed: int) -> torch.device:
 
 
 def trainer_parts(cfg: RunConfig, run_dir) -> Parts:
-    """The trainer's components for `cfg`, its process set up first (`trainer_device`)."""
+    """The trainer's components for `cfg`, its process set up first (`setup_trainer_process`)."""
     task, model_config, recipe = task_and_model(cfg)
-    device = trainer_device(cfg.trainer, seed=cfg.loop.seed)
+    device = setup_trainer_process(cfg.trainer, seed=cfg.loop.seed)
 
     def make_prompt(index: int) -> PromptGroup:
         # Prompt i is a pure function of (seed, i): a restarted trainer feeds the same data.
