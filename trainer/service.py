@@ -43,6 +43,9 @@ TRAJECTORY_STREAM = StreamConfig(read_count=256, block_ms=500, max_deliveries=10
 
 
 class Trainer:
+    """The loop over `parts` (trainer.parts); `run` connects to Redis and makes the components that use
+    it (the prompt feeder and the trajectory collector, over one PromptLedger)."""
+
     def __init__(self, cfg: TrainerConfig, parts: Parts, *, log=print):
         self.cfg, self.parts, self.log = cfg, parts, log
         self.state = parts.state
