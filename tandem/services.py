@@ -1,19 +1,24 @@
 """Builds the trainer and a rollout worker from one RunConfig: the only place that imports both,
 so the task (prompts, verifier, tokenizer; `rollout.tasks.Task`) is built here once per process and
 injected into both sides: the task-agnostic trainer gets its prompts and warm-start examples as
-callables, a rollout worker the task itself."""
+callables, a rollout worker the task itself. The trainer's process (seed, CUDA environment, memory
+cap) is set up here too, before its components are built (`setup_trainer_process`), and `serve`
+runs a built trainer under the signal handlers and exit codes of a service."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+import torch
 import yaml
 
 from broker.codec import PromptGroup
@@ -25,7 +30,9 @@ from policy.recipe import Recipe
 from rollout.evaluate import heldout_accuracy
 from rollout.tasks import Task, make_task
 from rollout.worker import RolloutWorker
+from trainer.config import TrainerConfig
 from trainer.metrics import check_writers, make_writers
+from trainer.parts import Parts, RunLink, TaskHooks, build_parts
 from trainer.publisher import PublishError
 from trainer.service import Trainer
 
@@ -126,8 +133,29 @@ def check_files(cfg: RunConfig) -> None:
     load_signer(cfg.run_secret_file, environ={})
 
 
-def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
+def setup_trainer_process(cfg: TrainerConfig, *, seed: int) -> torch.device:
+    """Set up the trainer's process for `cfg.device`: the torch seed, the CUDA allocator and MPS
+    settings (read once, when CUDA starts: before anything touches the device; a user's own
+    PYTORCH_CUDA_ALLOC_CONF wins) and the per-process memory cap; ValueError without a CUDA device."""
+    torch.manual_seed(seed)
+    device = torch.device(cfg.device)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda' but torch sees no CUDA device")
+    # A step's allocations change size with every batch: expandable segments let freed blocks be reused.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if cfg.mps_thread_percentage:  # read when the CUDA context is created (the first kernel)
+        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cfg.mps_thread_percentage)
+    if cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
+        torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device.index or 0)
+    return device
+
+
+def trainer_parts(cfg: RunConfig, run_dir) -> Parts:
+    """The trainer's components for `cfg`, its process set up first (`setup_trainer_process`)."""
     task, model_config, recipe = task_and_model(cfg)
+    device = setup_trainer_process(cfg.trainer, seed=cfg.loop.seed)
 
     def make_prompt(index: int) -> PromptGroup:
         # Prompt i is a pure function of (seed, i): a restarted trainer feeds the same data.
@@ -147,26 +175,34 @@ def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
         p = task.example(warm_rng)
         return p.tokens, p.reference
 
-    return Trainer(
-        cfg.trainer,
-        run_id=cfg.run_id,
-        redis_url=cfg.redis_url,
-        model_config=model_config,
-        recipe=recipe,
-        rollout_recipe=rollout_recipe(cfg, recipe),
-        loop=cfg.loop,
-        redis_outage_s=cfg.redis_outage_s,
-        signer=load_signer(cfg.run_secret_file),
-        run_dir=run_dir,
+    hooks = TaskHooks(
         make_prompt=make_prompt,
         warm_start_example=example,
         pad_id=task.tokenizer.pad_id,
+        max_completion_tokens=task.max_new_tokens,
         init_weights=initial_weights(cfg),
         evaluate=evaluation(cfg, task),
-        writers=make_writers(cfg.logging, run_dir, name=cfg.run_id, config=yaml.safe_load(dump(cfg))),
-        max_completion_tokens=task.max_new_tokens,
-        log=lambda s: print(f"[trainer] {s}", flush=True),
     )
+    link = RunLink(
+        run_id=cfg.run_id,
+        redis_url=cfg.redis_url,
+        redis_outage_s=cfg.redis_outage_s,
+        signer=load_signer(cfg.run_secret_file),
+        run_dir=Path(run_dir),
+    )
+    return build_parts(
+        cfg.trainer, link=link, task=hooks, loop=cfg.loop, model_config=model_config, recipe=recipe,
+        rollout_recipe=rollout_recipe(cfg, recipe), device=device, log=trainer_log,
+        writers=make_writers(cfg.logging, run_dir, name=cfg.run_id, config=yaml.safe_load(dump(cfg))),
+    )  # fmt: skip
+
+
+def trainer_log(line: str) -> None:
+    print(f"[trainer] {line}", flush=True)
+
+
+def make_trainer(cfg: RunConfig, run_dir) -> Trainer:
+    return Trainer(cfg.trainer, trainer_parts(cfg, run_dir), log=trainer_log)
 
 
 def evaluation(cfg: RunConfig, task: Task):
@@ -197,7 +233,11 @@ def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:
 
 def serve_trainer(cfg: RunConfig, run_dir) -> int:
     check_ports(cfg, "trainer")  # a port another program holds: one line naming the key (exit 2)
-    trainer = make_trainer(cfg, run_dir)
+    return serve(make_trainer(cfg, run_dir))
+
+
+def serve(trainer: Trainer) -> int:
+    """Run `trainer` until it finishes or SIGTERM/SIGINT stops it; its exit code."""
 
     async def main():
         loop = asyncio.get_running_loop()

@@ -8,8 +8,6 @@ Rules:
 2. A failed write (ENOSPC, EIO, a quota: any OSError) removes the temporary file and raises the
    OSError itself, also where the writer hides it: torch.save's zip writer reports a failed
    `write()` as a RuntimeError ("unexpected pos"), and the OSError it swallowed is raised instead.
-3. `before_sync()`, when given, runs after the flush and before the fsync (the trainer's fault
-   point `mid_checkpoint`).
 A temporary file left by a process killed mid-write is the reader's to ignore or remove
 (`stale_temporaries`).
 """
@@ -42,10 +40,8 @@ class _KeepsErrors:
         self.f.flush()
 
 
-def write_atomically(
-    path: Path, write: Callable[[BinaryIO], None], before_sync: Callable[[], None] | None = None
-) -> None:
-    """Write `path` by rules 1-3 of the module docstring."""
+def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write `path` by rules 1-2 of the module docstring."""
     path = Path(path)
     tmp = path.with_name(path.name + SUFFIX)
     try:
@@ -58,8 +54,6 @@ def write_atomically(
                     raise
                 raise out.error from None
             f.flush()
-            if before_sync is not None:
-                before_sync()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -1,7 +1,7 @@
 """The trainer's model backends: one small interface, two implementations (`trainer.backend`).
 
-The trainer loop (trainer/service.py) talks to a backend only through these methods, so it is the
-same loop for both:
+The trainer's components (trainer.step, trainer.publishing, trainer.service) talk to a backend only
+through these methods, so the loop is the same for both:
     token_logprobs(tokens, targets, attention_mask=, temperature=)  -> [B, T] fp32 (autograd on)
     update(loss) -> grad norm        zero grads, backward, clip, optimizer step, refresh the QAT cache
     set_lr(lr)                       the learning rate of the next updates
@@ -22,8 +22,7 @@ TorchBackend: policy.model.Transformer, torch AdamW (fused on CUDA).
 MegatronBackend: a megatron-core GPTModel of the same architecture (trainer/megatron_backend.py) with
 fp32 parameters. One process (world size 1): torch AdamW over its parameters. Under torchrun with
 more than one rank: megatron's DistributedDataParallel and distributed optimizer (optimizer state
-sharded over the data-parallel ranks, gradients reduce-scattered); that path is written but has only
-run with one GPU so far (no multi-GPU machine was available), and the trainer service itself runs one
+sharded over the data-parallel ranks, gradients reduce-scattered); the trainer service itself runs one
 process. megatron's rotary embedding and attention need CUDA: the config refuses device "cpu".
 megatron takes RoPE positions 0..T-1 and a plain causal mask, so its batches must be right-padded
 (trainer.sequences.pack does): `token_logprobs` refuses any other padding with one line.

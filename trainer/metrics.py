@@ -9,6 +9,7 @@ Prometheus (names per the conventions: `_total` counters, `_seconds`, units in e
 - gauges of the last step's numbers (reward, staleness, mismatch, ...; table GAUGES);
 - histogram `tandem_trainer_step_seconds` of the optimizer step's wall time;
 - the default process collector (CPU seconds, memory, file descriptors).
+`progress_line` is the row as the console shows it, one line per step.
 """
 
 from __future__ import annotations
@@ -264,3 +265,21 @@ def format_duration(seconds: float | None) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_line(r: dict, *, max_steps: int, eta_s: float | None) -> str:
+    """The console line of a step's metrics row; a mismatch part over no known sample (all from
+    before a restart) reads n/a."""
+    quant, stale = r.get("logp_abs_diff_quant"), r.get("logp_abs_diff_stale")
+    split = "n/a" if quant is None else f"{quant:.1e} stale {stale:.4f}"
+    evals = (
+        f" eval greedy {r['eval_greedy_accuracy']:.3f} sampled {r['eval_sampled_accuracy']:.3f}"
+        if "eval_greedy_accuracy" in r
+        else ""
+    )
+    return (
+        f"step {r['step']:>4}/{max_steps} v{r['policy_version']} reward {r['reward_mean']:.3f} "
+        f"staleness {r['staleness_mean']:.2f}/{r['staleness_max']} dropped {r['dropped_stale']}s/"
+        f"{r['dropped_fingerprint']}f |dlogp| {r['logp_abs_diff']:.4f} (quant {split}"
+        f") kl {r['kl_k3']:.5f} lr {r['lr']:.2e} {r['step_time_s']:.2f}s{evals} eta {format_duration(eta_s)}"
+    )

@@ -11,11 +11,9 @@ Learning rate: constant `lr` by default; `warmup` and `kind` give the schedule o
 The trainer's RL steps use the same function (`trainer.lr_schedule`).
 
 Mixed precision: `autocast_dtype` (e.g. torch.bfloat16 on CUDA) wraps each step's forward and loss
-in its own autocast region, never the optimizer step. Autocast caches its casts of leaf weights for
-the life of a region, so one region around the whole loop runs every step with the first step's
-bf16 copies of the F.linear weights (attention, router, LM head) while AdamW moves their fp32
-masters unseen: the loss falls (the experts and embeddings still learn), and the saved model,
-evaluated afresh, computes another function (the H200 warm start: loss 0.92, answer loss 24 after).
+in its own autocast region, never the optimizer step: autocast caches its casts of leaf weights for
+the life of a region, so one region around the whole loop would run every step with the first
+step's bf16 copies of the F.linear weights while AdamW moves their fp32 masters unseen.
 """
 
 from __future__ import annotations

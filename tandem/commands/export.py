@@ -42,7 +42,7 @@ def from_run_dir(run_dir: Path, version: int | None):
     from policy import manifest as mf
     from tandem import config as run_config
     from tandem.services import task_and_model
-    from trainer.service import checkpoint_of_version
+    from trainer.checkpoints import checkpoint_of_version
 
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.is_file():

@@ -50,7 +50,7 @@ def _run_model(args) -> tuple[Transformer, Recipe, str]:
     from pathlib import Path
 
     from tandem import config, services
-    from trainer.service import checkpoint_of_version
+    from trainer.checkpoints import checkpoint_of_version
 
     run_dir = Path(args.run_dir)
     _, model_config, recipe = services.task_and_model(config.load(run_dir / "config.yaml"))

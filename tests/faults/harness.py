@@ -29,9 +29,11 @@ import torch
 import yaml
 
 from broker.signing import write_secret_file
-from trainer.service import latest_checkpoint
+from trainer.checkpoints import latest_checkpoint
 
 TRIALS = int(os.environ.get("FAULT_TRIALS", "2"))
+KILL_POINTS = Path(__file__).with_name("kill_points.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(tmp: Path, run_id: str, redis_url: str, *, max_steps: int, workers: int = 2, **trainer) -> Path:
@@ -80,20 +82,25 @@ class Run:
         self.trainer: subprocess.Popen | None = None
         self.workers: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, args: list[str], log: str, env: dict | None = None) -> subprocess.Popen:
+    def _spawn(self, args: list[str], log: str, env: dict | None = None, command: list[str] | None = None):
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        if command is not None:  # a script: the repository's packages first on its path, as `-m` has them
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         return subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", *args],
+            [sys.executable, *(command or ["-m", "tandem.cli"]), *args],
             stdout=open(self.logs / log, "ab"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
         )
 
-    def start_trainer(self, *overrides: str, env: dict | None = None) -> None:
-        """`env`: extra environment, e.g. TANDEM_FAULT_POINT (trainer/service.fault_point)."""
+    def start_trainer(self, *overrides: str, env: dict | None = None, kill_at: str | None = None) -> None:
+        """`env`: extra environment; `kill_at`: POINT@STEP, the trainer SIGKILLed there (kill_points.py)."""
         args = ["trainer", "--config", str(self.cfg), "--run-dir", str(self.run_dir), *overrides]
-        self.trainer = self._spawn(args, "trainer.log", env)
+        if kill_at is None:
+            self.trainer = self._spawn(args, "trainer.log", env)
+        else:
+            self.trainer = self._spawn([kill_at, *args[1:]], "trainer.log", env, command=[str(KILL_POINTS)])
 
     def start_worker(self, worker_id: str, *overrides: str) -> None:
         self.workers[worker_id] = self._spawn(

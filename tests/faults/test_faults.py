@@ -1,4 +1,4 @@
-"""Fault scenarios against real processes (issue 13): random SIGKILLs of workers and the trainer,
+"""Fault scenarios against real processes: random SIGKILLs of workers and the trainer,
 SIGKILLs of the trainer pinned mid-checkpoint and between checkpoint and commit, Redis restarts with
 AOF, a Redis wiped clean (mid-run and between resumes), a worker partitioned from Redis and the
 trainer, a slow consumer, a policy fetch stalled mid-stream (tests/faults/proxy.py), poison
@@ -466,7 +466,7 @@ def test_slow_consumer(tmp_path, redis_server, run_id):
 
 
 def test_trainer_killed_mid_checkpoint_and_before_commit(tmp_path, redis_server, run_id):
-    """SIGKILL pinned (trainer/service.fault_point): at step 2 with the checkpoint's temporary file
+    """SIGKILL pinned (tests/faults/kill_points.py): at step 2 with the checkpoint's temporary file
     written but not renamed, then at step 4 with the checkpoint durable and its samples not committed.
     Each resume is from the right checkpoint, and the run is exactly-once."""
     max_steps = 5
@@ -474,14 +474,14 @@ def test_trainer_killed_mid_checkpoint_and_before_commit(tmp_path, redis_server,
     ckpts = run.run_dir / "checkpoints"
     recovery = []
     try:
-        run.start_trainer(env={"TANDEM_FAULT_POINT": "mid_checkpoint@2"})
+        run.start_trainer(kill_at="mid_checkpoint@2")
         for w in ("w0", "w1"):
             run.start_worker(w)
         assert run.wait_trainer() == -signal.SIGKILL, run.log_tail("trainer")
         assert (ckpts / "step-000002.pt.tmp").exists() and not (ckpts / "step-000002.pt").exists()
         for point, resumed_at in (("before_commit@4", 1), (None, 4)):
             t_fault = time.time()
-            run.start_trainer(env={"TANDEM_FAULT_POINT": point} if point else None)
+            run.start_trainer(kill_at=point)
             if point:
                 assert run.wait_trainer() == -signal.SIGKILL, run.log_tail("trainer")
                 assert (ckpts / "step-000004.pt").exists()

@@ -22,7 +22,7 @@ import torch
 from harness import Run, audit, config, lines, report
 from restartable_redis import RestartableRedis
 
-from trainer.service import latest_checkpoint
+from trainer.checkpoints import latest_checkpoint
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.service import checkpoints
+from trainer.checkpoints import checkpoints
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

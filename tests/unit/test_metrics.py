@@ -9,7 +9,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainer.metrics import COUNTER_HELP, GAUGES, MetricsSink
-from trainer.service import State
+from trainer.state import State
 
 
 def _scrape(port: int) -> dict:

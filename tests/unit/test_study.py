@@ -154,23 +154,23 @@ def test_the_contract_holds_unless_the_knob_is_named(tmp_path):
     fingerprint is not the one the trainer accepts) unless `rollout_recipe` names that recipe."""
     plain = _cfg(tmp_path, recipe="int4_qat")
     assert not plain.contract_breaking
-    trainer = services.make_trainer(plain, tmp_path / "a")
-    assert trainer.accepted_fingerprint == trainer.fingerprint and not trainer.contract_breaking
-    assert services.make_worker(plain, "w0").fingerprint == trainer.accepted_fingerprint
+    trainer = services.make_trainer(plain, tmp_path / "a").parts.contracts
+    assert trainer.accepted == trainer.fingerprint and not trainer.breaking
+    assert services.make_worker(plain, "w0").fingerprint == trainer.accepted
     # The rollouts on bf16 without the knob: a foreign fingerprint, refused by the trainer.
     other = services.make_worker(_cfg(tmp_path, recipe="bf16"), "w0")
-    assert other.fingerprint != trainer.accepted_fingerprint
+    assert other.fingerprint != trainer.accepted
     # Named: the trainer publishes bf16 and accepts it, trains int4 QAT, and says so.
     knob = _cfg(tmp_path, recipe="int4_qat", rollout_recipe="bf16")
     assert knob.contract_breaking
-    broken = services.make_trainer(knob, tmp_path / "b")
+    broken = services.make_trainer(knob, tmp_path / "b").parts.contracts
     assert broken.fingerprint == trainer.fingerprint  # trains (and checkpoints) as int4 QAT
-    assert broken.accepted_fingerprint == other.fingerprint == services.make_worker(knob, "w0").fingerprint
-    assert broken.contract_breaking and broken.rollout_recipe.name == "bf16"
+    assert broken.accepted == other.fingerprint == services.make_worker(knob, "w0").fingerprint
+    assert broken.breaking and broken.rollout_recipe.name == "bf16"
     # Naming the run's own recipe is no ablation.
     same = _cfg(tmp_path, recipe="int4_qat", rollout_recipe="int4_qat")
     assert not same.contract_breaking
-    assert services.make_trainer(same, tmp_path / "c").accepted_fingerprint == trainer.fingerprint
+    assert services.make_trainer(same, tmp_path / "c").parts.contracts.accepted == trainer.fingerprint
 
 
 def test_keep_bf16_overrides_the_recipe(tmp_path):

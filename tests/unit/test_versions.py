@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from broker.codec import Trajectory
+from broker.keys import Keys
 from broker.registry import PolicyRegistry
 from broker.streams import connect
 from policy import compute, formats, qat
@@ -18,7 +19,7 @@ from policy.manifest import QuantizedParam
 from policy.model import ModelConfig, MoE, Transformer
 from policy.recipe import Recipe
 from tandem import config as run_config
-from tandem.services import make_trainer
+from tandem.services import trainer_parts
 from trainer.versions import RetainedVersions, aliasing
 
 CFG = ModelConfig.preset("tiny", n_layers=2, dim=64, n_experts=4, expert_ffn_dim=64, shared_expert_ffn_dim=0)
@@ -163,7 +164,8 @@ def test_parts_aliasing_a_live_parameter_are_cloned():
 # The trainer: publish retains, recompute uses, a restart forgets.
 
 
-def _trainer(tmp_path, redis_url, run_id, name: str):
+def _parts(tmp_path, redis_url, run_id, name: str, redis):
+    """The trainer's components (trainer.parts), publishing through a real policy server and Redis."""
     cfg = {
         "run_id": run_id,
         "redis_url": redis_url,
@@ -175,29 +177,25 @@ def _trainer(tmp_path, redis_url, run_id, name: str):
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    trainer = make_trainer(run_config.load(str(path), []), tmp_path / name)
-    trainer.redis = connect(redis_url)
-    trainer.registry = PolicyRegistry(trainer.redis, trainer.keys)
-    trainer.backend.apply_qat()
-    trainer.server.start()
-    return trainer
+    parts = trainer_parts(run_config.load(str(path), []), tmp_path / name)
+    parts.backend.apply_qat()
+    parts.publishing.start(PolicyRegistry(redis, Keys(run_id=run_id)))
+    return parts
 
 
-async def _publish(trainer, version: int) -> None:
-    trainer.state.version = trainer._weights_version = version
-    await trainer._publish()
-    await trainer.publisher.idle()  # raises if it failed
-    assert version in trainer.server.versions()
+async def _publish(parts, version: int) -> None:
+    await parts.publishing.publish(version, announced=lambda: None)
+    await parts.publishing.idle()  # raises if it failed
+    assert version in parts.publishing.server.versions()
 
 
-def _step(trainer, seed: int) -> None:
+def _step(parts, seed: int) -> None:
     """What an optimizer step does to the weights (moved in place, the QAT cache invalidated)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in trainer.backend.parameters():
+        for p in parts.backend.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    trainer.backend.qat_hook.invalidate()
-    trainer._weights_version = None
+    parts.backend.qat_hook.invalidate()
 
 
 def _group(trainer, versions: list[int]) -> list[Trajectory]:
@@ -210,60 +208,57 @@ def _group(trainer, versions: list[int]) -> list[Trajectory]:
                 sample_id=f"g{i}/{v}", prompt_id="g", group_id=f"g{i}", sample_index=0, group_size=2,
                 prompt_tokens=prompt, completion_tokens=completion,
                 behavior_logprobs=np.full(3, -1.0, np.float32), reward=float(i % 2), policy_version=v,
-                contract_fingerprint=trainer.accepted_fingerprint, worker_id="t", created_at=time.time(),
+                contract_fingerprint=trainer.contracts.accepted, worker_id="t", created_at=time.time(),
             )
         )  # fmt: skip
     return out
 
 
 async def test_trainer_publish_retains_packed_versions_and_recompute_uses_them(tmp_path, redis_url, run_id):
-    trainer = _trainer(tmp_path, redis_url, run_id, "a")
+    redis = connect(redis_url)
+    trainer = _parts(tmp_path, redis_url, run_id, "a", redis)
+    step = trainer.step
     try:
         await _publish(trainer, 1)
         v1 = {n: p.detach().clone() for n, p in trainer.backend.canonical().items()}
         _step(trainer, 0)
         await _publish(trainer, 2)
         _step(trainer, 1)  # the weights moved since v2's publish (publish_every > 1): v2 rows need v2's parts
-        batch = trainer.recompute_logprobs([_group(trainer, [1, 2])])
+        batch = step.recompute([_group(trainer, [1, 2])], weights_version=None)
         assert batch.known.tolist() == [True, True]
         ref = _qat_logprobs(
             v1,
-            trainer.recipe,
+            trainer.contracts.recipe,
             batch.tokens[:1],
             batch.targets[:1],
             batch.attn[:1],
-            trainer.temperature,
-            trainer.model_config,
+            step.temperature,
+            trainer.backend.model_config,
         )
         assert torch.equal(qat.bits(batch.at_version[:1]), qat.bits(ref))
         assert not torch.equal(batch.at_version, batch.prox)
         await _publish(trainer, 3)
         # v3 is the current weights: its rows are prox itself
-        batch = trainer.recompute_logprobs([_group(trainer, [3, 1])])
+        batch = step.recompute([_group(trainer, [3, 1])], weights_version=3)
         assert torch.equal(batch.at_version[0], batch.prox[0]) and not torch.equal(batch.at_version[1], batch.prox[1])
         for v in (4, 5):
             _step(trainer, v)
             await _publish(trainer, v)
-        assert trainer.versions.versions() == [3, 4, 5]  # max_staleness 2: v1 and v2 released
-        batch = trainer.recompute_logprobs([_group(trainer, [2, 3])])
+        assert step.versions.versions() == [3, 4, 5]  # max_staleness 2: v1 and v2 released
+        batch = step.recompute([_group(trainer, [2, 3])], weights_version=5)
         assert batch.known.tolist() == [False, True]
-        assert trainer.versions.nbytes() == 3 * trainer.versions.nbytes(5)
+        assert step.versions.nbytes() == 3 * step.versions.nbytes(5)
     finally:
-        await trainer.publisher.settle()
-        trainer.server.stop()
-        trainer.buffers.close()
-        await trainer.redis.aclose()
+        await trainer.publishing.close()
 
     # A restart: nothing retained is checkpointed, so rows of versions before it are left out.
-    again = _trainer(tmp_path, redis_url, run_id, "b")
+    again = _parts(tmp_path, redis_url, run_id, "b", redis)
     try:
         again.backend.load_weights(trainer.backend.canonical())
         await _publish(again, 6)
-        batch = again.recompute_logprobs([_group(again, [5, 6])])
+        batch = again.step.recompute([_group(again, [5, 6])], weights_version=6)
         assert batch.known.tolist() == [False, True]
-        assert again.versions.versions() == [6]
+        assert again.step.versions.versions() == [6]
     finally:
-        await again.publisher.settle()
-        again.server.stop()
-        again.buffers.close()
-        await again.redis.aclose()
+        await again.publishing.close()
+        await redis.aclose()

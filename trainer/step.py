@@ -1,0 +1,160 @@
+"""The optimizer step: pack a step's groups, recompute their log-probs, take the GRPO update.
+
+    batch = step.recompute(groups, weights_version=v)   no grad: prox (current weights), at_version
+    row = step.optimize(batch, version=v)               `minibatches` updates; the step's metrics row
+
+`prox` is the trainer's recompute under its current weights (the PPO proximal policy); `at_version`
+is each sample's log-probs under its own policy version v (the quantization part of the mismatch,
+trainer.grpo), from v's retained packed tensors (trainer.versions), or `prox` itself where the
+weights are still v's (`weights_version`). Rows whose version is not held (from before a restart)
+are marked unknown and left out of the split. The pure parts (`staleness_stats`, `lr_at`) are
+tested by hand (tests/unit/test_step.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from broker.codec import Trajectory
+
+from . import grpo
+from .config import TrainerConfig
+from .sequences import pack, scatter_rows
+from .versions import RetainedVersions
+from .warmstart import lr_factor
+
+
+@dataclass
+class Batch:
+    """One step's samples packed into rows [B, T] (see trainer.sequences.pack), with the step's
+    per-sample data and the trainer's recomputed log-probs."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    attn: torch.Tensor
+    mask: torch.Tensor  # completion tokens
+    behav: torch.Tensor  # the rollouts' behavior log-probs
+    rewards: torch.Tensor  # [B]
+    adv: torch.Tensor  # [B] group-normalized advantages
+    versions: torch.Tensor  # [B] policy version each sample came from
+    prox: torch.Tensor  # current weights (proximal policy)
+    at_version: torch.Tensor  # each sample's own version
+    started: float  # perf_counter at the start of the step
+    known: torch.Tensor | None = None  # [B] bool: rows whose version's weights are held (at_version valid)
+    recompute_s: float = 0.0  # seconds the recompute took (older versions' forwards included)
+    at_version_s: float = 0.0  # of which the older versions' forwards (trainer.versions)
+
+
+class GRPOStep:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        backend,
+        versions: RetainedVersions,
+        *,
+        pad_id: int,
+        temperature: float,
+        device: torch.device,
+    ):
+        """temperature: the rollouts' sampling temperature (the log-probs must match it)."""
+        self.cfg, self.backend, self.versions = cfg, backend, versions
+        self.pad_id, self.temperature, self.device = pad_id, temperature, device
+        self.autocast = backend.autocast()
+
+    def recompute(self, groups: list[list[Trajectory]], *, weights_version: int | None) -> Batch:
+        """Pack the groups into one batch with advantages and recompute its log-probs (module doc);
+        weights_version: the version the current weights are (None: moved since its publish)."""
+        t0 = time.perf_counter()
+        samples = [t for g in groups for t in g]
+        tokens, targets, attn, mask = pack(
+            [t.prompt_tokens.tolist() for t in samples], [t.completion_tokens.tolist() for t in samples], self.pad_id
+        )
+        behav = scatter_rows([t.behavior_logprobs for t in samples], mask)
+        rewards = torch.tensor([t.reward for t in samples], dtype=torch.float32)
+        adv = grpo.group_advantages(rewards, self.cfg.group_size)
+        versions = torch.tensor([t.policy_version for t in samples])
+        tokens, targets, attn, mask, behav, rewards, adv = (
+            t.to(self.device) for t in (tokens, targets, attn, mask, behav, rewards, adv)
+        )
+        with torch.no_grad(), self.autocast:
+            prox = self.backend.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
+            at_version = prox.clone()
+            self._sync()
+            t1 = time.perf_counter()
+            known = torch.ones(len(samples), dtype=torch.bool)
+            for v in sorted(set(versions.tolist())):
+                if v == weights_version:
+                    continue  # the current weights are version v: prox
+                if v not in self.versions:
+                    known[versions == v] = False
+                    continue
+                rows = (versions == v).nonzero().squeeze(-1).to(self.device)
+                at_version[rows] = self.versions.token_logprobs(
+                    v, tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
+                )
+        self._sync()
+        t2 = time.perf_counter()
+        return Batch(
+            tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0,
+            known=known, recompute_s=t2 - t0, at_version_s=t2 - t1,
+        )  # fmt: skip
+
+    def _sync(self) -> None:
+        """Wait for the trainer's own queued device work (recompute_s is device time, not launch
+        time): its current stream only, not the whole device, whose side streams may hold an
+        in-flight publish's copies to the host (broker.frames.fill) that this step need not wait for."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def optimize(self, b: Batch, *, version: int) -> dict:
+        """The GRPO update over `minibatches` shuffled minibatches at trainer version `version`;
+        returns the step's metrics row."""
+        cfg = self.cfg
+        n_tokens = int(b.mask.sum())
+        grad_norms, stats = [], Counter()
+        for rows in torch.randperm(len(b.rewards)).chunk(cfg.minibatches):
+            rows = rows.to(self.device)
+            with self.autocast:
+                logp = self.backend.token_logprobs(
+                    b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature
+                )
+            loss, s = grpo.policy_loss(
+                logp, b.prox[rows], b.behav[rows], b.adv[rows], b.mask[rows],
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, n_tokens=n_tokens,
+            )  # fmt: skip
+            grad_norms.append(self.backend.update(loss * cfg.minibatches))  # n_tokens is the step's: rescale
+            stats.update(s)
+        return {
+            "reward_mean": float(b.rewards.mean()),
+            **staleness_stats(version, b.versions.tolist()),
+            **grpo.mismatch_metrics(b.prox, b.behav, b.at_version, b.mask, version_known=b.known),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "clip_frac": stats["clip_frac"] / cfg.minibatches,
+            "tis_frac": stats["tis_frac"] / cfg.minibatches,
+            "samples": len(b.rewards),
+            "completion_tokens": n_tokens,
+            "step_time_s": time.perf_counter() - b.started,
+            "recompute_s": b.recompute_s,
+            "at_version_s": b.at_version_s,
+        }
+
+
+def staleness_stats(version: int, sample_versions: list[int]) -> dict:
+    """Staleness (version - sample version) of a step's samples: mean, max and a histogram."""
+    staleness = [version - v for v in sample_versions]
+    return {
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": max(staleness),
+        "staleness_hist": dict(Counter(str(s) for s in staleness)),
+    }
+
+
+def lr_at(cfg: TrainerConfig, step: int) -> float:
+    """The learning rate of the step taken after `step` steps (a function of the step alone: a resume
+    continues the schedule exactly)."""
+    s = cfg.lr_schedule
+    return cfg.lr * lr_factor(step, steps=cfg.max_steps, warmup=s.warmup_steps, kind=s.kind, min_ratio=s.min_lr_ratio)
