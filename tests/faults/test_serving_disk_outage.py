@@ -196,10 +196,10 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
     each publish); its serving child SIGKILLed 3 times, each once the previous replacement serves and
     two more steps passed: twice while a publish waits for its reply (the child stopped first,
     _stop_during_a_synchronous_publish), once at a random moment. Every kill is survived: the
-    replacement gets the versions the dead one held and the in-flight publish; the run completes,
-    exactly-once, with no publish failure and no traceback."""
-    max_steps = 20
-    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=max_steps, policy_server_process=True))
+    replacement gets the versions the dead one held and the in-flight publish; two steps after the
+    last, the trainer is stopped (SIGTERM) and the run is exactly-once, with no publish failure and
+    no traceback."""
+    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=10_000, policy_server_process=True))
     kills = []
     try:
         run.start_trainer("loop.max_staleness=0")
@@ -207,7 +207,7 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
             run.start_worker(w, "loop.max_staleness=0", "rollout.fetch_timeout_s=3")
         run.wait_steps(1)
         child = _child_of(run.trainer.pid, SERVER_CHILD)
-        for kind in ("mid_publish", "random", "mid_publish"):
+        for kind in ("mid_publish", "random", "mid_publish", "end"):
             if kills:  # each kill once the previous one's replacement serves: every one is survived
                 child = _replacement(run, len(kills))
                 run.wait_steps(run.steps() + 2)  # the workers caught up
@@ -218,12 +218,15 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
                     run.logs / "trainer.log",
                     [run.logs / f"{w}.log" for w in run.workers],
                 )
-            else:
+            elif kind == "random":
                 time.sleep(random.uniform(0.0, 1.0))
+            else:
+                break
             os.kill(child, signal.SIGKILL)
             kills.append(kind)
-            assert run.steps() < max_steps - 1, "the run ended before every kill: raise max_steps"
+        run.trainer.send_signal(signal.SIGTERM)  # a graceful stop: checkpoint and commit
         assert run.wait_trainer() == 0, run.log_tail("trainer")
+        steps = run.steps()
     finally:
         run.close()
     log = run.log_tail("trainer", 10**7)
@@ -232,7 +235,7 @@ def test_serving_child_killed_during_publishes(tmp_path, redis_server, run_id):
     during = len(re.findall(r"exited \(-9\) during publishing version", log))
     assert during >= kills.count("mid_publish"), log[-3000:]  # each stopped one had a publish waiting
     assert "failed" not in log and "Traceback" not in log, log[-3000:]
-    figures = audit(run.run_dir, max_steps)
+    figures = audit(run.run_dir, steps, stopped=True)
     report("serving_child_killed", faults=len(kills), during_publish=during, **figures)
 
 
