@@ -62,7 +62,7 @@ from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend
 from .config import RolloutConfig
 from .metrics import WorkerMetrics, WorkerStats
 from .prompt_check import PromptRules, check_prompt
-from .swap import VersionSwap, why
+from .swap import Pending, VersionSwap, why
 from .tasks import Task
 
 __all__ = ["Finished", "RolloutWorker", "prompt_stream_config", "why"]
@@ -81,7 +81,7 @@ class Finished:
 
 @dataclass
 class _FetchJob:
-    """The thread fetching the swap's pending version (`VersionSwap.pending`, same ticket)."""
+    """The thread fetching the swap's pending version (`VersionSwap.pending`)."""
 
     cancel: FetchCancel
     task: asyncio.Task  # -> (FetchedPolicy, perf_counter when it was complete)
@@ -568,7 +568,7 @@ class RolloutWorker:
             "h2d": t1 - t0,
             "swap": t2 - t1,
         }
-        self._went_live(pending.pointer, fetched, parts, previous, how, time.monotonic() - pending.seen)
+        self._went_live(pending, fetched, parts, previous, how)
         return True
 
     async def _load(self, fetched: FetchedPolicy) -> str:
@@ -591,9 +591,9 @@ class RolloutWorker:
             raise
         return "fresh engine"
 
-    def _went_live(self, pointer, fetched: FetchedPolicy, parts: dict, previous, how: str, took_s: float) -> None:
+    def _went_live(self, pending: Pending, fetched: FetchedPolicy, parts: dict, previous, how: str) -> None:
         """Metrics and the "live" line (bench/e2e_report.py reads it) of a version just live."""
-        st = fetched.stats
+        st, pointer, took_s = fetched.stats, pending.pointer, time.monotonic() - pending.seen
         # The pointer's published_at is the trainer's clock: exact on one machine, skewed across hosts.
         after_publish = time.time() - pointer.published_at if pointer.published_at else None  # None: not said
         self.stats.swap_part_seconds = parts
