@@ -149,7 +149,7 @@ def test_a_draining_rollout_worker_reports_not_serving():
     port = worker.health.start()
     try:
         assert _check(port, ROLLOUT_HEALTH) == "NOT_SERVING"
-        worker.health.set_serving(True)  # what _load does once a verified policy is live
+        worker.health.set_serving(True)  # what the worker does once a verified policy is live
         assert _check(port, ROLLOUT_HEALTH) == "SERVING"
         worker.request_stop()  # the SIGTERM handler
         assert worker.stop.is_set() and _check(port, ROLLOUT_HEALTH) == "NOT_SERVING"

@@ -17,6 +17,8 @@ pytest.importorskip("triton")
 pytest.importorskip("redis")  # the worker module imports the Redis streams client
 pytest.importorskip("grpc_health")
 
+from drive_worker import load, rollout_group  # noqa: E402  (tests/drive_worker.py)
+
 from broker.codec import PromptGroup  # noqa: E402
 from broker.policy_server import PolicyServer, PolicyServerConfig  # noqa: E402
 from broker.registry import PolicyPointer  # noqa: E402
@@ -43,12 +45,12 @@ def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
     with PolicyServer(PolicyServerConfig(port=0)) as server:
         server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=v1))
         pointer = PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)
-        assert asyncio.run(worker._try_load(pointer)), logs
+        assert asyncio.run(load(worker, pointer)), logs
         first = worker.engine
         assert worker.host_buffers.pinned and worker.host_buffers.allocations == 1
         server.publish(packed)  # version 2: the model's weights, checked against its QAT recompute below
         pointer = PolicyPointer(version=2, address=server.address, contract_fingerprint=worker.fingerprint)
-        assert asyncio.run(worker._try_load(pointer)), logs
+        assert asyncio.run(load(worker, pointer)), logs
     eng = worker.engine
     assert eng is first and worker.host_buffers.allocations == 1  # copied into the live engine, same host slab
     assert "(in place," in logs[-1] and "h2d" in logs[-1], logs[-1]
@@ -58,10 +60,10 @@ def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
     group = PromptGroup(
         prompt_id="p0", group_id="g0", prompt_tokens=np.asarray(p.tokens, dtype=np.int32), n_samples=8, task=p.fields
     )
-    trajs = worker._rollout_group(group)  # 8 samples in chunks of max_batch=4
+    trajs = rollout_group(worker, group)  # 8 samples in chunks of max_batch=4
     assert len(trajs) == 8
     assert all(t.policy_version == 2 and t.contract_fingerprint == worker.fingerprint for t in trajs)
-    again = worker._rollout_group(group)
+    again = rollout_group(worker, group)
     for a, b in zip(trajs, again):  # per-sample seeds: the same group gives the same samples
         assert np.array_equal(a.completion_tokens, b.completion_tokens)
     # Behavior log-probs against the trainer's QAT recompute (CPU, fp32) of the same sequences.

@@ -17,6 +17,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from drive_worker import load, rollout_group  # tests/drive_worker.py
 from faults.proxy import Proxy
 from test_policy_grpc import FaultyPolicyServer
 from test_worker_prefetch import CFG, build
@@ -144,39 +145,40 @@ async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
             def pointer(v: int, address: str = server.address) -> PolicyPointer:
                 return PolicyPointer(version=v, address=address, contract_fingerprint=worker.fingerprint)
 
-            assert await worker._try_load(pointer(1)) and worker.version == 1
+            assert await load(worker, pointer(1)) and worker.version == 1
             p = worker.task.prompt(0)
             group = PromptGroup(
                 prompt_id="p0", group_id="g0", prompt_tokens=np.asarray(p.tokens, np.int32), n_samples=2, task=p.fields
             )
-            worker._submit(group)
-            worker.batcher.step()  # a group in flight under v1
+            worker.submit(group)
+            worker.step()  # a group in flight under v1
 
             m = build(2).manifest
             proxy.stall_after(len(mf.manifest_to_bytes(m)) + m.total_bytes // 2)  # v2's stream, mid-way
-            assert not await worker._swap_when_drained(pointer(2, proxy.address))
+            assert not await worker.offer(pointer(2, proxy.address))
             deadline = time.monotonic() + 60
             while not proxy.stalled_connections:
-                assert time.monotonic() < deadline and not worker._prefetch.task.done(), logs
+                assert time.monotonic() < deadline and not worker.swap.fetched, logs
                 await asyncio.sleep(0.05)
             child = worker.fetcher.pid
             os.kill(child, signal.SIGKILL)
-            await asyncio.wait({worker._prefetch.task})
-            assert not await worker._swap_when_drained(pointer(2, proxy.address))
+            await worker.wait_fetch(120)
+            assert not await worker.offer(pointer(2, proxy.address))
             assert worker.version == 1 and not worker.batcher.draining  # kept v1, groups start again
             restarted = [ln for ln in logs if f"fetch process {child} exited" in ln and "started a new one" in ln]
             assert len(restarted) == 1 and worker.fetcher.pid != child, logs
             assert any("fetching v2" in ln and "failed, will retry" in ln for ln in logs), logs
-            while not worker.batcher.step():  # the group started under v1 finishes under v1
-                pass
-            worker.inflight.clear()
+            finished = []
+            while not finished:  # the group started under v1 finishes under v1
+                finished = worker.step()
+            assert [t.policy_version for t in finished[0].trajectories] == [1, 1]
 
-            worker._retry_at = 0.0
-            assert await worker._try_load(pointer(2)) and worker.version == 2
+            worker.swap.retry_s = 0.0  # the retry is due
+            assert await load(worker, pointer(2)) and worker.version == 2
             fresh = make_worker(with_fetch_process(False), "w1")
             fresh.log = lambda _: None
-            assert fresh.fetcher is None and await fresh._try_load(pointer(2))
-            for a, b in zip(worker._rollout_group(group), fresh._rollout_group(group)):
+            assert fresh.fetcher is None and await load(fresh, pointer(2))
+            for a, b in zip(rollout_group(worker, group), rollout_group(fresh, group)):
                 assert a.policy_version == b.policy_version == 2
                 assert np.array_equal(a.completion_tokens, b.completion_tokens)
                 assert np.array_equal(a.behavior_logprobs, b.behavior_logprobs)

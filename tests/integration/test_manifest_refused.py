@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from drive_worker import load, rollout_group  # tests/drive_worker.py
 
 from broker.codec import PromptGroup
 from broker.policy_server import PolicyServer, PolicyServerConfig
@@ -121,15 +122,15 @@ async def test_worker_keeps_its_version_and_counts_the_refusal(contract_and_pack
         def pointer(v: int) -> PolicyPointer:
             return PolicyPointer(version=v, address=server.address, contract_fingerprint=worker.fingerprint)
 
-        assert await worker._try_load(pointer(1)) and worker.version == 1
-        assert not await worker._try_load(pointer(2))
-        assert worker.version == 1 and worker.refused_versions == {2}
+        assert await load(worker, pointer(1)) and worker.version == 1
+        assert not await load(worker, pointer(2))
+        assert worker.version == 1 and worker.swap.refused_versions == {2}
         assert any("policy version 2 refused" in ln and "keeping v1" in ln for ln in logs), logs
         n = len(logs)
-        assert not await worker._try_load(pointer(2))  # immutable: not fetched again, not logged again
+        assert not await load(worker, pointer(2))  # immutable: not fetched again, not logged again
         assert len(logs) == n
         # The worker still generates with v1.
         p = worker.task.prompt(0)
         prompt = np.asarray(p.tokens, dtype=np.int32)
         group = PromptGroup(prompt_id="p0", group_id="p0", prompt_tokens=prompt, n_samples=2, task=p.fields)
-        assert [t.policy_version for t in worker._rollout_group(group)] == [1, 1]
+        assert [t.policy_version for t in rollout_group(worker, group)] == [1, 1]

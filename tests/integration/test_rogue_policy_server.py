@@ -22,6 +22,7 @@ import pytest
 import torch
 import xxhash
 import yaml
+from drive_worker import load  # tests/drive_worker.py
 
 from broker.codec import PromptGroup
 from broker.keys import Keys
@@ -277,23 +278,23 @@ async def test_the_in_process_fetch_refuses_the_same_way(tmp_path, redis_url, ru
                 content_digest=mf.manifest_digest(m).hex(),
             )  # fmt: skip
 
-        assert await worker._try_load(pointer(genuine, v1)) and worker.version == 1
+        assert await load(worker, pointer(genuine, v1)) and worker.version == 1
         at_rogue = dataclasses.replace(pointer(genuine, v2), address=rogue.address)
-        assert not await worker._try_load(at_rogue) and worker.version == 1
-        assert not await worker._try_load(at_rogue)  # not asked again
+        assert not await load(worker, at_rogue) and worker.version == 1
+        assert not await load(worker, at_rogue)  # not asked again
         assert rogue.asked == {2: 1} and rogue.stats()["fetch_streams"] == 0
-        assert worker.metrics.distrusted._value.get() == 1
-        assert await worker._try_load(pointer(genuine, v2)) and worker.version == 2  # v2 from its genuine source
-        assert not await worker._try_load(pointer(rogue, nan_v3)) and worker.refused_versions == {3}
-        assert not await worker._try_load(pointer(rogue, nan_v3))
+        assert worker.metrics.endpoint.registry.get_sample_value("tandem_rollout_policy_sources_distrusted_total") == 1
+        assert await load(worker, pointer(genuine, v2)) and worker.version == 2  # v2 from its genuine source
+        assert not await load(worker, pointer(rogue, nan_v3)) and worker.swap.refused_versions == {3}
+        assert not await load(worker, pointer(rogue, nan_v3))
         assert rogue.asked == {2: 1, 3: 1} and worker.version == 2
         streams = rogue.stats()["fetch_streams"]
-        assert not await worker._try_load(pointer(rogue, v4)) and worker.version == 2
+        assert not await load(worker, pointer(rogue, v4)) and worker.version == 2
         assert rogue.stats()["fetch_streams"] > streams  # the client's own re-fetches of the bad chunk
         streams = rogue.stats()["fetch_streams"]
-        assert not await worker._try_load(pointer(rogue, v4))
+        assert not await load(worker, pointer(rogue, v4))
         assert rogue.asked[4] == 1 and rogue.stats()["fetch_streams"] == streams
-        assert worker.metrics.distrusted._value.get() == 2
-        assert await worker._try_load(pointer(genuine, v4)) and worker.version == 4
+        assert worker.metrics.endpoint.registry.get_sample_value("tandem_rollout_policy_sources_distrusted_total") == 2
+        assert await load(worker, pointer(genuine, v4)) and worker.version == 4
     refusals = [ln for ln in logs if "refus" in ln]
     assert len(refusals) == 3 and "ChecksumMismatch" in refusals[-1], logs

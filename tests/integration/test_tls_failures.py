@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from drive_worker import load  # tests/drive_worker.py
 from tls_certs import make_certs
 
 from broker.policy_server import PolicyServer, PolicyServerConfig
@@ -72,8 +73,9 @@ async def test_a_worker_with_wrong_tls_settings_says_so_once(certs, case):
     with _mtls_server(run) as server:
         server.publish(_policy(cfg))
         pointer = PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)
+        worker.swap.retry_s = 0.0  # every attempt fetches
         for _ in range(3):
-            assert not await worker._try_load(pointer)
+            assert not await load(worker, pointer)
         failures = worker.metrics.endpoint.registry.get_sample_value("tandem_rollout_policy_fetch_failures_total")
         assert failures == 3  # every attempt counted
     assert len(logs) == 1, logs  # ... and logged once

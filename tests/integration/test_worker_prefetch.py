@@ -1,18 +1,18 @@
-"""The worker fetches a newer version in the background while its groups decode (issue 18): the
+"""The worker fetches a newer version in the background while its groups decode: the
 swap waits for both the drain and the fetch, a newer pointer supersedes a fetch in progress, a
 failed fetch keeps the current version (groups start again) and is retried, the "live" line and the
 metrics split the swap. Real gRPC PolicyServer on loopback, the CPU engine (no Redis: the loop's
-methods are driven directly)."""
+public methods are driven directly: tests/drive_worker.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from drive_worker import load, rollout_group  # tests/drive_worker.py
 
 from broker.codec import PromptGroup
 from broker.policy_server import PolicyServer, PolicyServerConfig
@@ -69,68 +69,73 @@ async def _prefetch_scenario(worker, logs: list[str], free_port) -> None:
         def pointer(v: int, address: str = server.address) -> PolicyPointer:
             return PolicyPointer(version=v, address=address, contract_fingerprint=worker.fingerprint)
 
-        assert await worker._try_load(pointer(1)) and worker.version == 1
+        assert await load(worker, pointer(1)) and worker.version == 1
         p = worker.task.prompt(0)
         prompt = np.asarray(p.tokens, dtype=np.int32)
         group = PromptGroup(prompt_id="p0", group_id="g0", prompt_tokens=prompt, n_samples=2, task=p.fields)
-        worker._submit(group)
-        assert worker.batcher.step() == []  # started: the group is in flight under v1
+        worker.submit(group)
+        assert worker.step() == []  # started: the group is in flight under v1
 
         # v2 announced: fetched in the background, no group starts, the started one keeps decoding.
-        assert not await worker._swap_when_drained(pointer(2))
-        assert worker._prefetch.pointer.version == 2 and worker.batcher.draining
+        assert not await worker.offer(pointer(2))
+        assert worker.swap.pending.pointer.version == 2 and worker.batcher.draining
         # v3 before v2 went live: v2's fetch is dropped, v3's runs.
-        assert not await worker._swap_when_drained(pointer(3))
-        assert worker._prefetch.pointer.version == 3 and "v3 announced while" in logs[-1] and "v2" in logs[-1]
-        await asyncio.wait({worker._prefetch.task})
-        assert not await worker._swap_when_drained(pointer(3))  # fetched, but a group is in flight
+        assert not await worker.offer(pointer(3))
+        assert worker.swap.pending.pointer.version == 3 and "v3 announced while" in logs[-1] and "v2" in logs[-1]
+        await worker.wait_fetch(120)
+        assert worker.swap.fetched
+        assert not await worker.offer(pointer(3))  # fetched, but a group is in flight
         assert worker.version == 1
-        results = []
-        while not results:
-            results = worker.batcher.step()
-        assert results[0].version == 1  # every token of the group from the version that started it
-        worker.inflight.clear()
-        assert await worker._swap_when_drained(pointer(3)) and worker.version == 3
+        finished = []
+        while not finished:
+            finished = worker.step()
+        # every token of the group from the version that started it
+        assert [t.policy_version for t in finished[0].trajectories] == [1, 1]
+        assert await worker.offer(pointer(3)) and worker.version == 3
         live = [ln for ln in logs if "policy v3 live" in ln]
         assert len(live) == 1 and "receive" in live[0] and "drain_wait" in live[0] and "3 stream(s)" in live[0]
         assert not any("policy v2 live" in ln for ln in logs)
         assert e2e_report.LIVE.search(live[0]) and e2e_report.SPLIT.search(live[0])  # the report reads it
-        assert worker.metrics.swap_part.labels("receive")._value.get() > 0
+        assert metric(worker, "tandem_rollout_policy_swap_part_seconds", part="receive") > 0
+        assert metric(worker, "tandem_rollout_policy_version") == 3
         # The CPU model and backend are kept across versions: what they generate under v3 is what
         # a worker that loaded v3 first generates.
         fresh = make_worker(CFG, "w1")
         fresh.log = lambda _: None
-        assert await fresh._try_load(pointer(3))
-        for a, b in zip(worker._rollout_group(group), fresh._rollout_group(group)):
+        assert await load(fresh, pointer(3))
+        for a, b in zip(rollout_group(worker, group), rollout_group(fresh, group)):
             assert a.policy_version == b.policy_version == 3
             assert np.array_equal(a.completion_tokens, b.completion_tokens)
             assert np.array_equal(a.behavior_logprobs, b.behavior_logprobs)
 
         # A failed fetch (nothing listens at the pointer's address): v3 stays, groups start again,
         # the fetch is retried on a later call (after a short wait), not at once in a tight loop.
-        failures = worker.metrics.fetch_failures._value.get()
-        worker.retry_s = 60.0  # long enough that the retry below cannot be due yet, however loaded the box
+        failures = metric(worker, "tandem_rollout_policy_fetch_failures_total")
+        worker.swap.retry_s = 60.0  # long enough that the retry below cannot be due yet, however loaded the box
         dead = pointer(4, f"127.0.0.1:{free_port()}")
-        worker._submit(group)
-        worker.batcher.step()
-        assert not await worker._swap_when_drained(dead)
-        await asyncio.wait({worker._prefetch.task})
-        assert not await worker._swap_when_drained(dead)
+        worker.submit(group)
+        worker.step()
+        assert not await worker.offer(dead)
+        await worker.wait_fetch(120)
+        assert not await worker.offer(dead)
         assert worker.version == 3 and not worker.batcher.draining
-        assert worker.metrics.fetch_failures._value.get() == failures + 1
+        assert metric(worker, "tandem_rollout_policy_fetch_failures_total") == failures + 1
         assert any("fetching v4" in ln and "failed, will retry" in ln for ln in logs)
-        assert not await worker._swap_when_drained(dead) and worker._prefetch is None  # waits before retrying
-        worker._retry_at = 0.0  # the retry is due
+        assert not await worker.offer(dead) and worker.swap.pending is None  # waits before retrying
+        worker.swap.retry_s = 0.0  # the retry is due
 
         # A newest pointer that is not for this worker's contract: the fetch of an older one is
         # dropped too and groups start again under v3 (the worker only ever moves to the newest).
         server.publish(build(5))
-        assert not await worker._swap_when_drained(pointer(5))
-        assert worker._prefetch is not None and worker.batcher.draining
+        assert not await worker.offer(pointer(5))
+        assert worker.swap.pending is not None and worker.batcher.draining
         foreign = PolicyPointer(version=6, address=server.address, contract_fingerprint="0" * 64)
-        assert not await worker._swap_when_drained(foreign)
-        assert worker._prefetch is None and not worker.batcher.draining and worker.version == 3
+        assert not await worker.offer(foreign)
+        assert worker.swap.pending is None and not worker.batcher.draining and worker.version == 3
         assert any("refusing v6" in ln for ln in logs)
-        while not worker.batcher.step():
+        while not worker.step():
             pass
-        worker.inflight.clear()
+
+
+def metric(worker, name: str, **labels) -> float | None:
+    return worker.metrics.endpoint.registry.get_sample_value(name, labels)

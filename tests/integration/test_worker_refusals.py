@@ -108,7 +108,7 @@ async def test_worker_dead_letters_what_it_cannot_run_and_goes_on(redis_url, run
     samples = worker.metrics.endpoint.registry.get_sample_value
     assert samples("tandem_rollout_prompts_refused_total", {"why": "failed"}) == 1
     assert samples("tandem_rollout_prompts_refused_total", {"why": "invalid"}) == 1
-    assert worker.groups_done == 1
+    assert samples("tandem_rollout_groups_total") == 1
     assert sum("dead-lettered prompt" in ln for ln in logs) == 2
 
 
