@@ -14,7 +14,7 @@ For each recipe (bf16, nvfp4_moe, int4_qat; the same random-init model) in one r
   same GPU, same sequences; the same prompts and seeds for every recipe) per completion token,
   median and mean; the bf16 recipe's is float noise.
 
-Targets (issue 16) are printed met/missed at the end.
+Targets are printed met/missed at the end.
 
     python3 bench/bench_engine.py [--layers 6] [--batches 1,16,64,256] [--steps 64] [--json out.json]
 
@@ -24,8 +24,8 @@ of 16..2*prompt_len tokens, each sample's length drawn from [--min-new, --max-ne
 token budget standing in for EOS at varied points), --max-inflight-groups groups in flight in
 --slots KV slots (default group_size * max_inflight_groups: then no queued sample can take a slot
 freed early, since a group stays in flight until its longest sample ends; more groups than
-slots / group_size let freed slots be refilled). Static: `generate`-style batches of 1 group (the
-worker before continuous batching) and of slots / group_size groups (as many rows as the slots),
+slots / group_size let freed slots be refilled). Static: `generate`-style batches of 1 group (one
+group at a time) and of slots / group_size groups (as many rows as the slots),
 each decoding until its longest sample ends. Completion tokens/s over wall time (host clock
 around the whole run, CUDA synchronized), GPU busy (profiler kernel time of a second, identical
 run over that wall time), and the full-slot decode rate (graph replays at batch = slots) for scale.

@@ -15,7 +15,7 @@ in one stacked call (policy.qat expert groups). The MoE runs as one grouped GEMM
 CUDA (policy.model MoE.grouped; megatron's SequentialMLP likewise); `--moe loop` times the loop over
 experts instead. "cache refill" is one refill alone (`hook.quantized_params`: quantization and
 operands of every weight, no dequantized copies).
-Printed per configuration: ms per step, tokens/s, the ratio to plain (issue 17's target: QAT
+Printed per configuration: ms per step, tokens/s, the ratio to plain (target: QAT
 <= 1.3x plain, goal 1.1x), peak memory and its excess over plain (target: <= one copy of the
 quantized weights), and a publish of the current version: the quantized parts from the QAT cache
 (no second quantization) -> broker.frames (D2H into a pooled page-locked buffer laid out as the gRPC

@@ -1,4 +1,4 @@
-"""The worker fetches a newer version in the background while its groups decode (issue 18): the
+"""The worker fetches a newer version in the background while its groups decode: the
 swap waits for both the drain and the fetch, a newer pointer supersedes a fetch in progress, a
 failed fetch keeps the current version (groups start again) and is retried, the "live" line and the
 metrics split the swap. Real gRPC PolicyServer on loopback, the CPU engine (no Redis: the loop's
