@@ -1,51 +1,18 @@
 """Older policy versions for the mismatch split, kept as the packed tensors their publish produced.
 
-The trainer's `at_version` log-probs (DESIGN.md "Training": the quantization part of the mismatch)
-evaluate each sample under its own version v. Version v's effective operands are a function of
-its quantized objects alone (DESIGN.md "Compute contract": `policy.formats.operand(q)` for every
-matmul, `dequantize(q)` for embeddings and norms), so the trainer keeps those objects, not v's fp32
-master weights:
-
     versions = RetainedVersions(model_config, plan, keep=max_staleness)
     versions.add(v, backend.quantized_params())    # at each publish: references, no copy
     versions.token_logprobs(v, tokens, targets, attention_mask=attn, temperature=T)
 
-`add` holds references to the QuantizedParams the publish already produced (the QAT cache's own
-objects: the cache replaces them with new tensors after each optimizer step rather than writing
-them in place), on the trainer's device. Nothing is copied to the host and nothing is quantized
-again. Parts that share storage with a live parameter (none with fp32 master weights: every format
-makes new tensors from them) are cloned so that the optimizer cannot change them.
-
-`token_logprobs` runs `policy.model.Transformer`'s forward on a scratch model whose parameters are
-on the meta device (no memory: every read of a parameter goes through the hook) with a
-hook that is `policy.qat.PackedHook` over v's objects (QATHook's forward with v's operands), except
-that each operand is built when its matmul runs and dropped after it, and that an MoE projection's
-experts are built together, as the QAT cache's stacked refill builds them: their packed parts
-concatenated along rows (a copy of the packed bytes, 0.2 GB for a gate_up_proj here) and one
-`formats.operand` call for all (`qat.stacked_operands`), whose [E, N, K] operand the grouped GEMM
-takes as is (no per-expert operands stacked per call; each operand is built once per call). The
-result equals, bit for bit, the QAT forward (`policy.qat.apply_qat`, the training recipe) of v's
-master weights on the same rows and device, on the MoE's loop over experts and on its grouped GEMM
-alike (tests/unit/test_versions.py). Transient memory, during the call: one weight's operand at a
-time, or one MoE projection's experts' (0.8 GB of bf16 operand values here, plus the fp32
-intermediates of nvfp4's operand_values over all experts at once, ~3 GB at its peak, as the QAT
-cache's refill has), plus the fp32 dequantized embedding and norms (as the QAT forward holds them).
-
-Memory: per retained version, the bytes of its packed parts (`nbytes`): 4.38 GB for the 6-layer
-Qwen3-30B-A3B of configs/gpu-h200.yaml under nvfp4_moe, against 17.4 GB of fp32 master weights.
-The newest version's objects are shared with the QAT cache until the next optimizer step. `add(v)`
-releases every version below v - keep, so at most `keep` versions older than the newest are held.
-
-What `at_version` means, precisely: the log-probs of the QAT forward (training recipe, the Compute
-contract's operands) of version v as published, from the quantized objects of v's publish. Under
-the rollout_recipe ablation the trainer keeps the training recipe's objects (its QAT forward's),
-not the rollouts' (trainer.service). Versions from before a restart are not held (nothing of this
-is checkpointed): their samples are left out of the split (`known`), as before.
-With trainer.backend=megatron the objects are its hook's canonical QuantizedParams (the same bytes
-as the torch backend's for the same weights) and at_version still runs policy.model's forward, as
-the fp32 scratch model did before; prox runs megatron's, so their accumulation-order difference
-lands in the staleness part.
-"""
+Rules:
+- `add` holds references to the QuantizedParams the publish produced (the QAT cache's own objects,
+  which the cache replaces after each optimizer step), on the trainer's device; parts that share
+  storage with a live parameter are cloned. `add(v)` releases every version below v - keep.
+- `token_logprobs(v, ...)` equals, bit for bit, the QAT forward (training recipe, the Compute
+  contract's operands) of version v's master weights: a meta-device scratch model whose hook builds
+  each operand when its matmul runs (an MoE projection's experts together) and drops it after.
+- Versions from before a restart are not held; their samples are left out of the split.
+Why packed versions and not fp32 snapshots, and the memory they take: docs/design-decisions.md."""
 
 from __future__ import annotations
 
@@ -75,7 +42,16 @@ def aliasing(tensors: Mapping[str, QuantizedParam], live: Iterable[Tensor]) -> l
 
 class RetainedVersions:
     """Version -> {canonical name: policy.formats object} for the newest versions (see the module
-    docstring); `keep` = how many versions older than the newest added one are held."""
+    docstring); `keep` = how many versions older than the newest added one are held.
+
+    Memory: per retained version, the bytes of its packed parts (`nbytes`); the newest version's
+    objects are shared with the QAT cache until the next optimizer step. Transient, during
+    `token_logprobs`: one weight's operand at a time, or one MoE projection's experts' (their packed
+    parts concatenated along rows and one `formats.operand` call, `qat.stacked_operands`, whose
+    [E, N, K] operand the grouped GEMM takes as is), plus the fp32 dequantized embedding and norms.
+    Under the rollout_recipe ablation the trainer keeps the training recipe's objects, not the
+    rollouts'. With trainer.backend=megatron the objects are its hook's canonical QuantizedParams
+    and this still runs policy.model's forward."""
 
     def __init__(self, model_config: ModelConfig, plan: Plan, *, keep: int):
         if keep < 0:
