@@ -351,7 +351,11 @@ def _drained(stream):
 
 @dataclass
 class StagedPublish:
-    """A version described on the training thread; `run()` (any thread) frames and hashes it."""
+    """A version described on the training thread; `run()` (any thread) frames and hashes it.
+
+    `run` may run while training continues: it copies on its own CUDA stream after the point `stage`
+    recorded and keeps the parts alive until their copies are done; `stage` cloned every part that
+    aliases a live parameter, which a later optimizer step updates in place."""
 
     version: int
     parent_version: int | None
