@@ -25,6 +25,12 @@ class PublishError(RuntimeError):
 
 
 class Publisher:
+    """The rules of the module docstring. The trainer's event loop is busy during a step's torch work,
+    so the announce lands at the step's next await (collecting trajectories), right after `prepare`
+    finishes. The trainer logs `idle()`'s wait plus its own staging of the version as
+    `publish_blocked_s`; on a PublishError it exits non-zero, and its restart republishes the
+    checkpoint's version."""
+
     def __init__(self, *, log: Callable[[str], None] = print):
         self.log = log
         self._task: asyncio.Task | None = None
