@@ -1,37 +1,20 @@
 """The packed GPU rollout engine (rollout/cuda_engine.py) on one CUDA device: decode, prefill, mismatch.
 
-For each recipe (bf16, nvfp4_moe, int4_qat; the same random-init model) in one run:
-- decode tokens/s and ms/step at each batch size, greedy and at temperature 1 (CUDA-graph replays
-  timed with CUDA events, no host sync inside the timed steps; early stop disabled);
-- GPU-busy fraction of a decode step: kernel time summed by the profiler over 8 replays / their
-  wall time; and one eager (no graph) step at batch 64 for comparison;
-- the HBM roofline: the bytes a step must read (every dense weight, the routed experts a batch of
-  this size touches under uniform routing: E * (1 - (1 - k/E)^B) per layer, the live KV) over the
-  device-to-device copy bandwidth measured in the same run; the engine's % of it;
-- sampling cost at batch 64 (the fused sampler alone, as a % of the T=1 step);
-- prefill tokens/s (all rows of the largest batch, one forward);
-- logp_abs_diff_quant: |engine behavior log-prob - the trainer's QAT recompute| (policy.qat on the
-  same GPU, same sequences; the same prompts and seeds for every recipe) per completion token,
-  median and mean; the bf16 recipe's is float noise.
-
-Targets (issue 16) are printed met/missed at the end.
-
     python3 bench/bench_engine.py [--layers 6] [--batches 1,16,64,256] [--steps 64] [--json out.json]
-
-`--continuous`: instead, continuous batching (rollout/batching.py) against static batching on the
-same engine and the same work, at temperature 1: --groups groups of --group-size samples, prompts
-of 16..2*prompt_len tokens, each sample's length drawn from [--min-new, --max-new] (a per-sample
-token budget standing in for EOS at varied points), --max-inflight-groups groups in flight in
---slots KV slots (default group_size * max_inflight_groups: then no queued sample can take a slot
-freed early, since a group stays in flight until its longest sample ends; more groups than
-slots / group_size let freed slots be refilled). Static: `generate`-style batches of 1 group (the
-worker before continuous batching) and of slots / group_size groups (as many rows as the slots),
-each decoding until its longest sample ends. Completion tokens/s over wall time (host clock
-around the whole run, CUDA synchronized), GPU busy (profiler kernel time of a second, identical
-run over that wall time), and the full-slot decode rate (graph replays at batch = slots) for scale.
-
     python3 bench/bench_engine.py --continuous [--recipes nvfp4_moe] [--groups 32 --group-size 8]
-"""
+
+For each recipe (bf16, nvfp4_moe, int4_qat; the same random-init model), in one run: decode tok/s
+and ms/step per batch, greedy and at T = 1 (graph replays timed with CUDA events); GPU busy (profiler
+kernel time of 8 replays / their wall time) and one eager step at batch 64; the HBM roofline (the
+bytes a step must read: dense weights, the experts a batch touches under uniform routing, the live
+KV, over the copy bandwidth measured in the same run); sampling's share of a step; prefill tok/s;
+and logp_abs_diff_quant against the trainer's QAT recompute (policy.qat, same GPU, same sequences).
+Targets are printed met/missed at the end.
+
+`--continuous`: continuous batching (rollout/batching.py) against static batches of 1 group and of
+slots / group_size groups, on the same work at T = 1 (per-sample token budgets drawn from
+[--min-new, --max-new] stand in for EOS); completion tok/s over wall time, GPU busy, and the
+full-slot decode rate for scale."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     python3 bench/bench_publish.py --bytes 1e9     # CPU: the same model's tensors, scaled to ~1 GB (~1 min, 2 cores)
     python3 bench/bench_publish.py --source qat --preset tiny --layers 2   # CPU: the CUDA run's code path, small
 
-Issue 17's target: >= 8 GB/s quantize -> manifest -> servable, i.e. <= 4 s for a 26 GB
+Target: >= 8 GB/s quantize -> manifest -> servable, i.e. <= 4 s for a 26 GB
 Qwen3-30B-A3B nvfp4_moe version. What one publish of version v costs, each timed per version:
 - `quantize`: on CUDA, the QAT cache refill (`hook.invalidate()` then `hook.quantized_params(model)`:
   every weight's quantized parts, what the trainer's QAT step computes anyway and the publish reuses).

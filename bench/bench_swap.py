@@ -1,34 +1,19 @@
-"""Publish -> live on a rollout worker, by part: gRPC fetch over 1 vs N streams, and the swap into
-the engine in place vs building a fresh one, each against a baseline measured in the same run.
+"""Publish -> live on a rollout worker, by part: gRPC fetch over 1 vs N streams or N fetch processes,
+and the swap into the engine in place vs building a fresh one, each against a same-run baseline.
 
     python3 bench/bench_swap.py                    # CUDA: Qwen3-30B-A3B widths x 6 layers, nvfp4_moe (the e2e version)
     python3 bench/bench_swap.py --small            # CPU box: the `small` preset cut to 2 layers, 8 experts
     python3 bench/bench_swap.py --streams 1,2,4,8 --repeats 2 --json out.json
     python3 bench/bench_swap.py --streams 1 --processes 1,2,4,6 --fetch-only   # the worker's fetch children
 
-A spawned child process plays the trainer: random-init model (seed 0), quantized with the recipe
-(QAT's cache on CUDA, what a trainer publishes), `build_manifest`, `PolicyServer.publish`, then
-serves on 127.0.0.1. This process plays a worker:
-
-- fetch: `PolicyClient.fetch` (every chunk's xxh3 and every tensor's sha256 checked) into one
-  `ReceiveBuffers` slab kept across fetches (page-locked on CUDA, as the worker's), for each
-  `--streams` value; the first fetch (fresh slab) is reported apart, then the median of `--repeats`.
-  Baseline: a host memcpy of the same bytes between touched buffers.
-- fetch in processes (the worker's path, rollout/fetch_process.py): `FetchProcess` with N children
-  receiving into one shared slab (page-locked on CUDA), for each `--processes` value: the first
-  fetch (children started, fresh slab) apart, then the median of `--repeats`, against N=1 of the
-  same run; beside each, the CPU the serving process used (cores: CPU seconds / wall seconds; ~1.0
-  = its one event loop is saturated, the server limits) and the children's. `--two-workers`: then
-  two such fetchers at once (the e2e config's two workers on one trainer) with the fastest N.
-- swap (the fetched tensors): `PackedEngine(...)` + graph capture, twice (the first pays
-  torch.compile / Triton compilation in this process, the second is what a worker pays per version
-  when it builds one per version), against `PackedEngine.update` (copied into the live engine, the
-  worker's path), median of `--repeats`. Baseline: one host-to-device copy of the slab (CUDA).
-  The engine is the e2e config's (max_batch 8, KV 256).
-
-The expected pointer -> live of a worker is then about max(fetch, the drain of its groups) +
-update: the fetch runs while the groups in flight finish (rollout/worker.py).
-"""
+A spawned child plays the trainer (random init, quantized with the recipe, published, served on
+127.0.0.1); this process plays a worker. fetch: `PolicyClient.fetch` (fully verified) into one
+`ReceiveBuffers` slab per `--streams` value (baseline: a host memcpy of the same bytes). fetch in
+processes: `FetchProcess` with N children into one shared slab per `--processes` value, with the CPU
+cores the server and the children used (~1.0 for the server = its event loop is the bound);
+`--two-workers` then runs two such fetchers at once. swap: a fresh `PackedEngine` + graph capture,
+twice (the first pays compilation), against `PackedEngine.update` (baseline: one host-to-device copy
+of the slab). First fetches are reported apart, then medians of `--repeats`."""
 
 from __future__ import annotations
 

@@ -5,29 +5,15 @@ backend, same model, same batch.
     python bench/bench_trainer.py --layers 2 --batch 2 --backends torch,megatron
     python bench/bench_trainer.py --device cpu --preset tiny --batch 8 --seq 64   # CPU smoke run (torch)
 
-Each configuration builds the trainer's own backend (trainer/backends.py: fp32 master weights,
-AdamW, bf16 autocast on CUDA, the QAT cache of bf16 operands; `--ckpt` turns activation checkpointing
-on), takes `--warmup` untimed steps (Triton compiles, the allocator settles), then `--steps` timed
-ones: forward + backward of a token log-prob loss, clip, optimizer step (`backend.update`, the
-trainer's). Under QAT the update invalidates the cache, so every timed step pays one quantization
-of every weight (what the trainer pays), inside the step, on the GPU: each MoE projection's experts
-in one stacked call (policy.qat expert groups). The MoE runs as one grouped GEMM per projection on
-CUDA (policy.model MoE.grouped; megatron's SequentialMLP likewise); `--moe loop` times the loop over
-experts instead. "cache refill" is one refill alone (`hook.quantized_params`: quantization and
-operands of every weight, no dequantized copies).
-Printed per configuration: ms per step, tokens/s, the ratio to plain (issue 17's target: QAT
-<= 1.3x plain, goal 1.1x), peak memory and its excess over plain (target: <= one copy of the
-quantized weights), and a publish of the current version: the quantized parts from the QAT cache
-(no second quantization) -> broker.frames (D2H into a pooled page-locked buffer laid out as the gRPC
-messages, checksums in a thread pool) -> PolicyServer.publish, in seconds and GB/s.
-
-Then publishing off the step, as the trainer does it (trainer.publisher): `--publish-steps` more steps,
-each followed by a publish of its version in the background while the next step runs; printed: the
-step time meanwhile (vs the timed steps above) and `publish_blocked_s`, the time the step's thread
-spent on publishing: waiting for the previous publish (back-pressure: at most one in flight) plus
-describing the quantized parts (`broker.frames.stage`); not the QAT cache refill, which the next
-step's forward would do anyway.
-"""
+Each configuration builds the trainer's own backend (trainer/backends.py), takes `--warmup` untimed
+steps, then `--steps` timed ones (`backend.update`: forward + backward of a token log-prob loss,
+clip, optimizer step; under QAT each step pays the refill of the QAT cache, as the trainer does).
+`--moe loop` times the loop over experts instead of the grouped GEMM. Printed per configuration:
+ms per step, tokens/s, the ratio to plain (target: QAT <= 1.3x, goal 1.1x), peak memory over plain
+(target: <= one copy of the quantized weights), the cache refill alone, and a publish of the
+version (QAT cache parts -> broker.frames -> PolicyServer.publish) in seconds and GB/s.
+`--publish-steps N`: N more steps, each followed by a background publish (trainer.publisher), with
+the step time meanwhile and `publish_blocked_s` (the wait for the previous publish + staging)."""
 
 from __future__ import annotations
 

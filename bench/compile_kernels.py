@@ -1,8 +1,8 @@
 """Compile every Triton kernel variant for sm_90 without a GPU and print registers / spills.
 
 Catches type and syntax errors before any device time is spent, and shows whether a variant
-spills; `--sass` also prints registers and SASS instruction counts (how the quantizers' and
-dequant's instruction budgets in docs/benchmarks.md were counted). Needs Triton importable
+spills; `--sass` also prints registers and SASS instruction counts (the budgets in docs/design-decisions.md's kernel
+entries are counted this way). Needs Triton importable
 (e.g. `pip install --target /tmp/tritonlocal triton==3.6.0` and PYTHONPATH=/tmp/tritonlocal:.);
 needs no GPU and no CUDA driver.
 

@@ -39,7 +39,7 @@ LIVE = re.compile(
     r"(?P<after>[-\d.na]+|\?)s after publish\); under v(?P<prev>\w+): (?P<groups>\d+) groups, "
     r"(?P<tokens>\d+) tokens in (?P<gen>[\d.]+)s generating"
 )
-# The swap's split, on the same line (rollout/worker.py since issue 18's prefetch).
+# The swap's split, on the same line (rollout/worker.py).
 SPLIT_PARTS = ("receive", "verify", "drain_wait", "h2d", "swap")
 SPLIT = re.compile(", ".join(rf"{p} (?P<{p}>[\d.]+)s" for p in SPLIT_PARTS))
 

@@ -13,7 +13,7 @@ Targets, and the only exceptions each may raise (anything else is a bug, printed
 
 Each input is a valid seed (a real encoding, a real manifest, a real chunk, a real override, a real
 signed pointer) with 1-8 random mutations: byte flips, inserts, deletes, truncations, splices of
-random bytes, or field swaps. Random, not coverage-guided (atheris was not installed here); the
+random bytes, or field swaps. Random, not coverage-guided (atheris is not installed here); the
 seeds make the mutations land inside real structure, so most inputs reach deep parsing code.
 """
 

@@ -20,9 +20,8 @@ the task; and the same greedily. The fraction ending in <eos>, the mean reward a
 go into `tandem_e2e.json` ("eval") and the log. Then a self-check (`decode_check`, in the log and
 `tandem_e2e.json` "decode_check"): teacher-forced vs prefill + KV-cache decode log-probs of 8 reference answers, on
 the MoE's default path and its loop over experts, which must agree, and the answer loss per variant
-(found this way: a warm start inside ONE autocast region trained against stale bf16 casts of its
-weights, loss 0.92, answer loss 24 afterwards; trainer/warmstart.py now opens one per step).
-A fixture for system measurements, not a model.
+(a warm-start loss far below the answer loss afterwards means the forward trained is not the one
+saved). A fixture for system measurements, not a model.
 """
 
 from __future__ import annotations

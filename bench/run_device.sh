@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces every device number of the "Triton kernels" section of docs/benchmarks.md and runs
+# Reproduces every device number of the "H200 kernels" section of docs/benchmarks.md and runs
 # the GPU parity tests. Run on the CUDA machine from the repo root:
 #     bash bench/run_device.sh            # tests + benchmark (fixed configs)
 #     BENCH_ARGS=--tune bash bench/run_device.sh   # also search matmul configs first

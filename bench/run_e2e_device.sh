@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tandem end to end on one GPU (issue 18): `tandem run configs/gpu-h200.yaml` (trainer + 2 rollout
+# Tandem end to end on one GPU: `tandem run configs/gpu-h200.yaml` (trainer + 2 rollout
 # workers + a private redis-server, policy gRPC on loopback) for a bounded number of steps, then
 # the same synchronously (loop.max_staleness=0) and with the bf16 recipe; one report.
 # RUNS names the runs (default "async sync bf16"): async, sync, bf16, megatron (the async run

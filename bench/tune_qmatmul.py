@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-CONFIGS = [  # earlier sweeps (23 + 7 configs) are in docs/benchmarks.md
+CONFIGS = [  # earlier sweeps (23 + 7 configs) found nothing faster: docs/design-decisions.md
     (64, 128, 2, 2, 8, 128),  # the table's 8192x8192 entry on 2026-11-29
     (64, 128, 2, 3, 8, 128),
     (64, 128, 2, 4, 8, 128),

@@ -1,40 +1,18 @@
 """A published version as pre-framed gRPC messages in one reusable host buffer (what PolicyServer serves).
 
-Layout. A version's bytes live in one host buffer laid out as the `TensorChunk` messages FetchTensors
-sends, back to back in chunk-index order. Each message is its head, fields 1-7 as protobuf serializes
-them (`xxh3` is fixed64 and a tensor's last chunk carries the 32-byte `tensor_sha256`, so the head's
-length is known before the bytes are), then field 15's tag and length, then the chunk's data:
+Layout (`frame_layout`): the `TensorChunk` messages FetchTensors sends, back to back in chunk-index
+order; each is its head (fields 1-7 as protobuf serializes them, with fixed-size slots for the
+chunk's xxh3 and, on a tensor's last chunk, the 32-byte `tensor_sha256`), then field 15's tag and
+length, then the chunk's data. The bytes equal `TensorChunk(...).SerializeToString(deterministic=True)`
+(tested; an xxh3 that happens to be 0 is written out instead of omitted, which parses the same).
 
-    [head: version, chunk_index, tensor_name, tensor_nbytes, offset | xxh3 slot | sha256 slot] [15, len] [data]
-
-Publishing is then: write the heads, copy each tensor's parts into its chunks' data regions (from the
-GPU: device-to-host copies straight into the buffer, which is page-locked), hash each chunk in place
-(xxh3 and sha256) in a thread pool over runs of chunks (both release the GIL; no tensor is one
-sequential stream, since the manifest's sha256 is over the chunks' sha256s, policy.manifest.tensor_sha256),
-and write the digests into their slots. Nothing is copied on the host; a message is a slice of the buffer. The message bytes are
-exactly `TensorChunk(..., xxh3=, tensor_sha256=).SerializeToString(deterministic=True)` followed by
-field 15 (tested; the only difference is an xxh3 that happens to be 0, written out instead of omitted,
-which parses the same), so workers are unchanged.
-
-What gRPC copies. grpcio (1.85) sends a response message only as a `bytes` object and copies it once
-into its own slice (`grpc_slice_from_copied_buffer`, GIL held); a buffer or memoryview is refused
-("Expected bytes"). Serving a chunk from the buffer therefore costs the server's `bytes()` of the message
-slice plus gRPC's own copy, per fetch; the publish itself copies nothing on the host.
-
-Buffer reuse (`BufferPool`). A freshly allocated buffer costs page faults on first touch (1.5 GB/s
-single-threaded on the H200 host) and, on CUDA, page-locking; a reused one costs neither. The rule: a
-version's buffer goes back to the pool when the PolicyServer has evicted the version (it keeps the last
-`keep_versions`) and no FetchTensors stream or TP shard cut is still reading it; the next publish takes
-the smallest free buffer that fits, or allocates one. So a trainer that keeps K versions cycles through
-K + 1 buffers (K served, one being filled); a stream still reading an evicted version delays only the
-reuse of that one buffer (a new one is allocated meanwhile), never its bytes.
-
-Publishing in two steps (`stage`, then `StagedPublish.run`): `stage` runs on the training thread and only
-describes the tensors, records where the producing CUDA stream is, and clones any part that aliases a
-live parameter (a later optimizer step updates parameters in place); `run` may run on another thread
-while training continues: it copies on its own CUDA stream after that point and keeps the parts alive
-until their copies are done.
-"""
+Publishing in two steps: `stage` (on the training thread: describe the tensors, record where the
+producing CUDA stream is, clone parts that alias a live parameter), then `StagedPublish.run` (any
+thread: copy the parts into their chunks, from the GPU straight into the page-locked buffer on its
+own stream; hash each chunk in place, xxh3 and sha256, in a thread pool over runs of chunks; write
+the digests into their slots). Nothing is copied on the host; a message is a slice of the buffer.
+Buffers are reused (`BufferPool`): a version's buffer returns when the server has evicted it and no
+stream or TP shard cut still reads it. Why: docs/design-decisions.md, "Publishing"."""
 
 from __future__ import annotations
 
@@ -199,7 +177,13 @@ class HostBuffer:
 
 
 class BufferPool:
-    """Free host buffers for the next versions (the reuse rule: the module docstring). Thread-safe."""
+    """Free host buffers for the next versions. Thread-safe.
+
+    The rule: a version's buffer goes back to the pool when the PolicyServer has evicted the version
+    (it keeps the last `keep_versions`) and no FetchTensors stream or TP shard cut is still reading
+    it; the next publish takes the smallest free buffer that fits, or allocates one. So a trainer
+    that keeps K versions cycles through K + 1 buffers (K served, one being filled); a stream still
+    reading an evicted version delays only the reuse of that one buffer, never its bytes."""
 
     def __init__(self, *, pin: bool = False, shared: bool = False):
         self.pin, self.shared = pin, shared
@@ -369,7 +353,11 @@ def _drained(stream):
 
 @dataclass
 class StagedPublish:
-    """A version described on the training thread; `run()` (any thread) frames and hashes it."""
+    """A version described on the training thread; `run()` (any thread) frames and hashes it.
+
+    `run` may run while training continues: it copies on its own CUDA stream after the point `stage`
+    recorded and keeps the parts alive until their copies are done; `stage` cloned every part that
+    aliases a live parameter, which a later optimizer step updates in place."""
 
     version: int
     parent_version: int | None

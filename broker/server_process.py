@@ -1,13 +1,5 @@
 """The trainer's PolicyServer in a process of its own, so that serving a version never competes with
-the training loop's Python.
-
-Why: the server's event-loop thread hands every 1 MiB chunk to gRPC (a `bytes` copy and gRPC's own,
-GIL held), thousands per version and worker, and every kernel launch of a training step gives the
-GIL up and takes it back. Measured on the H200 host (bench/bench_fetch_gil.py --serve, 16 cores):
-while the trainer's process served one 4.4 GB version to 2 workers, a stand-in for the training loop
-(CUDA kernel launches from Python) ran at 5% of its idle rate, and sys.setswitchinterval from 5 ms
-down to 0.1 ms only made that 6-8%; in the end-to-end run a trainer step took 0.9 s between
-fetches and 5-8 s during them.
+the training loop's Python (why: docs/design-decisions.md, "Publishing").
 
     pool = BufferPool(pin=True, shared=True)          # versions framed into shared memory
     server = PolicyServerProcess(PolicyServerConfig(port=0), log=print)
@@ -15,31 +7,14 @@ fetches and 5-8 s during them.
     server.publish(framed)                            # a FramedPolicy from that pool (frames.stage(...).run())
     server.versions(); server.stats(); server.stop()
 
-It offers what the trainer uses of PolicyServer (start, address, publish, versions, stats,
-prometheus_samples, stop). The child (`python -m broker.server_process FD`) runs the ordinary
-broker.policy_server.PolicyServer. A version's bytes are never copied: the trainer frames it into a
-pooled buffer that is an anonymous memfd (broker.frames.HostBuffer(shared=True)); the child maps
-each buffer once (its descriptor passed with SCM_RIGHTS) and serves the frames from the mapping. When
-the child's server has evicted a version and nothing reads it any more, the child says RELEASED and
-the buffer goes back to the trainer's pool (the rule of broker.frames, across the boundary).
-
-ServingProcesses runs several of these on one port (SO_REUSEPORT), each mapping the same buffers: a
-publish goes to all, a buffer returns once every one released it (trainer.policy_server_processes).
-
-Nothing pickled crosses it (broker.ipc: length-prefixed "KIND payload" messages):
-    parent -> child   START {config json} | PUBLISH {json}\\n<serialized manifest> (+ the memfd when the
-                      child has not mapped that buffer yet) | VERSIONS | STATS | STOP
-    child -> parent   OK {json} | ERROR <Type> <one line>   (the replies, in order)
-                      RELEASED {"buffer": id}              (at any time)
-The child rebuilds the frame layout from the manifest (broker.frames.manifest_layout) and refuses a
-size that differs from the trainer's; a publish it refuses before its server saw it is RELEASED at once.
-
-Failure: a child that dies is replaced at once with one log line, on the same port, and given again
-every version whose buffer it had not released (the buffers are the trainer's, so nothing is lost);
-a worker's fetch in flight fails and is retried. A publish or query while no child runs starts one;
-one whose child dies under it (no reply, a broken pipe) is sent again to the replacement, up to
-ATTEMPTS children in a row, then fails with one ServerProcessGone line.
-"""
+It offers what the trainer uses of PolicyServer. The child (`python -m broker.server_process FD`)
+runs the ordinary broker.policy_server.PolicyServer over the trainer's memfd-backed pool buffers,
+mapped once each: a version's bytes are never copied. A buffer goes back to the trainer's pool when
+the child says RELEASED. Nothing pickled crosses (broker.ipc; the messages: `_child`). A child that
+dies is replaced on the same port and given every version it had not released; a request whose
+child dies under it is sent again, up to ATTEMPTS children in a row, then ServerProcessGone.
+ServingProcesses runs several children on one port (SO_REUSEPORT) over the same buffers: a publish
+goes to each, a buffer returns once every one released it (trainer.policy_server_processes)."""
 
 from __future__ import annotations
 
@@ -380,6 +355,14 @@ def released_by_all(policy: FramedPolicy, holders: int) -> list[FramedPolicy]:
 
 
 def _child(conn: Connection) -> int:
+    """The child's loop. Messages (broker.ipc: length-prefixed "KIND payload"):
+        parent -> child   START {config json} | PUBLISH {json}\\n<serialized manifest> (+ the memfd when
+                          the child has not mapped that buffer yet) | VERSIONS | STATS | STOP
+        child -> parent   OK {json} | ERROR <Type> <one line>   (the replies, in order)
+                          RELEASED {"buffer": id}              (at any time)
+    The child maps each buffer once (its descriptor passed with SCM_RIGHTS), rebuilds the frame
+    layout from the manifest (broker.frames.manifest_layout) and refuses a size that differs from the
+    trainer's; a publish it refuses before its server saw it is RELEASED at once."""
     send_lock = threading.Lock()
 
     def send(kind: str, payload: bytes = b"") -> None:

@@ -1,36 +1,18 @@
 """Redis Streams with consumer groups: the prompts and trajectories queues.
 
-Delivery is at-least-once; exactly-once *effect* comes from idempotency keys:
-
-- `GroupConsumer.read()` returns, in this order: entries the janitor just claimed, this
-  consumer's own pending entries (XREADGROUP from id 0: what a crashed previous
-  incarnation of the same consumer name had read but not acked), then new entries ('>').
-  Every returned `Entry` carries its delivery count.
-- The caller acks only after its side effect succeeded. Until then the entry stays in the
-  group's pending list (PEL) and is delivered again after a crash.
-- The janitor (run from `read()` every `janitor_every_s`, or called directly) claims
-  entries idle longer than `claim_idle_ms` from any consumer (XPENDING IDLE + XCLAIM:
-  XAUTOCLAIM cannot skip the entries this process still holds), moves entries delivered
-  more than `max_deliveries` times to the dead-letter stream with the reason, and trims
-  the stream below the oldest entry some group still needs.
-- `TrajectoryStream.commit()` sets `SET NX EX` idempotency keys for the samples and XACKs
-  them in one atomic Lua call; `read()` drops (and acks) samples whose key exists, so a
-  trajectory delivered twice (re-sent by a worker, regenerated after a crash, re-read
-  after a trainer crash) is used once.
-
-Where Redis lost a stream or its group (NOGROUP, UNBLOCKED: a restart without its data, FLUSHALL), every
-consumer call (read, keep_alive, janitor) makes the group again from id 0 and carries on, counting
-it in `Counters.regrouped`; XACK, the commit script and dead-lettering find nothing to ack, harmlessly.
-
-Consumers must renew entries they hold longer than `claim_idle_ms` with `keep_alive()`,
-or another consumer's janitor takes them (the entry is then processed twice and the
-idempotency key drops the second result). A consumer never reclaims the entries it
-still holds itself.
-
-Simplified on purpose: one data field per entry (`d`, the msgpack message); no
-automatic deletion of idle consumer names (stable worker ids keep the set small);
-Redis 7.0 commands only.
-"""
+Delivery is at-least-once; exactly-once *effect* comes from idempotency keys. Rules:
+- `GroupConsumer.read()` returns entries the janitor just claimed, then this consumer's own pending
+  entries (what a crashed incarnation of the same name read but did not ack), then new ones; every
+  `Entry` carries its delivery count. The caller acks only after its side effect succeeded.
+- The janitor (from `read()` every `janitor_every_s`) claims entries idle longer than
+  `claim_idle_ms` from any consumer, dead-letters entries delivered more than `max_deliveries`
+  times with the reason, and trims below the oldest entry some group still needs. Consumers renew
+  what they hold longer with `keep_alive()`; a consumer never reclaims its own entries.
+- `TrajectoryStream.commit()` sets `SET NX EX` idempotency keys and XACKs in one Lua call; `read()`
+  drops (and acks) samples whose key exists, so a trajectory delivered twice is used once.
+- Where Redis lost a stream or its group (NOGROUP, UNBLOCKED), every consumer call makes the group
+  again from id 0 and carries on (`Counters.regrouped`). Simplified: one data field per entry (`d`,
+  msgpack); no deletion of idle consumer names; Redis 7.0 commands only."""
 
 from __future__ import annotations
 
@@ -310,7 +292,13 @@ async def read_deadletter(redis: aioredis.Redis, keys: Keys, count: int = 100, s
 
 
 class GroupConsumer:
-    """One named consumer of one consumer group on one stream (raw entries)."""
+    """One named consumer of one consumer group on one stream (raw entries).
+
+    The janitor claims with XPENDING IDLE + XCLAIM (XAUTOCLAIM cannot skip the entries this process
+    still holds). An entry held past `claim_idle_ms` without `keep_alive()` is taken by another
+    consumer's janitor: it is then processed twice, and the idempotency key drops the second result.
+    Where a stream or group is gone, XACK, the commit script and dead-lettering find nothing to ack,
+    harmlessly."""
 
     def __init__(
         self,

@@ -3,25 +3,15 @@
     cfg, tensors = load_hf("path/to/Qwen3-30B-A3B")        # config.json + safetensors (sharded or not)
     save_hf("out/", cfg, tensors)                           # AutoModelForCausalLM.from_pretrained("out/")
 
-Names. Tandem's canonical names are Hugging Face's, except that each SwiGLU MLP (routed expert, shared
-expert, dense MLP) has one fused `gate_up_proj.weight` [2F, D] = cat(gate_proj.weight, up_proj.weight)
-along rows (the recipe quantizes gate and up as one tensor). `load_hf` fuses, `save_hf` splits.
-
-What is refused (ValueError naming the field): a `model_type` other than qwen3 / qwen3_moe, sliding-window
-attention (`use_sliding_window`, `layer_types`), RoPE scaling of any type but "default", attention or
-MLP biases (`attention_bias`, `mlp_bias`, `*.bias` tensors), an activation other than SiLU, an already
-quantized checkpoint (`quantization_config`), any config key this module does not know (so nothing is
-silently ignored), and tensors that are missing, unexpected or of the wrong shape. A tied checkpoint
-(`tie_word_embeddings`) loads tied; an `lm_head.weight` stored beside it is not used, as in HF.
-
-Memory. Tensors are read one at a time from memory-mapped safetensors files (`safe_open`), so loading
-holds one copy of the weights (the returned dict) plus one tensor in flight; `iter_hf` streams
-(canonical name, tensor) pairs for callers that copy into a model as they go. `read_config` and
-`read_shapes` plan without reading any weight (config.json and the safetensors headers only).
-`save_hf` writes shard by shard (`max_shard_bytes`, default 4 GiB) from a dict or any iterable of
-(name, tensor) pairs, so a generator can write a checkpoint larger than memory. config.json is
-written last: an interrupted save leaves no loadable folder.
-"""
+Names: Tandem's canonical names are Hugging Face's, except that each SwiGLU MLP (routed expert, shared
+expert, dense MLP) has one fused `gate_up_proj.weight` [2F, D] = cat(gate_proj, up_proj) along rows
+(the recipe quantizes gate and up as one tensor); `load_hf` fuses, `save_hf` splits.
+Refused with a ValueError naming the field (`config_from_hf`): anything Tandem cannot represent, any
+config key this module does not know, and tensors missing, unexpected or of the wrong shape. A tied
+checkpoint loads tied (a stored `lm_head.weight` beside it is not used, as in HF).
+Memory: tensors are read one at a time from memory-mapped files, so `load_hf` holds one copy plus a
+tensor in flight; `iter_hf` streams; `read_config` / `read_shapes` read no weight; `save_hf` writes
+shard by shard from a dict or any iterable, config.json last (an interrupted save is not loadable)."""
 
 from __future__ import annotations
 
@@ -125,7 +115,12 @@ def _rope_theta(d: dict, where) -> float:
 
 
 def config_from_hf(d: dict, where: str | Path = "config.json") -> ModelConfig:
-    """A ModelConfig from a parsed config.json, or ValueError naming the field it cannot represent."""
+    """A ModelConfig from a parsed config.json, or ValueError naming the field it cannot represent:
+    a `model_type` other than qwen3 / qwen3_moe, sliding-window attention (`use_sliding_window`,
+    `layer_types`), RoPE scaling of any type but "default", attention or MLP biases
+    (`attention_bias`, `mlp_bias`, `*.bias` tensors), an activation other than SiLU, an already
+    quantized checkpoint (`quantization_config`), or any config key this module does not know (so
+    nothing is silently ignored)."""
     model_type = d.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
         raise _refuse(where, "model_type", f"is {model_type!r}: supported are 'qwen3' and 'qwen3_moe'")

@@ -8,18 +8,10 @@ from the packed parts), and applies their scales in the same places:
               = sum_k x[m, k] w[n, k]                                                    (none)
     y[m, n]   = dtype((acc[m, n] * sx[m]) * sw[n])        x's scale first, then w's, then one rounding
 
-with fp32 products and sums (the K order inside a block is the implementation's: outputs are
-equal up to accumulation order; the operands are equal bit for bit). A factor that an operand does
-not have is 1 and is skipped. `matmul` below is the reference: plain torch, any device (on CUDA the
-bf16 products go to cuBLAS with an fp32 result; elsewhere the operands are upcast to fp32).
-
-`grouped_matmul` is the same product for an MoE layer's experts at once: rows of x sorted by
-expert, the weights stacked [E, N, K], one grouped GEMM (`torch._grouped_mm`). Its one departure
-from `matmul`, where an operand has a post-accumulator scale (nvfp4) and the grouped GEMM cannot
-write fp32 (torch's CUDA kernel writes bf16 for bf16 inputs): the accumulator is rounded to bf16
-before the scales: one extra rounding (relative error <= 2^-9). The operands are the same bits.
-`GroupedLinear` is its autograd (straight-through, as policy.qat's `_QATLinear`).
-"""
+with fp32 products and sums (operands equal bit for bit; outputs up to accumulation order). A factor
+an operand does not have is 1 and is skipped. `matmul` is the reference (plain torch, any device);
+`grouped_matmul` the same product for an MoE layer's experts at once (one `torch._grouped_mm`; its
+one extra rounding: its docstring); `GroupedLinear` its straight-through autograd."""
 
 from __future__ import annotations
 
@@ -54,7 +46,8 @@ def _acc(x: Tensor, w: Tensor) -> Tensor:
 
 
 def matmul(x: Operand, w: Operand, dtype: torch.dtype) -> Tensor:
-    """y [M, N] in `dtype` for x [M, K] and w [N, K], as the module docstring defines it."""
+    """y [M, N] in `dtype` for x [M, K] and w [N, K], as the module docstring defines it. On CUDA the
+    bf16 products go to cuBLAS with an fp32 result; elsewhere the operands are upcast to fp32."""
     xv, wv = x.values, w.values
     if xv.shape[-1] != wv.shape[-1]:
         raise ValueError(f"compute.matmul: K mismatch, x {tuple(xv.shape)} and w {tuple(wv.shape)}")
@@ -110,7 +103,10 @@ def grouped_matmul(x: Operand, w: Operand, offs: Tensor, groups: Tensor, dtype: 
 
     x's rows are sorted by expert, offs [E] int32 is where each expert's rows end, groups [M] int64
     is each row's expert. w.values [E, N, K]; w.scale None, [E, 1] or [E, N]; x.scale None or [M];
-    no block scales (fp8_block: `matmul` per expert). See the module docstring for the rounding."""
+    no block scales (fp8_block: `matmul` per expert). The one departure from `matmul`: where an
+    operand has a post-accumulator scale (nvfp4), torch's CUDA grouped GEMM cannot write fp32 for
+    bf16 inputs, so the accumulator is rounded to bf16 before the scales (one extra rounding,
+    relative error <= 2^-9). The operands are the same bits."""
     if x.block_scale is not None or w.block_scale is not None:
         raise ValueError("compute.grouped_matmul: per-K-block scales (fp8_block) are not supported")
     xv, wv = x.values.to(dtype), w.values.to(dtype)

@@ -3,40 +3,16 @@
     export_policy(out, cfg, tensors, "nvfp4", recipe="nvfp4_moe", fingerprint=fp, version=7)
 
 `tensors` is canonical name -> quantized object (policy.formats), exactly what the trainer published
-for that version (or a TP=1 fetch of it). Formats:
+for that version (or a TP=1 fetch of it). Formats (`export_policy` describes each layout): `hf`
+(dequantized bf16), `compressed-tensors` (int4 W4A16 `pack-quantized`), `fp8-block` (DeepSeek-V3
+style) and `nvfp4` (NVIDIA ModelOpt).
 
-  hf                  every tensor dequantized, rounded to bf16 (the effective weights of version v)
-  compressed-tensors  int4 W4A16 weights in the `pack-quantized` layout (`weight_packed` int32,
-                      `weight_scale` bf16, `weight_shape`), group size from the recipe (32), symmetric;
-                      decompressing it with the compressed-tensors library gives bf16(q * s), which is
-                      Tandem's int4 operand (DESIGN.md, Compute contract), bit for bit
-  fp8-block           DeepSeek-V3 style: `weight` e4m3 + `weight_scale_inv` fp32 [ceil(M/128), K/128];
-                      quantization_config {"quant_method": "fp8", "weight_block_size": [128, 128]}
-  nvfp4               NVIDIA ModelOpt NVFP4: `weight` uint8 (two E2M1 codes per byte, element 2j in the
-                      low nibble), `weight_scale` e4m3 [M, K/16], `weight_scale_2` fp32 scalar (Tandem's
-                      tensor-scope S_dec), hf_quant_config.json and quantization_config quant_algo NVFP4
-
-No re-quantization happens: the quantized bytes written are the published bytes. Weights the recipe
-left in another format (bf16 attention, router, norms, kept-bf16 layers...) are written dequantized in
-bf16 and listed as not quantized (`ignore` / `modules_to_not_convert` / `exclude_modules`). A format
-the version has no weight in is refused (export `hf` instead, or train under the matching recipe).
-Fused gate_up_proj tensors are split back into gate_proj / up_proj by rows, which is exact for
-row-wise scales (int4, nvfp4) and for fp8 blocks when F is a multiple of 128 (refused otherwise).
-nvfp4 gate and up share one global scale (Tandem quantizes them as one tensor), so both get the same
-`weight_scale_2`, as engines that fuse them expect.
-
-Activation scales. ModelOpt's NVFP4 format carries one static `input_scale` per linear layer,
-calibrated offline; Tandem quantizes activations dynamically with one FP32 global scale per token
-(`S_dec_x[row] = 1 / min(2688 / amax(row), FLT_MAX)`). A static scale cannot express that, so no
-`input_scale` is written: an engine must quantize each token's activation row itself with that formula
-(then E4M3 block scales per 16 elements as for weights) and apply `S_dec_x[row] * weight_scale_2` to
-the accumulator, which is what Tandem's rollout does. An engine that requires `input_scale` refuses
-the folder instead of silently using a wrong static scale.
-
-Every safetensors file carries `tandem_contract_fingerprint`, `tandem_version` and `tandem_recipe` in
-its metadata, and config.json a `tandem` section with the same. `token_ids` (bos/eos/pad_token_id of
-the run's tokenizer) go into config.json and generation_config.json, so that `generate` stops at eos.
-"""
+Rules: the bytes written are the published bytes, never re-quantized. Weights the recipe left in
+another format are written dequantized in bf16 and listed as not quantized; a format the version has
+no weight in is refused. Fused gate_up_proj tensors are split back by rows (refused where the split
+would cut an fp8 block). No nvfp4 `input_scale` is written (activations have one scale per token).
+Every safetensors file carries `tandem_contract_fingerprint`, `tandem_version` and `tandem_recipe`
+in its metadata, and config.json a `tandem` section. Why: docs/design-decisions.md."""
 
 from __future__ import annotations
 
@@ -172,7 +148,27 @@ def export_policy(
     max_shard_bytes: int = 4 << 30,
 ) -> dict:
     """Write version `version` of a policy to `out` in `export_format`; returns a summary dict
-    {format, version, quantized: tensors written quantized, bf16: linear modules written in bf16}."""
+    {format, version, quantized: tensors written quantized, bf16: linear modules written in bf16}.
+
+      hf                  every tensor dequantized, rounded to bf16 (the effective weights of version v)
+      compressed-tensors  int4 W4A16 weights in the `pack-quantized` layout (`weight_packed` int32,
+                          `weight_scale` bf16, `weight_shape`), group size from the recipe (32), symmetric;
+                          decompressing it with the compressed-tensors library gives bf16(q * s), which is
+                          Tandem's int4 operand (DESIGN.md, Compute contract), bit for bit
+      fp8-block           DeepSeek-V3 style: `weight` e4m3 + `weight_scale_inv` fp32 [ceil(M/128), K/128];
+                          quantization_config {"quant_method": "fp8", "weight_block_size": [128, 128]}
+      nvfp4               NVIDIA ModelOpt NVFP4: `weight` uint8 (two E2M1 codes per byte, element 2j in the
+                          low nibble), `weight_scale` e4m3 [M, K/16], `weight_scale_2` fp32 scalar (Tandem's
+                          tensor-scope S_dec), hf_quant_config.json and quantization_config quant_algo NVFP4
+
+    Weights not quantized are listed in `ignore` / `modules_to_not_convert` / `exclude_modules`.
+    gate_up_proj splits into gate_proj / up_proj exactly for row-wise scales (int4, nvfp4) and for
+    fp8 blocks when F is a multiple of 128; nvfp4 gate and up share one global scale, so both get
+    the same `weight_scale_2`, as engines that fuse them expect. No `input_scale`: an engine must
+    quantize each token's activation row itself (`S_dec_x[row] = 1 / min(2688 / amax(row),
+    FLT_MAX)`, then E4M3 block scales per 16 elements) and apply `S_dec_x[row] * weight_scale_2` to
+    the accumulator, as Tandem's rollout does. `token_ids` (bos/eos/pad_token_id of the run's
+    tokenizer) go into config.json and generation_config.json, so that `generate` stops at eos."""
     if export_format not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {export_format!r}; known: {', '.join(EXPORT_FORMATS)}")
     shapes = parameter_shapes(cfg)

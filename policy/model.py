@@ -1,37 +1,18 @@
 """Qwen3-MoE-style decoder in one file: config, modules, full-sequence and KV-cache forward.
 
+One layer: RMSNorm -> grouped-query attention (q/k RMSNorm per head, RoPE) -> residual -> RMSNorm ->
+MoE block (softmax router, top-k, routed SwiGLU experts with a fused gate_up projection, optional
+always-on shared expert) or a dense SwiGLU MLP (Qwen3 dense; Qwen3-MoE's `mlp_only_layers` /
+`decoder_sparse_step`) -> residual. Final RMSNorm and an LM head, untied unless
+`tie_word_embeddings`. Parameter names are the policy contract's canonical ones (HF Qwen3-MoE style).
 Generation (prefill, decode, sampling) is the rollout engine's: `rollout/engine.py`.
 
-Architecture (one layer): RMSNorm -> grouped-query attention (q/k RMSNorm per head, RoPE) -> residual
--> RMSNorm -> MoE block (softmax router, top-k, routed SwiGLU experts with a fused gate_up projection,
-optional always-on shared expert added DeepSeek/GLM style) or a dense SwiGLU MLP (Qwen3 dense, and
-Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step`) -> residual. Final RMSNorm and an LM head,
-untied unless `tie_word_embeddings` (then the logits use the embedding matrix, as HF does). Parameter names are the canonical ones from the policy contract (HF Qwen3-MoE style), so
-`model.named_parameters()` is what recipes, manifests and TP plans talk about.
-
-Quantization is not in this file. Every matmul and every non-matmul parameter goes through a
-`QuantHook` (`model.quant_hook`): the default computes plainly; `policy.qat` installs a hook that
-computes each matmul from the recipe's quantized operands (DESIGN.md's Compute contract, with a
-straight-through backward), and a rollout installs its packed-weight twin (`policy.qat.install_packed`,
-no autograd). A hook sees the *site* of each matmul: the weight name without ".weight" (for example
-"model.layers.3.mlp.experts.5.down_proj"); the activation site is that plus ".input".
-
-Row independence (a row's result does not depend on the rest of the batch) is kept by construction:
-per-token routing, per-row attention masks, no batch statistics. Float results can still differ in
-the last bits between batch shapes because BLAS blocking depends on the matrix sizes; an exact mode is
-future work (see DESIGN.md).
-
-MoE dispatch: the (token, slot) assignments sorted by expert, then either one grouped GEMM per
-projection for all experts (`policy.compute.grouped_matmul`, `torch._grouped_mm`: the default on CUDA
-in bf16, no host sync) or a loop over experts on gathered tokens (the reference; the default on the
-CPU, and wherever the hook cannot group, e.g. fp8_block's per-K-block scales). `MoE.grouped` forces
-either (None: that default). Both give the same function up to accumulation order; parameters stay
-per expert (canonical names), the grouped path stacks them per forward.
-
-Simplifications, on purpose: no dropout, no biases (Qwen3 has none), no router auxiliary loss or
-capacity limits (RL fine-tuning of a pretrained router; the tiny demo does not need balancing), no
-sliding-window attention.
-"""
+Rules: quantization is not in this file: every matmul and non-matmul parameter goes through the
+model's `QuantHook` (plain by default; `policy.qat` installs QAT and packed-weight hooks), which sees
+each matmul's site (the weight name without ".weight"; the activation site adds ".input"). A row's
+result does not depend on the rest of the batch (per-token routing, per-row masks, no batch
+statistics) up to last-bit float differences between batch shapes. MoE dispatch: `MoE`. No dropout,
+biases, router auxiliary loss, capacity limit or sliding windows (why: docs/design-decisions.md)."""
 
 from __future__ import annotations
 
@@ -468,6 +449,14 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
+    """The MoE block. Dispatch: the (token, slot) assignments sorted by expert, then either one grouped
+    GEMM per projection for all experts (`policy.compute.grouped_matmul`, `torch._grouped_mm`: the
+    default on CUDA in bf16, no host sync) or a loop over experts on gathered tokens (the reference;
+    the default on the CPU, and wherever the hook cannot group, e.g. fp8_block's per-K-block scales).
+    `MoE.grouped` forces either (None: that default). Both give the same function up to accumulation
+    order; parameters stay per expert (canonical names), the grouped path stacks them per forward.
+    The shared expert, when present, is added DeepSeek/GLM style (ungated)."""
+
     def __init__(self, cfg: ModelConfig, prefix: str):
         super().__init__()
         self.n_experts, self.top_k, self.norm_topk_prob = cfg.n_experts, cfg.top_k, cfg.norm_topk_prob

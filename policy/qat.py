@@ -1,44 +1,17 @@
 """Quantization-aware forward (trainer) and the packed-weight path (rollout), from one recipe plan.
 
-Trainer side: `apply_qat(model, recipe, backward="hp"|"dequant")` installs a `QATHook`. Every matmul
-computes as DESIGN.md's Compute contract says (`policy.compute.matmul`): from the effective operands
-`policy.formats.operand(quantize(w))` of the weight and, at the recipe's activation sites, of the
-per-token quantized input, with the post-accumulator scales (nvfp4 global scales, fp8_block block
-scales) applied to the fp32 accumulator; bf16-format weights are rounded to bf16. Non-matmul
-parameters (embeddings, norm weights) use dequantize(quantize(p)). Backward is the straight-through
-estimator, in one of two modes:
-  hp       gradients of each matmul use the original high-precision operands (x, W);
-  dequant  gradients use the dequantized operands the forward used (x̂, Ŵ: values x their scales).
-Non-matmul parameters pass gradients straight through in both modes.
-
-Rollout side: `quantize_weights(model, recipe)` gives the packed tensors a trainer publishes;
-`install_packed(model, recipe, packed)` makes a model compute with them: a `PackedHook` (QATHook's
-code, its operands taken from the packed objects instead of quantized from the parameters), the
-parameters loaded with dequantize(packed) (`load_packed`) for code that reads them.
-
-Bit-exactness: QAT's operands for a parameter are `policy.formats.operand` of the same quantized
-object the trainer publishes, and the rollout builds its operands with that same function from the
-published parts, so for version v the operands of every matmul are bitwise equal on both sides
-(tested), and so are the activation operands (the same `ActivationQuantizer`); outputs are then
-equal up to accumulation order (bit for bit where both run the same code on the same shapes).
-
-Operands are cached per parameter together with the quantized object they came from, and
-recomputed once per optimizer step: `apply_qat(..., optimizer=opt)` registers a step post-hook that
-invalidates the cache (the first forward after the step refills it, tensor by tensor, on the device
-the parameter lives on), and so do `Transformer.load_weights` and a bumped autograd version counter
-(in-place edits outside the optimizer). A fused optimizer does not bump that counter, so a trainer
-that steps an optimizer it did not register must call `hook.invalidate()` itself. The cache is one
-copy of the operands plus the packed parts; publishing reuses those parts
-(`hook.quantized_params(model)`) instead of quantizing every weight again.
-
-Expert groups: the experts of one MoE projection (`hook.add_group`; `apply_qat` adds every MoE
-layer's two) are refilled together, stacked into one [E, N, K] tensor and quantized in one call
-(`policy.kernels.quantize_stacked`: the same bytes as one call per expert), and their operands are
-rows of one stacked operand, which the grouped MoE forward (`grouped_linear`) multiplies in one
-grouped GEMM. Each expert's QuantizedParam and operand are views of the stacked ones.
-
-`probe_mismatch` compares BF16, QAT and packed-weight forwards (mean |Δ log-prob| and KL per pair).
-"""
+Trainer: `apply_qat(model, recipe, backward="hp"|"dequant")` installs a `QATHook`: every matmul
+computes as DESIGN.md's Compute contract says (`policy.compute.matmul` on the effective operands of
+the weight and, at the recipe's activation sites, of the per-token quantized input); non-matmul
+parameters use dequantize(quantize(p)). Backward is the straight-through estimator: `hp` (the
+original operands x, W) or `dequant` (the forward's x̂, Ŵ); non-matmul parameters pass straight.
+Rollout: `quantize_weights(model, recipe)` gives the packed tensors a trainer publishes, and
+`install_packed(model, recipe, packed)` makes a model compute with them (`PackedHook`: QATHook's
+code, operands from the packed objects). Both sides build operands with `policy.formats.operand`
+from the same quantized objects, so for version v every matmul's operands are bitwise equal.
+Operands are cached per parameter and refilled once per optimizer step; MoE projections' experts are
+refilled together in one stacked call (`hook.add_group`). `probe_mismatch` compares BF16, QAT and
+packed-weight forwards. The cache's invalidation rules: `QATHook`; why: docs/design-decisions.md."""
 
 from __future__ import annotations
 
@@ -211,7 +184,19 @@ class _Group:
 
 class QATHook(QuantHook):
     """The QAT `QuantHook`: Compute-contract matmuls on cached weight operands and per-token activation
-    operands, straight-through backward."""
+    operands, straight-through backward.
+
+    Operands are cached per parameter together with the quantized object they came from and
+    recomputed once per optimizer step: `apply_qat(..., optimizer=opt)` registers a step post-hook
+    that invalidates the cache (the first forward after the step refills it, tensor by tensor, on the
+    parameter's device), and so do `Transformer.load_weights` and a bumped autograd version counter
+    (in-place edits outside the optimizer). A fused optimizer does not bump that counter, so a
+    trainer that steps an optimizer it did not register must call `invalidate()` itself. The cache
+    is one copy of the operands plus the packed parts; `quantized_params(model)` hands those parts
+    to the publish. Expert groups (`add_group`) are stacked into one [E, N, K] tensor, quantized in
+    one call (`policy.kernels.quantize_stacked`: the same bytes as one call per expert), and each
+    expert's QuantizedParam and operand are views of the stacked ones, which the grouped MoE forward
+    (`grouped_linear`) multiplies in one grouped GEMM."""
 
     def __init__(self, plan: Plan, backward: str = "hp"):
         if backward not in BACKWARD_MODES:

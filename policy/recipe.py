@@ -1,37 +1,17 @@
 """Precision recipes: which format and scale scope every parameter and activation site gets.
 
-A recipe is data (YAML in configs/recipes/; `Recipe.load("nvfp4_moe")` or `Recipe.load(path)`):
+A recipe is data (YAML in configs/recipes/; `Recipe.load("nvfp4_moe")` or `Recipe.load(path)`; the
+schema: `Recipe`): whole layers kept in bf16 (`keep_bf16`), then rules, first match wins, unmatched
+names stay bf16. Names are the canonical parameter names (".weight") and activation sites
+(".input", the input of the matmul whose weight has the same prefix). `recipe.plan(model)` gives
+each name's format and options (`Plan`). Built-in recipes are the YAML files in configs/recipes/
+(`BUILTINS`).
 
-    name: nvfp4_moe
-    description: free text, not part of the fingerprint
-    keep_bf16:                 # whole layers forced to bf16, overriding every rule
-      last_fraction: 0.15      #   the last ceil(0.15 * n_layers) layers
-      first: 0                 #   and the first N layers
-    rules:                     # first matching rule wins; unmatched names stay bf16
-      - match: model.layers.*.mlp.experts.*.*.weight      # one glob or a list of globs
-        format: nvfp4
-        scope: tensor          # nvfp4 only: tensor | row
-      - match: model.layers.*.mlp.experts.*.*.input
-        format: nvfp4
-        scope: row
-        layers: "0:-1"         # optional: a list of layer indices or a Python slice "a:b" ("-8:" ...)
-
-Names are the canonical parameter names (".weight") and activation sites (".input", the input of the
-matmul whose weight has the same prefix). In globs, `*` matches within one dotted component and `**`
-across components. Format options: `scope` (nvfp4; default tensor for weights, row for activations),
-`group_size` (int4; default 32), `block` (fp8_block; default [128, 128] for weights, [1, 128] for
-activations). mxfp8 and bf16 take no options.
-
-Meaning of bf16: a bf16 *weight* is rounded to bf16 (that is what gets published); a bf16 *activation
-site* is left in the compute dtype (activations never travel, so there is nothing to round to).
-
-Rejected with ValueError: unknown format or option, options that do not fit the format, int4 or
-tensor-scope nvfp4 or multi-row fp8 blocks at activation sites (those would make a row's result
-depend on the rest of the batch), and, at plan time, a block or group that does not divide K.
-A rule that matches nothing is reported as a warning (`Plan.warnings`, and `warnings.warn`).
-
-Built-in recipes are the YAML files shipped in configs/recipes/ (`BUILTINS`).
-"""
+Rules: a bf16 *weight* is rounded to bf16 (that is what gets published); a bf16 *activation site*
+stays in the compute dtype. Rejected with ValueError: unknown format or option, options that do not
+fit the format, int4 or tensor-scope nvfp4 or multi-row fp8 blocks at activation sites (a row's
+result would depend on the rest of the batch), and, at plan time, a block or group that does not
+divide K. A rule that matches nothing is a warning (`Plan.warnings`, and `warnings.warn`)."""
 
 from __future__ import annotations
 
@@ -266,7 +246,26 @@ class Plan:
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """A precision recipe (see the module docstring for the YAML schema). Frozen; compare by value."""
+    """A precision recipe. Frozen; compare by value. The YAML schema:
+
+        name: nvfp4_moe
+        description: free text, not part of the fingerprint
+        keep_bf16:                 # whole layers forced to bf16, overriding every rule
+          last_fraction: 0.15      #   the last ceil(0.15 * n_layers) layers
+          first: 0                 #   and the first N layers
+        rules:                     # first matching rule wins; unmatched names stay bf16
+          - match: model.layers.*.mlp.experts.*.*.weight      # one glob or a list of globs
+            format: nvfp4
+            scope: tensor          # nvfp4 only: tensor | row
+          - match: model.layers.*.mlp.experts.*.*.input
+            format: nvfp4
+            scope: row
+            layers: "0:-1"         # optional: a list of layer indices or a Python slice "a:b" ("-8:" ...)
+
+    In globs, `*` matches within one dotted component and `**` across components. Format options:
+    `scope` (nvfp4; default tensor for weights, row for activations), `group_size` (int4; default
+    32), `block` (fp8_block; default [128, 128] for weights, [1, 128] for activations). mxfp8 and
+    bf16 take no options."""
 
     name: str
     rules: tuple[Rule, ...] = ()

@@ -1,42 +1,18 @@
 """Tensor parallelism as a small explicit mapping (gpt-fast style), for weights and activations.
 
 Published tensors are the full logical tensors in canonical layout ([out, in], K = in). A rank
-with TP degree `tp_size` takes its slice of each one by the rule that names the parameter:
+takes its slice of each one by the style its name maps to (`TPPlan`):
 
     column          cut rows (q/k/v, lm_head)
-    column_gate_up  cut rows of the gate half [0, F) and of the up half [F, 2F) in step, so a
-                    shard is [gate slice; up slice] with the same gate-then-up layout
+    column_gate_up  cut the gate half [0, F) and the up half [F, 2F) in step: [gate slice; up slice]
     row             cut K (o_proj, down_proj) at quantization-block boundaries
     replicated      every rank holds the whole tensor (norms, embeddings, the router)
 
-The router is replicated, not column-parallel: it is small, and top-k needs every expert's logit
-on every rank, so replicating it avoids an all-gather and keeps routing identical on all ranks.
-
-A cut must fall on block boundaries: rows on multiples of the block's rows (128 for fp8_block
-128x128, else 1), K on multiples of the block's columns (nvfp4 16, mxfp8 32, int4 group size,
-fp8_block 128). The plan refuses any other shard, naming the tensor, tp_size and block.
-
-Slicing the packed bytes vs quantizing the slice:
-- mxfp8, int4, bf16, fp8_block: every scale belongs to one block and blocks never straddle a cut,
-  so a slice of the packed tensor is byte-identical to quantizing the slice of the weight.
-- nvfp4 scope "tensor": block scales are local, but the fp32 global scale is computed from the
-  amax of the *full* logical tensor (gate and up jointly). A slice equals quantizing the slice
-  only given that same global scale; quantizing the slice alone would use the slice's amax.
-  The canonical bytes are therefore "quantize the full tensor, then slice", and every shard
-  carries the full tensor's global scale.
-
-Every part of every format is row-major over the [M, K] grid: dim 0 follows rows (or row blocks),
-dim 1 follows K (or K blocks); a 1-D part of length M is per row (nvfp4 `row` scope) and a [1] part
-is per tensor. So one proportional rule slices every part of every format (`part_index`).
-
-Per-token activation scales (nvfp4 `row` scope) under TP: the input of a row-parallel matmul is
-sharded along K, so each rank sees only part of each token's row. Two modes:
-- `shard`: amax over the local shard. Scales depend on the partition, so the contract pins the
-  TP degree (the manifest records it and a rollout with another degree is refused).
-- `global`: amax all-reduced (MAX) over the TP group before quantizing: the codes, block scales
-  and per-token scales of every shard are the bytes of the TP=1 quantization's slice, so trainer
-  and rollout may use different TP degrees.
-"""
+Rules: a cut falls on block boundaries (rows on multiples of the block's rows, K on multiples of its
+columns), else the plan refuses it naming the tensor, tp_size and block. Every part of every format
+is row-major over the [M, K] grid, so one proportional rule slices them all (`part_index`). nvfp4
+global scales are the full tensor's, so a shard is "quantize the full tensor, then slice". Per-token
+activation scales: `shard` or `global` (`quantize_activation`). Why: docs/design-decisions.md."""
 
 from __future__ import annotations
 
@@ -237,9 +213,16 @@ def part_index(
 ) -> list[tuple[slice, ...]]:
     """Index tuples whose concatenation along dim 0 is the shard of one part.
 
-    The proportional rule (module docstring): a part dim of size P over a logical dim of size L
-    maps logical [a, b) to [a*P/L, b*P/L), which must be whole numbers (block boundaries).
-    A [1] part (per-tensor scale) is taken whole.
+    The proportional rule: a part dim of size P over a logical dim of size L maps logical [a, b)
+    to [a*P/L, b*P/L), which must be whole numbers (block boundaries). Dim 0 of a part follows rows
+    (or row blocks), dim 1 follows K (or K blocks); a 1-D part of length M is per row (nvfp4 `row`
+    scope) and a [1] part (per-tensor scale) is taken whole.
+
+    Slicing the packed bytes equals quantizing the slice for mxfp8, int4, bf16 and fp8_block (every
+    scale belongs to one block, and blocks never straddle a cut). For nvfp4 `tensor` scope the fp32
+    global scale is computed from the amax of the full logical tensor (gate and up jointly), so the
+    canonical bytes are "quantize the full tensor, then slice" and every shard carries the full
+    tensor's global scale.
     """
     m, k = (int(s) for s in logical_shape) if len(logical_shape) == 2 else (1, int(logical_shape[0]))
     part_shape = tuple(int(s) for s in part_shape)

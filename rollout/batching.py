@@ -5,29 +5,14 @@
     for g in b.step(): ...                             GroupResult: a finished group, all n samples
     b.request_swap(); ... b.step() until b.drained; b.swap(v')   a new policy version
 
-One `step`: admit what the scheduler lets in (the prompts of the groups that start now are
-prefilled together, once per group; each admitted sample gets the prefix copied into its own slot
-and samples its first token), advance every live row (one decode step on the CPU, `check_every`
-CUDA-graph replays on the GPU), then hand back the finished rows' slots and emit the groups whose
-last sample finished. A row's samples depend only on its prompt, its seed and its own token index,
-never on when it joined or who shares the batch (up to last-bit float differences between batch
-shapes): the CPU engine draws from a generator per row, the GPU sampler keys its counter-based RNG
-by (seed, the row's own token index).
-
-Backends (the same small protocol): `CpuBackend` over `policy.model.Transformer` with the CPU
-engine's prefill / decode_one_token / sample (rollout/engine.py), and `PackedBackend` over a
-`rollout.cuda_engine.PackedEngine` (its slotted KV cache and captured decode graphs).
-
-    slots                          KV slots (rows decoded at once)
-    check(prompt_len, max_new)     ValueError if such a request can never fit a slot
-    prefill(prompts) -> prefixes   each prompt through the model once (its KV + last logits)
-    admit(prefix, slots, seeds, max_new)   copy the prefix into those slots, start those rows (max_new:
-                                   one budget per row)
-    advance() -> [slot]            run live rows; the busy slots whose row has finished
-    result(slot) -> (tokens, logprobs, stopped)
-    release(slot)                  the slot is free (its row's state is dropped)
-    live                           busy slots (0 when drained)
-"""
+One `step`: admit what the scheduler lets in (the prompts of groups starting now prefilled together,
+once per group; each admitted sample gets the prefix copied into its slot and samples its first
+token), advance every live row (one decode step on the CPU, `check_every` graph replays on the GPU),
+then free the finished rows' slots and emit the groups whose last sample finished. A row's samples
+depend only on its prompt, its seed and its own token index, never on when it joined or who shares
+the batch (the CPU engine draws from a generator per row; the GPU sampler keys its RNG by (seed, the
+row's own token index)). Backends share one small protocol (`ContinuousBatcher`): `CpuBackend`
+(the CPU engine, rollout/engine.py) and `PackedBackend` (a `rollout.cuda_engine.PackedEngine`)."""
 
 from __future__ import annotations
 
@@ -69,7 +54,18 @@ class _Pending:
 
 
 class ContinuousBatcher:
-    """Prompt groups through one backend; see the module docstring."""
+    """Prompt groups through one backend; see the module docstring. What a backend provides:
+
+    slots                          KV slots (rows decoded at once)
+    check(prompt_len, max_new)     ValueError if such a request can never fit a slot
+    prefill(prompts) -> prefixes   each prompt through the model once (its KV + last logits)
+    admit(prefix, slots, seeds, max_new)   copy the prefix into those slots, start those rows (max_new:
+                                   one budget per row)
+    advance() -> [slot]            run live rows; the busy slots whose row has finished
+    result(slot) -> (tokens, logprobs, stopped)
+    release(slot)                  the slot is free (its row's state is dropped)
+    live                           busy slots (0 when drained)
+    """
 
     def __init__(self, backend, *, max_inflight_groups: int, version: int):
         self.backend = backend

@@ -1,42 +1,17 @@
 """The rollout engine: sampling continuations from the policy model with a KV cache (CPU reference).
 
-The API every engine implements (this CPU one, and GPU engines beside it):
-
-    generate(model, prompts, *, n_samples=1, max_new_tokens, temperature=1.0, seeds=None,
-             generator=None, eos_id=None, stop_ids=(), pad_id=0) -> Generation
-
-    model           a `policy.model.Transformer` holding the policy version's effective weights
-                    (and its activation-quantization hook, installed by `policy.qat`)
-    prompts         B prompts, each a non-empty sequence of token ids (lengths may differ)
-    n_samples       samples per prompt; row b * n_samples + i of the result is sample i of prompt b
-    seeds           one int per output row (B * n_samples): row r draws all its randomness from a
-                    generator seeded by seeds[r], so a row's sample depends only on its prompt and
-                    its seed, never on the other rows, the padding or the batch size (up to last-bit
-                    float differences between batch shapes). Without seeds, the per-row seeds are
-                    drawn from `generator` (or torch's global generator).
-    max_new_tokens  at most this many new tokens per row (>= 1); prompt + new must fit max_seq_len
-    temperature     sampling temperature (> 0), or 0 for greedy
-    eos_id/stop_ids a row stops after producing one of these (the stop token is included)
-    pad_id          what fills a row after it stopped
-
-    Generation: tokens [R, N] long, logprobs [R, N] fp32, lengths [R] long, stopped [R] bool, on
-    the CPU, with R = B * n_samples and N = max_new_tokens. Row r produced tokens[r, :lengths[r]];
-    logprobs are the behavior log-probs, log_softmax(logits / temperature) of each sampled token
-    (temperature 0: greedy, log-probs at temperature 1).
+`generate(model, prompts, *, n_samples, max_new_tokens, ...) -> Generation` is the API every engine
+implements (this CPU one, and `rollout.cuda_engine` beside it); its docstring defines it.
 
 Split as gpt-fast's generate.py: `prefill` (the prompts through the model once, filling the cache),
-`decode_one_token` (one token per row through the model) and `sample` (logits -> token and its
-log-prob), so that a decode step can be captured or compiled on its own. Each prompt is prefilled
-once and its KV cache is shared by its n samples (copied into their rows, as nanochat's
-`Engine.generate` does): the prompt's forward is computed once per group, not n times.
+`decode_one_token` (one token per row) and `sample` (logits -> token and its log-prob), so that a
+decode step can be captured or compiled on its own. Each prompt is prefilled once and its KV cache
+is copied into the rows of its n samples (as nanochat's `Engine.generate` does).
 
 Sampling is Gumbel-max with per-row exponential noise, argmax(logp - log E) with E ~ Exp(1) drawn
 from the row's own generator over the whole vocabulary at every step: the same draw whatever the
-batch, so per-row seeding is exact.
-
-Simplified: the model's forward runs as is (weights dequantized once per version by the worker);
-GPU engines use the packed-weight matmuls of `rollout.kernels` instead.
-"""
+batch, so per-row seeding is exact. Simplified: the model's forward runs as is (weights dequantized
+once per version by the worker); GPU engines use the packed-weight matmuls of `rollout.kernels`."""
 
 from __future__ import annotations
 
@@ -158,7 +133,26 @@ def generate(
     stop_ids: Sequence[int] = (),
     pad_id: int = 0,
 ) -> Generation:
-    """Sample n_samples continuations of each prompt; the API is in the module docstring."""
+    """Sample n_samples continuations of each prompt: the API every engine implements.
+
+    model           a `policy.model.Transformer` holding the policy version's effective weights
+                    (and its activation-quantization hook, installed by `policy.qat`)
+    prompts         B prompts, each a non-empty sequence of token ids (lengths may differ)
+    n_samples       samples per prompt; row b * n_samples + i of the result is sample i of prompt b
+    seeds           one int per output row (B * n_samples): row r draws all its randomness from a
+                    generator seeded by seeds[r], so a row's sample depends only on its prompt and
+                    its seed, never on the other rows, the padding or the batch size (up to last-bit
+                    float differences between batch shapes). Without seeds, the per-row seeds are
+                    drawn from `generator` (or torch's global generator).
+    max_new_tokens  at most this many new tokens per row (>= 1); prompt + new must fit max_seq_len
+    temperature     sampling temperature (> 0), or 0 for greedy
+    eos_id/stop_ids a row stops after producing one of these (the stop token is included)
+    pad_id          what fills a row after it stopped
+
+    Generation: tokens [R, N] long, logprobs [R, N] fp32, lengths [R] long, stopped [R] bool, on
+    the CPU, with R = B * n_samples and N = max_new_tokens. Row r produced tokens[r, :lengths[r]];
+    logprobs are the behavior log-probs, log_softmax(logits / temperature) of each sampled token
+    (temperature 0: greedy, log-probs at temperature 1)."""
     cfg = model.cfg
     B = len(prompts)
     L = max(check_request(prompts, n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature))

@@ -1,30 +1,19 @@
 """Task `jsonl`: RL on a user's prompt file, one JSON object per line, with a built-in verifier.
 
-    task:
-      name: jsonl
-      path: configs/data/arith.jsonl      # relative paths are relative to the working directory
-      prompt_field: question              # the prompt text
-      answer_field: answer                # the reference answer
-      tokenizer: configs/data/arith_tokenizer   # a Hugging Face tokenizer folder (rollout/hf_tokenizer.py)
-      verifier: numeric                   # exact | numeric
-      tolerance: 1.0e-6                   # numeric: |last number in completion - answer's number| <= tolerance
-      max_new_tokens: 16
-      chat_template: false                # true: wrap each prompt in the tokenizer's chat template
+    task: {name: jsonl, path: configs/data/arith.jsonl, prompt_field: question, answer_field: answer,
+           tokenizer: configs/data/arith_tokenizer, verifier: numeric, tolerance: 1.0e-6,
+           max_new_tokens: 16, chat_template: false}
 
 Verifiers, on the completion decoded up to the first eos (a completion that never ends gets 0):
   exact    1.0 if the completion, stripped of surrounding whitespace, equals the answer (stripped).
-  numeric  1.0 if the last number in the completion is within `tolerance` of the answer's number,
-           which is the last number in the answer field (so GSM8K's "... #### 42" works as is).
-           Numbers: optional sign, digits with optional thousands commas, optional decimals.
-Custom verifiers: a `module:attr` task factory (rollout.tasks), which may wrap `JsonlTask`.
-
-Held out for evaluation (trainer.eval_every): the rows of `heldout_path`, whose prompt texts are
-then left out of training, or the rows whose text `is_heldout` under `heldout_fraction`.
-Prompt i (what the trainer feeds) is row `perm_e[i mod n]` of epoch e = i // n, where `perm_e` is a
-shuffle of the n rows seeded by (seed, e): a pure function of (seed, i), every row once per epoch. The
-warm-start example is a random row with its answer as the reference completion. The whole file is
-read and checked at start (every line an object with both fields; errors name the line).
-"""
+  numeric  1.0 if the last number in the completion is within `tolerance` of the last number in the
+           answer field (so GSM8K's "... #### 42" works as is). Numbers: optional sign, digits with
+           optional thousands commas, optional decimals.
+Prompt i is row `perm_e[i mod n]` of epoch e = i // n (`perm_e` a shuffle of the n rows seeded by
+(seed, e)): a pure function of (seed, i), every row once per epoch. Held out for evaluation: the rows
+of `heldout_path` (their prompt texts left out of training), or the rows `is_heldout` under
+`heldout_fraction`. The whole file is read and checked at start (errors name the line). Custom
+verifiers: a `module:attr` task factory (rollout.tasks), which may wrap `JsonlTask`."""
 
 from __future__ import annotations
 

@@ -2,26 +2,17 @@
 
 A row's b-th sample draws its noise from `uniform(seed_b, step, v)` for every vocabulary id v, a
 pure function of those three integers (a hash, no generator state), so what a row samples depends
-only on its logits, its seed and how many tokens it has generated: never on the batch it runs in,
-its position in that batch, or the other rows. Sampling is Gumbel-max:
+only on its logits, its seed and how many tokens it has generated: never on the batch, its position
+in it, or the other rows. Sampling is Gumbel-max:
 
     z_v   = logit_v / T
     g_v   = -log(-log(u_v)),   u_v = ((hash(seed, step, v) >> 9) + 0.5) * 2^-23   in (0, 1), exact in fp32
     token = argmax_v (z_v + g_v)            (lowest v on ties)   ~ Categorical(softmax(z))
     logp  = z_token - logsumexp(z)          (fp32: the behavior log-prob)
 
-T = 0 is greedy (argmax of the logits, log-prob at T = 1). With top_k > 0 and/or top_p < 1 the
-distribution is truncated first (the top_k largest z, then the smallest prefix of them, by
-descending probability, whose mass reaches top_p; the most likely token is always kept) and logp is
-the log-prob under the truncated, renormalized distribution, which is what the tokens were drawn
-from. The same hash drives every path, so truncation never changes which noise a token gets.
-
-The hash is 32-bit integer arithmetic (Chris Wellons' `lowbias32` finalizer, four rounds over the
-seed's two halves, the step and the token id). `sample_reference` computes it with int64 torch ops on
-any device; `rollout.kernels.sampling_triton.sample` does the untruncated case in one Triton program
-per row (one pass over the vocabulary: online logsumexp and the Gumbel argmax together), the same
-arithmetic with libdevice's logf, which is what torch's CUDA log uses.
-"""
+T = 0 is greedy (log-prob at T = 1). top_k / top_p truncate first (`truncation_mask`), and logp is
+then under the truncated, renormalized distribution; the same hash drives every path. The hash is
+`mix32` (lowbias32) over the seed's halves, the step and the token id (`row_key`, `hash_uniform`)."""
 
 from __future__ import annotations
 
@@ -66,7 +57,15 @@ def sample_reference(
     logits: Tensor, seeds: Tensor, step: Tensor | int, temperature: float, *, top_k: int = 0, top_p: float = 1.0
 ) -> tuple[Tensor, Tensor]:
     """(tokens [B] int64, logp [B] fp32) as the module docstring defines them; plain torch, any device,
-    no host synchronization (CUDA-graph safe when `step` is a tensor)."""
+    no host synchronization (CUDA-graph safe when `step` is a tensor).
+
+    The hash is 32-bit integer arithmetic (Chris Wellons' `lowbias32` finalizer, four rounds over the
+    seed's two halves, the step and the token id), here in int64 torch ops.
+    `rollout.kernels.sampling_triton.sample` does the untruncated case in one Triton program per row
+    (one pass over the vocabulary: online logsumexp and the Gumbel argmax together), the same
+    arithmetic with libdevice's logf, which is what torch's CUDA log uses. With top_k > 0 and/or
+    top_p < 1: the top_k largest z, then the smallest prefix of them, by descending probability,
+    whose mass reaches top_p (the most likely token is always kept)."""
     z = logits.float()
     if temperature <= 0:
         return z.argmax(dim=-1), _gather_logp(z.log_softmax(dim=-1), z.argmax(dim=-1))

@@ -1,39 +1,19 @@
 """Continuous batching: which sample runs in which KV slot, as a pure state machine (no tensors, no I/O).
 
     s = Scheduler(slots=S, max_inflight_groups=G, version=v)
-    s.submit(key, n_samples)    a prompt group joins the queue (at most G groups in flight)
-    s.admit() -> [Admit]        samples that get a slot now (the engine fills those slots)
-    s.finish(slot) -> Finish    a sample ended (stop token / max tokens): its slot is free again
+    s.submit(key, n_samples); s.admit() -> [Admit]; s.finish(slot) -> Finish
     s.request_swap(); s.drained; s.swap(v')     drain-on-swap of the policy version
 
 Rules:
-1. Slots. A slot holds one sample from its admission to its finish (one user); a free slot goes to
-   the next waiting sample. Free slots are handed out lowest index first, so the busy slots stay
-   packed at the bottom and the engine decodes the smallest batch bucket that holds them.
-2. Groups in flight. A group is in flight from `submit` until its last sample finishes (it is then
-   emitted whole); at most `max_inflight_groups` are, and `submit` beyond that is refused (the
-   caller asks `can_submit` first). A group may have more samples than there are slots: they are
-   admitted as slots free up.
-3. Order. `admit` serves groups in submission order (FIFO): first the waiting samples of groups
-   already started, lowest sample index first, then new groups. A group *starts* at its first
-   admission: its prompt is prefilled once then (`Admit.start`), under the version current at that
-   moment, which every token of the group carries (`group_version`).
-4. Shared prefix, refcounted. A started group's prefix (the prompt's KV and last logits) is held
-   for each of its samples that still waits for a slot: refs = samples not yet admitted. Admission
-   copies the prefix into the sample's own slot (both engines' caches are slotted: one contiguous
-   row of KV per sample, which is what the fused decode-attention kernel reads; a paged cache could
-   share the prefix blocks instead and count users until they finish). The admission that takes the
-   last reference frees the prefix (`Admit.frees_prefix`): it never outlives its last reader.
-5. Versions: never two versions in one sequence. `request_swap()` stops *starting* groups; samples
-   of groups already started keep being admitted (their prefix was computed by this version), so a
-   group never mixes versions either. `drained` is True when no started group is unfinished, i.e.
-   no slot is busy and no prefix is held; `swap(v')` is then allowed (refused before), sets the
-   version and resumes admission. Groups queued but not started start under v'. So KV and prefix
-   state never outlive the version that computed them.
-
-Capacity errors are ValueErrors naming the numbers. The model: `trainer/admission.py` (pure, tested
-alone: tests/unit/test_scheduler.py).
-"""
+1. A slot holds one sample from admission to finish; free slots go lowest index first.
+2. A group is in flight from `submit` until its last sample finishes (then emitted whole); at most G
+   are (`can_submit`). A group may have more samples than there are slots.
+3. `admit` is FIFO: waiting samples of started groups first, then new groups. A group starts at its
+   first admission: its prompt is prefilled once, under the version current then (`group_version`).
+4. A started group's prefix (prompt KV + last logits) is held for each sample still waiting
+   (refs = samples not yet admitted); the admission taking the last reference frees it.
+5. Never two versions in one group: `request_swap()` stops starting groups; `drained` when no started
+   group is unfinished; only then `swap(v')`. Capacity errors are ValueErrors naming the numbers."""
 
 from __future__ import annotations
 
@@ -77,7 +57,16 @@ class _Group:
 
 @dataclass
 class Scheduler:
-    """The state machine of the module docstring."""
+    """The state machine of the module docstring.
+
+    Free slots go lowest index first so the busy slots stay packed at the bottom and the engine
+    decodes the smallest batch bucket that holds them. Admission copies the prefix into the sample's
+    own slot: both engines' caches are slotted (one contiguous row of KV per sample, what the fused
+    decode-attention kernel reads; a paged cache could share the prefix blocks instead). After
+    `request_swap()` samples of groups already started keep being admitted (their prefix was
+    computed by this version); groups queued but not started start under the next version, so KV and
+    prefix state never outlive the version that computed them. Modelled on trainer/admission.py
+    (pure, tested alone: tests/unit/test_scheduler.py)."""
 
     slots: int
     max_inflight_groups: int

@@ -5,33 +5,13 @@ the model's vocab, so trainer and rollout build the same one). `tandem/services.
 `make_task(cfg.task, seed=cfg.seed)` and injects it into both sides: the trainer feeds
 `task.prompt(i)` and warm-starts on `task.example(rng)`; a rollout worker generates up to
 `task.max_new_tokens` tokens and scores them with `task.score`. `task.name` selects the factory: a
-built-in registered in `TASKS`, or a user's `"module:attr"` (imported at start; called as
-`factory(cfg, seed=seed)` and returning a `Task`). Built-ins: `addition` (below) and `jsonl`, a
-user's prompt file with exact / numeric verifiers (rollout/jsonl_task.py).
+built-in registered in `TASKS` (`addition`, and `jsonl` in rollout/jsonl_task.py), or a user's
+`"module:attr"` (imported at start; called as `factory(cfg, seed=seed)`, returning a `Task`).
 
-The protocol (structural: any object with these members is a task):
-
-    tokenizer        a `Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode(text, bos=, eos=), decode(ids),
-                        and optionally save_pretrained(folder) (a Hugging Face tokenizer folder for exports)
-    max_new_tokens   the longest completion a rollout generates
-    prompt(index)    -> Prompt, a pure function of (the task's seed, index), so that a restarted
-                        trainer feeds the same data
-    example(rng)     -> Prompt, a random example with its reference completion (supervised warm start)
-    score(completion_ids, fields) -> float, the verifier; `fields` is the Prompt's `fields` as it
-                        travelled with the prompt group (plain msgpack-able data: strings, numbers)
-    check_fields(fields) -> str | None   (optional) why `score` cannot take these fields, None when it
-                        can: a worker refuses (dead-letters) a prompt group whose fields it fails
-    heldout_prompt(index) -> Prompt   (optional; for trainer.eval_every) a held-out prompt, one that
-                        `prompt` and `example` never give: the built-ins split their prompt space by
-                        `is_heldout(prompt text, task.heldout_fraction)`
-
-Built-in task `addition`: multi-digit addition with a programmatic verifier and a character
-tokenizer. Chosen because a 1-5M parameter model learns it on a CPU in minutes, its reward is exact
-(no learned judge), and difficulty is one knob (`digits`). A prompt is "<bos>123+45=" and a
-correct completion is "168<eos>". The reward is 1.0 for the exact answer followed by <eos>,
-else 0.0: GRPO normalizes within a group, so a binary verifier is enough signal once the
-warm-started policy is sometimes right.
-"""
+Rules: `prompt(index)` is a pure function of (the task's seed, index), so a restarted trainer feeds
+the same data; held-out prompts are never given by `prompt` or `example`. The built-in `addition`:
+a prompt is "<bos>123+45=", a correct completion "168<eos>"; the reward is 1.0 for the exact answer
+followed by <eos>, else 0.0 (why this task and a binary verifier: docs/design-decisions.md)."""
 
 from __future__ import annotations
 
@@ -138,6 +118,23 @@ class Prompt:
 
 @runtime_checkable
 class Task(Protocol):
+    """What a task provides (structural: any object with these members is a task):
+
+    tokenizer        a `Tokenizer`: vocab_size, pad_id, bos_id, eos_id, encode(text, bos=, eos=), decode(ids),
+                        and optionally save_pretrained(folder) (a Hugging Face tokenizer folder for exports)
+    max_new_tokens   the longest completion a rollout generates
+    prompt(index)    -> Prompt, a pure function of (the task's seed, index), so that a restarted
+                        trainer feeds the same data
+    example(rng)     -> Prompt, a random example with its reference completion (supervised warm start)
+    score(completion_ids, fields) -> float, the verifier; `fields` is the Prompt's `fields` as it
+                        travelled with the prompt group (plain msgpack-able data: strings, numbers)
+    check_fields(fields) -> str | None   (optional) why `score` cannot take these fields, None when it
+                        can: a worker refuses (dead-letters) a prompt group whose fields it fails
+    heldout_prompt(index) -> Prompt   (optional; for trainer.eval_every) a held-out prompt, one that
+                        `prompt` and `example` never give: the built-ins split their prompt space by
+                        `is_heldout(prompt text, task.heldout_fraction)`
+    """
+
     @property
     def tokenizer(self) -> Tokenizer: ...
 

@@ -3,29 +3,17 @@
     admit(backlog, records, *, version, max_staleness, fingerprint, groups_per_step)
         -> Admission(train, drops, backlog)
 
-In: the backlog carried over from earlier calls (incomplete groups, and complete groups not yet
-trained), the newly read records (anything with a `.trajectory`, a `broker.codec.Trajectory`: the
-trainer passes `broker.streams.TrajectoryRecord`s), the trainer's policy version and the run's bounds.
-Out: the groups to train on now, the samples dropped with their reason, and the new backlog.
-
 Rules, in order:
-1. A backlog group whose version is now too old is dropped whole: staleness = version -
-   policy_version > max_staleness -> reason "stale".
+1. A backlog group whose version is now too old (version - policy_version > max_staleness) is
+   dropped whole: "stale".
 2. Each new record: a contract fingerprint other than the trainer's -> "fingerprint"; too old ->
-   "stale"; else it joins its group (by group_id). A group is complete when it holds group_size
-   samples; its samples are then ordered by sample_index.
-3. When at least `groups_per_step` groups are complete, the first `groups_per_step` (in the order
-   they completed, backlog first) are trained on; surplus complete groups stay in the backlog for
-   the next step. Otherwise nothing is trained and everything stays (the caller reads more).
-
-Calling again with the returned backlog and more records continues where the last call stopped;
-calling with no records re-applies rule 1 (the trainer does so at the start of every step, after
-its version moved). Which records the trainer has consumed (to commit) is: drops + trained groups.
-Record validation (well-formed samples of this run) comes before admission and drops with its own
-reasons; the reasons here are `STALE` and `FINGERPRINT`.
-
-The model: torchtitan's experiments/rl batcher, tested alone (tests/unit/test_admission.py).
-"""
+   "stale"; else it joins its group (by group_id). A group is complete with group_size samples,
+   then ordered by sample_index.
+3. With at least `groups_per_step` complete groups, the first `groups_per_step` (in completion
+   order, backlog first) are trained on; surplus complete groups stay in the backlog. Otherwise
+   nothing is trained and everything stays.
+Calling again with the returned backlog continues; with no records it re-applies rule 1. What the
+trainer has consumed (to commit) is drops + trained groups. Modelled on torchtitan's RL batcher."""
 
 from __future__ import annotations
 
@@ -80,7 +68,13 @@ def admit(
     fingerprint: str,
     groups_per_step: int,
 ) -> Admission:
-    """Apply the rules of the module docstring; the inputs are not modified."""
+    """Apply the rules of the module docstring; the inputs are not modified.
+
+    `backlog`: what earlier calls carried over (incomplete groups, and complete groups not yet
+    trained); `records`: the newly read records, anything with a `.trajectory` (a
+    `broker.codec.Trajectory`; the trainer passes `broker.streams.TrajectoryRecord`s). Record
+    validation (well-formed samples of this run) comes before admission and drops with its own
+    reasons; the reasons here are `STALE` and `FINGERPRINT`."""
     if groups_per_step < 1 or max_staleness < 0:
         raise ValueError(f"admit: groups_per_step={groups_per_step} must be >= 1, max_staleness={max_staleness} >= 0")
     drops: list[Drop] = []

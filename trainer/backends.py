@@ -4,29 +4,15 @@ The trainer's components (trainer.step, trainer.publishing, trainer.service) tal
 through these methods, so the loop is the same for both:
     token_logprobs(tokens, targets, attention_mask=, temperature=)  -> [B, T] fp32 (autograd on)
     update(loss) -> grad norm        zero grads, backward, clip, optimizer step, refresh the QAT cache
-    set_lr(lr)                       the learning rate of the next updates
-    canonical() -> {name: tensor}    the fp32 master weights under the canonical names (views or copies)
-    load_weights({name: tensor})     copy canonical tensors in (a Hugging Face checkpoint, a resume)
-    apply_qat() / qat_hook           install QAT (once, after the warm start); the hook's cache
-    quantized_params()               the quantized parts the QAT forward computed, for publishing
-    finite_check()                   queue the NaN/Inf test of the master weights; the check reads it
-    state_dict() / load_state_dict() what a checkpoint holds: canonical master weights + optimizer
+    set_lr(lr); canonical(); load_weights({name: tensor}); state_dict() / load_state_dict()
+    apply_qat() / qat_hook; quantized_params(); finite_check()   QAT, publishing, the NaN/Inf test
     parameters(), train(), eval()    so that trainer.warmstart.warm_start takes a backend as a model
 
-Both keep fp32 master weights and AdamW state and compute under bf16 autocast on CUDA
-(`trainer.dtype`), and both quantize for the QAT forward and for publishing from the fp32 master
-weights with the same policy.qat hook and policy.manifest code: for the same weights the published
-bytes are equal bit for bit (tests/gpu/test_trainer_gpu.py).
-
-TorchBackend: policy.model.Transformer, torch AdamW (fused on CUDA).
-MegatronBackend: a megatron-core GPTModel of the same architecture (trainer/megatron_backend.py) with
-fp32 parameters. One process (world size 1): torch AdamW over its parameters. Under torchrun with
-more than one rank: megatron's DistributedDataParallel and distributed optimizer (optimizer state
-sharded over the data-parallel ranks, gradients reduce-scattered); the trainer service itself runs one
-process. megatron's rotary embedding and attention need CUDA: the config refuses device "cpu".
-megatron takes RoPE positions 0..T-1 and a plain causal mask, so its batches must be right-padded
-(trainer.sequences.pack does): `token_logprobs` refuses any other padding with one line.
-"""
+Both keep fp32 master weights and AdamW state, compute under bf16 autocast on CUDA (`trainer.dtype`),
+and quantize for QAT and publishing from the masters with the same policy.qat hook and
+policy.manifest code: for the same weights the published bytes are equal bit for bit
+(tests/gpu/test_trainer_gpu.py). TorchBackend: policy.model.Transformer, torch AdamW (fused on
+CUDA). MegatronBackend: a megatron-core GPTModel of the same architecture (`MegatronBackend`)."""
 
 from __future__ import annotations
 
@@ -162,8 +148,14 @@ class TorchBackend(_Backend):
 
 
 class MegatronBackend(_Backend):
-    """A megatron-core GPTModel (fp32 parameters, TP=1) with torch AdamW, or megatron's distributed
-    optimizer under torchrun with more than one rank (see the module docstring)."""
+    """A megatron-core GPTModel (fp32 parameters, TP=1; trainer/megatron_backend.py) with torch AdamW.
+
+    Under torchrun with more than one rank: megatron's DistributedDataParallel and distributed
+    optimizer (optimizer state sharded over the data-parallel ranks, gradients reduce-scattered);
+    that path is written but has run on one GPU only, and the trainer service itself runs one
+    process. megatron's rotary embedding and attention need CUDA: the config refuses device "cpu".
+    megatron takes RoPE positions 0..T-1 and a plain causal mask, so its batches must be right-padded
+    (trainer.sequences.pack does): `token_logprobs` refuses any other padding with one line."""
 
     name = "megatron"
 

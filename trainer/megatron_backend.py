@@ -1,49 +1,18 @@
 """The megatron-core trainer backend: the policy model as a megatron-core `GPTModel`, its weights under
 the canonical names, and QAT on its linears with policy.qat's quantizers.
 
-Architecture: `build_gpt_model(cfg)` builds the same decoder as `policy.model.Transformer` from the
-local (non-TransformerEngine) layer spec: RMSNorm, grouped-query attention with per-head q/k RMSNorm
-and rotate-half RoPE (base `rope_theta`), MoE with a softmax top-k router, SwiGLU routed experts
-(`SequentialMLP`, one MLP per expert; on CUDA in bf16 its forward is one grouped GEMM per projection,
-`_experts_forward`) and the optional always-on shared expert, or a dense SwiGLU MLP
-per `cfg.is_moe_layer` (Qwen3 dense and mixed models: megatron's moe_layer_freq pattern), final
-RMSNorm and an output layer, tied to the embedding when `tie_word_embeddings`. No biases, no dropout, no auxiliary loss, no capacity limit. A routed expert
-weights its output by the router probability (megatron would scale fc2's input: see
-`_scale_expert_outputs`). megatron-core's
-router computes `softmax(topk(logits))` when `moe_router_pre_softmax` is False, which equals
-softmax -> top-k -> renormalize (`norm_topk_prob=True`): softmax(l)_i / sum_{j in top-k} softmax(l)_j
-= exp(l_i) / sum_{j in top-k} exp(l_j). `norm_topk_prob=False` is `topk(softmax(logits))`
-(pre-softmax). Rotary positions are 0..T-1 (megatron ignores position_ids for RoPE), so batches must
-be right-padded (or unpadded) to agree with the torch backend, whose positions count real tokens.
-
-Weights: megatron parameter names <-> canonical names (`to_megatron`, `from_megatron`), full tensors
-(TP=1, EP=1 layout); `shard` / `unshard` convert a full megatron state to and from one (TP rank, EP
-rank)'s local state for any TP and EP size. Layouts (F = expert ffn dim, G = n_kv_heads, h = head_dim,
-r = n_heads / n_kv_heads):
-  linear_qkv   [(n_heads + 2G) h, D], per query group g: [q heads g r .. g r + r - 1; k_g; v_g]
-               (each h rows): megatron's interleaved layout; TP shards whole groups.
-  linear_fc1   [2F, D] = canonical gate_up_proj [gate; up] (routed, shared and dense MLPs), the same
-               tensor (one global scale);
-               TP rank t holds [gate_t; up_t].
-  experts      global expert e lives on EP rank e // (E / ep) as local_experts.{e % (E / ep)}.
-  column-parallel (rows split): linear_qkv, linear_fc1, output_layer, word_embeddings;
-  row-parallel (columns split): linear_proj, linear_fc2; replicated: norms and the router.
-
-QAT: `apply_qat(model, cfg, recipe, backward)` replaces the forward of every megatron linear, norm,
-router gate and the embedding with one that goes through a `MegatronQATHook`, a policy.qat.QATHook
-(same quantizers, same cache refreshed once per optimizer step, same straight-through autograd
-functions) that knows megatron's fused qkv: its effective weight is
-fuse_qkv(fq(q_proj), fq(k_proj), fq(v_proj)), each canonical tensor quantized on its own as the
-rollout does. `hook.quantized_params(model)` gives the canonical QuantizedParams for
-policy.manifest.build_manifest. QAT is implemented for TP=1 (any EP: experts are whole tensors);
-TP > 1 needs global scales reduced across shards and is refused.
-
-megatron-core needs torch.distributed and megatron.core.parallel_state initialized
-(`init_parallel`). Its GPTModel forward is written for CUDA (the rotary table moves itself to
-torch.cuda.current_device(), attention forks the CUDA RNG tracker); construction, the mapping and
-the QAT hooks run on CPU, and the CPU tests run the full forward with those two device queries
-pointed at the CPU.
-"""
+- `build_gpt_model(cfg)`: the same decoder as `policy.model.Transformer` from the local
+  (non-TransformerEngine) layer spec: no biases, dropout, auxiliary loss or capacity limit; routed
+  experts weight their outputs by the router probability; `norm_topk_prob` maps onto megatron's
+  `moe_router_pre_softmax`. RoPE positions are 0..T-1, so batches must be right-padded.
+- `to_megatron` / `from_megatron`: megatron names <-> canonical names, full tensors (TP=1, EP=1);
+  `shard` / `unshard`: one (TP rank, EP rank)'s local state, for any TP and EP size.
+- `apply_qat(model, cfg, recipe, backward)`: a `MegatronQATHook` (policy.qat's QATHook, aware of the
+  fused qkv) on every linear, norm, router gate and the embedding; `hook.quantized_params(model)`
+  gives the canonical QuantizedParams to publish. TP=1 only (any EP).
+- megatron-core needs torch.distributed and its parallel state (`init_parallel`); its forward needs
+  CUDA. Construction, the mapping and the QAT hooks run on CPU (the CPU tests point the forward's
+  two device queries at the CPU). Why these choices: docs/design-decisions.md."""
 
 from __future__ import annotations
 
@@ -153,7 +122,18 @@ def build_gpt_model(
     cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, tp: int = 1, ep: int = 1, cpu_init: bool = False
 ):
     """A megatron-core GPTModel of `cfg` from the local layer spec, every parameter in `dtype`
-    (parallel state must be set up)."""
+    (parallel state must be set up).
+
+    RMSNorm, grouped-query attention with per-head q/k RMSNorm and rotate-half RoPE (base
+    `rope_theta`), MoE with a softmax top-k router, SwiGLU routed experts (`SequentialMLP`; on CUDA
+    in bf16 its forward is one grouped GEMM per projection, `_experts_forward`) and the optional
+    always-on shared expert, or a dense SwiGLU MLP per `cfg.is_moe_layer` (megatron's
+    moe_layer_freq pattern), final RMSNorm and an output layer tied to the embedding when
+    `tie_word_embeddings`. A routed expert weights its output by the router probability (megatron
+    would scale fc2's input: `_scale_expert_outputs`). megatron's router computes
+    `softmax(topk(logits))` when `moe_router_pre_softmax` is False, which equals softmax -> top-k ->
+    renormalize (`norm_topk_prob=True`); `norm_topk_prob=False` is `topk(softmax(logits))`.
+    Rotary positions are 0..T-1 (megatron ignores position_ids for RoPE)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -375,7 +355,16 @@ def megatron_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def to_megatron(cfg: ModelConfig, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Every canonical tensor -> the full megatron state (q/k/v fused; the others are the same
-    tensors, not copies). All canonical names of `cfg` are required."""
+    tensors, not copies). All canonical names of `cfg` are required.
+
+    Layouts (F = expert ffn dim, G = n_kv_heads, h = head_dim, r = n_heads / n_kv_heads):
+      linear_qkv   [(n_heads + 2G) h, D], per query group g: [q heads g r .. g r + r - 1; k_g; v_g]
+                   (each h rows): megatron's interleaved layout; TP shards whole groups.
+      linear_fc1   [2F, D] = canonical gate_up_proj [gate; up] (routed, shared and dense MLPs), the
+                   same tensor (one global scale); TP rank t holds [gate_t; up_t].
+      experts      global expert e lives on EP rank e // (E / ep) as local_experts.{e % (E / ep)}.
+      column-parallel (rows split): linear_qkv, linear_fc1, output_layer, word_embeddings;
+      row-parallel (columns split): linear_proj, linear_fc2; replicated: norms and the router."""
     from policy.model import parameter_shapes
 
     expected = set(parameter_shapes(cfg))

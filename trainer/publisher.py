@@ -4,23 +4,14 @@
     blocked_s = await publisher.idle()          # back-pressure: the previous publish must be done
     publisher.start(version, prepare, announce)  # prepare() in a thread, then await announce()
 
-`prepare` (a thread: frame the version into a pooled host buffer and install it in the PolicyServer,
-broker.frames) runs while the trainer's next step computes; `announce` (a coroutine on the trainer's
-event loop: point `policy:latest` at the version) runs only after `prepare` returned, so the pointer
-never names a version that is not servable. The loop is busy during a step's torch work, so the
-announce lands at the step's next await (collecting trajectories), right after `prepare` finishes.
-
-Back-pressure: `idle()` waits for the publish in flight and returns how long it waited (the trainer
-logs that wait plus its own staging of the version per step as `publish_blocked_s`: only the staging
-while publishing is faster than a step). Failures are
-never lost: a failed prepare or announce is logged when it happens and raised as PublishError by the
-next `idle()` (so at the latest before the next publish and at shutdown); the trainer then exits
-non-zero and its restart republishes the checkpoint's version.
-
-What the caller must keep valid while `prepare` runs: the tensors it publishes. broker.frames.stage
-takes care of that (it clones parts aliasing the live parameters; QAT's cache replaces its quantized
-parts with new tensors at each optimizer step rather than writing them in place).
-"""
+Rules: `prepare` (a thread: frame the version into a pooled host buffer and install it in the
+PolicyServer, broker.frames) runs while the trainer's next step computes; `announce` (a coroutine on
+the trainer's event loop: point `policy:latest` at the version) runs only after `prepare` returned,
+so the pointer never names a version that is not servable. `idle()` waits for the publish in flight
+and returns how long it waited. A failed prepare or announce is logged when it happens and raised
+as PublishError by the next `idle()` (at the latest before the next publish and at shutdown).
+The caller keeps the published tensors valid while `prepare` runs (broker.frames.stage clones parts
+aliasing live parameters; QAT's cache replaces its parts at each optimizer step, never in place)."""
 
 from __future__ import annotations
 
@@ -34,6 +25,12 @@ class PublishError(RuntimeError):
 
 
 class Publisher:
+    """The rules of the module docstring. The trainer's event loop is busy during a step's torch work,
+    so the announce lands at the step's next await (collecting trajectories), right after `prepare`
+    finishes. The trainer logs `idle()`'s wait plus its own staging of the version as
+    `publish_blocked_s`; on a PublishError it exits non-zero, and its restart republishes the
+    checkpoint's version."""
+
     def __init__(self, *, log: Callable[[str], None] = print):
         self.log = log
         self._task: asyncio.Task | None = None

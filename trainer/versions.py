@@ -5,21 +5,14 @@
     versions.token_logprobs(v, tokens, targets, attention_mask=attn, temperature=T)
 
 Rules:
-1. Version v's effective operands are a function of its quantized objects alone (DESIGN.md "Compute
-   contract"), so the objects are kept, not v's fp32 master weights: `add` holds references to the
-   QuantizedParams the publish produced (the QAT cache replaces them after each optimizer step rather
-   than writing them in place); parts sharing storage with a live parameter are cloned.
-2. `token_logprobs` runs policy.model.Transformer's forward on a scratch model on the meta device,
-   through a hook over v's objects that builds each operand when its matmul runs and drops it after
-   (an MoE projection's experts together, as the QAT cache's stacked refill builds them). The result
-   equals, bit for bit, the QAT forward of v's master weights (training recipe) on the same rows and
-   device (tests/unit/test_versions.py). Transient memory: one weight's (or one MoE projection's) operands.
-3. `add(v)` releases every version below v - keep; `nbytes` is what the held versions' packed parts take.
-4. Nothing is checkpointed: samples of versions from before a restart are left out of the split.
-   Under the rollout_recipe ablation the training recipe's objects are kept (its QAT forward's).
-   With trainer.backend=megatron prox runs megatron's forward and at_version policy.model's, so
-   their accumulation-order difference lands in the staleness part.
-"""
+- `add` holds references to the QuantizedParams the publish produced (the QAT cache's own objects,
+  which the cache replaces after each optimizer step), on the trainer's device; parts that share
+  storage with a live parameter are cloned. `add(v)` releases every version below v - keep.
+- `token_logprobs(v, ...)` equals, bit for bit, the QAT forward (training recipe, the Compute
+  contract's operands) of version v's master weights: a meta-device scratch model whose hook builds
+  each operand when its matmul runs (an MoE projection's experts together) and drops it after.
+- Versions from before a restart are not held; their samples are left out of the split.
+Why packed versions and not fp32 snapshots, and the memory they take: docs/design-decisions.md."""
 
 from __future__ import annotations
 
@@ -49,7 +42,16 @@ def aliasing(tensors: Mapping[str, QuantizedParam], live: Iterable[Tensor]) -> l
 
 class RetainedVersions:
     """Version -> {canonical name: policy.formats object} for the newest versions (see the module
-    docstring); `keep` = how many versions older than the newest added one are held."""
+    docstring); `keep` = how many versions older than the newest added one are held.
+
+    Memory: per retained version, the bytes of its packed parts (`nbytes`); the newest version's
+    objects are shared with the QAT cache until the next optimizer step. Transient, during
+    `token_logprobs`: one weight's operand at a time, or one MoE projection's experts' (their packed
+    parts concatenated along rows and one `formats.operand` call, `qat.stacked_operands`, whose
+    [E, N, K] operand the grouped GEMM takes as is), plus the fp32 dequantized embedding and norms.
+    Under the rollout_recipe ablation the trainer keeps the training recipe's objects, not the
+    rollouts'. With trainer.backend=megatron the objects are its hook's canonical QuantizedParams
+    and this still runs policy.model's forward."""
 
     def __init__(self, model_config: ModelConfig, plan: Plan, *, keep: int):
         if keep < 0:

@@ -1,32 +1,18 @@
 """Triton quantization kernels that reproduce `policy.formats` byte for byte on CUDA.
 
-One kernel per format (nvfp4, mxfp8, int4, fp8_block) plus a tensor-wide amax reduction for
-nvfp4's tensor scope. The order of operations is DESIGN.md's contract, literally (one proven
-shortcut: int4 on 16-bit inputs, see `_int4_codes`); what makes the bytes equal to the CPU
-reference is how each step is lowered:
-
-- Inputs are read as raw bits: a bf16 value becomes fp32 by a 16-bit shift, an fp32 value is
-  loaded as int32. Absolute values, block maxima and the sign test run on the integer bits, so
-  a flush-to-zero anywhere cannot change them (max |x| of non-negative floats is the max of
-  their bit patterns).
-- Every fp32 multiply, fma and divide that feeds a stored byte is inline PTX `mul.rn.f32` /
-  `fma.rn.f32` / `div.rn.f32` / `rcp.rn.f32` without `.ftz`: IEEE subnormals are kept (S_dec
-  and block scales can be subnormal), no multiply is contracted into an FMA, and the division
-  is correctly rounded.
-  Triton's `tl.math.div_rn` goes through libdevice, whose FTZ flag Triton sets, so it is not
-  used here.
-- fp32 -> E4M3 is Triton's conversion (`cvt.rn.satfinite.e4m3x2.f32` on sm_89+): round to
-  nearest even, IEEE subnormals; the reference's clamps come first so saturation never matters.
-- fp32 -> bf16 (int4 scales) is `cvt.rn.bf16.f32`; rint is `cvt.rni.f32.f32` (ties to even).
-- E2M1 rounding has no hardware instruction on Hopper; it is one fp32 add with a magic constant
-  (see `policy.kernels.bitmath.e2m1_code`, the CPU transcription the unit tests check).
-
-Every kernel also flags a status word when a block max it computed is not finite, so the
-caller can raise ValueError on non-finite input without a second pass over the data.
-
-Simplified: one program handles ROWS rows by CHUNK blocks; no persistent grid, no TMA. The
-shapes these run on are memory-bound and large enough that a plain grid saturates the chip.
-"""
+One kernel per format (nvfp4, mxfp8, int4, fp8_block) plus a tensor-wide amax reduction for nvfp4's
+tensor scope. The order of operations is DESIGN.md's contract, literally (one proven shortcut: int4
+on 16-bit inputs, `_int4_codes`); what makes the bytes equal to the CPU reference is the lowering:
+- inputs are read as raw bits; absolute values, block maxima and sign tests run on integer bits, so
+  no flush-to-zero can change them;
+- every fp32 multiply, fma and divide that feeds a stored byte is inline PTX `mul.rn.f32` /
+  `fma.rn.f32` / `div.rn.f32` / `rcp.rn.f32` without `.ftz` (never `tl.math.div_rn`: libdevice
+  flushes subnormals);
+- fp32 -> E4M3 is `cvt.rn.satfinite.e4m3x2.f32` (sm_89+), after the reference's clamps; fp32 ->
+  bf16 is `cvt.rn.bf16.f32`; rint is `cvt.rni.f32.f32`; E2M1 rounding is one fp32 add with a magic
+  constant (`policy.kernels.bitmath.e2m1_code`).
+Every kernel flags a status word when a block max is not finite (ValueError without a second pass).
+Simplified: one program handles ROWS rows by CHUNK blocks; no persistent grid, no TMA."""
 
 from __future__ import annotations
 

@@ -1,39 +1,17 @@
 """Weight-only 4-bit matmul for decoding: y = x @ dequant(W).T with bf16 x, on CUDA via Triton.
 
-W is nvfp4 (tensor scope) or int4 (groups along K), dequantized in registers (never written
-out in bf16) and fed to the tensor cores with x:
-
-- nvfp4: two codes at a time become bf16 bit patterns worth e2m1 * 2^-126 (bit moves only: the
-  nibble's e1 e0 m bits land on bf16 bits 6-8, which makes the E2M1 subnormal 0.5 the bf16
-  subnormal 2^-127), and one bf16x2 multiply by sf * 2^119 gives e2m1 * sf * 2^-7, exact in
-  bf16 (at most 6 significant bits, magnitude in [2^-17, 21]): the Compute contract's operand
-  e2m1 x sf (`policy.formats.nvfp4.operand`) times 2^-7, exactly. The epilogue applies the
-  contract's post-accumulator scales: y = (acc * (2^7 * S_dec_x[row])) * S_dec_w with per-token
-  activation scales (`x_scale`, nvfp4 activations: x is then their operand e2m1 x sf), else
-  acc * (2^7 * S_dec_w); both equal (acc_contract * S_dec_x) * S_dec_w rounded once per product,
-  as 2^7 scalings are exact.
-- int4: the nibble goes into the mantissa of bf16 128 (0x4300 | n = 128 + n), one bf16x2 FMA
-  subtracts 136 (exact), one bf16x2 multiply by the group scale rounds q * s to bf16 once:
-  exactly `dequantize(W).to(bf16)`, as Marlin-style W4A16 kernels define it.
-
-Kernel layout (`bitmath.repack`, done once per weight by `rollout.kernels.pack`): the transported
-codes (byte j = elements 2j, 2j+1) are regrouped into int32 words, two per 16-element block;
-word h of block b holds, in nibbles j and j+4 (j = 0..3), elements 16b + 4j + 2h and
-16b + 4j + 2h + 1. One shift + mask then puts a pair of K-consecutive codes in the two 16-bit
-lanes of a register, so four bf16x2 values (P_0..P_3) come out of each word with no byte
-shuffling, and P_j across a tile is a dense [BN, BK/4] operand whose K index is
-16 * (c // 4) + 4j + c % 4: x is loaded in that order (8-byte pieces) for the j-th of four dots.
-
-The tile is [BN weight rows] x [BM tokens] ("swap AB": weights are the wide operand of the
-dot, tokens the narrow one), with BM = 16 for every M. Each token's output is computed the
-same way whatever M is (no split-K, fixed K order), so a row's result does not depend on the
-batch it came in: the batch-invariance DESIGN.md asks of the rollout engine.
-
-MoE: all routed experts of one layer run in one launch. Expert weights are stacked
-[E, N, K/8]; tokens are grouped by expert into 16-row blocks (`moe_align`, torch ops, no host
-sync, CUDA-graph safe), and each program multiplies one block of tokens by one BN-row tile of
-its expert.
-"""
+W is nvfp4 (tensor scope) or int4 (groups along K), dequantized in registers (never written out in
+bf16) and fed to the tensor cores with x:
+- nvfp4: pairs of codes become bf16 bit patterns by bit moves, and one bf16x2 multiply gives the
+  Compute contract's operand e2m1 x sf times 2^-7, exactly; the epilogue applies the contract's
+  post-accumulator scales (per-token `x_scale` for nvfp4 activations, then S_dec_w), each product
+  rounded once.
+- int4: exactly `dequantize(W).to(bf16)`, i.e. bf16(q * s) rounded once, as Marlin-style kernels.
+The tile is [BN weight rows] x [BM = 16 tokens] for every M, with no split-K by M and a fixed K
+order, so a row's result does not depend on its batch (the batch invariance DESIGN.md asks of the
+rollout engine). MoE: all routed experts of a layer in one launch, weights stacked [E, N, K/8],
+tokens grouped by expert into 16-row blocks (`moe_align`, no host sync, CUDA-graph safe). The bit
+tricks and the code layout (`bitmath.repack`) are described where they are written, below."""
 
 from __future__ import annotations
 
@@ -45,6 +23,24 @@ from .routing import BLOCK_M, moe_align
 
 FMT_NVFP4 = 0
 FMT_INT4 = 1
+
+# nvfp4 dequantization: two codes at a time become bf16 bit patterns worth e2m1 * 2^-126 (bit moves
+# only: the nibble's e1 e0 m bits land on bf16 bits 6-8, which makes the E2M1 subnormal 0.5 the bf16
+# subnormal 2^-127), and one bf16x2 multiply by sf * 2^119 gives e2m1 * sf * 2^-7, exact in bf16 (at
+# most 6 significant bits, magnitude in [2^-17, 21]): the Compute contract's operand e2m1 x sf
+# (`policy.formats.nvfp4.operand`) times 2^-7, exactly. The epilogue computes
+# y = (acc * (2^7 * S_dec_x[row])) * S_dec_w with per-token activation scales (`x_scale`: x is then
+# their operand e2m1 x sf), else acc * (2^7 * S_dec_w); both equal (acc_contract * S_dec_x) * S_dec_w
+# rounded once per product, as 2^7 scalings are exact.
+#
+# Code layout (`bitmath.repack`, once per weight by `rollout.kernels.pack`): the transported codes
+# (byte j = elements 2j, 2j+1) are regrouped into int32 words, two per 16-element block; word h of
+# block b holds, in nibbles j and j+4 (j = 0..3), elements 16b + 4j + 2h and 16b + 4j + 2h + 1. One
+# shift + mask then puts a pair of K-consecutive codes in the two 16-bit lanes of a register, so four
+# bf16x2 values (P_0..P_3) come out of each word with no byte shuffling, and P_j across a tile is a
+# dense [BN, BK/4] operand whose K index is 16 * (c // 4) + 4j + c % 4: x is loaded in that order
+# (8-byte pieces) for the j-th of four dots. The tile is "swap AB": weights are the wide operand of
+# the dot, tokens the narrow one.
 
 # Four bf16x2 outputs from one word of eight codes: P_j from nibbles j (low lane) and j+4
 # (high lane), scaled by the bf16x2 scale word $5.

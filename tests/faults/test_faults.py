@@ -168,7 +168,8 @@ def _wait_for_line(run: Run, name: str, text: str, count: int, timeout_s: float 
 
 
 def _poison(url: str, run_id: str, secret_file: str) -> tuple[int, str]:
-    """Inject, for a fed prompt no worker has read yet, one sample per crash input of defect 3 and a
+    """Inject, for a fed prompt no worker has read yet, one sample per malformed case of
+    test_poison_trajectories_injected_live and a
     forged group for a prompt never fed (all signed: a compromised worker), plus one undecodable
     entry and one unsigned copy of a good sample. Returns (invalid samples, the poisoned group)."""
 
@@ -215,7 +216,7 @@ def _poison(url: str, run_id: str, secret_file: str) -> tuple[int, str]:
 
 
 def test_poison_trajectories_injected_live(tmp_path, redis_server, run_id):
-    """Defect 3: every invalid sample is dead-lettered alone with its reason and counted; the step
+    """Every invalid sample is dead-lettered alone with its reason and counted; the step
     never fails; no legitimate sample is dead-lettered; the real group of the poisoned prompt trains."""
     max_steps = 4
     run = _start(tmp_path, run_id, redis_server.url, max_steps=max_steps, workers=())

@@ -1,7 +1,7 @@
-"""Defect 10 (issue 13): a worker fetching from a trainer that dies mid-fetch must give up quickly
-and re-read `policy:latest` (the restarted trainer listens elsewhere). Before, every FetchTensors
-restart waited for the dead address for the whole fetch_timeout_s (wait_for_ready), max_attempts
-times: minutes, while the restarted trainer's collect timed out waiting for trajectories."""
+"""A worker fetching from a trainer that dies mid-fetch gives up quickly and re-reads
+`policy:latest` (the restarted trainer listens elsewhere), instead of waiting for the dead address
+for the whole fetch_timeout_s on every FetchTensors restart (which would take minutes, while the
+restarted trainer's collect times out waiting for trajectories)."""
 
 from __future__ import annotations
 

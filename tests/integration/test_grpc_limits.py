@@ -1,4 +1,4 @@
-"""Defect 8 (issue 13): the policy server bounds what a hostile or broken peer can hold: streams per
+"""The policy server bounds what a hostile or broken peer can hold: streams per
 connection, RPCs in all, the time (and so the memory) of a FetchTensors stream whose reader stopped
 reading, name lists no longer than the version's tensor list; the health port binds where configured.
 

@@ -1,4 +1,4 @@
-"""Defect 4 (issue 13): a manifest that passes verify_manifest but does not match the worker's
+"""A manifest that passes verify_manifest but does not match the worker's
 contract (a part renamed or dropped, format params {"zzz": 1} or 1, a declared 100 GiB tensor) is
 refused before anything is allocated; through a real PolicyServer the worker logs it, counts it,
 never fetches that version again, and keeps serving the version it has."""

@@ -1,4 +1,4 @@
-"""Defect 7 (issue 13): an oversized entry is dead-lettered as a reference (size and first bytes),
+"""An oversized entry is dead-lettered as a reference (size and first bytes),
 not copied; one read pulls at most max_read_bytes // max_entry_bytes entries; the dead-letter
 stream's length is capped by bytes as well as by count."""
 

@@ -1,4 +1,4 @@
-"""Defect 1 (issue 13): a Redis restart must not kill a service. Every client from
+"""A Redis restart must not kill a service. Every client from
 `broker.streams.connect()` retries through an outage of up to `outage_s` seconds (commands,
 pipelines, transactions, Lua scripts, a blocked XREADGROUP), logs one line when the outage starts
 and one when it ends, and past the bound raises RedisOutage."""
@@ -88,7 +88,7 @@ async def test_past_the_bound_a_clear_error(tmp_path):
 
 
 async def test_backlog_is_counted_after_a_restart_forgets_the_lag(tmp_path):
-    """Defect 2: Redis 7.0 reloading from AOF forgets a group's entries-read, so XINFO GROUPS says
+    """Redis 7.0 reloading from AOF forgets a group's entries-read, so XINFO GROUPS says
     lag None; stream_stats then counts the undelivered entries itself (the trainer's backlog bound)."""
     with RestartableRedis(tmp_path, appendfsync="always") as server:
         r = connect(server.url, outage_s=30, log=lambda s: None)

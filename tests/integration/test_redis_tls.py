@@ -1,4 +1,4 @@
-"""Redis over TLS with client certificates (issue 13): a real redis-server with `tls-auth-clients
+"""Redis over TLS with client certificates: a real redis-server with `tls-auth-clients
 yes`, certificates made by openssl from a dedicated CA; the URL the environment builds
 (TANDEM_REDIS_URL + TANDEM_REDIS_CA_FILE + TANDEM_REDIS_CERT_FILE + TANDEM_REDIS_KEY_FILE) connects,
 and the same URL without the client certificate is refused."""

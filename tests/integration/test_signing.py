@@ -1,4 +1,4 @@
-"""Defect 5 (issue 13): trajectories and the policy pointer are signed with the run secret
+"""Trajectories and the policy pointer are signed with the run secret
 (broker.signing); the trainer's stream dead-letters and counts unsigned or badly signed entries,
 and a registry with a signer refuses a pointer written by anyone without the secret."""
 

@@ -43,6 +43,7 @@ def _loss(backend, batch):
     return loss
 
 
+@pytest.mark.slow
 def test_update_steps_and_refreshes_the_qat_cache():
     backend = make_backend(TrainerConfig(lr=1e-2), CFG, Recipe.load("nvfp4_moe"), seed=1)
     assert isinstance(backend, TorchBackend)

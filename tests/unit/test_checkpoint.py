@@ -221,7 +221,7 @@ def test_save_hf_refuses_a_shared_expert(tmp_path):
         save_hf(tmp_path, cfg, {})
 
 
-@pytest.mark.parametrize("recipe", ["int4_qat", "mxfp8", "fp8_block"])
+@pytest.mark.parametrize("recipe", ["int4_qat", "mxfp8", pytest.param("fp8_block", marks=pytest.mark.slow)])
 def test_qat_and_packed_weights_agree_on_a_tied_dense_model(recipe):
     from policy.qat import probe_mismatch
 

@@ -155,6 +155,7 @@ def trajectories(draw):
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trajectories())
 def test_hypothesis_trajectory_round_trip(t):

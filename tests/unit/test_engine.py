@@ -59,6 +59,7 @@ def test_generation_logprobs_are_the_sampling_policy(model):
                 assert greedy.tolist() == gen.tokens[b].tolist()
 
 
+@pytest.mark.slow
 def test_sampling_follows_the_distribution(model):
     """Empirical first-token frequencies over many seeds match softmax(logits / T)."""
     n, temp = 3000, 0.8

@@ -50,6 +50,7 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_offline_get_every_row(tmp_path, monkeypatch):
     for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.delenv(name, raising=False)  # the writer places them in the run folder
@@ -114,6 +115,7 @@ def test_eta_is_the_recent_mean_step_time_times_the_steps_left():
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_tandem_run_without_the_library_is_one_line_and_exit_2_before_any_folder(tmp_path):
     """`tandem run logging.tensorboard=true` where tensorboard is not installed (a module on the path
     that fails to import, as a missing package does)."""

@@ -131,6 +131,7 @@ def test_meta_device_construction_allocates_nothing():
     assert {n: tuple(p.shape) for n, p in m.named_parameters()} == parameter_shapes(cfg)
 
 
+@pytest.mark.slow
 def test_meta_device_full_30b():
     cfg = PRESETS["qwen3-30b-a3b"]
     with torch.device("meta"):

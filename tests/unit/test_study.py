@@ -213,6 +213,7 @@ def _fake_run(run_dir, rewards, *, quant=0.0, stale=0.0, dropped=0, breaking=Fal
     (run_dir / "done.json").write_text("{}\n")
 
 
+@pytest.mark.slow
 def test_report_pairs_seeds_against_bf16(tmp_path):
     import csv
 
@@ -272,6 +273,7 @@ def test_a_changed_grid_or_run_list_replaces_the_description_with_what_ran(tmp_p
     assert study.source["description"] == study.description  # DIR/study.yaml says the same
 
 
+@pytest.mark.slow
 def test_report_figures_have_titles_readable_legends_and_integer_ticks(tmp_path):
     from tandem.study_report import LEGEND_FONTSIZE, figures, summary_rows, write_report
 

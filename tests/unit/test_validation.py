@@ -1,5 +1,5 @@
-"""trainer.validation.check_trajectory, by hand-made cases: each crash input of issue 13 defect 3
-and each rule, one field wrong at a time; a good sample passes."""
+"""trainer.validation.check_trajectory, by hand-made cases: each malformed sample a
+broken or compromised worker could send, and each rule, one field wrong at a time; a good sample passes."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_a_good_sample_passes():
 @pytest.mark.parametrize(
     "changes, version, fed, reason",
     [
-        # the crash inputs of defect 3
+        # malformed samples a broken or compromised worker could send
         (dict(group_size=1, sample_index=0, sample_id="p7/0"), 3, PROMPT, "group_size=1, the run's is 4"),
         (
             dict(completion_tokens=np.array([6, 16], dtype=np.int32)),
