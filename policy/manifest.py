@@ -67,6 +67,7 @@ import torch
 import xxhash
 
 from policy import formats, kernels
+from policy.fields import is_int
 from policy.hashing import canonical_json, sha256_hex
 from policy.tp import TP_SCALE_MODES, ShardCut, TPPlan, check_tp, from_parts_kwargs, part_index
 from tandem.v1 import manifest_pb2 as pb
@@ -435,17 +436,14 @@ def first_chunk_indices(manifest: pb.Manifest) -> dict[str, int]:
 def check_build(*, version, parent_version, contract, tensors, chunk_bytes) -> None:
     """ValueError naming every bad argument of a build (build_manifest, broker.frames.stage)."""
     bad = []
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not is_int(version, lo=1):
         bad.append(f"version={version!r} must be an int >= 1")
     bad_parent = parent_version is not None and (
-        isinstance(parent_version, bool)
-        or not isinstance(parent_version, int)
-        or parent_version < 0
-        or (isinstance(version, int) and parent_version >= version)
+        not is_int(parent_version, lo=0) or (isinstance(version, int) and parent_version >= version)
     )
     if bad_parent:
         bad.append(f"parent_version={parent_version!r} must be None or an int in [0, version={version!r})")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= CHUNK_BYTES:
+    if not is_int(chunk_bytes, 1, CHUNK_BYTES):
         bad.append(f"chunk_bytes={chunk_bytes!r} must be an int in [1, {CHUNK_BYTES}]")
     if not isinstance(contract, Contract):
         bad.append(f"contract must be a Contract, got {type(contract).__name__}")

@@ -45,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from policy import formats
+from policy.fields import is_int, is_number
 from policy.hashing import sha256_json
 from policy.model import ModelConfig, Transformer, activation_sites, parameter_shapes
 
@@ -98,12 +99,7 @@ class Rule:
             errors.append(f"unknown format {self.format!r} (known: {', '.join(formats.FORMATS)})")
         if self.scope is not None and (self.format != "nvfp4" or self.scope not in formats.nvfp4.SCOPES):
             errors.append(f"scope={self.scope!r} is only valid for nvfp4, as one of {formats.nvfp4.SCOPES}")
-        if self.group_size is not None and (
-            self.format != "int4"
-            or isinstance(self.group_size, bool)
-            or not isinstance(self.group_size, int)
-            or self.group_size <= 0
-        ):
+        if self.group_size is not None and (self.format != "int4" or not is_int(self.group_size, lo=1)):
             errors.append(f"group_size={self.group_size!r} is only valid for int4, as a positive int")
         if self.block is not None and (
             self.format != "fp8_block"
@@ -279,10 +275,10 @@ class Recipe:
         if not isinstance(self.name, str) or not self.name:
             errors.append(f"name={self.name!r} must be a non-empty string")
         f = self.keep_bf16_last_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+        if not is_number(f, 0, 1):
             errors.append(f"keep_bf16.last_fraction={f!r} must be a number in [0, 1]")
         n = self.keep_bf16_first
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n, lo=0):
             errors.append(f"keep_bf16.first={n!r} must be an int >= 0")
         if not all(isinstance(r, Rule) for r in self.rules):
             errors.append("rules must be Rule objects")

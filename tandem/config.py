@@ -25,6 +25,7 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import yaml
 
+from policy.fields import is_int, is_number
 from policy.loop import AsyncConfig
 from rollout.config import RolloutConfig
 from rollout.tasks import TaskConfig
@@ -62,9 +63,9 @@ class KeepBf16Section:
 
     def __post_init__(self):
         f, n = self.last_fraction, self.first
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+        if f is not None and not is_number(f, 0, 1):
             raise ValueError(f"keep_bf16.last_fraction={f!r} (a number in [0, 1], or null)")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        if n is not None and not is_int(n, lo=0):
             raise ValueError(f"keep_bf16.first={n!r} (an int >= 0, or null)")
 
 
