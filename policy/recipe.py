@@ -45,6 +45,7 @@ from pathlib import Path
 import yaml
 
 from policy import formats
+from policy.configfile import read_mapping
 from policy.fields import is_int, is_number
 from policy.hashing import sha256_json
 from policy.model import ModelConfig, Transformer, activation_sites, parameter_shapes
@@ -294,10 +295,7 @@ class Recipe:
         path = RECIPE_DIR / f"{s}.yaml" if s in BUILTINS else Path(s)
         if not path.is_file():
             raise ValueError(f"unknown recipe {s!r}: not a built-in ({', '.join(BUILTINS)}) and no file {str(path)!r}")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ValueError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
+        data = read_mapping(path, f"recipe file {str(path)!r}")
         try:
             return cls.from_dict(data)
         except ValueError as e:

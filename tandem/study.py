@@ -42,6 +42,8 @@ from typing import Any
 
 import yaml
 
+from policy.configfile import parse_override, read_mapping, set_dotted
+
 from . import config as run_config
 
 _STUDY_KEYS = {"name", "description", "base", "set", "grid", "runs"}
@@ -72,7 +74,7 @@ class Study:
 
     def expand(self) -> list[StudyRun]:
         """Grid points first (the last key varies fastest), then the named runs; every config validated."""
-        base = yaml.safe_load(self.base.read_text()) or {}
+        base = read_mapping(self.base, f"study {self.name}: base {str(self.base)!r}")
         out: list[StudyRun] = []
         seen: dict[str, str] = {}  # canonical resolved config -> first run's name
         keys = list(self.grid)
@@ -82,7 +84,7 @@ class Study:
             cfg = _with(_with(base, self.set), overrides)
             cfg["run_id"] = name.replace("__", ".")[:100]
             try:
-                resolved = run_config._build(run_config.RunConfig, cfg, "")
+                resolved = run_config.from_dict(cfg)
                 _check_recipes(resolved)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"study {self.name}: run {name}: {e}") from None
@@ -129,23 +131,16 @@ def _with(data: dict, dotted: dict[str, Any]) -> dict:
     """A deep copy of `data` with each dotted key set (nested sections created as needed)."""
     out = json.loads(json.dumps(data))
     for key, value in dotted.items():
-        run_config._set_dotted(out, key, json.loads(json.dumps(value)))
+        set_dotted(out, key, json.loads(json.dumps(value)))
     return out
 
 
 def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
     """A study YAML + command-line overrides -> Study (every run's config checked by `expand`)."""
-    p = Path(path)
-    if not p.is_file() and (run_config.REPO_CONFIGS / p).is_file():
-        p = run_config.REPO_CONFIGS / p
-    if not p.is_file():
+    p = run_config.find_config(path)
+    if p is None:
         raise ValueError(f"study config {path}: no such file")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"study config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"study config {p}: expected a mapping")
+    data = read_mapping(p, f"study config {p}")
     unknown = sorted(set(data) - _STUDY_KEYS)
     if unknown:
         raise ValueError(
@@ -159,16 +154,12 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
     runs = _mapping(data.get("runs"), "runs", p)
     file_grid, file_runs = dict(grid), list(runs)
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not key=value")
-        value = yaml.safe_load(raw)
+        key, value = parse_override(item)
         if key.startswith("grid."):
             grid[key[len("grid.") :]] = value
         elif key == "runs":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"override runs={raw}: want a list of named runs, e.g. runs=[a,b]")
+                raise ValueError(f"override runs={value!r}: want a list of named runs, e.g. runs=[a,b]")
             missing = [v for v in value if v not in runs]
             if missing:
                 raise ValueError(f"override runs: no named run(s) {', '.join(missing)}; known: {', '.join(runs)}")
@@ -276,7 +267,7 @@ def _fmt_s(s: float) -> str:
 class _Job:
     def __init__(self, run: StudyRun, run_dir: Path, cpus: list[int]):
         self.run, self.run_dir, self.cpus = run, run_dir, cpus
-        self.max_steps = run_config._build(run_config.RunConfig, run.config, "").trainer.max_steps
+        self.max_steps = run_config.from_dict(run.config).trainer.max_steps
         self.steps_at_start = _steps_done(run_dir)
         cfg_path = run_dir / "study-run.yaml"
         self.started = time.time()

@@ -94,7 +94,7 @@ def _get(cfg: dict, dotted: str):
 
 def summarize_run(run: StudyRun, run_dir: Path) -> dict:
     """The summary row of one run (metrics missing: status only)."""
-    resolved = run_config._build(run_config.RunConfig, run.config, "")
+    resolved = run_config.from_dict(run.config)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     done = run_state(run_dir) == "done"
     out = {
@@ -150,7 +150,7 @@ def summary_rows(runs: list[StudyRun], out: Path) -> list[dict]:
 
 def _baseline_key(run: StudyRun) -> str:
     """The run's resolved config with the precision keys and run_id blanked: equal for a run and its bf16 baseline."""
-    d = run_config._build(run_config.RunConfig, run.config, "").to_dict()
+    d = run_config.from_dict(run.config).to_dict()
     d.pop("run_id")
     d.pop("recipe")
     d.pop("rollout_recipe")
@@ -443,7 +443,7 @@ def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | N
         w.writerows(rows)
     pngs = _plots(study, runs, rows, out)
     vs = versus_bf16(runs, rows)
-    base_cfg = run_config.dump(run_config._build(run_config.RunConfig, runs[0].config, ""))
+    base_cfg = run_config.dump(run_config.from_dict(runs[0].config))
     breaking = [r["name"] for r in rows if r["contract_breaking"]]
     cmd = command or command_line()
     ran = list(dict.fromkeys(c["command"] for c in read_jsonl(out / "commands.jsonl"))) or ["none recorded"]

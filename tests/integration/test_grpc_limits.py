@@ -199,7 +199,7 @@ def test_prometheus_binds_where_configured():
     import urllib.request
 
     from broker.metrics import MetricsEndpoint
-    from tandem.config import env_overrides
+    from tandem.env_config import env_overrides
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
