@@ -511,11 +511,6 @@ def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor, attention
     }
 
 
-def _ints(t: Tensor) -> Tensor:
-    """Same-size integer view, so torch.equal compares bits (-0.0 vs 0.0, NaN payloads)."""
-    return t.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def bits(t: Tensor) -> Tensor:
     """The raw bytes of a tensor, for bitwise comparisons (torch.equal says -0.0 == 0.0)."""
     return t.detach().contiguous().view(torch.uint8)

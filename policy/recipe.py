@@ -423,7 +423,3 @@ class Recipe:
         if K % block:
             errors.append(f"{name}: K={K} is not a multiple of the {rule.format} block size {block}")
         return errors
-
-
-def builtin_recipes() -> dict[str, Recipe]:
-    return {name: Recipe.load(name) for name in BUILTINS}
