@@ -40,7 +40,7 @@ from typing import Any
 from policy.fields import is_int, is_number
 
 from .hf_tokenizer import HFTokenizer
-from .tasks import Prompt, is_heldout
+from .prompts import Prompt, is_heldout
 
 __all__ = ["VERIFIERS", "JsonlTask", "last_number", "read_rows"]
 

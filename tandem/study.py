@@ -109,7 +109,7 @@ def grid_run_name(point: dict[str, Any]) -> str:
 
 
 def _check_recipes(cfg: run_config.RunConfig) -> None:
-    from .services import load_recipe
+    from .services import load_recipe  # imports the trainer and the rollout worker: seconds
 
     for name in filter(None, (cfg.recipe, cfg.rollout_recipe)):
         load_recipe(cfg, name)
@@ -287,8 +287,6 @@ class _Job:
         return min(1.0, _steps_done(self.run_dir) / self.max_steps)
 
     def finish(self, rc: int) -> None:
-        from .study_report import commit
-
         end = time.time()
         attempt = {"start": self.started, "end": end, "rc": rc, "cpus": self.cpus, "commit": commit()}
         with open(self.run_dir / "attempts.jsonl", "a") as f:
@@ -296,6 +294,18 @@ class _Job:
         if rc == 0 and _steps_done(self.run_dir) >= self.max_steps:
             wall = sum(a["end"] - a["start"] for a in read_jsonl(self.run_dir / "attempts.jsonl"))
             (self.run_dir / "done.json").write_text(json.dumps({"wall_time_s": wall, "finished": end}) + "\n")
+
+
+def commit() -> str:
+    """This checkout's git commit, noting uncommitted changes: recorded per attempt and in the report."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -320,10 +330,8 @@ def prepare_run_dir(run: StudyRun, run_dir: Path) -> None:
 def run_study(
     study: Study, out: Path, *, jobs: int = 1, log=print, poll_s: float = 1.0, progress_s: float = 30.0
 ) -> int:
-    """Run every unfinished run of `study` in `out`, `jobs` at a time, then write the report.
+    """Run every unfinished run of `study` in `out`, `jobs` at a time (the report is study_report's).
     Returns 0 when every run finished, 1 when some failed, 130 when interrupted."""
-    from .study_report import write_report
-
     runs = study.expand()
     out.mkdir(parents=True, exist_ok=True)
     for r in runs:
@@ -405,8 +413,6 @@ def run_study(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    report = write_report(study, runs, out)
-    log(
-        f"[study] report {report}; summary {out / 'summary.csv'}" + (f"; failed: {', '.join(failed)}" if failed else "")
-    )
+    if failed:
+        log(f"[study] failed: {', '.join(failed)} (see each run's launcher.log)")
     return 1 if failed else 0

@@ -20,7 +20,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import yaml
 
 from . import config as run_config
-from .study import Study, StudyRun, command_line, read_jsonl, run_state
+from .study import Study, StudyRun, command_line, commit, read_jsonl, run_state
 
 # Two-sided 95% quantiles of Student's t, t_{0.975, df} for df = 1..30 (above 30: 1.96 is within 4%).
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -393,17 +392,6 @@ def machine() -> str:
         f"{cpu}; {len(os.sched_getaffinity(0))} CPUs usable of {os.cpu_count()}; {platform.system()} "
         f"{platform.release()}; Python {platform.python_version()}; torch {torch.__version__}"
     )
-
-
-def commit() -> str:
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True)  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
 def run_commits(runs: list[StudyRun], out: Path) -> list[str]:
