@@ -49,7 +49,7 @@ from torch import Tensor
 
 from policy import compute, formats, kernels
 from policy.formats import Operand
-from policy.manifest import QuantizedParam, quantize_param
+from policy.formats.params import QuantizedParam, quantize_param
 from policy.model import MoE, QuantHook, Transformer
 from policy.recipe import Plan, Recipe
 from policy.tp import from_parts_kwargs

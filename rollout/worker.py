@@ -75,6 +75,8 @@ from broker.signing import Signer, policy_token
 from broker.streams import PromptQueue, StreamConfig, connect
 from policy import manifest as mf
 from policy import qat
+from policy.chunks import ChecksumMismatch
+from policy.contract import contract_from_recipe
 from policy.formats import NonFinite
 from policy.loop import AsyncConfig
 from policy.manifest_check import ManifestRefused, check_manifest, expected_tensors
@@ -232,7 +234,7 @@ class RolloutWorker:
         self._retry_at = 0.0  # monotonic time before which a failed fetch is not started again
         self.batcher: ContinuousBatcher | None = None  # made at the first version, swapped per version
         self.inflight: dict = {}  # group_id -> (prompt record or None, its PromptGroup, start time)
-        self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
+        self.fingerprint = contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
         self.version: int | None = None
         self._refused: int | None = None  # last version refused for its fingerprint (logged once)
         # What a loadable manifest declares (checked before anything is allocated), and the versions
@@ -595,7 +597,7 @@ class RolloutWorker:
                 f"{self.worker_id}: {str(e)[:400]}; keeping v{self.version} "
                 f"({len(self.refused_versions)} version(s) refused)"
             )
-        except (mf.DigestMismatch, mf.ChecksumMismatch) as e:
+        except (mf.DigestMismatch, ChecksumMismatch) as e:
             # Bytes that fail an authenticated manifest (after the client's own re-fetches) are the
             # source's fault, as another manifest is; without a digest the manifest proves nothing.
             if isinstance(e, mf.DigestMismatch) or pointer.content_digest:

@@ -57,6 +57,8 @@ from broker.streams import (
     read_deadletter,
 )
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.loop import AsyncConfig
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
@@ -198,13 +200,13 @@ class Trainer:
         # DESIGN.md "Compute contract").
         self.backend = make_backend(cfg, model_config, recipe, seed=seed)
         self.autocast = self.backend.autocast()
-        self.contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
+        self.contract = contract_from_recipe(model_config=model_config, recipe=recipe)
         self.fingerprint = self.contract.fingerprint()
         # The rollout_recipe ablation knob (None = `recipe`): publish under the rollouts' recipe and accept
         # its fingerprint, breaking the contract on purpose. Without the knob both are the training ones.
         self.rollout_recipe = rollout_recipe or recipe
         self.publish_plan = self.rollout_recipe.plan(model_config)
-        self.publish_contract = mf.contract_from_recipe(model_config=model_config, recipe=self.rollout_recipe)
+        self.publish_contract = contract_from_recipe(model_config=model_config, recipe=self.rollout_recipe)
         self.accepted_fingerprint = self.publish_contract.fingerprint()
         self.contract_breaking = self.accepted_fingerprint != self.fingerprint
         self.rules = TrajectoryRules(
@@ -560,7 +562,7 @@ class Trainer:
         check = self.backend.finite_check()  # queued on the device; read in the thread
         retained = self.backend.quantized_params(check_finite=False)  # the QAT forward's own quantized parts
         if self.contract_breaking:  # the rollout_recipe ablation: published as the rollouts' recipe says
-            tensors = mf.quantize_params(self.backend.canonical(), self.publish_plan)
+            tensors = quantize_params(self.backend.canonical(), self.publish_plan)
         else:
             tensors = retained
         self._quantize_s = time.perf_counter() - t0
