@@ -103,9 +103,7 @@ class Rule:
         if self.group_size is not None and (self.format != "int4" or not is_int(self.group_size, lo=1)):
             errors.append(f"group_size={self.group_size!r} is only valid for int4, as a positive int")
         if self.block is not None and (
-            self.format != "fp8_block"
-            or len(self.block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in self.block)
+            self.format != "fp8_block" or len(self.block) != 2 or not all(is_int(b, lo=1) for b in self.block)
         ):
             errors.append(f"block={self.block!r} is only valid for fp8_block, as two positive ints")
         if self.layers is not None:
@@ -114,7 +112,7 @@ class Rule:
                     _layer_selection(self.layers, 1)
                 except ValueError as e:
                     errors.append(str(e))
-            elif not all(isinstance(i, int) and not isinstance(i, bool) for i in self.layers):
+            elif not all(is_int(i) for i in self.layers):
                 errors.append(f"layers={self.layers!r} must be a slice string or a list of ints")
         if errors:
             raise ValueError(f"{where}: " + "; ".join(errors))
