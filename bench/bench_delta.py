@@ -33,6 +33,7 @@ import yaml  # noqa: E402
 
 from broker import delta as dl  # noqa: E402
 from policy import manifest as mf  # noqa: E402
+from policy.contract import contract_from_recipe  # noqa: E402
 from policy.model import ModelConfig  # noqa: E402
 from policy.recipe import Recipe  # noqa: E402
 from trainer.backends import make_backend  # noqa: E402
@@ -98,7 +99,7 @@ def run_recipe(name: str, cfg: ModelConfig, args) -> tuple[int, list[dict[str, f
     recipe = Recipe.load(name)
     backend = make_backend(TrainerConfig(lr=args.lr), cfg, recipe, seed=0)
     backend.apply_qat()
-    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
     rng = torch.Generator().manual_seed(1)
     prev = packed(backend, contract)
     rows = []

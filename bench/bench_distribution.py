@@ -37,6 +37,7 @@ from broker.policy_client import PolicyClient, PolicyClientConfig, ReceiveBuffer
 from broker.policy_server import PolicyServerConfig  # noqa: E402
 from broker.server_process import ServingProcesses  # noqa: E402
 from policy import manifest as M  # noqa: E402
+from policy.formats.params import quantize_param  # noqa: E402
 
 CONTRACT = M.Contract(model_config={"bench": "distribution"}, recipe_name="bf16", recipe_rules={"rules": []})
 TENSOR_BYTES = 2 << 20
@@ -47,7 +48,7 @@ def policy(mb: int, seed: int) -> dict[str, M.QuantizedParam]:
     n = max(1, (mb << 20) // TENSOR_BYTES)
     shape = (TENSOR_BYTES // 2 // 1024, 1024)
     return {
-        f"model.layers.{i}.mlp.weight": M.quantize_param(torch.randn(*shape, generator=g, dtype=torch.bfloat16), "bf16")
+        f"model.layers.{i}.mlp.weight": quantize_param(torch.randn(*shape, generator=g, dtype=torch.bfloat16), "bf16")
         for i in range(n)
     }
 

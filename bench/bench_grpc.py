@@ -38,7 +38,7 @@ def synthetic_experts(total_bytes: int, seed: int) -> dict:
     import torch
 
     from policy import formats
-    from policy import manifest as M
+    from policy.formats.params import QuantizedParam
 
     rng = np.random.default_rng(seed)
     per_expert = sum(m * k // 2 + m * k // 16 + 4 for _, (m, k) in EXPERT_SHAPES)
@@ -52,7 +52,7 @@ def synthetic_experts(total_bytes: int, seed: int) -> dict:
             q = formats.nvfp4.from_parts(
                 {"codes": codes, "block_scales": scales, "global_scale": torch.ones(1)}, (m, k), scope="tensor"
             )
-            tensors[f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"] = M.QuantizedParam(
+            tensors[f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"] = QuantizedParam(
                 "nvfp4", {"scope": "tensor"}, q
             )
     return tensors
@@ -61,9 +61,10 @@ def synthetic_experts(total_bytes: int, seed: int) -> dict:
 def synthetic_policy(total_bytes: int, seed: int, version: int = 1):
     """A PackedPolicy of nvfp4 expert tensors adding up to about `total_bytes` packed bytes."""
     from policy import manifest as M
+    from policy.contract import Contract
 
     tensors = synthetic_experts(total_bytes, seed)
-    contract = M.Contract(
+    contract = Contract(
         model_config={"preset": "qwen3-30b-a3b", "n_experts_benched": len(tensors) // len(EXPERT_SHAPES)},
         recipe_name="nvfp4_moe",
         recipe_rules={"rules": "experts -> nvfp4"},

@@ -100,7 +100,7 @@ def synthetic_tensors(cfg, plan, seed: int = 0) -> dict:
     import torch
 
     from policy import formats
-    from policy import manifest as M
+    from policy.formats.params import QuantizedParam
     from policy.model import parameter_shapes
 
     rng = np.random.default_rng(seed)
@@ -130,7 +130,7 @@ def synthetic_tensors(cfg, plan, seed: int = 0) -> dict:
         else:
             values = take(2 * m * k, torch.int16, (m, k)).bitwise_and_(~0x4000).view(torch.bfloat16)
             q = formats.bf16.from_parts({"values": values}, (m, k))
-        out[name] = M.QuantizedParam(e.format, dict(e.kwargs), q)
+        out[name] = QuantizedParam(e.format, dict(e.kwargs), q)
     return out
 
 
@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from broker.policy_client import PolicyClient, PolicyClientConfig
     from broker.policy_server import PolicyServer, PolicyServerConfig
     from policy import manifest as M
+    from policy.contract import contract_from_recipe
     from policy.model import ModelConfig
     from policy.recipe import Recipe
 
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         return small, lambda: synthetic, what
 
     cfg, quantize, what = section("model", setup) or (cfg, None, "")
-    contract = M.contract_from_recipe(model_config=cfg, recipe=recipe)
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
 
     # The publish, version after version, as the trainer does it.
     pool = frames.BufferPool(pin=cuda)

@@ -43,8 +43,9 @@ def quantized_version(args):
     publishes): (its quantized tensors by name, the contract)."""
     import torch
 
-    from policy import manifest as M
     from policy import qat
+    from policy.contract import contract_from_recipe
+    from policy.formats.params import quantize_params
     from policy.model import Transformer
     from policy.recipe import Recipe
 
@@ -54,8 +55,8 @@ def quantized_version(args):
     if args.device == "cuda":
         tensors = qat.apply_qat(model, recipe).quantized_params(model)
     else:
-        tensors = M.quantize_params(dict(model.named_parameters()), recipe.plan(cfg))
-    return tensors, M.contract_from_recipe(model_config=cfg, recipe=recipe)
+        tensors = quantize_params(dict(model.named_parameters()), recipe.plan(cfg))
+    return tensors, contract_from_recipe(model_config=cfg, recipe=recipe)
 
 
 def build_version(args):

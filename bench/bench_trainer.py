@@ -151,14 +151,15 @@ def _publish(args, backend, cfg, recipe, step, sync, step_s) -> tuple[str, str |
 
     from broker import frames
     from broker.policy_server import PolicyServer, PolicyServerConfig
-    from policy import manifest as mf
+    from policy.contract import contract_from_recipe
+    from policy.formats.params import quantize_params
     from trainer.publisher import Publisher
 
     cuda = args.device.startswith("cuda")
 
     def quantized():
         if backend.qat_hook is None:
-            return mf.quantize_params(backend.canonical(), recipe.plan(cfg))
+            return quantize_params(backend.canonical(), recipe.plan(cfg))
         return backend.quantized_params()
 
     sync()
@@ -166,7 +167,7 @@ def _publish(args, backend, cfg, recipe, step, sync, step_s) -> tuple[str, str |
     tensors = quantized()
     sync()
     quant_s = time.perf_counter() - t0
-    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
     pool = frames.BufferPool(pin=cuda and torch.cuda.is_available())
     server = PolicyServer(PolicyServerConfig(keep_versions=1))
     server.start()

@@ -36,10 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from broker import codec  # noqa: E402
 from broker.registry import PolicyPointer, _signed_bytes, parse_pointer, pointer_signed  # noqa: E402
 from broker.signing import POLICY_POINTER, Signer  # noqa: E402
-from policy import manifest as mf  # noqa: E402
+from policy import manifest as mf
+from policy.chunks import first_chunk_indices
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.manifest_check import check_manifest, expected_tensors  # noqa: E402
 from policy.model import ModelConfig, Transformer  # noqa: E402
 from policy.recipe import Recipe  # noqa: E402
+from policy.tp_layout import rebuild, tensor_layout, tp_plan_of
 from rollout.prompt_check import PromptRules, check_prompt  # noqa: E402
 from rollout.tasks import AdditionTask  # noqa: E402
 from tandem import config as run_config  # noqa: E402
@@ -110,8 +114,8 @@ def _policy():
     cfg = ModelConfig.preset("tiny", n_layers=4, n_experts=2, top_k=1)  # layers 0-2 nvfp4, 3 bf16
     recipe = Recipe.load("nvfp4_moe")
     plan = recipe.plan(cfg)
-    tensors = mf.quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), plan)
-    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
+    tensors = quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), plan)
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
     packed = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors, chunk_bytes=4096)
     return plan, packed
 
@@ -125,11 +129,11 @@ def target_manifest() -> Callable[[random.Random], None]:
         try:
             m = mf.manifest_from_bytes(mutate(rng, data))
             check_manifest(m, expected, max_total_bytes=1 << 30)  # verify_manifest included
-            plan_ = mf.tp_plan_of(m)
+            plan_ = tp_plan_of(m)
             for t in m.tensors:
-                layout = mf.tensor_layout(t, plan_)
+                layout = tensor_layout(t, plan_)
                 blob = packed.blobs.get(t.name, b"")
-                mf.rebuild(t, layout, bytearray(blob) if len(blob) == layout.nbytes else bytearray(layout.nbytes))
+                rebuild(t, layout, bytearray(blob) if len(blob) == layout.nbytes else bytearray(layout.nbytes))
         except ValueError:
             pass
 
@@ -141,8 +145,8 @@ def target_chunks() -> Callable[[random.Random], None]:
 
     _, packed = _policy()
     m = packed.manifest
-    plan = mf.tp_plan_of(m)
-    first = mf.first_chunk_indices(m)
+    plan = tp_plan_of(m)
+    first = first_chunk_indices(m)
     entries = {t.name: t for t in m.tensors}
     name = max(entries, key=lambda n: entries[n].nbytes)
     blob = packed.blobs[name]
@@ -154,7 +158,7 @@ def target_chunks() -> Callable[[random.Random], None]:
     hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
     def one(rng: random.Random) -> None:
-        state = {name: _Tensor(mf.tensor_layout(entries[name], plan), entries[name], first[name], m.chunk_bytes)}
+        state = {name: _Tensor(tensor_layout(entries[name], plan), entries[name], first[name], m.chunk_bytes)}
         try:
             c = policy_pb2.TensorChunk.FromString(mutate(rng, raw))
         except Exception:  # protobuf's DecodeError: the transport would refuse it

@@ -25,6 +25,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from policy.fields import is_int
+
 SCHEMA_VERSION = 1
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -348,7 +350,7 @@ def _unpack_array(name: str, value: Any, limits: CodecLimits) -> np.ndarray:
     dtype, n, raw = value
     if dtype != want:
         raise CodecError(name, f"dtype {dtype!r}, want {want!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= limits.max_tokens:
+    if not is_int(n, 0, limits.max_tokens):
         raise CodecError(name, f"length {n!r} outside [0, {limits.max_tokens}]")
     if not isinstance(raw, bytes):
         raise CodecError(name, f"want bytes payload, got {type(raw).__name__}")

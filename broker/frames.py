@@ -33,6 +33,9 @@ import torch
 
 from broker import ipc
 from policy import manifest as mf
+from policy.chunks import chunk_checksums, chunk_count, first_chunk_indices, hash_runs, part_pieces, tensor_sha256
+from policy.contract import Contract
+from policy.formats.params import QuantizedParam
 from tandem.v1 import manifest_pb2, policy_pb2
 
 log = logging.getLogger("tandem.frames")
@@ -84,7 +87,7 @@ def frame_layout(version: int, tensors: Iterable[tuple[str, int, int]], chunk_by
     """The layout of `tensors` = (name, nbytes, first chunk index), in the order given."""
     pos, frames, heads = 0, [], []
     for name, nbytes, first in tensors:
-        n = mf.chunk_count(nbytes, chunk_bytes)
+        n = chunk_count(nbytes, chunk_bytes)
         messages, data, xxh3_at, sha_at = [], [], [], 0
         for j in range(n):
             length = min(chunk_bytes, nbytes - j * chunk_bytes)
@@ -109,7 +112,7 @@ def frame_layout(version: int, tensors: Iterable[tuple[str, int, int]], chunk_by
 
 def manifest_layout(manifest: manifest_pb2.Manifest) -> FrameLayout:
     """The layout of a manifest's tensors in manifest order: what a publish framed them into."""
-    firsts = mf.first_chunk_indices(manifest)
+    firsts = first_chunk_indices(manifest)
     return frame_layout(
         manifest.version, ((t.name, t.nbytes, firsts[t.name]) for t in manifest.tensors), manifest.chunk_bytes
     )
@@ -253,7 +256,7 @@ def _pieces(frames: TensorFrames, part_sizes: Sequence[int], j0: int, j1: int):
     for j in range(j0, j1):
         start, stop = frames.data[j]
         base = j * frames.chunk_bytes  # the chunk's offset in the tensor
-        for part, src, at, n in mf.part_pieces(part_sizes, base, base + stop - start):
+        for part, src, at, n in part_pieces(part_sizes, base, base + stop - start):
             out.append((part, src, start + at - base, n))
     return out
 
@@ -261,7 +264,7 @@ def _pieces(frames: TensorFrames, part_sizes: Sequence[int], j0: int, j1: int):
 def _seal_run(data: np.ndarray, frames: TensorFrames, j0: int, j1: int) -> tuple[list[int], list[bytes]]:
     """xxh3 and sha256 of chunks [j0, j1), computed in the buffer; the xxh3s are also written into
     their slots."""
-    xxh3s, shas = mf.chunk_checksums(data, frames.data[j0:j1])
+    xxh3s, shas = chunk_checksums(data, frames.data[j0:j1])
     mv = memoryview(data)
     for at, d in zip(frames.xxh3_at[j0:j1], xxh3s):
         struct.pack_into("<Q", mv, at, d)
@@ -279,7 +282,7 @@ def fill(
     """Write the heads, copy every tensor's parts (`sources[i]`: torch tensors on any device, or
     buffers) into its data regions and seal it; returns (chunk xxh3s, sha256) per tensor.
 
-    The work is cut into runs of a tensor's chunks (about mf.HASH_TASK_BYTES each, mf.hash_runs),
+    The work is cut into runs of a tensor's chunks (about policy.chunks.HASH_TASK_BYTES each, hash_runs),
     one thread-pool task each: every chunk's xxh3 and sha256 are independent (the manifest's
     sha256 is over the chunks' sha256s, mf.tensor_sha256, taken here once a tensor's runs are done),
     so even the largest tensor is hashed by every core. CUDA parts are copied on a side stream (after
@@ -322,7 +325,7 @@ def fill(
                             host[dst : dst + n].copy_(parts[part][src : src + n], non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(stream)
-            runs[i] = [pool.submit(work, i, j0, j1, event) for j0, j1 in mf.hash_runs(_bounds(frames))]
+            runs[i] = [pool.submit(work, i, j0, j1, event) for j0, j1 in hash_runs(_bounds(frames))]
         out = []
         for i, frames in enumerate(layout.tensors):
             xxh3s, shas = [], []
@@ -330,7 +333,7 @@ def fill(
                 x, h = f.result()
                 xxh3s += x
                 shas += h
-            sha = mf.tensor_sha256(frames.nbytes, shas)
+            sha = tensor_sha256(frames.nbytes, shas)
             mv[frames.sha256_at : frames.sha256_at + 32] = sha
             out.append((xxh3s, sha))
     return out  # `flat` (and the parts it holds) lives until every copy is done
@@ -361,7 +364,7 @@ class StagedPublish:
 
     version: int
     parent_version: int | None
-    contract: mf.Contract
+    contract: Contract
     entries: list
     parts: list[list[torch.Tensor]]
     pool: BufferPool
@@ -375,7 +378,7 @@ class StagedPublish:
         firsts, index = [], 0
         for e in self.entries:
             firsts.append(index)
-            index += mf.chunk_count(e.nbytes, self.chunk_bytes)
+            index += chunk_count(e.nbytes, self.chunk_bytes)
         layout = frame_layout(
             self.version, ((e.name, e.nbytes, f) for e, f in zip(self.entries, firsts)), self.chunk_bytes
         )
@@ -419,8 +422,8 @@ def stage(
     *,
     version: int,
     parent_version: int | None,
-    contract: mf.Contract,
-    tensors: Mapping[str, mf.QuantizedParam],
+    contract: Contract,
+    tensors: Mapping[str, QuantizedParam],
     pool: BufferPool,
     live: Iterable[torch.Tensor] = (),
     chunk_bytes: int = mf.CHUNK_BYTES,
@@ -465,7 +468,7 @@ def frame_packed(policy: mf.PackedPolicy, *, threads: int | None = None) -> Fram
     """A PackedPolicy (blobs by name) copied into a new framed buffer; every chunk's xxh3 and every
     tensor's sha256 must match its manifest (ValueError naming the first tensor that does not)."""
     m = policy.manifest
-    firsts = mf.first_chunk_indices(m)
+    firsts = first_chunk_indices(m)
     items = [(t.name, firsts[t.name], policy.blobs[t.name]) for t in m.tensors]
     layout, data, sealed = frame_buffers(m.version, items, m.chunk_bytes, threads=threads)
     for t, (xxh3s, sha) in zip(m.tensors, sealed):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from policy.fields import is_int
+
 TRAINER_HEALTH = "tandem.trainer"  # the trainer's health service name (SERVING: a policy is published)
 ROLLOUT_HEALTH = "tandem.rollout"  # a rollout worker's (SERVING: a verified policy is loaded)
 
@@ -29,7 +31,7 @@ _STATUS = {True: health_pb2.HealthCheckResponse.SERVING, False: health_pb2.Healt
 
 class HealthServer:
     def __init__(self, *, port: int, service: str, host: str = "127.0.0.1"):
-        if isinstance(port, bool) or not isinstance(port, int) or not -1 <= port <= 65535:
+        if not is_int(port, -1, 65535):
             raise ValueError(f"HealthServer: port={port!r} (want -1 = off, 0 = free, or a port)")
         if not service:
             raise ValueError("HealthServer: service must be a non-empty name")
@@ -89,5 +91,5 @@ class HealthConfig:
     status.podIP, through TANDEM_TRAINER_HEALTH_HOST / TANDEM_ROLLOUT_HEALTH_HOST)."""
 
     def __post_init__(self):
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not -1 <= self.port <= 65535:
+        if not is_int(self.port, -1, 65535):
             raise ValueError(f"health.port={self.port!r} (-1 = off, 0 = free, else a port)")

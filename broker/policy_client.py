@@ -10,7 +10,7 @@ What is checked: with `digest` (the signed pointer's), the manifest's own digest
 and contract fingerprint (recomputed from the contract, then compared with `expected_fingerprint`:
 FingerprintMismatch names both); the TP degree against the contract; each chunk's xxh3 against
 the chunk; for a tensor received whole, each chunk's xxh3 and the tensor's sha256 (over its
-chunks' sha256s, policy.manifest.tensor_sha256) against the *manifest* (end to end); for a TP
+chunks' sha256s, policy.chunks.tensor_sha256) against the *manifest* (end to end); for a TP
 shard, whose bytes the manifest does not describe, the digest the server computed when it cut the
 shard, and the shard's size against the layout the TP plan predicts. Chunks are sha256-hashed in a thread pool as they arrive; once the digests
 match, stored values no quantizer produces are refused (policy.manifest_check.check_values).
@@ -64,25 +64,12 @@ from broker.delta import HeldPolicy
 from broker.frames import page_lock
 from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ClientTLS, TLSHandshakeError, handshake_problem
-from policy.manifest import (
-    MAX_MANIFEST_BYTES,
-    ChecksumMismatch,
-    FingerprintMismatch,
-    TensorLayout,
-    check_fingerprint,
-    check_tp_compatible,
-    chunk_checksums,
-    chunk_count,
-    first_chunk_indices,
-    manifest_digest,
-    manifest_from_bytes,
-    rebuild,
-    tensor_layout,
-    tensor_sha256,
-    tp_plan_of,
-)
+from policy.chunks import ChecksumMismatch, chunk_checksums, chunk_count, first_chunk_indices, tensor_sha256
+from policy.contract import FingerprintMismatch, check_fingerprint
+from policy.manifest import MAX_MANIFEST_BYTES, manifest_digest, manifest_from_bytes
 from policy.manifest_check import check_values
 from policy.tp import check_tp
+from policy.tp_layout import TensorLayout, check_tp_compatible, rebuild, tensor_layout, tp_plan_of
 from tandem.v1 import manifest_pb2, policy_pb2
 
 __all__ = [
@@ -306,7 +293,7 @@ class _Tensor:
 
     The buffer is np.empty (no zero-fill pass: the copy in is its first touch), and each chunk's
     sha256 runs in a thread pool (hashlib releases the GIL), overlapping the hashing with receiving;
-    the tensor's digest (policy.manifest.tensor_sha256) is taken over them once all are in.
+    the tensor's digest (policy.chunks.tensor_sha256) is taken over them once all are in.
     """
 
     def __init__(self, layout: TensorLayout, entry: manifest_pb2.TensorEntry, first_index: int, chunk_bytes: int):

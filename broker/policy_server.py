@@ -78,12 +78,10 @@ from policy.manifest import (
     chunk_count,
     manifest_digest,
     manifest_to_bytes,
-    shard_tensor_bytes,
-    tensor_layout,
-    tp_plan_of,
     verify_manifest,
 )
 from policy.tp import MAX_TP_SIZE
+from policy.tp_layout import shard_tensor_bytes, tensor_layout, tp_plan_of
 from tandem.v1 import policy_pb2
 
 log = logging.getLogger("tandem.policy_server")

@@ -37,6 +37,7 @@ from broker import fanout
 from broker.keys import Keys, check_name
 from broker.outage import run_script
 from broker.signing import POLICY_POINTER, Signer
+from policy.fields import is_int
 
 _MAX_EXACT_VERSION = 2**53  # Lua compares versions as doubles
 _MAX_INFO_BYTES = 4096
@@ -74,11 +75,7 @@ class PolicyPointer:
 
     def __post_init__(self) -> None:
         errors = []
-        if (
-            isinstance(self.version, bool)
-            or not isinstance(self.version, int)
-            or not 0 <= self.version < _MAX_EXACT_VERSION
-        ):
+        if not is_int(self.version, 0, _MAX_EXACT_VERSION - 1):
             errors.append(f"version={self.version!r} (want an int in [0, 2**53))")
         for name in ("address", "contract_fingerprint"):
             v = getattr(self, name)

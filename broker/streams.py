@@ -40,6 +40,7 @@ from broker.codec import (
 from broker.keys import PROMPTS_GROUP, TRAJECTORIES_GROUP, Keys, check_name
 from broker.outage import OutageRetry, run_script
 from broker.signing import PROMPT, TRAJECTORY, Signer
+from policy.fields import is_int, is_number
 
 DATA_FIELD = b"d"
 SIG_FIELD = b"s"  # HMAC of DATA_FIELD (broker.signing), on prompt and trajectory entries when the run has a secret
@@ -109,26 +110,19 @@ class StreamConfig:
             if not ok:
                 errors.append(f"{name}={getattr(self, name)!r} ({rule})")
 
-        def is_int(name: str) -> bool:
-            v = getattr(self, name)
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        want(is_int("read_count") and 1 <= self.read_count <= 10_000, "read_count", "1..10000")
-        want(is_int("block_ms") and 0 <= self.block_ms <= 30_000, "block_ms", "0..30000")
-        want(is_int("claim_idle_ms") and self.claim_idle_ms >= 1, "claim_idle_ms", ">= 1")
-        want(is_int("max_deliveries") and 1 <= self.max_deliveries <= 1000, "max_deliveries", "1..1000")
-        want(isinstance(self.janitor_every_s, (int, float)) and self.janitor_every_s >= 0, "janitor_every_s", ">= 0")
-        want(is_int("janitor_count") and 1 <= self.janitor_count <= 10_000, "janitor_count", "1..10000")
+        want(is_int(self.read_count, 1, 10_000), "read_count", "1..10000")
+        want(is_int(self.block_ms, 0, 30_000), "block_ms", "0..30000")
+        want(is_int(self.claim_idle_ms, lo=1), "claim_idle_ms", ">= 1")
+        want(is_int(self.max_deliveries, 1, 1000), "max_deliveries", "1..1000")
+        want(is_number(self.janitor_every_s, lo=0), "janitor_every_s", ">= 0")
+        want(is_int(self.janitor_count, 1, 10_000), "janitor_count", "1..10000")
         want(isinstance(self.trim, bool), "trim", "bool")
-        want(is_int("deadletter_maxlen") and self.deadletter_maxlen >= 1, "deadletter_maxlen", ">= 1")
-        want(is_int("idempotency_ttl_s") and self.idempotency_ttl_s >= 1, "idempotency_ttl_s", ">= 1")
+        want(is_int(self.deadletter_maxlen, lo=1), "deadletter_maxlen", ">= 1")
+        want(is_int(self.idempotency_ttl_s, lo=1), "idempotency_ttl_s", ">= 1")
         for name in ("deadletter_inline_bytes", "deadletter_max_bytes", "max_entry_bytes"):
-            want(is_int(name) and getattr(self, name) >= 1, name, ">= 1")
-        want(
-            is_int("max_read_bytes") and self.max_read_bytes >= self.max_entry_bytes,
-            "max_read_bytes",
-            ">= max_entry_bytes",
-        )
+            want(is_int(getattr(self, name), lo=1), name, ">= 1")
+        ok = is_int(self.max_read_bytes) and self.max_read_bytes >= self.max_entry_bytes
+        want(ok, "max_read_bytes", ">= max_entry_bytes")
         if errors:
             raise ValueError("StreamConfig: " + "; ".join(errors))
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policy.fields import is_int
+
 
 @dataclass(frozen=True, kw_only=True)
 class AsyncConfig:
@@ -25,7 +27,7 @@ class AsyncConfig:
 
     def __post_init__(self):
         errors = []
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+        if not is_int(self.max_staleness, lo=0):
             errors.append(f"max_staleness={self.max_staleness!r} (must be an int >= 0)")
         if not self.temperature > 0:
             errors.append(f"temperature={self.temperature} (must be > 0: behavior log-probs need sampling)")

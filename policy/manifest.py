@@ -1,52 +1,20 @@
-"""The policy-version contract: the manifest of a published policy (DESIGN.md).
+"""The manifest of a published policy (DESIGN.md, "Policy-version contract"): build, serialize, verify.
 
-A published policy is immutable: (version, manifest, packed tensors). The manifest is the
-protobuf message `tandem.v1.Manifest` (protos/tandem/v1/manifest.proto), serialized
-deterministically. It holds:
-
-- version, parent version, creation time;
-- the `Contract`: model config (canonical JSON + sha256), recipe (name + full rules + sha256),
-  quantizer spec version, activation sites (format, scope, TP scale mode) and the TP plan;
-- per tensor: name, format, format params, logical shape, each part's dtype/shape/byte range,
-  the fp32 global scale when there is one, the TP style, xxh3_64 per chunk and a sha256 over the
-  chunks' sha256s (below).
-
-Every hash here is `policy.hashing.sha256_json` of a canonical JSON form: `model_config_sha256` is
-`ModelConfig.fingerprint()` and `recipe_sha256` is `Recipe.fingerprint()` (what `tandem plan` prints).
-`contract_fingerprint` is a sha256 over a canonical JSON form of the Contract (not over protobuf
-bytes, so it cannot change with the protobuf library): everything trainer and rollout must agree
-on, and nothing that changes per version (version, time, checksums). The TP degree is in it only
-when an activation site uses `shard` scale mode (`partition_tp_size`); with `global` mode trainer
-and rollout may differ in TP degree and still agree on the fingerprint.
-
-A tensor's bytes are its parts (`q.parts()`, in the order the format lists them) concatenated,
-each part as its raw little-endian element bytes. They are cut into chunks of `chunk_bytes`
-(the last one shorter; an empty tensor has one empty chunk), the unit of transport and of xxh3.
-
-A tensor's `sha256` (schema 2, `tensor_sha256`) is a sha256 over its chunks' sha256s, with the
-manifest's own `chunk_bytes`:
-
-    H = sha256(b"tandem-tensor-sha256-v2\0" || uint64_le(nbytes) || sha256(chunk_0) || ... || sha256(chunk_{n-1}))
-
-Why (decided for issue 17, publishing at memory speed): a sha256 over the tensor's bytes is one
-sequential stream, so the largest tensor (a 622 MB embedding) took >= 0.5 s on one core however
-many cores the trainer host has, and every worker verified with one hashing thread (~1.2 GB/s).
-Over chunks, every chunk's sha256 is independent: trainer and workers hash chunks in a thread
-pool (hashlib releases the GIL), and the result is still one collision-resistant digest of the
-whole tensor: the chunk digests are a fixed-fanout hash list, the domain string separates it from
-any other use of sha256, and the byte count fixes the chunking (a forged, reordered, truncated or
-extended tensor changes some chunk digest, their order or the length). DESIGN.md's "sha256 over
-the tensor" means this digest. A TP shard's digest (the server's, on its last chunk) is the same
-definition over the shard's bytes and chunks. A manifest of schema 1 (sha256 over the raw bytes)
-is refused with one line naming the schema, not by failing every tensor's checksum.
+A published policy is immutable: (version, manifest, packed tensors). The manifest is the protobuf
+message `tandem.v1.Manifest` (protos/tandem/v1/manifest.proto), serialized deterministically. It
+holds the version, parent version and creation time; the contract and its fingerprint
+(policy.contract); per tensor: name, format, format params, logical shape, each part's
+dtype/shape/byte range, the fp32 global scale when there is one, the TP style (policy.tp_layout),
+xxh3_64 per chunk and a sha256 over the chunks' sha256s (policy.chunks). A manifest of schema 1
+(sha256 over a tensor's raw bytes) is refused with one line naming the schema.
 
 The manifest's own digest (`manifest_digest`: over every field but the creation time, so over every
 tensor's checksums) is what the signed `policy:latest` names: a worker compares it first
 (`manifest_from_bytes(digest=...)`, DigestMismatch), so content is authenticated whoever serves it.
 
 Simplifications: the manifest is one message (a 48-layer, 128-expert model is ~4 MB, under
-MAX_MANIFEST_BYTES); a tensor's `shape` is its quantized [M, K] shape, so 1-D parameters such
-as norms are published as [1, D] by whoever quantizes them.
+MAX_MANIFEST_BYTES); a tensor's `shape` is its quantized [M, K] shape, so 1-D parameters such as
+norms are published as [1, D] by whoever quantizes them.
 """
 
 from __future__ import annotations
@@ -58,56 +26,30 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from policy import formats, kernels
+from policy import formats
+from policy.chunks import chunk_bounds, chunk_checksums, chunk_count, hash_runs, part_pieces, tensor_sha256
+from policy.contract import Contract, contract_fingerprint, recipe_sha256
+from policy.fields import is_int
+from policy.formats.params import QuantizedParam
 from policy.hashing import canonical_json, sha256_hex
-from policy.tp import TP_SCALE_MODES, ShardCut, TPPlan, check_tp, from_parts_kwargs, part_index
+from policy.tp import TP_SCALE_MODES, TPPlan
+from policy.tp_layout import DTYPES, tp_plan_of
 from tandem.v1 import manifest_pb2 as pb
 
 # 2: a tensor's sha256 is `tensor_sha256` (over its chunks' sha256s); 1 was a sha256 over its bytes.
 SCHEMA_VERSION = 2
-_FINGERPRINT_SCHEMA = 1  # the contract fingerprint's own form: unchanged by schema 2 (same contract, same hash)
-TENSOR_SHA256_DOMAIN = b"tandem-tensor-sha256-v2\0"
 MANIFEST_DIGEST_DOMAIN = b"tandem-manifest-digest-v1\0"
-HASH_TASK_BYTES = 8 << 20  # bytes of chunks one hashing task covers (a thread pool's unit of work)
 CHUNK_BYTES = 1 << 20  # at most 1 MiB of tensor bytes per chunk (and per gRPC message)
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_NAME_CHARS = 512
 
-# Part dtypes a manifest may carry (the dtypes policy/formats produces). Nothing else is decoded.
-DTYPES: dict[str, torch.dtype] = {
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int32": torch.int32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-class FingerprintMismatch(ValueError):
-    """A policy's contract fingerprint differs from the one this side was configured for."""
-
-    def __init__(self, *, expected: str, got: str, version: int | None = None):
-        self.expected, self.got, self.version = expected, got, version
-        what = f"policy version {version}" if version is not None else "policy"
-        super().__init__(
-            f"{what} has contract fingerprint {got} but this side expects {expected}: trainer and "
-            f"rollout disagree on model config, recipe, quantizer spec, activation scale scopes or TP plan"
-        )
-
-
-class ChecksumMismatch(ValueError):
-    """Bytes do not match the xxh3 / sha256 the manifest (or a chunk) declares."""
 
 
 class DigestMismatch(ValueError):
@@ -115,204 +57,7 @@ class DigestMismatch(ValueError):
     is not to be trusted for that version (the pointer is authentic, the source is not)."""
 
 
-# -- the contract ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class ActivationSite:
-    """How one activation site is quantized per token, and how its scale behaves under TP."""
-
-    name: str
-    format: str
-    scope: str = "row"
-    tp_scale_mode: str = "global"
-
-    def __post_init__(self) -> None:
-        bad = []
-        if not isinstance(self.name, str) or not self.name.endswith(".input"):
-            bad.append(f"name={self.name!r} must be a weight name with '.weight' replaced by '.input'")
-        if self.format not in formats.FORMATS:
-            bad.append(f"format={self.format!r} is not one of {formats.FORMATS}")
-        if not isinstance(self.scope, str):
-            bad.append(f"scope={self.scope!r} must be a string")
-        if self.tp_scale_mode not in TP_SCALE_MODES:
-            bad.append(f"tp_scale_mode={self.tp_scale_mode!r} is not one of {TP_SCALE_MODES}")
-        if bad:
-            raise ValueError("invalid ActivationSite: " + "; ".join(bad))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Contract:
-    """Everything trainer and rollout must agree on. Both sides build one from their own config;
-    the rollout refuses a policy whose fingerprint differs from its own contract's.
-
-    `model_config`: a mapping or an object with `to_dict()` (policy.model.ModelConfig).
-    `recipe_rules`: the full rules (`Recipe.to_dict()`). `trainer_tp_size` matters only when an
-    activation site uses `shard` scale mode: then it becomes the TP degree both sides must use.
-    """
-
-    model_config: Any
-    recipe_name: str
-    recipe_rules: Any
-    activation_sites: Sequence[ActivationSite] = ()
-    tp_plan: TPPlan = field(default_factory=TPPlan)
-    trainer_tp_size: int = 1
-    quantizer_spec_version: str = formats.SPEC_VERSION
-
-    def __post_init__(self) -> None:
-        bad = []
-        for attr in ("model_config", "recipe_rules"):
-            try:
-                canonical_json(getattr(self, attr))
-            except ValueError as e:
-                bad.append(f"{attr}: {e}")
-        if not isinstance(self.recipe_name, str) or not self.recipe_name:
-            bad.append(f"recipe_name={self.recipe_name!r} must be a non-empty string")
-        if not isinstance(self.quantizer_spec_version, str) or not self.quantizer_spec_version:
-            bad.append(f"quantizer_spec_version={self.quantizer_spec_version!r} must be a non-empty string")
-        sites = tuple(sorted(self.activation_sites, key=lambda s: s.name))
-        if any(not isinstance(s, ActivationSite) for s in sites):
-            bad.append("activation_sites must be ActivationSite objects")
-        names = [s.name for s in sites]
-        dup = sorted({n for n in names if names.count(n) > 1}) if len(set(names)) != len(names) else []
-        if dup:
-            bad.append(f"activation sites named twice: {dup[:5]}")
-        if not isinstance(self.tp_plan, TPPlan):
-            bad.append(f"tp_plan must be a TPPlan, got {type(self.tp_plan).__name__}")
-        try:
-            check_tp(0, self.trainer_tp_size)
-        except ValueError as e:
-            bad.append(f"trainer_tp_size: {e}")
-        if bad:
-            raise ValueError("invalid Contract: " + "; ".join(bad))
-        object.__setattr__(self, "activation_sites", sites)
-
-    @property
-    def partition_tp_size(self) -> int:
-        """The TP degree both sides must use (0: any). Pinned by a `shard`-mode site whose format has
-        a per-token scale spanning blocks (nvfp4); other formats' scales are block-local, so their
-        bytes do not depend on the partition."""
-        pinned = any(s.tp_scale_mode == "shard" and s.format == "nvfp4" for s in self.activation_sites)
-        return self.trainer_tp_size if pinned else 0
-
-    def to_proto(self) -> pb.Contract:
-        model_json = canonical_json(self.model_config)
-        rules_json = canonical_json(self.recipe_rules)
-        return pb.Contract(
-            model_config_json=model_json,
-            model_config_sha256=sha256_hex(model_json),
-            recipe_name=self.recipe_name,
-            recipe_rules_json=rules_json,
-            recipe_sha256=recipe_sha256(rules_json),
-            quantizer_spec_version=self.quantizer_spec_version,
-            activation_sites=[
-                pb.ActivationSite(name=s.name, format=s.format, scope=s.scope, tp_scale_mode=s.tp_scale_mode)
-                for s in self.activation_sites
-            ],
-            tp_plan=pb.TpPlan(
-                rules=[pb.TpRule(pattern=p, style=s) for p, s in self.tp_plan.rules],
-                partition_tp_size=self.partition_tp_size,
-            ),
-        )
-
-    def fingerprint(self) -> str:
-        return contract_fingerprint(self.to_proto())
-
-
-def contract_from_recipe(
-    *, model_config, recipe, tp_scale_mode: str = "global", trainer_tp_size: int = 1, tp_plan: TPPlan | None = None
-) -> Contract:
-    """The contract of a model config under a policy.recipe.Recipe: its quantized activation sites
-    get `tp_scale_mode`; the rules are `recipe.to_dict()` without the free-text description."""
-    rules = dict(recipe.to_dict())
-    rules.pop("description", None)
-    sites = [
-        ActivationSite(name=e.name, format=e.format, scope=e.scope, tp_scale_mode=tp_scale_mode)
-        for e in recipe.plan(model_config).activations
-        if e.format != "bf16"
-    ]
-    return Contract(
-        model_config=model_config,
-        recipe_name=recipe.name,
-        recipe_rules=rules,
-        activation_sites=sites,
-        tp_plan=tp_plan or TPPlan(),
-        trainer_tp_size=trainer_tp_size,
-    )
-
-
-def recipe_sha256(rules_json: str) -> str:
-    """`Recipe.fingerprint()`: the hash of the rules' canonical JSON (the contract fingerprint
-    covers the recipe name on its own)."""
-    return sha256_hex(rules_json)
-
-
-_fingerprints: dict[bytes, str] = {}  # sha256 of a serialized Contract -> its fingerprint
-
-
-def contract_fingerprint(contract: pb.Contract) -> str:
-    """sha256 hex over a canonical JSON of the contract's parts (see the module docstring).
-
-    Memoized by the sha256 of the contract's deterministic serialization (equal bytes, equal fields):
-    every version of a run carries the same contract, and its canonical JSON (one entry per activation
-    site: 12,288 for Qwen3-30B-A3B) took ~60 ms per manifest built or verified."""
-    key = hashlib.sha256(contract.SerializeToString(deterministic=True)).digest()
-    fp = _fingerprints.get(key)
-    if fp is None:
-        fp = _contract_fingerprint(contract)
-        if len(_fingerprints) >= 64:
-            _fingerprints.clear()
-        _fingerprints[key] = fp
-    return fp
-
-
-def _contract_fingerprint(contract: pb.Contract) -> str:
-    doc = {
-        "schema": _FINGERPRINT_SCHEMA,
-        "model_config_sha256": sha256_hex(contract.model_config_json),
-        "recipe_name": contract.recipe_name,
-        "recipe_sha256": recipe_sha256(contract.recipe_rules_json),
-        "quantizer_spec_version": contract.quantizer_spec_version,
-        "activation_sites": [[s.name, s.format, s.scope, s.tp_scale_mode] for s in contract.activation_sites],
-        "tp_plan": {
-            "rules": [[r.pattern, r.style] for r in contract.tp_plan.rules],
-            "partition_tp_size": contract.tp_plan.partition_tp_size,
-        },
-    }
-    return sha256_hex(canonical_json(doc))
-
-
-def tp_plan_of(manifest: pb.Manifest) -> TPPlan:
-    return TPPlan(rules=tuple((r.pattern, r.style) for r in manifest.contract.tp_plan.rules))
-
-
 # -- building ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QuantizedParam:
-    """One quantized parameter: its format, the quantize() kwargs, and the quantized object."""
-
-    format: str
-    kwargs: Mapping[str, Any]
-    value: Any  # a policy.formats object: .parts(), .shape
-
-
-def quantize_param(x: torch.Tensor, fmt: str, *, check_finite: bool = True, **kwargs) -> QuantizedParam:
-    """Quantize a weight with format `fmt` (kwargs as for quantize(), e.g. scope="tensor"); a 1-D
-    parameter (a norm weight) is quantized and published as [1, D]. Through policy.kernels: the
-    GPU kernels on CUDA tensors, the reference elsewhere, the same bytes either way.
-    check_finite=False skips the GPU path's NaN/Inf check (a host sync per tensor) where the caller
-    checks the weights itself."""
-    x = x.detach()
-    x2 = x.reshape(1, -1) if x.dim() == 1 else x
-    q = kernels.quantize(fmt, x2, check_finite=check_finite, **from_parts_kwargs(fmt, kwargs))
-    return QuantizedParam(fmt, dict(kwargs), q)
-
-
-def quantize_params(weights: Mapping[str, torch.Tensor], plan) -> dict[str, QuantizedParam]:
-    """Quantize every weight as a policy.recipe Plan says: what a trainer publishes."""
-    return {name: quantize_param(w, plan[name].format, **plan[name].kwargs) for name, w in weights.items()}
 
 
 @dataclass(frozen=True)
@@ -338,77 +83,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
-# -- checksums ----------------------------------------------------------------------------------------
-
-
-def chunk_bounds(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """[start, stop) of each chunk of a tensor of `nbytes` bytes (an empty tensor: one empty chunk)."""
-    return [(i, min(i + chunk_bytes, nbytes)) for i in range(0, nbytes, chunk_bytes)] or [(0, 0)]
-
-
-def chunk_checksums(data, bounds: Sequence[tuple[int, int]]) -> tuple[list[int], list[bytes]]:
-    """xxh3_64 and sha256 of each chunk `data[a:b]` for (a, b) in `bounds`, both over the chunk while
-    it is in cache. xxhash and hashlib release the GIL, so threads hash different chunks in parallel."""
-    mv = memoryview(data)
-    xxh3s, shas = [], []
-    for a, b in bounds:
-        piece = mv[a:b]
-        xxh3s.append(xxhash.xxh3_64_intdigest(piece))
-        shas.append(hashlib.sha256(piece).digest())
-    return xxh3s, shas
-
-
-def tensor_sha256(nbytes: int, chunk_sha256s: Sequence[bytes]) -> bytes:
-    """A tensor's manifest sha256 from its chunks' sha256s, in order (the definition: module docstring)
-    H = sha256(TENSOR_SHA256_DOMAIN || uint64_le(nbytes) || sha256(chunk_0) || sha256(chunk_1) || ...)."""
-    h = hashlib.sha256(TENSOR_SHA256_DOMAIN)
-    h.update(nbytes.to_bytes(8, "little"))
-    for d in chunk_sha256s:
-        h.update(d)
-    return h.digest()
-
-
-def hash_runs(bounds: Sequence[tuple[int, int]], task_bytes: int | None = None) -> list[tuple[int, int]]:
-    """Consecutive chunks grouped into runs [j0, j1) of about `task_bytes` (default HASH_TASK_BYTES):
-    a thread pool's tasks."""
-    task_bytes = task_bytes or HASH_TASK_BYTES
-    runs, j0, size = [], 0, 0
-    for j, (a, b) in enumerate(bounds):
-        size += b - a
-        if size >= task_bytes:
-            runs.append((j0, j + 1))
-            j0, size = j + 1, 0
-    if j0 < len(bounds):
-        runs.append((j0, len(bounds)))
-    return runs
-
-
-def checksums(data, chunk_bytes: int, *, pool: ThreadPoolExecutor | None = None) -> tuple[list[int], bytes]:
-    """A tensor's chunk xxh3s and its sha256 (`tensor_sha256`); runs of chunks hashed in `pool` if given."""
-    bounds = chunk_bounds(len(memoryview(data)), chunk_bytes)
-    if pool is None:
-        xxh3s, shas = chunk_checksums(data, bounds)
-    else:
-        done = pool.map(lambda r: chunk_checksums(data, bounds[r[0] : r[1]]), hash_runs(bounds))
-        xxh3s, shas = [], []
-        for x, h in done:
-            xxh3s += x
-            shas += h
-    return xxh3s, tensor_sha256(bounds[-1][1], shas)
-
-
-def part_pieces(part_sizes: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
-    """(part index, offset in that part, offset in the tensor, length) covering the tensor's bytes
-    [start, stop), the tensor being its parts concatenated."""
-    out, base = [], 0
-    for i, size in enumerate(part_sizes):
-        a, b = max(start, base), min(stop, base + size)
-        if a < b:
-            out.append((i, a - base, a, b - a))
-        base += size
-    return out
-
-
 def _pack_run(buf: np.ndarray, views: Sequence[np.ndarray], bounds, run: tuple[int, int]):
     """Copy chunks [j0, j1) of one tensor from its parts into `buf` and hash them (a worker thread:
     numpy's copy, xxhash and hashlib release the GIL)."""
@@ -418,34 +92,17 @@ def _pack_run(buf: np.ndarray, views: Sequence[np.ndarray], bounds, run: tuple[i
     return chunk_checksums(buf, bounds[run[0] : run[1]])
 
 
-def chunk_count(nbytes: int, chunk_bytes: int) -> int:
-    """Chunks of a tensor of `nbytes` bytes (an empty tensor still has one, empty, chunk)."""
-    return max(1, -(-nbytes // chunk_bytes))
-
-
-def first_chunk_indices(manifest: pb.Manifest) -> dict[str, int]:
-    """Tensor name -> index of its first chunk in the version's chunk sequence (transport order)."""
-    out, i = {}, 0
-    for t in manifest.tensors:
-        out[t.name] = i
-        i += chunk_count(t.nbytes, manifest.chunk_bytes)
-    return out
-
-
 def check_build(*, version, parent_version, contract, tensors, chunk_bytes) -> None:
     """ValueError naming every bad argument of a build (build_manifest, broker.frames.stage)."""
     bad = []
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not is_int(version, lo=1):
         bad.append(f"version={version!r} must be an int >= 1")
     bad_parent = parent_version is not None and (
-        isinstance(parent_version, bool)
-        or not isinstance(parent_version, int)
-        or parent_version < 0
-        or (isinstance(version, int) and parent_version >= version)
+        not is_int(parent_version, lo=0) or (isinstance(version, int) and parent_version >= version)
     )
     if bad_parent:
         bad.append(f"parent_version={parent_version!r} must be None or an int in [0, version={version!r})")
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 1 <= chunk_bytes <= CHUNK_BYTES:
+    if not is_int(chunk_bytes, 1, CHUNK_BYTES):
         bad.append(f"chunk_bytes={chunk_bytes!r} must be an int in [1, {CHUNK_BYTES}]")
     if not isinstance(contract, Contract):
         bad.append(f"contract must be a Contract, got {type(contract).__name__}")
@@ -742,128 +399,3 @@ def _entry_problems(t: pb.TensorEntry, chunk_bytes: int, plan: TPPlan | None) ->
         except ValueError as e:
             bad.append(str(e))
     return bad
-
-
-def check_fingerprint(manifest: pb.Manifest, expected: str) -> None:
-    """Raise FingerprintMismatch (naming both) unless the manifest's fingerprint is `expected`."""
-    if manifest.contract_fingerprint != expected:
-        raise FingerprintMismatch(expected=expected, got=manifest.contract_fingerprint, version=manifest.version)
-
-
-def check_tp_compatible(manifest: pb.Manifest, tp_size: int) -> None:
-    """Refuse a TP degree the contract does not allow (`shard` activation scales pin the partition)."""
-    pinned = manifest.contract.tp_plan.partition_tp_size
-    if pinned and pinned != tp_size:
-        shard_sites = [s.name for s in manifest.contract.activation_sites if s.tp_scale_mode == "shard"]
-        raise ValueError(
-            f"policy version {manifest.version}: activation sites use tp_scale_mode 'shard' "
-            f"({len(shard_sites)} sites, e.g. {shard_sites[:1]}), so the contract pins the trainer's "
-            f"partition tp_size={pinned}; this rollout has tp_size={tp_size}"
-        )
-
-
-def verify_tensor_bytes(
-    entry: pb.TensorEntry, data, chunk_bytes: int, *, pool: ThreadPoolExecutor | None = None
-) -> None:
-    """Check a full tensor's bytes against its manifest entry (size, every chunk's xxh3, the sha256
-    over the chunks); runs of chunks are hashed in `pool` if given."""
-    if len(data) != entry.nbytes:
-        raise ChecksumMismatch(f"tensor {entry.name}: {len(data)} bytes, manifest says {entry.nbytes}")
-    got, sha = checksums(data, chunk_bytes, pool=pool)
-    bad = [i for i, (a, b) in enumerate(zip(got, entry.chunk_xxh3)) if a != b]
-    if bad or len(got) != len(entry.chunk_xxh3):
-        raise ChecksumMismatch(f"tensor {entry.name}: xxh3 mismatch in chunk(s) {bad[:10]}")
-    if sha != entry.sha256:
-        raise ChecksumMismatch(f"tensor {entry.name}: sha256 mismatch")
-
-
-# -- TP shards and rebuilding ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PartLayout:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """Byte layout of the (shard of a) tensor a rank receives."""
-
-    name: str
-    shape: tuple[int, int]
-    parts: tuple[PartLayout, ...]
-    nbytes: int
-    cut: ShardCut
-    sharded: bool  # False: the bytes are the full tensor's (tp_size 1 or a replicated tensor)
-
-
-def format_params(entry: pb.TensorEntry) -> dict:
-    return json.loads(entry.format_params_json)
-
-
-def tensor_layout(entry: pb.TensorEntry, plan: TPPlan, tp_rank: int = 0, tp_size: int = 1) -> TensorLayout:
-    """What rank `tp_rank` of `tp_size` receives for this entry (validated against the TP plan)."""
-    cut = plan.cut(
-        entry.name,
-        fmt=entry.format,
-        kwargs=format_params(entry),
-        shape=tuple(entry.shape),
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-    )
-    sharded = cut.shape != tuple(entry.shape)
-    parts, offset = [], 0
-    for p in entry.parts:
-        shape = tuple(p.shape)
-        if sharded:
-            # Apply the index to a zero-stride stand-in of the part: shapes only, nothing allocated.
-            ghost = np.broadcast_to(np.zeros((), np.uint8), shape)
-            idx = part_index(shape, tuple(entry.shape), cut, name=f"{entry.name}:{p.name}")
-            pieces = [ghost[i].shape for i in idx]
-            shape = (sum(s[0] for s in pieces), *pieces[0][1:])
-        nbytes = math.prod(shape) * DTYPES[p.dtype].itemsize
-        parts.append(PartLayout(p.name, p.dtype, shape, offset, nbytes))
-        offset += nbytes
-    return TensorLayout(entry.name, cut.shape, tuple(parts), offset, cut, sharded)
-
-
-def shard_tensor_bytes(entry: pb.TensorEntry, data, layout: TensorLayout) -> bytes:
-    """Cut a full tensor's bytes (parts concatenated) down to `layout` (from tensor_layout)."""
-    if not layout.sharded:
-        return bytes(data)
-    out = []
-    for p in entry.parts:
-        item = DTYPES[p.dtype].itemsize
-        raw = np.frombuffer(data, dtype=np.uint8, count=p.nbytes, offset=p.offset)
-        # View each element as `item` bytes along a trailing axis: slicing in elements, copying bytes.
-        arr = raw.reshape(*p.shape, item)
-        for idx in part_index(tuple(p.shape), tuple(entry.shape), layout.cut, name=f"{entry.name}:{p.name}"):
-            out.append(np.ascontiguousarray(arr[idx]).reshape(-1))
-    result = np.concatenate(out).tobytes() if out else b""
-    if len(result) != layout.nbytes:
-        raise AssertionError(f"{entry.name}: shard has {len(result)} bytes, layout says {layout.nbytes}")
-    return result
-
-
-def rebuild(entry: pb.TensorEntry, layout: TensorLayout, data):
-    """The quantized object (policy.formats from_parts) over `data` (a writable buffer: bytearray or
-    uint8 numpy array), without copying it."""
-    if len(data) != layout.nbytes:
-        raise ValueError(f"tensor {entry.name}: {len(data)} bytes, layout says {layout.nbytes}")
-    if isinstance(data, np.ndarray):
-        buf = torch.from_numpy(data.view(np.uint8).reshape(-1))
-    else:
-        buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    parts = {}
-    for p in layout.parts:
-        raw = buf[p.offset : p.offset + p.nbytes]
-        if p.offset % DTYPES[p.dtype].itemsize:  # view(dtype) needs an aligned start
-            raw = raw.clone()
-        parts[p.name] = raw.view(DTYPES[p.dtype]).reshape(p.shape)
-    return formats.get(entry.format).from_parts(
-        parts, layout.shape, **from_parts_kwargs(entry.format, format_params(entry))
-    )

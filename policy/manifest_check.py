@@ -28,8 +28,11 @@ import numpy as np
 import torch
 
 from policy import manifest as mf
+from policy.formats.params import quantize_param
 from policy.formats.values import invalid_values
+from policy.hashing import canonical_json
 from policy.recipe import Plan
+from policy.tp_layout import TensorLayout
 from tandem.v1 import manifest_pb2 as pb
 
 
@@ -56,10 +59,10 @@ def expected_tensors(plan: Plan) -> dict[str, ExpectedTensor]:
     seen: dict[tuple, ExpectedTensor] = {}
     for e in plan.params:
         shape = (1, e.shape[0]) if len(e.shape) == 1 else tuple(e.shape)
-        params_json = mf.canonical_json(e.kwargs)
+        params_json = canonical_json(e.kwargs)
         key = (e.format, params_json, shape)
         if key not in seen:
-            q = mf.quantize_param(torch.zeros(shape), e.format, **e.kwargs).value
+            q = quantize_param(torch.zeros(shape), e.format, **e.kwargs).value
             parts = tuple((n, mf._DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in q.parts().items())
             nbytes = sum(t.numel() * t.element_size() for t in q.parts().values())
             seen[key] = ExpectedTensor(e.format, json.loads(params_json), tuple(q.shape), parts, nbytes)
@@ -108,7 +111,7 @@ def check_manifest(m: pb.Manifest, expected: dict[str, ExpectedTensor], *, max_t
         raise ManifestRefused(f"policy version {m.version} refused: " + "; ".join(bad[:10]))
 
 
-def check_values(version: int, fmt: str, layout: mf.TensorLayout, data) -> None:
+def check_values(version: int, fmt: str, layout: TensorLayout, data) -> None:
     """ValuesRefused, naming the tensor and each bad part, unless `data` (the bytes of a tensor or TP
     shard, laid out as `layout`) keeps the value rules of format `fmt` (policy.formats.values)."""
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8)

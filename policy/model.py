@@ -27,6 +27,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from policy import compute
+from policy.fields import is_int, is_number
 from policy.hashing import sha256_json
 
 __all__ = [
@@ -91,30 +92,23 @@ class ModelConfig:
             "max_seq_len",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value, lo=1):
                 errors.append(f"{name}={value!r} must be a positive int")
         for name in ("n_experts", "top_k", "expert_ffn_dim", "shared_expert_ffn_dim", "ffn_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_int(value, lo=0):
                 errors.append(f"{name}={value!r} must be an int >= 0")
         for name in ("norm_topk_prob", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 errors.append(f"{name}={getattr(self, name)!r} must be a bool")
         layers = self.mlp_only_layers
-        if not isinstance(layers, (tuple, list)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in layers
-        ):
+        if not isinstance(layers, (tuple, list)) or not all(is_int(i) for i in layers):
             errors.append(f"mlp_only_layers={layers!r} must be a list of layer indices")
         else:
             object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(layers))))
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not value > 0
-                or not math.isfinite(value)
-            ):
+            if not is_number(value) or not 0 < value < math.inf:
                 errors.append(f"{name}={value!r} must be a finite number > 0")
         if not errors:
             if self.n_heads % self.n_kv_heads:

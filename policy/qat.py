@@ -22,7 +22,7 @@ from torch import Tensor
 
 from policy import compute, formats, kernels
 from policy.formats import Operand
-from policy.manifest import QuantizedParam, quantize_param
+from policy.formats.params import QuantizedParam, quantize_param
 from policy.model import MoE, QuantHook, Transformer
 from policy.recipe import Plan, Recipe
 from policy.tp import from_parts_kwargs
@@ -494,11 +494,6 @@ def probe_mismatch(model: Transformer, recipe: Recipe, tokens: Tensor, attention
         "tokens": int(valid.sum()),
         "logits_bitwise_equal": bool(torch.equal(lp_qat, lp_packed)),
     }
-
-
-def _ints(t: Tensor) -> Tensor:
-    """Same-size integer view, so torch.equal compares bits (-0.0 vs 0.0, NaN payloads)."""
-    return t.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def bits(t: Tensor) -> Tensor:

@@ -25,6 +25,8 @@ from pathlib import Path
 import yaml
 
 from policy import formats
+from policy.configfile import read_mapping
+from policy.fields import is_int, is_number
 from policy.hashing import sha256_json
 from policy.model import ModelConfig, Transformer, activation_sites, parameter_shapes
 
@@ -78,17 +80,10 @@ class Rule:
             errors.append(f"unknown format {self.format!r} (known: {', '.join(formats.FORMATS)})")
         if self.scope is not None and (self.format != "nvfp4" or self.scope not in formats.nvfp4.SCOPES):
             errors.append(f"scope={self.scope!r} is only valid for nvfp4, as one of {formats.nvfp4.SCOPES}")
-        if self.group_size is not None and (
-            self.format != "int4"
-            or isinstance(self.group_size, bool)
-            or not isinstance(self.group_size, int)
-            or self.group_size <= 0
-        ):
+        if self.group_size is not None and (self.format != "int4" or not is_int(self.group_size, lo=1)):
             errors.append(f"group_size={self.group_size!r} is only valid for int4, as a positive int")
         if self.block is not None and (
-            self.format != "fp8_block"
-            or len(self.block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in self.block)
+            self.format != "fp8_block" or len(self.block) != 2 or not all(is_int(b, lo=1) for b in self.block)
         ):
             errors.append(f"block={self.block!r} is only valid for fp8_block, as two positive ints")
         if self.layers is not None:
@@ -97,7 +92,7 @@ class Rule:
                     _layer_selection(self.layers, 1)
                 except ValueError as e:
                     errors.append(str(e))
-            elif not all(isinstance(i, int) and not isinstance(i, bool) for i in self.layers):
+            elif not all(is_int(i) for i in self.layers):
                 errors.append(f"layers={self.layers!r} must be a slice string or a list of ints")
         if errors:
             raise ValueError(f"{where}: " + "; ".join(errors))
@@ -278,10 +273,10 @@ class Recipe:
         if not isinstance(self.name, str) or not self.name:
             errors.append(f"name={self.name!r} must be a non-empty string")
         f = self.keep_bf16_last_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+        if not is_number(f, 0, 1):
             errors.append(f"keep_bf16.last_fraction={f!r} must be a number in [0, 1]")
         n = self.keep_bf16_first
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n, lo=0):
             errors.append(f"keep_bf16.first={n!r} must be an int >= 0")
         if not all(isinstance(r, Rule) for r in self.rules):
             errors.append("rules must be Rule objects")
@@ -297,10 +292,7 @@ class Recipe:
         path = RECIPE_DIR / f"{s}.yaml" if s in BUILTINS else Path(s)
         if not path.is_file():
             raise ValueError(f"unknown recipe {s!r}: not a built-in ({', '.join(BUILTINS)}) and no file {str(path)!r}")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ValueError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
+        data = read_mapping(path, f"recipe file {str(path)!r}")
         try:
             return cls.from_dict(data)
         except ValueError as e:
@@ -428,7 +420,3 @@ class Recipe:
         if K % block:
             errors.append(f"{name}: K={K} is not a multiple of the {rule.format} block size {block}")
         return errors
-
-
-def builtin_recipes() -> dict[str, Recipe]:
-    return {name: Recipe.load(name) for name in BUILTINS}

@@ -24,6 +24,7 @@ from functools import cached_property
 import torch
 
 from policy import formats
+from policy.fields import is_int
 
 COLUMN = "column"
 COLUMN_GATE_UP = "column_gate_up"
@@ -59,9 +60,9 @@ def block_shape(fmt: str, kwargs: Mapping | None = None) -> tuple[int, int]:
 
 def check_tp(tp_rank: int, tp_size: int) -> None:
     bad = []
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or not 1 <= tp_size <= MAX_TP_SIZE:
+    if not is_int(tp_size, 1, MAX_TP_SIZE):
         bad.append(f"tp_size={tp_size!r} must be an int in [1, {MAX_TP_SIZE}]")
-    elif isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+    elif not is_int(tp_rank, 0, tp_size - 1):
         bad.append(f"tp_rank={tp_rank!r} must be an int in [0, tp_size={tp_size})")
     if bad:
         raise ValueError("; ".join(bad))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from broker.health import HealthConfig
 from broker.tls import ClientTLS
+from policy.fields import is_int
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 
@@ -101,15 +102,13 @@ class RolloutConfig:
             errors.append(f"device={self.device!r} (want 'cpu', 'cuda' or 'cuda:N')")
         if self.fetch_process is not None and not isinstance(self.fetch_process, bool):
             errors.append(f"fetch_process={self.fetch_process!r} (want true, false or null)")
-        if not isinstance(self.fetch_streams, int) or not 1 <= self.fetch_streams <= 16:
+        if not is_int(self.fetch_streams, 1, 16):
             errors.append(f"fetch_streams={self.fetch_streams!r} (need an int in [1, 16])")
-        p = self.fetch_processes
-        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 16:
+        if not is_int(self.fetch_processes, 1, 16):
             errors.append(f"fetch_processes={self.fetch_processes!r} (need an int in [1, 16])")
-        d = self.max_prompt_deliveries
-        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= 1000:
-            errors.append(f"max_prompt_deliveries={d!r} (need an int in [1, 1000])")
-        if not isinstance(self.max_inflight_groups, int) or self.max_inflight_groups < 1:
+        if not is_int(self.max_prompt_deliveries, 1, 1000):
+            errors.append(f"max_prompt_deliveries={self.max_prompt_deliveries!r} (need an int in [1, 1000])")
+        if not is_int(self.max_inflight_groups, lo=1):
             errors.append(f"max_inflight_groups={self.max_inflight_groups!r} (need an int >= 1)")
         if not 0 <= self.memory_fraction <= 1:
             errors.append(f"memory_fraction={self.memory_fraction} (want 0 < f <= 1, or 0 = no cap)")

@@ -85,8 +85,10 @@ from broker.policy_client import (
 )
 from broker.tls import ClientTLS
 from policy import manifest as mf
+from policy.contract import check_fingerprint
 from policy.manifest import DigestMismatch
 from policy.manifest_check import ValuesRefused
+from policy.tp_layout import TensorLayout, rebuild, tensor_layout, tp_plan_of
 
 MAX_MESSAGE = mf.MAX_MANIFEST_BYTES + (1 << 16)
 POLL_S = 0.05  # how often a waiting parent looks at its cancel flag and the child's liveness
@@ -384,7 +386,7 @@ class FetchProcess:
         # can be unmapped at once (SharedSlab.close).
         views = self.buffers.views({n: lay.nbytes for n, lay in layouts.items()})
         entries = {t.name: t for t in manifest.tensors}
-        tensors = {n: mf.rebuild(entries[n], layouts[n], views[n]) for n in layouts}
+        tensors = {n: rebuild(entries[n], layouts[n], views[n]) for n in layouts}
         return FetchedPolicy(manifest, tensors, layouts, merged_stats(parts), data={n: views[n] for n in layouts})
 
     def _accept_manifest(self, raw: bytes, request: FetchRequest, check):
@@ -452,14 +454,14 @@ def verified_manifest(raw: bytes, request: FetchRequest, source: str) -> mf.pb.M
     manifest = mf.manifest_from_bytes(raw, digest=request.digest)
     if manifest.version != request.version:
         raise ValueError(f"asked for version {request.version}, {source} {manifest.version}")
-    mf.check_fingerprint(manifest, request.fingerprint)
+    check_fingerprint(manifest, request.fingerprint)
     return manifest
 
 
-def whole_layouts(manifest) -> dict[str, mf.TensorLayout]:
+def whole_layouts(manifest) -> dict[str, TensorLayout]:
     """Every tensor's layout, whole (TP 1): what the slab holds, parent and children alike."""
-    plan = mf.tp_plan_of(manifest)
-    return {t.name: mf.tensor_layout(t, plan, 0, 1) for t in manifest.tensors}
+    plan = tp_plan_of(manifest)
+    return {t.name: tensor_layout(t, plan, 0, 1) for t in manifest.tensors}
 
 
 def merged_stats(parts: list[FetchStats]) -> FetchStats:

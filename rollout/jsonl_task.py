@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from policy.fields import is_int, is_number
+
 from .hf_tokenizer import HFTokenizer
-from .tasks import Prompt, is_heldout
+from .prompts import Prompt, is_heldout
 
 __all__ = ["VERIFIERS", "JsonlTask", "last_number", "read_rows"]
 
@@ -61,7 +63,7 @@ def read_rows(path: Path, prompt_field: str, answer_field: str) -> list[tuple[st
             prompt, answer = obj[prompt_field], obj[answer_field]
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError(f"{path}:{n}: field {prompt_field!r} must be a non-empty string")
-            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            if not (isinstance(answer, str) or is_number(answer)):
                 raise ValueError(f"{path}:{n}: field {answer_field!r} must be a string or a number")
             rows.append((prompt, str(answer)))
     if not rows:
@@ -102,9 +104,9 @@ class JsonlTask:
         errors = []
         if self.verifier not in VERIFIERS:
             errors.append(f"task.verifier={self.verifier!r} must be one of {VERIFIERS}")
-        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or not self.tolerance >= 0:
+        if not is_number(self.tolerance, lo=0):
             errors.append(f"task.tolerance={self.tolerance!r} must be a number >= 0")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens, lo=1):
             errors.append(f"task.max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
         if self.chat_template and self.tokenizer.chat_template is None:
             errors.append("task.chat_template is true but the tokenizer has no chat_template")
@@ -175,7 +177,7 @@ class JsonlTask:
     def check_fields(self, fields: dict[str, Any]) -> str | None:
         """`score` needs fields["answer"]: a string or a number, with a number in it for `numeric`."""
         answer = fields.get("answer")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        if not (isinstance(answer, str) or is_number(answer)):
             return f"want 'answer' as a string or a number, got {type(answer).__name__}"
         if self.verifier == "numeric" and last_number(str(answer)) is None:
             return f"answer {str(answer)[:40]!r} has no number (verifier numeric)"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker.codec import PromptGroup
+from policy.fields import is_int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,9 +37,9 @@ class PromptRules:
         errors = [
             f"{name}={getattr(self, name)!r} (must be an int >= 1)"
             for name in ("vocab_size", "max_seq_len", "max_new_tokens", "max_batch")
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1
+            if not is_int(getattr(self, name), lo=1)
         ]
-        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
+        if self.group_size is not None and not is_int(self.group_size, lo=1):
             errors.append(f"group_size={self.group_size!r} (must be an int >= 1, or None)")
         if errors:
             raise ValueError("PromptRules: " + "; ".join(errors))

@@ -84,10 +84,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queries
 
-    @property
-    def inflight_groups(self) -> int:
-        return len(self._groups)
-
     def can_submit(self) -> bool:
         return len(self._groups) < self.max_inflight_groups
 

@@ -35,6 +35,7 @@ import grpc
 from broker.policy_client import FetchCancelled
 from broker.registry import PolicyPointer
 from policy import manifest as mf
+from policy.chunks import ChecksumMismatch
 from policy.manifest_check import ManifestRefused
 
 __all__ = ["Pending", "Step", "VersionSwap", "why"]
@@ -132,7 +133,7 @@ class VersionSwap:
             self.versions_refused += 1
             return f"{str(error)[:400]}; keeping v{self.live} ({len(self.refused_versions)} version(s) refused)"
         # Without a digest in the pointer, bytes failing their manifest prove nothing about the source.
-        if isinstance(error, mf.DigestMismatch) or (isinstance(error, mf.ChecksumMismatch) and pointer.content_digest):
+        if isinstance(error, mf.DigestMismatch) or (isinstance(error, ChecksumMismatch) and pointer.content_digest):
             source = self.source(pointer)
             self.distrusted.add((pointer.version, source, pointer.content_digest))
             self.sources_distrusted += 1

@@ -15,7 +15,6 @@ followed by <eos>, else 0.0 (why this task and a binary verifier: docs/design-de
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import random
@@ -24,15 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from .jsonl_task import JsonlTask
+from .prompts import Prompt, is_heldout
+
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHARS = "0123456789+="
 MAX_DRAWS = 10_000  # draws of a prompt on one side of the held-out split before giving up
-
-
-def is_heldout(text: str, fraction: float) -> bool:
-    """Whether a prompt text is held out for evaluation: the first 8 bytes of its sha256, read as a
-    number in [0, 1), fall below `fraction`. A pure function of the text: the same split everywhere."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64 < fraction
 
 
 class CharTokenizer:
@@ -105,15 +101,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]: ...
 
     def decode(self, ids) -> str: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class Prompt:
-    """One prompt of a task: its token ids, the fields its verifier needs, a reference completion."""
-
-    tokens: list[int]  # the prompt as the model sees it (with <bos> where the task uses one)
-    fields: dict[str, Any]  # travels with the prompt group to `Task.score`, e.g. {"answer": "15"}
-    reference: list[int]  # a correct completion (with <eos>), for the supervised warm start
 
 
 @runtime_checkable
@@ -262,8 +249,6 @@ def make_addition(cfg: TaskConfig, *, seed: int) -> AdditionTask:
 
 
 def make_jsonl(cfg: TaskConfig, *, seed: int) -> Task:
-    from rollout.jsonl_task import JsonlTask  # imports the tokenizers library only when used
-
     return JsonlTask.from_config(cfg, seed=seed)
 
 

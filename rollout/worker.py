@@ -49,8 +49,8 @@ from broker.policy_client import (
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.signing import Signer, policy_token
 from broker.streams import PromptQueue, StreamConfig, connect
-from policy import manifest as mf
 from policy import qat
+from policy.contract import contract_from_recipe
 from policy.formats import NonFinite
 from policy.loop import AsyncConfig
 from policy.manifest_check import check_manifest, expected_tensors
@@ -121,7 +121,7 @@ class RolloutWorker:
         self.model = Transformer(model_config, seed=None) if self.device.type == "cpu" else None
         self.engine: PackedEngine | None = None
         self.fetcher, self.host_buffers = self._receivers()
-        self.fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
+        self.fingerprint = contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
         self.swap = VersionSwap(fingerprint=self.fingerprint, policy_address=cfg.policy_address)
         self._job: _FetchJob | None = None
         self._held: HeldPolicy | None = None  # the last version fetched here, to fetch the next against (a delta)

@@ -1,9 +1,11 @@
 """One YAML file per run plus `key=value` overrides -> one frozen, validated RunConfig.
 
 Each component owns its section's dataclass (`trainer.config.TrainerConfig`,
-`rollout.config.RolloutConfig`, `rollout.tasks.TaskConfig`); this module only composes them, applies overrides
-(`trainer.max_steps=20`, `model.dim=64`; values parse as YAML scalars) and rejects unknown
-keys by their full dotted path, so a typo never silently falls back to a default.
+`rollout.config.RolloutConfig`, `rollout.tasks.TaskConfig`); this module only composes them, builds
+them from the file and its overrides (`trainer.max_steps=20`, `model.dim=64`; read and parsed by
+policy.configfile, the loader of every YAML config) and rejects unknown keys by their full dotted
+path, so a typo never silently falls back to a default. `from_dict` builds a run config held as a
+plain dict (a study's runs); the overrides a pod's environment adds are tandem.env_config's.
 """
 
 from __future__ import annotations
@@ -13,22 +15,23 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import json
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import yaml
 
+from policy.configfile import check_size, parse_override, read_mapping, set_dotted
+from policy.fields import is_int, is_number
 from policy.loop import AsyncConfig
 from rollout.config import RolloutConfig
 from rollout.tasks import TaskConfig
 from trainer.config import LoggingConfig, TrainerConfig
+
+from .env_config import redact_url
 
 REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -62,9 +65,9 @@ class KeepBf16Section:
 
     def __post_init__(self):
         f, n = self.last_fraction, self.first
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+        if f is not None and not is_number(f, 0, 1):
             raise ValueError(f"keep_bf16.last_fraction={f!r} (a number in [0, 1], or null)")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        if n is not None and not is_int(n, lo=0):
             raise ValueError(f"keep_bf16.first={n!r} (an int >= 0, or null)")
 
 
@@ -254,34 +257,14 @@ def _coerce(hint, value, path: str):
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise ValueError(f"config {path}: expected a mapping of names to values, got {_short(value)}")
-        _check_size(value, path)
+        check_size(value, path)
         return value
     if hint is Any or origin in (typing.Union, types.UnionType, typing.Literal):
-        _check_size(value, path)
+        check_size(value, path)
         return value
     if isinstance(hint, type) and not isinstance(value, hint):
         raise ValueError(f"config {path}: expected {hint.__name__}, got {_short(value)}")
     return value
-
-
-MAX_VALUE_NODES, MAX_VALUE_DEPTH = 1000, 8  # an override value is a scalar or a small mapping/list
-
-
-def _check_size(value, path: str) -> None:
-    """Refuse values with more than MAX_VALUE_NODES nodes (counting every YAML alias again, as
-    dump() would expand it) or nested deeper than MAX_VALUE_DEPTH; stops counting at the bound."""
-    budget = [MAX_VALUE_NODES]
-
-    def visit(v, depth: int) -> None:
-        budget[0] -= 1
-        if budget[0] < 0:
-            raise ValueError(f"config {path}: value too large (over {MAX_VALUE_NODES} items)")
-        if depth > MAX_VALUE_DEPTH:
-            raise ValueError(f"config {path}: value nested deeper than {MAX_VALUE_DEPTH} levels")
-        for child in v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else ():
-            visit(child, depth + 1)
-
-    visit(value, 0)
 
 
 def _short(value) -> str:
@@ -289,13 +272,12 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _set_dotted(d: dict, dotted: str, value) -> None:
-    keys = dotted.split(".")
-    for k in keys[:-1]:
-        d = d.setdefault(k, {})
-        if not isinstance(d, dict):
-            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
-    d[keys[-1]] = value
+def find_config(path: str | Path) -> Path | None:
+    """`path` if it is a file, else the file of that name under configs/; None where neither is."""
+    for p in (Path(path), REPO_CONFIGS / path):
+        if p.is_file():
+            return p
+    return None
 
 
 def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -305,36 +287,18 @@ def load(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig
     whose one-line message names the file, key or value."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not os.path.exists(p) and os.path.isfile(REPO_CONFIGS / p):
-            p = REPO_CONFIGS / p
-        if not os.path.isfile(p):
+        found = find_config(path)
+        if found is None:
             raise ValueError(f"config file {str(path)!r} not found")
-        data = _yaml(p.read_text(), f"config file {str(path)!r}")
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {str(path)!r}: expected a mapping at the top, got {type(data).__name__}")
+        data = read_mapping(found, f"config file {str(path)!r}")
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not key=value")
-        value = _yaml(raw, f"override {key.strip()}")
-        _check_size(value, key.strip())
-        _set_dotted(data, key.strip(), value)
+        set_dotted(data, *parse_override(item))
+    return from_dict(data)
+
+
+def from_dict(data: dict) -> RunConfig:
+    """A run config as a plain dict (a parsed YAML file with its overrides set) -> RunConfig."""
     return _build(RunConfig, data, "")
-
-
-def _yaml(text: str, what: str):
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ValueError(f"{what}: YAML syntax error{where}: {problem}") from None
-    except RecursionError:
-        raise ValueError(f"{what}: YAML nested too deeply") from None
 
 
 def dump(cfg: RunConfig) -> str:
@@ -349,89 +313,3 @@ def dump(cfg: RunConfig) -> str:
         return o
 
     return yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False)
-
-
-# What a deployment provides per pod, through the environment (Kubernetes: Secrets, ConfigMaps,
-# mounted files): variable -> config key. Applied after the YAML file, before command-line overrides.
-# The commands themselves read TANDEM_CONFIG, TANDEM_RUN_DIR and TANDEM_WORKER_ID.
-ENV_KEYS = {
-    "TANDEM_RUN_ID": "run_id",
-    "TANDEM_REDIS_URL": "redis_url",  # plus TANDEM_REDIS_PASSWORD / TANDEM_REDIS_CA_FILE, merged in
-    "TANDEM_RUN_SECRET_FILE": "run_secret_file",  # a mounted Secret (or TANDEM_RUN_SECRET, read directly)
-    "TANDEM_TRAINER_TLS_CERT": "trainer.tls.cert",
-    "TANDEM_TRAINER_TLS_KEY": "trainer.tls.key",
-    "TANDEM_TRAINER_TLS_CLIENT_CA": "trainer.tls.client_ca",
-    "TANDEM_ROLLOUT_TLS_CA": "rollout.tls.ca",
-    "TANDEM_ROLLOUT_TLS_CERT": "rollout.tls.cert",
-    "TANDEM_ROLLOUT_TLS_KEY": "rollout.tls.key",
-    "TANDEM_ROLLOUT_TLS_SERVER_NAME": "rollout.tls.server_name",
-    "TANDEM_TRAINER_HEALTH_HOST": "trainer.health.host",  # the pod IP (downward API status.podIP)
-    "TANDEM_ROLLOUT_HEALTH_HOST": "rollout.health.host",
-    "TANDEM_TRAINER_METRICS_HOST": "trainer.metrics_host",  # the pod IP, where Prometheus scrapes
-    "TANDEM_ROLLOUT_METRICS_HOST": "rollout.metrics_host",
-}
-REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE", "TANDEM_REDIS_CERT_FILE", "TANDEM_REDIS_KEY_FILE")
-
-
-def env_overrides(environ: dict | None = None) -> list[str]:
-    """`key=value` overrides from the environment (`os.environ` by default), per ENV_KEYS.
-
-    The Redis password comes apart from the URL, so that the URL can live in a ConfigMap and only
-    the password in a Secret: TANDEM_REDIS_PASSWORD (and TANDEM_REDIS_CA_FILE, the CA of a
-    rediss:// server) are merged into TANDEM_REDIS_URL, which they therefore require.
-    """
-    env = os.environ if environ is None else environ
-    out = []
-    for name, key in ENV_KEYS.items():
-        value = env.get(name, "")
-        if name == "TANDEM_REDIS_URL":
-            if not value and any(env.get(n) for n in REDIS_URL_PARTS):
-                raise ValueError(f"{' / '.join(n for n in REDIS_URL_PARTS if env.get(n))} set without TANDEM_REDIS_URL")
-            value = value and redis_url_with(
-                value,
-                password=env.get("TANDEM_REDIS_PASSWORD", ""),
-                ca_file=env.get("TANDEM_REDIS_CA_FILE", ""),
-                cert_file=env.get("TANDEM_REDIS_CERT_FILE", ""),
-                key_file=env.get("TANDEM_REDIS_KEY_FILE", ""),
-            )
-        if value:
-            out.append(f"{key}={json.dumps(value)}")  # a JSON string is a YAML string: "2024" stays text
-    return out
-
-
-def redis_url_with(url: str, *, password: str = "", ca_file: str = "", cert_file: str = "", key_file: str = "") -> str:
-    """`url` with `password` as its password (replacing any; the user name is kept), `ca_file` as the
-    CA that verifies a rediss:// server (redis-py's `ssl_ca_certs` URL parameter), and `cert_file` +
-    `key_file` as the client certificate a server with `tls-auth-clients yes` requires."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"TANDEM_REDIS_URL has scheme {parts.scheme!r}: want redis://, rediss:// or unix://")
-    netloc, query = parts.netloc, parts.query
-    if password:
-        userinfo, at, hostport = netloc.rpartition("@")
-        user = userinfo.partition(":")[0] if at else ""
-        netloc = f"{user}:{quote(password, safe='')}@{hostport}"
-    if ca_file:
-        if parts.scheme != "rediss":
-            raise ValueError(
-                f"TANDEM_REDIS_CA_FILE={ca_file!r} needs a rediss:// TANDEM_REDIS_URL, not {parts.scheme}://"
-            )
-        query = "&".join(q for q in (query, urlencode({"ssl_ca_certs": ca_file})) if q)
-    if cert_file or key_file:
-        if parts.scheme != "rediss" or not (cert_file and key_file):
-            raise ValueError(
-                f"TANDEM_REDIS_CERT_FILE={cert_file!r}, TANDEM_REDIS_KEY_FILE={key_file!r}: set both, "
-                f"with a rediss:// TANDEM_REDIS_URL (not {parts.scheme}://)"
-            )
-        query = "&".join(q for q in (query, urlencode({"ssl_certfile": cert_file, "ssl_keyfile": key_file})) if q)
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def redact_url(url: str) -> str:
-    """`url` with its password (if any) replaced by `***`: what may be written to disk or logs."""
-    parts = urlsplit(url)
-    userinfo, at, hostport = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.partition(":")[0]
-    return urlunsplit((parts.scheme, f"{user}:***@{hostport}", parts.path, parts.query, parts.fragment))

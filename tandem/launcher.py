@@ -29,7 +29,7 @@ from broker.local_redis import LocalRedis, LocalRedisConfig
 from broker.signing import SECRET_ENV, write_secret_file
 
 from . import config as run_config
-from . import preflight, services
+from . import env_config, preflight, services
 from .plots import write_plots
 
 
@@ -87,13 +87,13 @@ def check_redis(url: str, timeout_s: float = 3.0) -> None:
     try:
         client.ping()
     except redis.exceptions.AuthenticationError as e:
-        raise ValueError(f"cannot reach Redis at {run_config.redact_url(url)}: authentication failed ({e})") from None
+        raise ValueError(f"cannot reach Redis at {env_config.redact_url(url)}: authentication failed ({e})") from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as e:
         text = str(e).lower()
         reason = "connection refused" if "refused" in text else str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"cannot reach Redis at {run_config.redact_url(url)}: {reason}") from None
+        raise ValueError(f"cannot reach Redis at {env_config.redact_url(url)}: {reason}") from None
     except redis.exceptions.ResponseError as e:  # e.g. NOAUTH: a password is needed
-        raise ValueError(f"cannot reach Redis at {run_config.redact_url(url)}: {e}") from None
+        raise ValueError(f"cannot reach Redis at {env_config.redact_url(url)}: {e}") from None
     finally:
         client.close()
 
@@ -128,8 +128,8 @@ def _keep_previous_config(run_dir: Path, diff: list) -> None:
 def _env_overrides() -> list[str]:
     """What the services will read from this environment (TLS paths, hosts, ...), so that it is checked
     here first; Redis is the launcher's to choose (its children get the URL it picks)."""
-    redis = ("TANDEM_REDIS_URL", *run_config.REDIS_URL_PARTS)
-    return run_config.env_overrides({k: v for k, v in os.environ.items() if k not in redis})
+    redis = ("TANDEM_REDIS_URL", *env_config.REDIS_URL_PARTS)
+    return env_config.env_overrides({k: v for k, v in os.environ.items() if k not in redis})
 
 
 def _port_overrides(ports: dict[str, tuple[str, int]]) -> list[str]:
@@ -139,7 +139,7 @@ def _port_overrides(ports: dict[str, tuple[str, int]]) -> list[str]:
 def _write_ports(run_dir: Path, ports: dict, redis_url: str) -> None:
     """ports.json: {service: {key: "host:port"}} and the Redis URL (password masked); printed once."""
     table = {service: {k: f"{h}:{p}" for k, (h, p) in keys.items()} for service, keys in ports.items()}
-    (run_dir / "ports.json").write_text(json.dumps({**table, "redis": run_config.redact_url(redis_url)}, indent=1))
+    (run_dir / "ports.json").write_text(json.dumps({**table, "redis": env_config.redact_url(redis_url)}, indent=1))
     shown = "; ".join(
         f"{s} " + ", ".join(f"{k.split('.', 1)[1]} {a}" for k, a in keys.items()) for s, keys in table.items()
     )
@@ -192,7 +192,7 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, a
         # threads are several times slower than one each. The Redis URL (with any password) travels
         # in the environment, not in the file.
         env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_REDIS_URL": cfg.redis_url}
-        for name in run_config.REDIS_URL_PARTS:  # already in the URL
+        for name in env_config.REDIS_URL_PARTS:  # already in the URL
             env.pop(name, None)
         _write_ports(run_dir, ports, cfg.redis_url)
         common = ["--config", str(resolved)]
@@ -232,7 +232,7 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, a
             time.sleep(0.5)
         if rc == services.REDIS_OUTAGE_EXIT:
             print(
-                f"[tandem] giving up: Redis at {run_config.redact_url(cfg.redis_url)} unreachable for more than "
+                f"[tandem] giving up: Redis at {env_config.redact_url(cfg.redis_url)} unreachable for more than "
                 f"redis_outage_s={cfg.redis_outage_s:g}s; --run-dir {run_dir} resumes the run",
                 file=sys.stderr,
             )

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from policy.fields import is_number
+
 LOG_FLOOR = 1e-10  # a log axis has no 0: exact zeros are drawn here (and the legend says so)
 
 
@@ -139,7 +141,7 @@ def mismatch_value(row: dict, key: str) -> float:
     4. otherwise the value itself.
     """
     value = row.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if not is_number(value) or value != value:
         return float("nan")
     if key == "logp_abs_diff_stale" and row.get("staleness_max") == 0:
         return float("nan")

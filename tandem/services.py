@@ -25,6 +25,7 @@ from broker.codec import PromptGroup
 from broker.outage import outage_in
 from broker.signing import load_signer
 from broker.streams import run_async
+from policy.checkpoint import load_hf_into, read_config
 from policy.model import ModelConfig
 from policy.recipe import Recipe
 from rollout.evaluate import heldout_accuracy
@@ -49,8 +50,6 @@ def model_config_for(model: ModelSection, vocab_size: int) -> ModelConfig:
     if not model.checkpoint:
         overrides = {"max_seq_len": 64, **model.overrides, "vocab_size": vocab_size}
         return ModelConfig.preset(model.preset or "tiny", **overrides)
-    from policy.checkpoint import read_config
-
     checkpoint = read_config(model.checkpoint).to_dict()
     cfg = ModelConfig.from_dict({**checkpoint, **model.overrides})  # validated, lists as tuples
     arch = sorted(k for k in model.overrides if k != "max_seq_len" and cfg.to_dict()[k] != checkpoint[k])
@@ -100,8 +99,6 @@ def initial_weights(cfg: RunConfig):
     """What the trainer starts from when it has no checkpoint of its own: the HF weights, or None (init)."""
     if not cfg.model.checkpoint:
         return None
-    from policy.checkpoint import load_hf_into
-
     return lambda model: load_hf_into(model, cfg.model.checkpoint)
 
 

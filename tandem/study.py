@@ -42,6 +42,8 @@ from typing import Any
 
 import yaml
 
+from policy.configfile import parse_override, read_mapping, set_dotted
+
 from . import config as run_config
 
 _STUDY_KEYS = {"name", "description", "base", "set", "grid", "runs"}
@@ -72,7 +74,7 @@ class Study:
 
     def expand(self) -> list[StudyRun]:
         """Grid points first (the last key varies fastest), then the named runs; every config validated."""
-        base = yaml.safe_load(self.base.read_text()) or {}
+        base = read_mapping(self.base, f"study {self.name}: base {str(self.base)!r}")
         out: list[StudyRun] = []
         seen: dict[str, str] = {}  # canonical resolved config -> first run's name
         keys = list(self.grid)
@@ -82,7 +84,7 @@ class Study:
             cfg = _with(_with(base, self.set), overrides)
             cfg["run_id"] = name.replace("__", ".")[:100]
             try:
-                resolved = run_config._build(run_config.RunConfig, cfg, "")
+                resolved = run_config.from_dict(cfg)
                 _check_recipes(resolved)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"study {self.name}: run {name}: {e}") from None
@@ -107,7 +109,7 @@ def grid_run_name(point: dict[str, Any]) -> str:
 
 
 def _check_recipes(cfg: run_config.RunConfig) -> None:
-    from .services import load_recipe
+    from .services import load_recipe  # imports the trainer and the rollout worker: seconds
 
     for name in filter(None, (cfg.recipe, cfg.rollout_recipe)):
         load_recipe(cfg, name)
@@ -129,23 +131,16 @@ def _with(data: dict, dotted: dict[str, Any]) -> dict:
     """A deep copy of `data` with each dotted key set (nested sections created as needed)."""
     out = json.loads(json.dumps(data))
     for key, value in dotted.items():
-        run_config._set_dotted(out, key, json.loads(json.dumps(value)))
+        set_dotted(out, key, json.loads(json.dumps(value)))
     return out
 
 
 def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
     """A study YAML + command-line overrides -> Study (every run's config checked by `expand`)."""
-    p = Path(path)
-    if not p.is_file() and (run_config.REPO_CONFIGS / p).is_file():
-        p = run_config.REPO_CONFIGS / p
-    if not p.is_file():
+    p = run_config.find_config(path)
+    if p is None:
         raise ValueError(f"study config {path}: no such file")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"study config {p}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"study config {p}: expected a mapping")
+    data = read_mapping(p, f"study config {p}")
     unknown = sorted(set(data) - _STUDY_KEYS)
     if unknown:
         raise ValueError(
@@ -159,16 +154,12 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
     runs = _mapping(data.get("runs"), "runs", p)
     file_grid, file_runs = dict(grid), list(runs)
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not key=value")
-        value = yaml.safe_load(raw)
+        key, value = parse_override(item)
         if key.startswith("grid."):
             grid[key[len("grid.") :]] = value
         elif key == "runs":
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"override runs={raw}: want a list of named runs, e.g. runs=[a,b]")
+                raise ValueError(f"override runs={value!r}: want a list of named runs, e.g. runs=[a,b]")
             missing = [v for v in value if v not in runs]
             if missing:
                 raise ValueError(f"override runs: no named run(s) {', '.join(missing)}; known: {', '.join(runs)}")
@@ -276,7 +267,7 @@ def _fmt_s(s: float) -> str:
 class _Job:
     def __init__(self, run: StudyRun, run_dir: Path, cpus: list[int]):
         self.run, self.run_dir, self.cpus = run, run_dir, cpus
-        self.max_steps = run_config._build(run_config.RunConfig, run.config, "").trainer.max_steps
+        self.max_steps = run_config.from_dict(run.config).trainer.max_steps
         self.steps_at_start = _steps_done(run_dir)
         cfg_path = run_dir / "study-run.yaml"
         self.started = time.time()
@@ -296,8 +287,6 @@ class _Job:
         return min(1.0, _steps_done(self.run_dir) / self.max_steps)
 
     def finish(self, rc: int) -> None:
-        from .study_report import commit
-
         end = time.time()
         attempt = {"start": self.started, "end": end, "rc": rc, "cpus": self.cpus, "commit": commit()}
         with open(self.run_dir / "attempts.jsonl", "a") as f:
@@ -305,6 +294,18 @@ class _Job:
         if rc == 0 and _steps_done(self.run_dir) >= self.max_steps:
             wall = sum(a["end"] - a["start"] for a in read_jsonl(self.run_dir / "attempts.jsonl"))
             (self.run_dir / "done.json").write_text(json.dumps({"wall_time_s": wall, "finished": end}) + "\n")
+
+
+def commit() -> str:
+    """This checkout's git commit, noting uncommitted changes: recorded per attempt and in the report."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -329,10 +330,8 @@ def prepare_run_dir(run: StudyRun, run_dir: Path) -> None:
 def run_study(
     study: Study, out: Path, *, jobs: int = 1, log=print, poll_s: float = 1.0, progress_s: float = 30.0
 ) -> int:
-    """Run every unfinished run of `study` in `out`, `jobs` at a time, then write the report.
+    """Run every unfinished run of `study` in `out`, `jobs` at a time (the report is study_report's).
     Returns 0 when every run finished, 1 when some failed, 130 when interrupted."""
-    from .study_report import write_report
-
     runs = study.expand()
     out.mkdir(parents=True, exist_ok=True)
     for r in runs:
@@ -414,8 +413,6 @@ def run_study(
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    report = write_report(study, runs, out)
-    log(
-        f"[study] report {report}; summary {out / 'summary.csv'}" + (f"; failed: {', '.join(failed)}" if failed else "")
-    )
+    if failed:
+        log(f"[study] failed: {', '.join(failed)} (see each run's launcher.log)")
     return 1 if failed else 0

@@ -20,7 +20,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import yaml
 
 from . import config as run_config
-from .study import Study, StudyRun, command_line, read_jsonl, run_state
+from .study import Study, StudyRun, command_line, commit, read_jsonl, run_state
 
 # Two-sided 95% quantiles of Student's t, t_{0.975, df} for df = 1..30 (above 30: 1.96 is within 4%).
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -94,7 +93,7 @@ def _get(cfg: dict, dotted: str):
 
 def summarize_run(run: StudyRun, run_dir: Path) -> dict:
     """The summary row of one run (metrics missing: status only)."""
-    resolved = run_config._build(run_config.RunConfig, run.config, "")
+    resolved = run_config.from_dict(run.config)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     done = run_state(run_dir) == "done"
     out = {
@@ -150,7 +149,7 @@ def summary_rows(runs: list[StudyRun], out: Path) -> list[dict]:
 
 def _baseline_key(run: StudyRun) -> str:
     """The run's resolved config with the precision keys and run_id blanked: equal for a run and its bf16 baseline."""
-    d = run_config._build(run_config.RunConfig, run.config, "").to_dict()
+    d = run_config.from_dict(run.config).to_dict()
     d.pop("run_id")
     d.pop("recipe")
     d.pop("rollout_recipe")
@@ -395,17 +394,6 @@ def machine() -> str:
     )
 
 
-def commit() -> str:
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True)  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
 def run_commits(runs: list[StudyRun], out: Path) -> list[str]:
     """The commits the runs' attempts ran at (attempts.jsonl), in order of first use."""
     seen: dict[str, None] = {}
@@ -443,7 +431,7 @@ def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | N
         w.writerows(rows)
     pngs = _plots(study, runs, rows, out)
     vs = versus_bf16(runs, rows)
-    base_cfg = run_config.dump(run_config._build(run_config.RunConfig, runs[0].config, ""))
+    base_cfg = run_config.dump(run_config.from_dict(runs[0].config))
     breaking = [r["name"] for r in rows if r["contract_breaking"]]
     cmd = command or command_line()
     ran = list(dict.fromkeys(c["command"] for c in read_jsonl(out / "commands.jsonl"))) or ["none recorded"]

@@ -19,7 +19,7 @@ def same_parts(a, b) -> bool:
 
 def mixed_tensors(cfg, seed: int) -> dict:
     """Every parameter of `cfg` (random, 1-D ones as [1, N]) quantized as format_for says."""
-    from policy import manifest as M
+    from policy.formats.params import quantize_param
     from policy.model import parameter_shapes
 
     g = torch.Generator().manual_seed(seed)
@@ -27,7 +27,7 @@ def mixed_tensors(cfg, seed: int) -> dict:
     for name, shape in parameter_shapes(cfg).items():
         w = torch.randn(*shape, generator=g) if len(shape) == 2 else torch.randn(1, shape[0], generator=g)
         fmt, kw = format_for(name)
-        out[name] = M.quantize_param(w, fmt, **kw)
+        out[name] = quantize_param(w, fmt, **kw)
     return out
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from broker.health import HealthConfig
 from broker.tls import ServerTLS
+from policy.fields import is_int
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -28,7 +29,7 @@ class LRSchedule:
         errors = []
         if self.kind not in LR_SCHEDULES:
             errors.append(f"trainer.lr_schedule.kind={self.kind!r} (one of {', '.join(LR_SCHEDULES)})")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+        if not is_int(self.warmup_steps, lo=0):
             errors.append(f"trainer.lr_schedule.warmup_steps={self.warmup_steps!r} (an int >= 0)")
         if not 0 <= self.min_lr_ratio <= 1:
             errors.append(f"trainer.lr_schedule.min_lr_ratio={self.min_lr_ratio!r} (want 0..1)")
@@ -254,11 +255,7 @@ class TrainerConfig:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} (want host:port)")
             elif self.grpc_port == 0:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} needs a fixed grpc_port (it is 0: a free port)")
-        if (
-            isinstance(self.mps_thread_percentage, bool)
-            or not isinstance(self.mps_thread_percentage, int)
-            or not (0 <= self.mps_thread_percentage <= 100)
-        ):
+        if not is_int(self.mps_thread_percentage, 0, 100):
             errors.append(f"mps_thread_percentage={self.mps_thread_percentage!r} (an int in [0, 100]; 0 = no limit)")
         if self.policy_server_process is not None and not isinstance(self.policy_server_process, bool):
             errors.append(f"policy_server_process={self.policy_server_process!r} (want true, false or null)")
@@ -287,7 +284,7 @@ class TrainerConfig:
             errors.append(f"stall_s={self.stall_s} (must be > 0)")
         for name in ("max_unauthenticated_streams", "max_streams_per_peer"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 256:
+            if not is_int(v, 1, 255):
                 errors.append(f"{name}={v!r} (an int in [1, 255]: the server serves 256 streams)")
         if not -1 <= self.metrics_port <= 65535:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from policy import compute
 from policy.formats import Operand
-from policy.model import ModelConfig, QuantHook
+from policy.model import ModelConfig, QuantHook, parameter_shapes
 from policy.qat import QATHook
 from policy.recipe import Plan, Recipe
 
@@ -342,8 +342,6 @@ def canonical_name(mname: str, *, expert_offset: int = 0) -> str:
 
 def megatron_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Megatron name -> full shape (TP=1, EP=1), the names a GPTModel of `cfg` has."""
-    from policy.model import parameter_shapes
-
     shapes: dict[str, tuple[int, ...]] = {}
     for name, shape in parameter_shapes(cfg).items():
         mname = megatron_name(name)
@@ -396,8 +394,6 @@ def from_megatron(cfg: ModelConfig, state: Mapping[str, Tensor]) -> dict[str, Te
     if bad:
         raise ValueError(f"from_megatron: bad shapes {bad[:5]}")
     out: dict[str, Tensor] = {}
-    from policy.model import parameter_shapes
-
     for name in parameter_shapes(cfg):
         mname = megatron_name(name)
         if not mname.endswith(_M_QKV):

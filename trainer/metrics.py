@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from broker.metrics import MetricsEndpoint
+from policy.fields import is_int, is_number
 
 from .config import LoggingConfig, WandbConfig
 
@@ -102,9 +103,7 @@ class MetricWriter(Protocol):
 
 def scalars(row: dict) -> dict[str, float]:
     """The row's numbers by key: `step`, bools, text and nested values left out."""
-    return {
-        k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
-    }
+    return {k: float(v) for k, v in row.items() if k != "step" and is_number(v)}
 
 
 class TensorBoardWriter:
@@ -241,7 +240,7 @@ def state_samples(state: dict):
         state["version"],
     )
     for name, value in state.items():
-        if name in ("step", "version") or isinstance(value, bool) or not isinstance(value, int):
+        if name in ("step", "version") or not is_int(value):
             continue
         help_text = COUNTER_HELP.get(name, f"the trainer's cumulative {name.replace('_', ' ')} (count)")
         yield "counter", f"tandem_trainer_{name}_total", help_text, value

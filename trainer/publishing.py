@@ -27,6 +27,8 @@ import torch
 from broker import frames
 from broker.registry import PolicyPointer, PolicyRegistry
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import ModelConfig
 from policy.recipe import Plan, Recipe
 
@@ -49,11 +51,11 @@ class Contracts:
     @classmethod
     def of(cls, model_config: ModelConfig, recipe: Recipe, rollout_recipe: Recipe | None = None) -> Contracts:
         rollout_recipe = rollout_recipe or recipe
-        published = mf.contract_from_recipe(model_config=model_config, recipe=rollout_recipe)
+        published = contract_from_recipe(model_config=model_config, recipe=rollout_recipe)
         return cls(
             recipe=recipe,
             rollout_recipe=rollout_recipe,
-            fingerprint=mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint(),
+            fingerprint=contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint(),
             accepted=published.fingerprint(),
             publish_contract=published,
             publish_plan=rollout_recipe.plan(model_config),
@@ -102,7 +104,7 @@ class PolicyPublishing:
         check = self.backend.finite_check()  # queued on the device; read in the thread
         retained = self.backend.quantized_params(check_finite=False)  # the QAT forward's own quantized parts
         if self.contracts.breaking:
-            tensors = mf.quantize_params(self.backend.canonical(), self.contracts.publish_plan)
+            tensors = quantize_params(self.backend.canonical(), self.contracts.publish_plan)
         else:
             tensors = retained
         self.quantize_s = time.perf_counter() - t0

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from policy import formats, qat
-from policy.manifest import QuantizedParam
+from policy.formats.params import QuantizedParam
 from policy.model import ModelConfig, MoE, Transformer
 from policy.recipe import Plan
 

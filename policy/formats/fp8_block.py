@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from policy.fields import is_int
+
 from ._common import E4M3_MAX, FLT_MAX, Operand, check_input, check_shape, to_e4m3
 
 WEIGHT_BLOCK = (128, 128)
@@ -39,7 +41,7 @@ class FP8BlockTensor:
 
 def _check_block(block) -> tuple[int, int]:
     ok = isinstance(block, (tuple, list)) and len(block) == 2
-    ok = ok and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ok = ok and all(is_int(b, lo=1) for b in block)
     if not ok:
         raise ValueError(f"fp8_block: block must be two positive ints like (128, 128) or (1, 128), got {block!r}")
     return int(block[0]), int(block[1])

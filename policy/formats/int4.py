@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from policy.fields import is_int
+
 from ._common import Operand, amax, blocks, check_input, check_shape, fp32
 
 DEFAULT_GROUP = 32
@@ -50,7 +52,7 @@ class INT4Tensor:
 
 
 def _check_group(group_size) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % PACK:
+    if not is_int(group_size, lo=1) or group_size % PACK:
         raise ValueError(
             f"int4: group_size must be a positive multiple of {PACK} (eight values pack into one int32), got {group_size!r}"
         )

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from policy.fields import is_int
+
 from .bitmath import CODE_BIAS, INT4_SNAP
 
 SNAP = tl.constexpr(INT4_SNAP)
@@ -636,12 +638,12 @@ def kernel_supports(fmt: str, x: torch.Tensor, kw: dict) -> bool:
         return False
     if fmt == "int4":
         g = kw.get("group_size", 32)
-        return isinstance(g, int) and g >= 16 and g & (g - 1) == 0 and g <= 512
+        return is_int(g, 16, 512) and g & (g - 1) == 0
     if fmt == "fp8_block":
         block = kw.get("block", (128, 128))
         if not isinstance(block, (tuple, list)) or len(block) != 2:
             return False  # the reference raises the ValueError that names it
         bm, bk = block
-        pow2 = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0 for v in (bm, bk))
+        pow2 = all(is_int(v, lo=1) and v & (v - 1) == 0 for v in (bm, bk))
         return pow2 and bm * bk <= 16384 and bk >= 16
     return fmt in ("nvfp4", "mxfp8")

@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def from_run_dir(run_dir: Path, version: int | None):
     """(model config, {name: quantized}, recipe name, fingerprint, version, tokenizer) from a run folder."""
-    from policy import manifest as mf
+    from policy.contract import contract_from_recipe
+    from policy.formats.params import quantize_params
     from tandem import config as run_config
     from tandem.services import task_and_model
     from trainer.checkpoints import checkpoint_of_version
@@ -48,7 +49,7 @@ def from_run_dir(run_dir: Path, version: int | None):
     if not cfg_file.is_file():
         raise ValueError(f"{run_dir} is not a run folder (needs config.yaml and checkpoints/)")
     task, model_config, recipe = task_and_model(run_config.load(cfg_file))
-    fingerprint = mf.contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
+    fingerprint = contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
     ckpt, ck = checkpoint_of_version(run_dir / "checkpoints", version)
     if ck["fingerprint"] != fingerprint:
         raise ValueError(f"{ckpt} has contract {ck['fingerprint'][:12]}, the run's config gives {fingerprint[:12]}")
@@ -56,7 +57,7 @@ def from_run_dir(run_dir: Path, version: int | None):
     plan = recipe.plan(model_config)
     names = {e.name for e in plan.params}
     weights = {n: w for n, w in ck["model"].items() if n in names}  # parameters, not buffers
-    packed = mf.quantize_params(weights, plan)
+    packed = quantize_params(weights, plan)
     return model_config, {n: q.value for n, q in packed.items()}, recipe.name, fingerprint, version, task.tokenizer
 
 

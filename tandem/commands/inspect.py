@@ -84,7 +84,8 @@ def _mb(n: int) -> str:
 
 
 def render(m, n_tensors: int = 20) -> str:
-    from policy.manifest import chunk_count, format_params
+    from policy.chunks import chunk_count
+    from policy.tp_layout import format_params
 
     c = m.contract
     created = datetime.datetime.fromtimestamp(m.created_unix_ns / 1e9, tz=datetime.UTC)

@@ -18,11 +18,11 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     from rollout.cuda_engine import resolve_device
-    from tandem import config, services
+    from tandem import config, env_config, services
 
     if not args.config:
         raise ValueError("no run config: pass --config FILE or set TANDEM_CONFIG")
-    cfg = config.load(args.config, config.env_overrides() + args.overrides)
+    cfg = config.load(args.config, env_config.env_overrides() + args.overrides)
     services.check(cfg)
     resolve_device(cfg.rollout.device)  # e.g. rollout.device=cuda on a machine without CUDA
     return services.serve_rollout(cfg, args.worker_id)

@@ -35,7 +35,10 @@ def main(args) -> int:
                 raise ValueError(f"--report-only: no study folder {out}")
             print(f"[study] report {write_report(study, study.expand(), out)}")
             return 0
-        return run_study(study, out, jobs=args.jobs)
+        rc = run_study(study, out, jobs=args.jobs)
+        if rc != 130:  # interrupted: the next invocation finishes the runs and writes the report
+            print(f"[study] report {write_report(study, study.expand(), out)}; summary {out / 'summary.csv'}")
+        return rc
     except ValueError as e:
         print(f"tandem study: {e}", file=sys.stderr)
         return 2

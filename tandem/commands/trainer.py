@@ -16,10 +16,10 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from tandem import config, services
+    from tandem import config, env_config, services
 
     if not args.config:
         raise ValueError("no run config: pass --config FILE or set TANDEM_CONFIG")
-    cfg = config.load(args.config, config.env_overrides() + args.overrides)
+    cfg = config.load(args.config, env_config.env_overrides() + args.overrides)
     services.check(cfg)
     return services.serve_trainer(cfg, args.run_dir)

@@ -13,12 +13,12 @@ from broker.health import ROLLOUT_HEALTH, TRAINER_HEALTH, HealthConfig, HealthSe
 from broker.tls import ClientTLS, ServerTLS
 from rollout.config import RolloutConfig
 from tandem import config as run_config
-from tandem import services
+from tandem import env_config, services
 from trainer.config import TrainerConfig
 
 
 def _load(env: dict, overrides=()):
-    return run_config.load(None, run_config.env_overrides(env) + list(overrides))
+    return run_config.load(None, env_config.env_overrides(env) + list(overrides))
 
 
 def _check(port: int, service: str) -> str:
@@ -28,7 +28,7 @@ def _check(port: int, service: str) -> str:
 
 
 def test_every_env_key_lands_in_its_config_field():
-    env = {name: f"/x/{name.lower()}" for name in run_config.ENV_KEYS}
+    env = {name: f"/x/{name.lower()}" for name in env_config.ENV_KEYS}
     env.update(TANDEM_RUN_ID="2024", TANDEM_REDIS_URL="redis://r:6379/0", TANDEM_ROLLOUT_TLS_SERVER_NAME="trainer")
     cfg = _load(env)
     assert cfg.run_id == "2024"  # quoted: YAML would have made it an int
@@ -44,7 +44,7 @@ def test_every_env_key_lands_in_its_config_field():
     )
     # Command-line overrides come after the environment and win.
     assert _load(env, ["run_id=cli"]).run_id == "cli"
-    assert run_config.env_overrides({}) == []
+    assert env_config.env_overrides({}) == []
 
 
 def test_the_redis_password_is_merged_quoted_and_replaces_one_in_the_url():
@@ -74,11 +74,11 @@ def test_the_redis_ca_file_needs_rediss():
     assert got["ssl_ca_certs"] == "/etc/redis ca/ca.pem" and got["password"] == "s"
     assert got["connection_class"].__name__ == "SSLConnection"
     with pytest.raises(ValueError, match="TANDEM_REDIS_CA_FILE.*needs a rediss://"):
-        run_config.env_overrides({"TANDEM_REDIS_URL": "redis://h:6379", "TANDEM_REDIS_CA_FILE": "/ca.pem"})
+        env_config.env_overrides({"TANDEM_REDIS_URL": "redis://h:6379", "TANDEM_REDIS_CA_FILE": "/ca.pem"})
     with pytest.raises(ValueError, match="TANDEM_REDIS_PASSWORD set without TANDEM_REDIS_URL"):
-        run_config.env_overrides({"TANDEM_REDIS_PASSWORD": "s"})
+        env_config.env_overrides({"TANDEM_REDIS_PASSWORD": "s"})
     with pytest.raises(ValueError, match="want redis://"):
-        run_config.env_overrides({"TANDEM_REDIS_URL": "http://h:6379"})
+        env_config.env_overrides({"TANDEM_REDIS_URL": "http://h:6379"})
 
 
 def test_trainer_config_checks_advertise_and_tls():

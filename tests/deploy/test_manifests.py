@@ -27,6 +27,7 @@ from broker.health import ROLLOUT_HEALTH, TRAINER_HEALTH
 from broker.keys import PROMPTS_GROUP, Keys
 from broker.tls import ServerTLS
 from tandem import config as run_config
+from tandem import env_config
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -116,7 +117,7 @@ def loaded_config(docs, tmp_path: Path, workload: str):
     path = tmp_path / "run.yaml"
     path.write_text(run_yaml(docs))
     w = get(docs, "StatefulSet" if workload == "tandem-trainer" else "Deployment", workload)
-    return run_config.load(path, run_config.env_overrides(resolve_env(docs, container(w))))
+    return run_config.load(path, env_config.env_overrides(resolve_env(docs, container(w))))
 
 
 # ---------------------------------------------------------------------------------------- schemas
@@ -250,7 +251,7 @@ def test_ports_and_probes_match_what_the_code_listens_on(rendered, overlay, tmp_
 
 def _code_env_names() -> set[str]:
     """The TANDEM_* variables the code reads: the commands' os.environ reads and tandem.config's table."""
-    names = set(run_config.ENV_KEYS) | set(run_config.REDIS_URL_PARTS)
+    names = set(env_config.ENV_KEYS) | set(env_config.REDIS_URL_PARTS)
     pattern = re.compile(r"environ(?:\.get\(|\[)\s*\"(TANDEM_[A-Z0-9_]+)\"")
     for path in [*(REPO / "tandem" / "commands").glob("*.py"), REPO / "tandem" / "config.py"]:
         names |= set(pattern.findall(path.read_text()))
@@ -556,8 +557,8 @@ def test_gpu_redis_tls_runs_on_a_real_redis(rendered, tmp_path, free_port):
                           ("TANDEM_REDIS_KEY_FILE", "client.key")):  # fmt: skip
             env[var] = str(certs / name)
         env["TANDEM_REDIS_URL"] = env["TANDEM_REDIS_URL"].replace("tandem-redis:6379", f"127.0.0.1:{port}")
-        url = run_config.load(None, run_config.env_overrides(env)).redis_url
-        without_cert = run_config.redis_url_with(
+        url = run_config.load(None, env_config.env_overrides(env)).redis_url
+        without_cert = env_config.redis_url_with(
             env["TANDEM_REDIS_URL"], password=TEST_PASSWORD, ca_file=str(certs / "ca.crt")
         )
 

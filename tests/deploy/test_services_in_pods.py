@@ -27,7 +27,7 @@ from broker.health import ROLLOUT_HEALTH, TRAINER_HEALTH
 from broker.keys import Keys
 from broker.registry import PolicyRegistry
 from broker.streams import connect, run_async
-from tandem.config import redis_url_with
+from tandem.env_config import redis_url_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -11,13 +11,15 @@ import torch
 
 from broker import frames
 from policy import manifest as M
+from policy.contract import Contract
+from policy.formats.params import QuantizedParam, quantize_param
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CONTRACT = M.Contract(model_config={"test": "frames"}, recipe_name="mixed", recipe_rules={"rules": ["test"]})
+CONTRACT = Contract(model_config={"test": "frames"}, recipe_name="mixed", recipe_rules={"rules": ["test"]})
 
 
-def tensors(seed: int) -> dict[str, M.QuantizedParam]:
+def tensors(seed: int) -> dict[str, QuantizedParam]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     out = {}
     shapes = {"a": (256, 1024), "b": (640, 2048), "c": (1, 96), "d": (3000, 512)}  # chunks cut parts mid-way
@@ -25,7 +27,7 @@ def tensors(seed: int) -> dict[str, M.QuantizedParam]:
     for name, shape in shapes.items():
         fmt, kw = fmts[name]
         w = torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
-        out[name] = M.quantize_param(w, fmt, **kw)
+        out[name] = quantize_param(w, fmt, **kw)
     return out
 
 
@@ -33,7 +35,7 @@ def tensors(seed: int) -> dict[str, M.QuantizedParam]:
 def test_framed_bytes_and_checksums_equal_build_manifest(chunk, task_chunks, monkeypatch):
     """task_chunks > 0: every tensor hashed in runs of that many chunks (several tasks waiting on its D2H)."""
     if task_chunks:
-        monkeypatch.setattr(M, "HASH_TASK_BYTES", task_chunks * chunk)
+        monkeypatch.setattr("policy.chunks.HASH_TASK_BYTES", task_chunks * chunk)
     t = tensors(0)
     ref = M.build_manifest(
         version=2, parent_version=1, contract=CONTRACT, tensors=t, chunk_bytes=chunk, created_unix_ns=5
@@ -55,8 +57,8 @@ def test_framed_bytes_and_checksums_equal_build_manifest(chunk, task_chunks, mon
 
 def test_staged_parts_aliasing_a_parameter_survive_an_in_place_update():
     p = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
-    q = M.quantize_param(p, "bf16")
-    alias = M.QuantizedParam("bf16", {}, type(q.value)(p, (512, 1024)))
+    q = quantize_param(p, "bf16")
+    alias = QuantizedParam("bf16", {}, type(q.value)(p, (512, 1024)))
     want = p.clone()
     staged = frames.stage(
         version=1, parent_version=None, contract=CONTRACT, tensors={"p": alias}, pool=frames.BufferPool(pin=True),

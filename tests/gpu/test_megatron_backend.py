@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run via bench/run_megatron_device.sh)", allow_module_level=True)
 pytest.importorskip("megatron.core")
 
-from policy.manifest import build_manifest, contract_from_recipe  # noqa: E402
+from policy.contract import contract_from_recipe
+from policy.manifest import build_manifest
 from policy.model import ModelConfig, Transformer  # noqa: E402
 from policy.qat import apply_qat as torch_apply_qat  # noqa: E402
 from policy.qat import bits  # noqa: E402

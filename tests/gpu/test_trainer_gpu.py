@@ -13,8 +13,10 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from policy import manifest as mf  # noqa: E402
+from policy import manifest as mf
 from policy import qat  # noqa: E402
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import ModelConfig, Transformer  # noqa: E402
 from policy.recipe import Recipe  # noqa: E402
 
@@ -22,7 +24,7 @@ CFG = ModelConfig.preset("tiny", n_layers=2)
 
 
 def _manifest(model: Transformer, recipe: Recipe, tensors) -> dict[str, bytes]:
-    contract = mf.contract_from_recipe(model_config=CFG, recipe=recipe)
+    contract = contract_from_recipe(model_config=CFG, recipe=recipe)
     packed = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
     return {t.name: t.sha256 for t in packed.manifest.tensors}
 
@@ -41,7 +43,7 @@ def test_gpu_qat_publishes_the_cpu_reference_bytes_and_refreshes_per_step(recipe
     assert torch.isfinite(logp).all()
     cached = hook.quantized_params(model)
     cpu_master = {n: p.detach().cpu() for n, p in model.named_parameters()}
-    reference = mf.quantize_params(cpu_master, recipe.plan(CFG))  # the CPU reference quantizers
+    reference = quantize_params(cpu_master, recipe.plan(CFG))  # the CPU reference quantizers
     assert _manifest(model, recipe, cached) == _manifest(model, recipe, reference)
 
     (-logp.mean()).backward()
@@ -49,7 +51,7 @@ def test_gpu_qat_publishes_the_cpu_reference_bytes_and_refreshes_per_step(recipe
     after = hook.quantized_params(model)
     assert any(after[n] is not cached[n] for n in cached)
     moved = {n: p.detach().cpu() for n, p in model.named_parameters()}
-    assert _manifest(model, recipe, after) == _manifest(model, recipe, mf.quantize_params(moved, recipe.plan(CFG)))
+    assert _manifest(model, recipe, after) == _manifest(model, recipe, quantize_params(moved, recipe.plan(CFG)))
 
 
 # ---- the trainer's backends (trainer/backends.py) on the GPU: torch and megatron-core
@@ -87,7 +89,7 @@ def _padded_batch(seed: int = 0):
 
 
 def _published(backend) -> dict[str, bytes]:
-    contract = mf.contract_from_recipe(model_config=CFG, recipe=backend.recipe)
+    contract = contract_from_recipe(model_config=CFG, recipe=backend.recipe)
     packed = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=backend.quantized_params())
     return {n: bytes(b) for n, b in packed.blobs.items()}
 
@@ -132,7 +134,7 @@ def test_backends_grpo_update_refreshes_qat_and_checkpoints_round_trip(backends)
         assert backend.update(loss) > 0
         after = backend.canonical()
         moved.append({n: (after[n] - before[n]).float() for n in after})
-        fresh = mf.quantize_params(after, backend.recipe.plan(CFG))
+        fresh = quantize_params(after, backend.recipe.plan(CFG))
         now = backend.quantized_params()
         assert any(now[n] is not cached[n] for n in cached)  # the cache was invalidated by the update
         assert _manifest(None, backend.recipe, now) == _manifest(None, backend.recipe, fresh)

@@ -22,8 +22,10 @@ from drive_worker import load, rollout_group  # noqa: E402  (tests/drive_worker.
 from broker.codec import PromptGroup  # noqa: E402
 from broker.policy_server import PolicyServer, PolicyServerConfig  # noqa: E402
 from broker.registry import PolicyPointer  # noqa: E402
-from policy import manifest as mf  # noqa: E402
+from policy import manifest as mf
 from policy import qat  # noqa: E402
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import Transformer  # noqa: E402
 from tandem import config, services  # noqa: E402
 
@@ -35,13 +37,13 @@ def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
     assert worker.model is None  # no CPU copy of the model on the CUDA path
     model = Transformer(model_config, seed=0)
     plan = recipe.plan(model_config)
-    tensors = mf.quantize_params(dict(model.named_parameters()), plan)
-    contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
+    tensors = quantize_params(dict(model.named_parameters()), plan)
+    contract = contract_from_recipe(model_config=model_config, recipe=recipe)
     packed = mf.build_manifest(version=2, parent_version=1, contract=contract, tensors=tensors)
     logs: list[str] = []
     worker.log = logs.append
     other = Transformer(model_config, seed=1)
-    v1 = mf.quantize_params(dict(other.named_parameters()), plan)
+    v1 = quantize_params(dict(other.named_parameters()), plan)
     with PolicyServer(PolicyServerConfig(port=0)) as server:
         server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=v1))
         pointer = PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)

@@ -15,6 +15,8 @@ import torch
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from policy import formats
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
@@ -44,8 +46,8 @@ def server():
 def test_export_from_a_policy_server(tmp_path, server):
     recipe = Recipe.load("int4_qat")
     model = Transformer(CFG, seed=3)
-    contract = mf.contract_from_recipe(model_config=CFG, recipe=recipe)
-    tensors = mf.quantize_params(dict(model.named_parameters()), recipe.plan(CFG))
+    contract = contract_from_recipe(model_config=CFG, recipe=recipe)
+    tensors = quantize_params(dict(model.named_parameters()), recipe.plan(CFG))
     for v in (1, 2):
         server.publish(mf.build_manifest(version=v, parent_version=v - 1 or None, contract=contract, tensors=tensors))
     r = tandem(
@@ -76,8 +78,8 @@ def test_export_from_a_policy_server(tmp_path, server):
 def test_export_of_a_model_with_a_shared_expert_is_one_line(tmp_path, server):
     cfg = dataclasses.replace(CFG, shared_expert_ffn_dim=128)
     recipe = Recipe.load("bf16")
-    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
-    tensors = mf.quantize_params(dict(Transformer(cfg, seed=3).named_parameters()), recipe.plan(cfg))
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
+    tensors = quantize_params(dict(Transformer(cfg, seed=3).named_parameters()), recipe.plan(cfg))
     server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors))
     r = tandem("export", server.address, "--format", "hf", "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr

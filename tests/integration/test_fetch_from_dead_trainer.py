@@ -13,6 +13,8 @@ import pytest
 from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
@@ -22,8 +24,8 @@ pytestmark = pytest.mark.integration
 def test_fetch_fails_fast_when_the_server_died_after_the_manifest():
     cfg = ModelConfig.preset("tiny", n_layers=1, n_experts=2, top_k=1)
     recipe = Recipe.load("bf16")
-    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
-    tensors = mf.quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), recipe.plan(cfg))
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
+    tensors = quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), recipe.plan(cfg))
     server = PolicyServer(PolicyServerConfig())
     server.start()
     server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors))

@@ -35,6 +35,7 @@ from broker.policy_client import (
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer
 from policy import manifest as mf
+from policy.chunks import first_chunk_indices
 from policy.manifest_check import ManifestRefused
 from rollout.fetch_process import FetchProcess, FetchRequest, whole_layouts
 from tandem.services import make_worker
@@ -363,7 +364,7 @@ def test_a_corrupted_chunk_served_to_one_of_three_children():
         expected = _in_process_bytes(server.address, fingerprint, 1)
         # the first chunk of a tensor of the second child's part
         parts = split_by_bytes({n: lay.nbytes for n, lay in whole_layouts(policy.manifest).items()}, 3)
-        index = mf.first_chunk_indices(policy.manifest)[parts[1][0]]
+        index = first_chunk_indices(policy.manifest)[parts[1][0]]
         try:
             server.corrupt_chunk(version=1, chunk_index=index)
             fetched = fetcher.fetch(request)

@@ -18,6 +18,8 @@ from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.signing import RUN_TOKEN_HEADER, load_signer, write_secret_file
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from tandem.cli import main
@@ -35,8 +37,8 @@ def packed():
     # ~7.6 MB: more than gRPC buffers for a stream that is not read, so a stalled handler blocks
     cfg = ModelConfig.preset("tiny", n_layers=1, dim=1024, n_experts=2, top_k=1)
     recipe = Recipe.load("bf16")
-    tensors = mf.quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), recipe.plan(cfg))
-    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
+    tensors = quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), recipe.plan(cfg))
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
     return mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors, chunk_bytes=16384)
 
 
@@ -199,7 +201,7 @@ def test_prometheus_binds_where_configured():
     import urllib.request
 
     from broker.metrics import MetricsEndpoint
-    from tandem.config import env_overrides
+    from tandem.env_config import env_overrides
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,6 +13,9 @@ from broker.codec import PromptGroup
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer
 from policy import manifest as mf
+from policy.chunks import chunk_count
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.manifest_check import ManifestRefused, check_manifest, expected_tensors
 from policy.model import Transformer
 from tandem import config as run_config
@@ -31,8 +34,8 @@ def contract_and_packed():
     _, model_config, recipe = task_and_model(CFG)
     model = Transformer(model_config, seed=0)
     plan = recipe.plan(model_config)
-    contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
-    tensors = mf.quantize_params(dict(model.named_parameters()), plan)
+    contract = contract_from_recipe(model_config=model_config, recipe=recipe)
+    tensors = quantize_params(dict(model.named_parameters()), plan)
     return plan, contract, tensors
 
 
@@ -53,7 +56,7 @@ def mutations():
         t = nvfp4_entry(m)
         last = t.parts.pop()
         t.nbytes -= last.nbytes
-        t.chunk_xxh3[:] = [0] * mf.chunk_count(t.nbytes, m.chunk_bytes)
+        t.chunk_xxh3[:] = [0] * chunk_count(t.nbytes, m.chunk_bytes)
         m.total_bytes -= last.nbytes
 
     def params(value):
@@ -79,7 +82,7 @@ def mutations():
             offset += n
         t.shape[:] = [rows, k]
         t.nbytes = offset
-        t.chunk_xxh3[:] = [0] * mf.chunk_count(offset, m.chunk_bytes)
+        t.chunk_xxh3[:] = [0] * chunk_count(offset, m.chunk_bytes)
         m.total_bytes += offset
 
     return {

@@ -18,6 +18,7 @@ from broker.delta import HeldPolicy
 from broker.policy_client import PolicyClient, PolicyClientConfig, ReceiveBuffers
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from policy import manifest as M
+from policy.formats.params import quantize_param
 from policy.model import ModelConfig, parameter_shapes
 from rollout.fetch_process import FetchProcess, FetchRequest
 from tandem.v1 import policy_pb2
@@ -49,7 +50,7 @@ def policy(version: int, ws: dict[str, torch.Tensor]) -> M.PackedPolicy:
     tensors = {}
     for n, w in ws.items():
         fmt, kw = format_for(n)
-        tensors[n] = M.quantize_param(w, fmt, **kw)
+        tensors[n] = quantize_param(w, fmt, **kw)
     return M.build_manifest(
         version=version, parent_version=version - 1 or None, contract=CONTRACT, tensors=tensors, chunk_bytes=CHUNK
     )

@@ -25,6 +25,9 @@ from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.tls import ClientTLS, ServerTLS, TLSHandshakeError
 from policy import manifest as M
 from policy import tp
+from policy.chunks import chunk_count, first_chunk_indices
+from policy.contract import ActivationSite, Contract
+from policy.formats.params import QuantizedParam, quantize_param
 from policy.model import ModelConfig, parameter_shapes
 from tandem.v1 import policy_pb2
 
@@ -34,23 +37,23 @@ CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)
 CHUNK = 8192  # small chunks: most tensors span several
 
 
-def make_tensors(seed: int) -> dict[str, M.QuantizedParam]:
+def make_tensors(seed: int) -> dict[str, QuantizedParam]:
     return mixed_tensors(CFG, seed)
 
 
-def with_one_change(tensors: dict[str, M.QuantizedParam], seed: int) -> dict[str, M.QuantizedParam]:
+def with_one_change(tensors: dict[str, QuantizedParam], seed: int) -> dict[str, QuantizedParam]:
     """The same policy with the final norm's weight replaced (cheap "different content")."""
     w = torch.randn(1, CFG.dim, generator=torch.Generator().manual_seed(seed))
-    return {**tensors, "model.norm.weight": M.quantize_param(w, "bf16")}
+    return {**tensors, "model.norm.weight": quantize_param(w, "bf16")}
 
 
-def make_contract(mode: str = "global", trainer_tp_size: int = 1) -> M.Contract:
+def make_contract(mode: str = "global", trainer_tp_size: int = 1) -> Contract:
     sites = [
-        M.ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", tp_scale_mode=mode)
+        ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", tp_scale_mode=mode)
         for n in parameter_shapes(CFG)
         if ".experts." in n
     ]
-    return M.Contract(
+    return Contract(
         model_config=CFG,
         recipe_name="mixed",
         recipe_rules={"rules": ["test"]},
@@ -138,7 +141,7 @@ def client(server: PolicyServer, **kw) -> PolicyClient:
     return PolicyClient(PolicyClientConfig(address=server.address, **kw))
 
 
-def assert_bitwise_equal(got: dict, want: dict[str, M.QuantizedParam]) -> None:
+def assert_bitwise_equal(got: dict, want: dict[str, QuantizedParam]) -> None:
     assert sorted(got) == sorted(want)
     for name, q in want.items():
         g = got[name].parts()
@@ -165,7 +168,7 @@ def test_round_trip_is_bitwise_exact(server, policy, tensors):
     assert fetched.version == 1
     assert fetched.manifest == policy.manifest
     assert_bitwise_equal(fetched.tensors, tensors)
-    n_chunks = sum(M.chunk_count(t.nbytes, CHUNK) for t in policy.manifest.tensors)
+    n_chunks = sum(chunk_count(t.nbytes, CHUNK) for t in policy.manifest.tensors)
     assert fetched.stats.chunks == n_chunks > len(tensors)
     assert fetched.stats.refetched_chunks == fetched.stats.resumed_streams == 0
 
@@ -213,7 +216,7 @@ def test_several_streams_and_kept_buffers_fetch_the_same_bytes(server, policy, t
         part = c.fetch(names=[name, "model.norm.weight"], buffers=buffers)  # another set: a new slab
         assert buffers.allocations == 2 and sorted(part.tensors) == sorted([name, "model.norm.weight"])
     # A corrupt chunk in one of the streams is fetched again by that stream alone.
-    index = M.first_chunk_indices(policy.manifest)["lm_head.weight"] + 1
+    index = first_chunk_indices(policy.manifest)["lm_head.weight"] + 1
     server.corrupt_chunk(version=1, chunk_index=index)
     with client(server, streams=4) as c:
         fetched = c.fetch()
@@ -246,12 +249,12 @@ def test_a_cancelled_fetch_ends_at_once(server, policy):
         c._accept = accept_then_cancel
         with pytest.raises(FetchCancelled):
             c.fetch_bytes(manifest, cancel=cancel)
-        assert 0 < len(accepted) < sum(M.chunk_count(t.nbytes, CHUNK) for t in manifest.tensors)
+        assert 0 < len(accepted) < sum(chunk_count(t.nbytes, CHUNK) for t in manifest.tensors)
 
 
 def test_corrupted_chunk_is_detected_and_fetched_again(server, policy, tensors):
     server.publish(policy)
-    first = M.first_chunk_indices(policy.manifest)
+    first = first_chunk_indices(policy.manifest)
     index = first["model.layers.0.mlp.experts.1.gate_up_proj.weight"] + 2
     server.corrupt_chunk(version=1, chunk_index=index)
     with client(server) as c:
@@ -266,7 +269,7 @@ def test_corrupted_chunk_is_detected_and_fetched_again(server, policy, tensors):
 
 def test_corrupted_shard_chunk_is_fetched_again(server, policy, tensors):
     server.publish(policy)
-    index = M.first_chunk_indices(policy.manifest)["model.layers.1.mlp.experts.0.down_proj.weight"]
+    index = first_chunk_indices(policy.manifest)["model.layers.1.mlp.experts.0.down_proj.weight"]
     server.corrupt_chunk(version=1, chunk_index=index, tp_rank=1, tp_size=2)
     with client(server) as c:
         fetched = c.fetch(tp_rank=1, tp_size=2)
@@ -366,7 +369,7 @@ def test_stream_cut_by_the_network_resumes(server, policy, tensors):
         assert proxy.dropped.is_set() and proxy.connections >= 2
         assert fetched.stats.resumed_streams >= 1
         assert_bitwise_equal(fetched.tensors, tensors)
-        n_chunks = sum(M.chunk_count(t.nbytes, CHUNK) for t in policy.manifest.tensors)
+        n_chunks = sum(chunk_count(t.nbytes, CHUNK) for t in policy.manifest.tensors)
         assert fetched.stats.chunks == n_chunks  # every chunk accepted once, none skipped
         assert server.stats()["chunks_sent"] < 2 * n_chunks  # resumed, not restarted from scratch
     finally:

@@ -13,6 +13,9 @@ from broker import frames
 from broker.policy_client import PolicyClient, PolicyClientConfig
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from policy import manifest as M
+from policy.chunks import ChecksumMismatch, chunk_bounds, chunk_count, first_chunk_indices, hash_runs
+from policy.contract import Contract
+from policy.formats.params import QuantizedParam, quantize_param
 from policy.model import ModelConfig
 from tandem.v1 import policy_pb2
 
@@ -22,11 +25,11 @@ CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)
 CHUNK = 8192  # most tensors span several chunks
 
 
-def make_tensors(seed: int) -> dict[str, M.QuantizedParam]:
+def make_tensors(seed: int) -> dict[str, QuantizedParam]:
     return mixed_tensors(CFG, seed)
 
 
-CONTRACT = M.Contract(model_config=CFG, recipe_name="mixed", recipe_rules={"rules": ["test"]})
+CONTRACT = Contract(model_config=CFG, recipe_name="mixed", recipe_rules={"rules": ["test"]})
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def test_frames_are_the_messages_protobuf_would_serialize(tensors):
         version=3, parent_version=2, contract=CONTRACT, tensors=tensors, chunk_bytes=CHUNK, created_unix_ns=1
     )
     assert f.manifest == ref.manifest
-    first = M.first_chunk_indices(ref.manifest)
+    first = first_chunk_indices(ref.manifest)
     buf = f.data.tobytes()
     n = 0
     for tf, entry in zip(f.layout.tensors, ref.manifest.tensors):
@@ -74,14 +77,14 @@ def test_frames_are_the_messages_protobuf_would_serialize(tensors):
             )
             assert buf[a:b] == want.SerializeToString(deterministic=True), (entry.name, j)
             n += 1
-    assert n == sum(M.chunk_count(t.nbytes, CHUNK) for t in ref.manifest.tensors) > len(tensors)
+    assert n == sum(chunk_count(t.nbytes, CHUNK) for t in ref.manifest.tensors) > len(tensors)
     assert f.layout.size == len(buf)
 
 
 def test_stage_clones_parts_that_alias_live_parameters():
     w = torch.randn(4, 64, dtype=torch.bfloat16)
-    q = M.quantize_param(w, "bf16")
-    q = M.QuantizedParam("bf16", {}, type(q.value)(w, (4, 64)))  # its part *is* the parameter
+    q = quantize_param(w, "bf16")
+    q = QuantizedParam("bf16", {}, type(q.value)(w, (4, 64)))  # its part *is* the parameter
     staged = frames.stage(
         version=1, parent_version=None, contract=CONTRACT, tensors={"w": q}, pool=frames.BufferPool(), live=[w]
     )
@@ -104,7 +107,7 @@ def client(server: PolicyServer) -> PolicyClient:
     )
 
 
-def assert_bitwise_equal(got: dict, want: dict[str, M.QuantizedParam]) -> None:
+def assert_bitwise_equal(got: dict, want: dict[str, QuantizedParam]) -> None:
     assert sorted(got) == sorted(want)
     for name, q in want.items():
         for part, t in q.value.parts().items():
@@ -115,7 +118,7 @@ def test_served_from_pooled_buffers_reused_only_after_eviction(tensors):
     """keep_versions=2: versions 1..7 cycle through 3 buffers (2 served, 1 being filled); a worker
     fetches each bitwise; an evicted version is NOT_FOUND."""
     pool = frames.BufferPool()
-    other = {n: M.quantize_param(torch.randn(1, CFG.dim), "bf16") if n == "model.norm.weight" else q
+    other = {n: quantize_param(torch.randn(1, CFG.dim), "bf16") if n == "model.norm.weight" else q
              for n, q in tensors.items()}  # fmt: skip
     with PolicyServer(PolicyServerConfig(keep_versions=2)) as server, client(server) as c:
         for v in range(1, 6):
@@ -143,7 +146,7 @@ def test_served_from_pooled_buffers_reused_only_after_eviction(tensors):
 def test_a_stream_reading_an_evicted_version_keeps_its_buffer():
     """A version bigger than gRPC's flow-control window: the server is still reading its buffer while
     the worker has read one chunk. Evicting it then does not free the buffer until the stream ends."""
-    big = {"w": M.quantize_param(torch.randn(3072, 8192).to(torch.bfloat16), "bf16")}  # 48 MiB
+    big = {"w": quantize_param(torch.randn(3072, 8192).to(torch.bfloat16), "bf16")}  # 48 MiB
 
     def version(v, pool):
         return frames.build_framed(version=v, parent_version=None, contract=CONTRACT, tensors=big, pool=pool)
@@ -201,7 +204,7 @@ def test_worker_checks_the_sha256_over_chunks_end_to_end(tensors):
         assert set(got.tensors) == set(tensors)
         for rank in range(2):
             c.fetch(1, tp_rank=rank, tp_size=2)
-        with pytest.raises(M.ChecksumMismatch, match=f"{big.name}.*failed the sha256 check"):
+        with pytest.raises(ChecksumMismatch, match=f"{big.name}.*failed the sha256 check"):
             c.fetch(2)
 
 
@@ -214,8 +217,8 @@ def test_tensors_hashed_in_runs_of_chunks_give_the_same_manifest(tensors, monkey
     ref = M.build_manifest(
         version=1, parent_version=None, contract=CONTRACT, tensors=tensors, chunk_bytes=CHUNK, created_unix_ns=1
     )
-    monkeypatch.setattr(M, "HASH_TASK_BYTES", task_chunks * CHUNK)
-    runs = [M.hash_runs(M.chunk_bounds(t.nbytes, CHUNK)) for t in one.manifest.tensors]
+    monkeypatch.setattr("policy.chunks.HASH_TASK_BYTES", task_chunks * CHUNK)
+    runs = [hash_runs(chunk_bounds(t.nbytes, CHUNK)) for t in one.manifest.tensors]
     assert max(len(r) for r in runs) >= 4  # some tensors really are cut into several tasks
     cut = frames.build_framed(
         version=1, parent_version=None, contract=CONTRACT, tensors=tensors, pool=frames.BufferPool(),

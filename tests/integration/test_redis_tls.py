@@ -16,6 +16,7 @@ from broker.local_redis import free_port
 from broker.outage import RedisOutage
 from broker.streams import connect
 from tandem import config as run_config
+from tandem import env_config
 
 pytestmark = pytest.mark.integration
 
@@ -52,12 +53,12 @@ async def test_client_certificates_from_files(tls_redis):
         "TANDEM_REDIS_CERT_FILE": str(d / "client.crt"),
         "TANDEM_REDIS_KEY_FILE": str(d / "client.key"),
     }
-    cfg = run_config.load(None, run_config.env_overrides(env))
+    cfg = run_config.load(None, env_config.env_overrides(env))
     deadline = time.monotonic() + 10
     async with connect(cfg.redis_url, outage_s=10, log=lambda s: None) as r:
         assert await r.ping()
     assert time.monotonic() < deadline
-    without_cert = run_config.redis_url_with(url, ca_file=str(d / "ca.crt"))
+    without_cert = env_config.redis_url_with(url, ca_file=str(d / "ca.crt"))
     async with connect(without_cert, outage_s=1, log=lambda s: None) as r:
         with pytest.raises(RedisOutage):
             await r.ping()
@@ -65,6 +66,6 @@ async def test_client_certificates_from_files(tls_redis):
 
 def test_client_certificates_need_rediss_and_both_files():
     with pytest.raises(ValueError, match="set both"):
-        run_config.redis_url_with("rediss://h:1/0", cert_file="/c")
+        env_config.redis_url_with("rediss://h:1/0", cert_file="/c")
     with pytest.raises(ValueError, match="rediss://"):
-        run_config.redis_url_with("redis://h:1/0", cert_file="/c", key_file="/k")
+        env_config.redis_url_with("redis://h:1/0", cert_file="/c", key_file="/k")

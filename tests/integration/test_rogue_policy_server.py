@@ -31,6 +31,8 @@ from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.signing import load_signer, write_secret_file
 from broker.streams import PromptQueue, TrajectoryStream, connect, run_async
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import Transformer
 from tandem import config as run_config
 from tandem.services import make_worker, rollout_recipe, task_and_model
@@ -94,11 +96,11 @@ def versions(cfg: run_config.RunConfig):
     `edit(name, quantized)` returning the quantized object to publish instead (or it as it is)."""
     _, model_config, recipe = task_and_model(cfg)
     recipe = rollout_recipe(cfg, recipe)
-    contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
+    contract = contract_from_recipe(model_config=model_config, recipe=recipe)
     plan = recipe.plan(model_config)
 
     def build(version: int, seed: int, edit=lambda name, q: q) -> mf.PackedPolicy:
-        tensors = mf.quantize_params(dict(Transformer(model_config, seed=seed).named_parameters()), plan)
+        tensors = quantize_params(dict(Transformer(model_config, seed=seed).named_parameters()), plan)
         tensors = {n: dataclasses.replace(q, value=edit(n, q.value)) for n, q in tensors.items()}
         return mf.build_manifest(version=version, parent_version=None, contract=contract, tensors=tensors)
 

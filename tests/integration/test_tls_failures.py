@@ -16,6 +16,8 @@ from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer
 from broker.tls import ServerTLS
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import Transformer
 from tandem import config as run_config
 from tandem.services import make_worker, task_and_model
@@ -41,8 +43,8 @@ def _mtls_server(run: Path) -> PolicyServer:
 
 def _policy(cfg) -> mf.PackedPolicy:
     _, model_config, recipe = task_and_model(cfg)
-    tensors = mf.quantize_params(dict(Transformer(model_config, seed=0).named_parameters()), recipe.plan(model_config))
-    contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
+    tensors = quantize_params(dict(Transformer(model_config, seed=0).named_parameters()), recipe.plan(model_config))
+    contract = contract_from_recipe(model_config=model_config, recipe=recipe)
     return mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
 
 

@@ -18,6 +18,8 @@ from broker.codec import PromptGroup
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import PolicyPointer
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import Transformer
 from tandem import config as run_config
 from tandem.services import make_worker, task_and_model
@@ -40,8 +42,8 @@ CFG = run_config.load(
 def build(version: int) -> mf.PackedPolicy:
     _, model_config, recipe = task_and_model(CFG)
     model = Transformer(model_config, seed=version)
-    tensors = mf.quantize_params(dict(model.named_parameters()), recipe.plan(model_config))
-    contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
+    tensors = quantize_params(dict(model.named_parameters()), recipe.plan(model_config))
+    contract = contract_from_recipe(model_config=model_config, recipe=recipe)
     return mf.build_manifest(version=version, parent_version=None, contract=contract, tensors=tensors)
 
 

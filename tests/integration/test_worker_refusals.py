@@ -19,6 +19,8 @@ from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.signing import Signer
 from broker.streams import PromptQueue, connect, read_deadletter
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
+from policy.formats.params import quantize_params
 from policy.model import Transformer
 from rollout.tasks import AdditionTask
 from rollout.worker import RolloutWorker
@@ -73,8 +75,8 @@ async def test_worker_dead_letters_what_it_cannot_run_and_goes_on(redis_url, run
     )  # fmt: skip
     keys = Keys(run_id=run_id)
     model = Transformer(model_config, seed=0)
-    tensors = mf.quantize_params(dict(model.named_parameters()), recipe.plan(model_config))
-    contract = mf.contract_from_recipe(model_config=model_config, recipe=recipe)
+    tensors = quantize_params(dict(model.named_parameters()), recipe.plan(model_config))
+    contract = contract_from_recipe(model_config=model_config, recipe=recipe)
     with PolicyServer(PolicyServerConfig()) as server:
         manifest = mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
         server.publish(manifest)

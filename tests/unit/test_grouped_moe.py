@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from policy import formats, kernels
-from policy.manifest import quantize_param
+from policy.formats.params import quantize_param
 from policy.model import ModelConfig, MoE, Transformer
 from policy.qat import apply_qat, bits, quantize_weights
 from policy.recipe import Recipe

@@ -13,7 +13,8 @@ import pytest
 
 from rollout.hf_tokenizer import HFTokenizer
 from rollout.jsonl_task import JsonlTask
-from rollout.tasks import AdditionTask, TaskConfig, is_heldout, make_task
+from rollout.prompts import is_heldout
+from rollout.tasks import AdditionTask, TaskConfig, make_task
 from tandem import config
 
 REPO = Path(__file__).resolve().parents[2]

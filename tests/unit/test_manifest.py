@@ -1,4 +1,4 @@
-"""policy/manifest.py: building, serializing, verifying manifests; the contract fingerprint; TP layouts."""
+"""policy/manifest.py, contract.py, chunks.py, tp_layout.py: building, serializing, verifying manifests; the contract fingerprint; chunk checksums; TP layouts."""
 
 from __future__ import annotations
 
@@ -14,32 +14,44 @@ from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts
 
 from policy import formats, tp
 from policy import manifest as M
+from policy.chunks import (
+    ChecksumMismatch,
+    checksums,
+    chunk_bounds,
+    chunk_count,
+    first_chunk_indices,
+    hash_runs,
+    verify_tensor_bytes,
+)
+from policy.contract import ActivationSite, Contract, FingerprintMismatch, check_fingerprint, contract_from_recipe
+from policy.formats.params import QuantizedParam, quantize_param, quantize_params
 from policy.model import ModelConfig, Transformer, parameter_shapes
 from policy.recipe import Recipe
+from policy.tp_layout import check_tp_compatible, rebuild, shard_tensor_bytes, tensor_layout, tp_plan_of
 
 CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)  # small: the reference nvfp4 is slow on CPU
 RULES = {"keep_bf16": {"first": 0, "last_fraction": 0.0}, "rules": [{"match": ["x"], "format": "nvfp4"}]}
 
 
-def make_tensors(seed: int = 0) -> dict[str, M.QuantizedParam]:
+def make_tensors(seed: int = 0) -> dict[str, QuantizedParam]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in parameter_shapes(CFG).items():
         w = torch.randn(*shape, generator=g) if len(shape) == 2 else 1 + 0.1 * torch.randn(1, shape[0], generator=g)
         fmt, kw = format_for(name)
-        out[name] = M.quantize_param(w, fmt, **kw)
+        out[name] = quantize_param(w, fmt, **kw)
     return out
 
 
-def make_contract(**overrides) -> M.Contract:
+def make_contract(**overrides) -> Contract:
     sites = [
-        M.ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", scope="row")
+        ActivationSite(name=n[: -len(".weight")] + ".input", format="nvfp4", scope="row")
         for n in parameter_shapes(CFG)
         if ".experts." in n
     ]
     kw = dict(model_config=CFG, recipe_name="mixed", recipe_rules=RULES, activation_sites=sites)
     kw.update(overrides)
-    return M.Contract(**kw)
+    return Contract(**kw)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +139,7 @@ def test_fingerprint_covers_the_contract_and_nothing_else(tensors):
     )
     # Non-nvfp4 sites have block-local scales only: `shard` does not pin the partition for them.
     mx = [
-        M.ActivationSite(name=s.name, format="mxfp8", scope="block", tp_scale_mode="shard")
-        for s in base.activation_sites
+        ActivationSite(name=s.name, format="mxfp8", scope="block", tp_scale_mode="shard") for s in base.activation_sites
     ]
     assert make_contract(activation_sites=mx, trainer_tp_size=2).partition_tp_size == 0
 
@@ -137,17 +148,17 @@ def test_one_hasher_for_model_config_recipe_and_manifest():
     """`tandem plan` (Recipe.fingerprint) and `tandem inspect` (the manifest's recipe_sha256) print
     one hash for one recipe; the model config's likewise."""
     recipe = Recipe.load("nvfp4_moe")
-    contract = M.contract_from_recipe(model_config=CFG, recipe=recipe).to_proto()
+    contract = contract_from_recipe(model_config=CFG, recipe=recipe).to_proto()
     assert contract.recipe_sha256 == recipe.fingerprint()
     assert contract.model_config_sha256 == CFG.fingerprint()
     assert recipe.fingerprint() != Recipe.load("mxfp8").fingerprint()
 
 
 def test_fingerprint_mismatch_names_both(packed):
-    M.check_fingerprint(packed.manifest, packed.manifest.contract_fingerprint)
+    check_fingerprint(packed.manifest, packed.manifest.contract_fingerprint)
     wrong = make_contract(recipe_name="something-else").fingerprint()
-    with pytest.raises(M.FingerprintMismatch) as e:
-        M.check_fingerprint(packed.manifest, wrong)
+    with pytest.raises(FingerprintMismatch) as e:
+        check_fingerprint(packed.manifest, wrong)
     assert wrong in str(e.value) and packed.manifest.contract_fingerprint in str(e.value)
     assert e.value.expected == wrong and e.value.got == packed.manifest.contract_fingerprint
     assert "version 5" in str(e.value)
@@ -179,13 +190,13 @@ def test_verify_manifest_catches_tampering(packed, tamper, fragment):
 def test_verify_tensor_bytes_detects_one_flipped_bit(packed):
     e = packed.manifest.tensors[0]
     blob = packed.blobs[e.name]
-    M.verify_tensor_bytes(e, blob, packed.manifest.chunk_bytes)
+    verify_tensor_bytes(e, blob, packed.manifest.chunk_bytes)
     bad = bytearray(blob)
     bad[len(bad) // 2] ^= 0x10
-    with pytest.raises(M.ChecksumMismatch, match=f"tensor {e.name}: xxh3 mismatch in chunk"):
-        M.verify_tensor_bytes(e, bad, packed.manifest.chunk_bytes)
-    with pytest.raises(M.ChecksumMismatch, match="bytes, manifest says"):
-        M.verify_tensor_bytes(e, blob[:-1], packed.manifest.chunk_bytes)
+    with pytest.raises(ChecksumMismatch, match=f"tensor {e.name}: xxh3 mismatch in chunk"):
+        verify_tensor_bytes(e, bad, packed.manifest.chunk_bytes)
+    with pytest.raises(ChecksumMismatch, match="bytes, manifest says"):
+        verify_tensor_bytes(e, blob[:-1], packed.manifest.chunk_bytes)
 
 
 def sha256_by_hand(chunks: list[bytes]) -> bytes:
@@ -196,7 +207,7 @@ def sha256_by_hand(chunks: list[bytes]) -> bytes:
 
 def three_chunk_tensor() -> tuple[M.PackedPolicy, bytes]:
     """A bf16 [1, 2500] tensor (5,000 bytes) in chunks of 2,048: 2,048 + 2,048 + 904 bytes."""
-    q = M.quantize_param(torch.arange(2500.0).reshape(1, 2500) * 0.37, "bf16")
+    q = quantize_param(torch.arange(2500.0).reshape(1, 2500) * 0.37, "bf16")
     raw = q.value.parts()["values"].contiguous().view(torch.uint8).numpy().tobytes()
     packed = M.build_manifest(
         version=1, parent_version=None, contract=make_contract(), tensors={"w.weight": q}, chunk_bytes=2048
@@ -213,14 +224,14 @@ def test_tensor_sha256_is_a_sha256_over_the_chunks_sha256s():
     assert want != hashlib.sha256(raw).digest()  # not schema 1's sha256 over the bytes
     assert e.chunk_xxh3 == [xxhash.xxh3_64_intdigest(raw[a : a + 2048]) for a in (0, 2048, 4096)]
     with ThreadPoolExecutor(max_workers=3) as pool:  # a pool hashes runs of chunks: the same digest
-        assert M.checksums(raw, 2048) == M.checksums(raw, 2048, pool=pool) == (list(e.chunk_xxh3), want)
-        M.verify_tensor_bytes(e, raw, 2048, pool=pool)
+        assert checksums(raw, 2048) == checksums(raw, 2048, pool=pool) == (list(e.chunk_xxh3), want)
+        verify_tensor_bytes(e, raw, 2048, pool=pool)
     # Runs smaller than the tensor: each chunk still hashed once, in order.
-    assert M.hash_runs(M.chunk_bounds(5000, 2048), task_bytes=4096) == [(0, 2), (2, 3)]
+    assert hash_runs(chunk_bounds(5000, 2048), task_bytes=4096) == [(0, 2), (2, 3)]
     # An empty tensor has one empty chunk.
     empty = M.build_manifest(
         version=1, parent_version=None, contract=make_contract(),
-        tensors={"e.weight": M.quantize_param(torch.empty(0, 16), "bf16")}, chunk_bytes=2048,
+        tensors={"e.weight": quantize_param(torch.empty(0, 16), "bf16")}, chunk_bytes=2048,
     ).manifest.tensors[0]  # fmt: skip
     assert empty.nbytes == 0 and empty.chunk_xxh3 == [xxhash.xxh3_64_intdigest(b"")]
     assert (
@@ -228,7 +239,7 @@ def test_tensor_sha256_is_a_sha256_over_the_chunks_sha256s():
         == sha256_by_hand([b""])
         == hashlib.sha256(b"tandem-tensor-sha256-v2\0" + bytes(8) + hashlib.sha256(b"").digest()).digest()
     )
-    M.verify_tensor_bytes(empty, b"", 2048)
+    verify_tensor_bytes(empty, b"", 2048)
 
 
 def forged(e, data: bytes, chunk_bytes: int = 2048):
@@ -255,8 +266,8 @@ def test_forged_reordered_and_truncated_tensors_fail_the_sha256():
         "last chunk cut short": raw[:-1],
     }
     for what, data in cases.items():
-        with pytest.raises(M.ChecksumMismatch, match="sha256 mismatch"):
-            M.verify_tensor_bytes(forged(e, data), data, 2048)
+        with pytest.raises(ChecksumMismatch, match="sha256 mismatch"):
+            verify_tensor_bytes(forged(e, data), data, 2048)
             pytest.fail(what)
 
 
@@ -283,13 +294,13 @@ def test_a_manifest_of_another_schema_is_refused_in_one_line(packed, monkeypatch
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 def test_tp_layouts_cut_bytes_like_the_tp_plan_and_rebuild_exactly(packed, tensors, tp_size):
     m = packed.manifest
-    plan = M.tp_plan_of(m)
+    plan = tp_plan_of(m)
     for e in m.tensors:
         q = tensors[e.name]
         for rank in range(tp_size):
-            layout = M.tensor_layout(e, plan, rank, tp_size)
-            data = bytearray(M.shard_tensor_bytes(e, packed.blobs[e.name], layout))
-            got = M.rebuild(e, layout, data)
+            layout = tensor_layout(e, plan, rank, tp_size)
+            data = bytearray(shard_tensor_bytes(e, packed.blobs[e.name], layout))
+            got = rebuild(e, layout, data)
             want = tp.shard_quantized(q.value, fmt=q.format, kwargs=q.kwargs, cut=layout.cut)
             assert got.shape == want.shape == layout.shape
             for part, t in want.parts().items():
@@ -303,11 +314,11 @@ def test_tp_layouts_cut_bytes_like_the_tp_plan_and_rebuild_exactly(packed, tenso
 
 def test_first_chunk_indices_follow_manifest_order(packed):
     m = packed.manifest
-    first = M.first_chunk_indices(m)
+    first = first_chunk_indices(m)
     names = [t.name for t in m.tensors]
     assert first[names[0]] == 0
     for a, b in zip(m.tensors, m.tensors[1:]):
-        assert first[b.name] - first[a.name] == M.chunk_count(a.nbytes, m.chunk_bytes)
+        assert first[b.name] - first[a.name] == chunk_count(a.nbytes, m.chunk_bytes)
 
 
 def test_shard_scale_mode_pins_the_partition(tensors):
@@ -319,12 +330,12 @@ def test_shard_scale_mode_pins_the_partition(tensors):
         contract=make_contract(activation_sites=sites, trainer_tp_size=2),
     ).manifest
     assert m.contract.tp_plan.partition_tp_size == 2
-    M.check_tp_compatible(m, 2)
+    check_tp_compatible(m, 2)
     with pytest.raises(ValueError, match="pins the trainer's partition tp_size=2; this rollout has tp_size=4"):
-        M.check_tp_compatible(m, 4)
+        check_tp_compatible(m, 4)
     g = M.build_manifest(version=1, parent_version=None, tensors=tensors, contract=make_contract()).manifest
     for tps in (1, 2, 4):
-        M.check_tp_compatible(g, tps)  # global mode: any TP degree
+        check_tp_compatible(g, tps)  # global mode: any TP degree
 
 
 def test_build_manifest_validates_inputs(tensors):
@@ -345,7 +356,7 @@ def test_build_manifest_validates_inputs(tensors):
             contract=make_contract(activation_sites=sites, trainer_tp_size=8),
         )
     with pytest.raises(ValueError, match="tp_scale_mode='both'"):
-        M.ActivationSite(name="a.input", format="nvfp4", tp_scale_mode="both")
+        ActivationSite(name="a.input", format="nvfp4", tp_scale_mode="both")
     with pytest.raises(ValueError, match="cannot put a Tensor into canonical JSON"):
         make_contract(recipe_rules={"x": torch.zeros(1)})
 
@@ -354,9 +365,9 @@ def test_build_manifest_validates_inputs(tensors):
 def test_manifest_from_a_recipe_plan(recipe_name):
     recipe = Recipe.load(recipe_name)
     model = Transformer(CFG, seed=0)
-    contract = M.contract_from_recipe(model_config=CFG, recipe=recipe)
+    contract = contract_from_recipe(model_config=CFG, recipe=recipe)
     plan = recipe.plan(CFG)
-    params = M.quantize_params(dict(model.named_parameters()), plan)
+    params = quantize_params(dict(model.named_parameters()), plan)
     m = M.build_manifest(version=1, parent_version=None, contract=contract, tensors=params).manifest
     M.verify_manifest(m)
     assert m.contract.recipe_name == recipe_name
@@ -366,7 +377,7 @@ def test_manifest_from_a_recipe_plan(recipe_name):
     for entry in plan.params:
         assert by_name[entry.name].format == entry.format
     # The rollout rebuilds the same contract from its own config and gets the same fingerprint.
-    again = M.contract_from_recipe(model_config=ModelConfig.from_dict(CFG.to_dict()), recipe=Recipe.load(recipe_name))
+    again = contract_from_recipe(model_config=ModelConfig.from_dict(CFG.to_dict()), recipe=Recipe.load(recipe_name))
     assert again.fingerprint() == m.contract_fingerprint
 
 
@@ -399,10 +410,10 @@ def test_parallel_packing_equals_serial_and_published_bytes_are_immutable(tensor
     assert all(bytes(serial.blobs[n]) == bytes(parallel.blobs[n]) for n in tensors)
 
     w = torch.randn(4, 64)
-    packed = M.build_manifest(tensors={"w.weight": M.quantize_param(w, "bf16")}, **kw)
+    packed = M.build_manifest(tensors={"w.weight": quantize_param(w, "bf16")}, **kw)
     before = bytes(packed.blobs["w.weight"])
     w.add_(1.0)  # the trainer's next optimizer step
     assert bytes(packed.blobs["w.weight"]) == before
-    M.verify_tensor_bytes(packed.manifest.tensors[0], packed.blobs["w.weight"], 4096)
+    verify_tensor_bytes(packed.manifest.tensors[0], packed.blobs["w.weight"], 4096)
     with pytest.raises(TypeError):
         packed.blobs["w.weight"][0] = 1

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from policy.manifest import build_manifest, contract_from_recipe
+from policy.contract import contract_from_recipe
+from policy.manifest import build_manifest
 from policy.model import ModelConfig, Transformer, parameter_shapes
 from policy.qat import apply_qat as torch_apply_qat
 from policy.qat import bits

@@ -11,11 +11,14 @@ from broker.registry import parse_pointer, pointer_signed
 from broker.signing import POLICY_POINTER, Signer
 from policy import formats
 from policy import manifest as mf
+from policy.contract import contract_from_recipe
 from policy.formats._common import FLT_MAX
+from policy.formats.params import quantize_params
 from policy.formats.values import invalid_values, scale_ranges
 from policy.manifest_check import ValuesRefused, check_values
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
+from policy.tp_layout import tensor_layout, tp_plan_of
 from tandem.v1 import manifest_pb2 as pb
 
 
@@ -23,8 +26,8 @@ from tandem.v1 import manifest_pb2 as pb
 def packed() -> mf.PackedPolicy:
     cfg = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)
     recipe = Recipe.load("nvfp4_moe")
-    contract = mf.contract_from_recipe(model_config=cfg, recipe=recipe)
-    tensors = mf.quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), recipe.plan(cfg))
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
+    tensors = quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), recipe.plan(cfg))
     return mf.build_manifest(version=3, parent_version=None, contract=contract, tensors=tensors)
 
 
@@ -185,9 +188,9 @@ def test_what_the_quantizers_produce_passes():
 
 def test_check_values_names_the_version_tensor_and_part(packed):
     m = packed.manifest
-    plan = mf.tp_plan_of(m)
+    plan = tp_plan_of(m)
     entry = next(e for e in m.tensors if e.format == "nvfp4")
-    layout = mf.tensor_layout(entry, plan)
+    layout = tensor_layout(entry, plan)
     data = np.array(np.frombuffer(packed.blobs[entry.name], dtype=np.uint8))
     check_values(3, entry.format, layout, data)
     gs = next(p for p in layout.parts if p.name == "global_scale")
@@ -201,12 +204,12 @@ def test_every_built_in_recipe_publishes_values_that_pass(recipe):
     """No false refusal: what a trainer publishes (random and all-zero weights) passes check_values."""
     cfg = ModelConfig.preset("tiny", n_layers=2, n_experts=2, top_k=1)
     r = Recipe.load(recipe)
-    contract = mf.contract_from_recipe(model_config=cfg, recipe=r)
+    contract = contract_from_recipe(model_config=cfg, recipe=r)
     weights = dict(Transformer(cfg, seed=0).named_parameters())
     for w in (weights, {k: v.detach() * 0 for k, v in weights.items()}):
         p = mf.build_manifest(
-            version=1, parent_version=None, contract=contract, tensors=mf.quantize_params(w, r.plan(cfg))
+            version=1, parent_version=None, contract=contract, tensors=quantize_params(w, r.plan(cfg))
         )
-        plan = mf.tp_plan_of(p.manifest)
+        plan = tp_plan_of(p.manifest)
         for e in p.manifest.tensors:
-            check_values(1, e.format, mf.tensor_layout(e, plan), np.frombuffer(p.blobs[e.name], dtype=np.uint8))
+            check_values(1, e.format, tensor_layout(e, plan), np.frombuffer(p.blobs[e.name], dtype=np.uint8))

@@ -255,7 +255,7 @@ def test_remove_qat_restores_plain_forward():
 def test_qat_cache_is_refreshed_by_in_place_edits_and_feeds_the_publish():
     """Outside a registered optimizer, an in-place edit bumps the autograd version counter and the
     cache refreshes; the publish reuses the forward's quantized objects, which equal a fresh quantize."""
-    from policy import manifest as mf
+    from policy.formats.params import quantize_params
 
     m = Transformer(TINY, seed=0)
     recipe = Recipe.load("int4_qat")
@@ -268,7 +268,7 @@ def test_qat_cache_is_refreshed_by_in_place_edits_and_feeds_the_publish():
     assert not torch.equal(before, hook.effective(name, p))
     cached = hook.quantized_params(m)
     assert hook.quantized_params(m)[name] is cached[name]  # no second quantization
-    fresh = mf.quantize_params(dict(m.named_parameters()), recipe.plan(m))
+    fresh = quantize_params(dict(m.named_parameters()), recipe.plan(m))
     for n, q in fresh.items():
         assert q.format == cached[n].format and q.kwargs == cached[n].kwargs
         for part, t in q.value.parts().items():

@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from rollout.tasks import AdditionTask, CharTokenizer, Task, TaskConfig, make_task
-from tandem import config
+from tandem import config, env_config
 
 
 def test_demo_config_loads_and_overrides_apply():
@@ -97,9 +97,10 @@ def test_dump_masks_the_redis_password():
     cfg = config.load(None, ["redis_url=redis://user:s3cret@redis:6379/0"])
     text = config.dump(cfg)
     assert "s3cret" not in text and "redis://user:***@redis:6379/0" in text
-    assert config.redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
+    assert env_config.redact_url("redis://redis:6379/0") == "redis://redis:6379/0"
     assert (
-        config.redact_url("rediss://:p%40ss@h:1/0?ssl_ca_certs=/ca.pem") == "rediss://:***@h:1/0?ssl_ca_certs=/ca.pem"
+        env_config.redact_url("rediss://:p%40ss@h:1/0?ssl_ca_certs=/ca.pem")
+        == "rediss://:***@h:1/0?ssl_ca_certs=/ca.pem"
     )
 
 
@@ -155,7 +156,7 @@ def test_explain_shows_attribute_docstrings_and_unknown_keys_say_what_they_meant
 def test_env_overrides(monkeypatch):
     monkeypatch.setenv("TANDEM_REDIS_URL", "redis://:secret@redis:6379/0")
     monkeypatch.setenv("TANDEM_RUN_ID", "exp7")
-    cfg = config.load(None, config.env_overrides())
+    cfg = config.load(None, env_config.env_overrides())
     assert cfg.redis_url == "redis://:secret@redis:6379/0" and cfg.run_id == "exp7"
 
 

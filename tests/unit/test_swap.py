@@ -9,6 +9,7 @@ import pytest
 from broker.policy_client import FetchCancelled
 from broker.registry import PolicyPointer
 from policy import manifest as mf
+from policy.chunks import ChecksumMismatch
 from policy.manifest_check import ManifestRefused
 from rollout.swap import Step, VersionSwap
 
@@ -108,7 +109,7 @@ def test_other_content_than_the_pointer_names_distrusts_that_source_for_that_ver
     assert s.offer(ptr(2, digest=D2), now=0.0, drained=True) == Step("resume")  # not asked again
     # The same version elsewhere is fetched; bytes failing an authenticated manifest distrust it too.
     t = s.offer(ptr(2, "relay:2", digest=D2), now=0.0, drained=True).ticket
-    s.fetch_done(t, mf.ChecksumMismatch("chunk 3 of w: xxh3 mismatch"))
+    s.fetch_done(t, ChecksumMismatch("chunk 3 of w: xxh3 mismatch"))
     assert s.offer(ptr(2, "relay:2", digest=D2), now=0.0, drained=True).line.startswith("refusing v2 from relay:2")
     assert s.sources_distrusted == 2 and s.refused_versions == set() and s.fetch_failures == 0
 
@@ -147,7 +148,7 @@ def test_a_failed_fetch_is_retried_after_retry_s_counted_each_time_and_logged_wh
     assert s.offer(dead, now=10.8, drained=False).line.endswith("OSError: no route")
     # A checksum mismatch without a digest in the pointer proves nothing about the source: retried.
     t = s.offer(ptr(2), now=11.0, drained=False).ticket
-    s.fetch_done(t, mf.ChecksumMismatch("chunk 0: xxh3 mismatch"))
+    s.fetch_done(t, ChecksumMismatch("chunk 0: xxh3 mismatch"))
     assert "will retry" in s.offer(ptr(2), now=11.0, drained=False).line and s.distrusted == set()
     assert s.fetch_failures == 4
 

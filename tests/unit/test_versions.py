@@ -15,7 +15,7 @@ from broker.keys import Keys
 from broker.registry import PolicyRegistry
 from broker.streams import connect
 from policy import compute, formats, qat
-from policy.manifest import QuantizedParam
+from policy.formats.params import QuantizedParam
 from policy.model import ModelConfig, MoE, Transformer
 from policy.recipe import Recipe
 from tandem import config as run_config
