@@ -23,7 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("tandem.commands.plan", "show the format and scope of every parameter under a recipe"),
     "probe": ("tandem.commands.probe", "measure BF16 / QAT / packed-weight log-prob mismatch for a recipe"),
     "import-hf": ("tandem.commands.import_hf", "plan a Hugging Face checkpoint under a recipe, without loading it"),
-    "export": ("tandem.commands.export", "write a published version as a Hugging Face folder (hf, int4, fp8, nvfp4)"),
+    "export": (
+        "tandem.commands.export",
+        "write a published version as a Hugging Face folder (hf, compressed-tensors, fp8-block, nvfp4)",
+    ),
 }
 
 
