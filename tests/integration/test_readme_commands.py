@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,14 +30,42 @@ DOCS = ("README.md", "docs/running.md")
 PREFIXES = ("tandem ", "tandem:", "make ", "pip ", "python3 ", "bash ")
 
 
+def write_manifest(folder: Path) -> None:
+    """folder/manifest.pb: version 3 of the demo model under nvfp4_moe, as a trainer publishes it."""
+    from policy import manifest as mf
+    from policy.contract import contract_from_recipe
+    from policy.formats.params import quantize_params
+    from policy.model import ModelConfig, Transformer
+    from policy.recipe import Recipe
+
+    cfg, recipe = ModelConfig.preset("demo"), Recipe.load("nvfp4_moe")
+    tensors = quantize_params(dict(Transformer(cfg, seed=0).named_parameters()), recipe.plan(cfg))
+    contract = contract_from_recipe(model_config=cfg, recipe=recipe)
+    built = mf.build_manifest(version=3, parent_version=2, contract=contract, tensors=tensors)
+    mf.write_manifest(folder / "manifest.pb", built.manifest)
+
+
+def write_hf_model(folder: Path) -> None:
+    """folder/hf: a tiny Hugging Face Qwen3-MoE checkpoint."""
+    import transformers
+
+    c = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    transformers.Qwen3MoeForCausalLM(c).save_pretrained(folder / "hf")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Form:
-    """One cheap invocation: `tandem ARGS` from the repository root, its exit status and what its
-    output names (stdout when it succeeds; the one stderr line when it exits 2)."""
+    """One cheap invocation: `tandem ARGS` from the repository root ({tmp} in an argument: an empty
+    folder, into which `setup` first writes the inputs), its exit status and what its output names
+    (stdout when it succeeds; the one stderr line when it exits 2)."""
 
     args: tuple[str, ...]
     rc: int = 0
     names: tuple[str, ...] = ()
+    setup: Callable[[Path], None] | None = None
 
 
 def helps(sub: str, *names: str) -> Form:
@@ -88,6 +117,16 @@ FORMS = {
         names=("bf16~qat", "bf16~packed", "qat~packed", "bitwise equal: True"),
     ),
     "probe a missing run": Form(args=("probe", "--run-dir", "runs/no-such-run"), rc=2, names=("runs/no-such-run",)),
+    "inspect": Form(
+        args=("inspect", "{tmp}/manifest.pb", "--tensors", "3"),
+        setup=write_manifest,
+        names=("policy version 3 (parent 2)", "contract fingerprint", "recipe                nvfp4_moe", "more"),
+    ),
+    "import-hf": Form(
+        args=("import-hf", "{tmp}/hf", "--recipe", "nvfp4_moe"),
+        setup=write_hf_model,
+        names=("recipe nvfp4_moe", "nvfp4/tensor", "on disk:"),
+    ),
     "inspect a missing file": Form(args=("inspect", "no-such-manifest.json"), rc=2, names=("no-such-manifest.json",)),
     "import-hf a missing folder": Form(
         args=("import-hf", "no-such-model", "--recipe", "nvfp4_moe"), rc=2, names=("no-such-model",)
@@ -117,8 +156,8 @@ RUN = {
     "tandem plan": ("plan --help", "plan"),
     "tandem probe --recipe nvfp4_moe": ("probe --help", "probe"),
     "tandem probe --run-dir runs/demo-… [--version V]": ("probe --help", "probe a missing run"),
-    "tandem inspect ADDRESS|FILE": ("inspect --help", "inspect a missing file"),
-    "tandem import-hf DIR --recipe R": ("import-hf --help", "import-hf a missing folder"),
+    "tandem inspect ADDRESS|FILE": ("inspect --help", "inspect", "inspect a missing file"),
+    "tandem import-hf DIR --recipe R": ("import-hf --help", "import-hf", "import-hf a missing folder"),
     "tandem export RUN_DIR|ADDRESS [--version V] --format FMT --out DIR": ("export --help", "export a missing run"),
     "tandem export": ("export --help",),
     "tandem study configs/study/ablations.yaml [--out DIR] [--jobs N] [key=value ...]": (
@@ -205,6 +244,8 @@ def test_every_subcommand_is_in_the_docs_and_has_its_help_run():
 @pytest.mark.parametrize("name", list(FORMS))
 def test_form(name, tmp_path):
     form = FORMS[name]
+    if form.setup is not None:
+        form.setup(tmp_path)
     res = tandem(*(a.replace("{tmp}", str(tmp_path)) for a in form.args))  # {tmp}: an empty folder
     out = res.stdout + res.stderr
     assert res.returncode == form.rc, (res.returncode, out[-3000:])
