@@ -246,7 +246,7 @@ def test_form(name, tmp_path):
     form = FORMS[name]
     if form.setup is not None:
         form.setup(tmp_path)
-    res = tandem(*(a.replace("{tmp}", str(tmp_path)) for a in form.args))  # {tmp}: an empty folder
+    res = tandem(*(a.replace("{tmp}", str(tmp_path)) for a in form.args))
     out = res.stdout + res.stderr
     assert res.returncode == form.rc, (res.returncode, out[-3000:])
     assert "Traceback" not in out
