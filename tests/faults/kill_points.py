@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from tandem import config, services
+from tandem import config, env_config, services
 from tandem.commands import trainer as trainer_command
 from tandem.preflight import check_ports
 from trainer.checkpoints import Checkpointer
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> int:
     point, _, step = args.at.partition("@")
     if point not in POINTS or not step.isdigit():
         p.error(f"{args.at!r}: want POINT@STEP with POINT one of {', '.join(POINTS)}")
-    cfg = config.load(args.config, config.env_overrides() + args.overrides)
+    cfg = config.load(args.config, env_config.env_overrides() + args.overrides)
     services.check(cfg)
     check_ports(cfg, "trainer")
     parts = services.trainer_parts(cfg, args.run_dir)

@@ -53,13 +53,13 @@ def _fill(folder: Path) -> Path:
     """Fill the file system of `folder` to the last byte: a real ENOSPC for the next write there. The
     filler file exists from the mount on (`_tmpfs`): on a full tmpfs even creating a file fails."""
     filler = folder / "filler"
-    with open(filler, "ab") as f:
-        try:
+    try:
+        with open(filler, "ab") as f:
             while True:
                 f.write(b"\0" * 65536)
                 f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
+    except OSError as e:  # ENOSPC: full (at the open too, when the trainer's writes filled it first)
+        assert e.errno == errno.ENOSPC, e
     return filler
 
 
