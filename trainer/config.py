@@ -191,8 +191,9 @@ class TrainerConfig:
     worker holds, when that is smaller than the full version. On by default: every rebuilt tensor is
     checked against the manifest's checksums (a bad delta is refused and fetched whole), the tests of
     whole runs (trainer + workers, faults included) pass with it on, and on the demo model a delta is
-    10-35% of a full nvfp4_moe version per step (docs/benchmarks.md). A bare PolicyServerConfig keeps
-    it off (the server's own tests count full versions' bytes). Off: every fetch is a full version."""
+    10-35% of a full nvfp4_moe version per step (docs/benchmarks.md, "Delta
+    versions on the demo model"). A bare PolicyServerConfig keeps it off (the server's own tests
+    count full versions' bytes). Off: every fetch is a full version."""
     delta_full_every: int = 16
     """With policy_deltas: every this-many-th publish (the first included) is served only as a full
     version, so a worker rebuilds at most delta_full_every - 1 versions in a row from deltas. The
