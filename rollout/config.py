@@ -47,8 +47,9 @@ class RolloutConfig:
     version's tensors split between them by bytes, each writing its part into the one shared slab
     (rollout/fetch_process.py). Measured on the H200 host (4.38 GB, bench/bench_swap.py
     --processes; docs/benchmarks.md, "Fetch processes per worker"): 1 / 2 / 4 / 6 processes
-    0.72 / 1.49 / 1.55 / 1.67 GB/s. From 2 on the trainer's PolicyServer limits (its one event loop at ~1 core; two workers fetching at once
-    shared 1.77 GB/s), so 2: nearly all of the gain for the least CPU beside the decode loops."""
+    0.72 / 1.49 / 1.55 / 1.67 GB/s. From 2 on the trainer's PolicyServer limits (its one event loop
+    at ~1 core; two workers fetching at once shared 1.77 GB/s), so 2: nearly all of the gain for the
+    least CPU beside the decode loops."""
     read_block_ms: int = 500
     """How long one read of the prompts stream blocks."""
     tls: ClientTLS = field(default_factory=ClientTLS)
