@@ -66,6 +66,7 @@ from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ClientTLS, TLSHandshakeError, handshake_problem
 from policy.chunks import ChecksumMismatch, chunk_checksums, chunk_count, first_chunk_indices, tensor_sha256
 from policy.contract import FingerprintMismatch, check_fingerprint
+from policy.fields import is_int, is_number
 from policy.manifest import MAX_MANIFEST_BYTES, manifest_digest, manifest_from_bytes
 from policy.manifest_check import check_values
 from policy.tp import check_tp
@@ -128,13 +129,9 @@ class PolicyClientConfig:
             bad.append(f"expected_fingerprint={self.expected_fingerprint!r} must be a 64-char sha256 hex or None")
         for name in ("call_timeout_s", "fetch_timeout_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if not (is_number(v) and v > 0):
                 bad.append(f"{name}={v!r} must be a number > 0")
-        if (
-            isinstance(self.retry_backoff_s, bool)
-            or not isinstance(self.retry_backoff_s, (int, float))
-            or not 0 <= self.retry_backoff_s <= 10
-        ):
+        if not is_number(self.retry_backoff_s, 0, 10):
             bad.append(f"retry_backoff_s={self.retry_backoff_s!r} must be a number in [0, 10]")
         for name in (
             "max_attempts",
@@ -144,7 +141,7 @@ class PolicyClientConfig:
             "streams",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v, 1):
                 bad.append(f"{name}={v!r} must be an int >= 1")
         bad += self.tls.missing_files()
         if bad:

@@ -71,6 +71,7 @@ from broker import delta as dl
 from broker.frames import FramedPolicy, TensorFrames, frame_buffers, frame_packed
 from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ServerTLS
+from policy.fields import is_int, is_number
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
@@ -155,9 +156,9 @@ class PolicyServerConfig:
             "delta_full_every",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v, 1):
                 bad.append(f"{name}={v!r} must be an int >= 1")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+        if not is_int(self.port, 0, 65535):
             bad.append(f"port={self.port!r} must be an int in [0, 65535]")
         if not isinstance(self.host, str) or not self.host:
             bad.append(f"host={self.host!r} must be a non-empty string")
@@ -194,7 +195,7 @@ class PolicyServerConfig:
             "stall_s",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if not (is_number(v) and v > 0):
                 bad.append(f"{name}={v!r} must be a number > 0")
         if bad:
             raise ValueError("invalid PolicyServerConfig: " + "; ".join(bad))

@@ -86,6 +86,7 @@ from broker.policy_client import (
 from broker.tls import ClientTLS
 from policy import manifest as mf
 from policy.contract import check_fingerprint
+from policy.fields import is_int
 from policy.manifest import DigestMismatch
 from policy.manifest_check import ValuesRefused
 from policy.tp_layout import TensorLayout, rebuild, tensor_layout, tp_plan_of
@@ -271,7 +272,7 @@ class FetchProcess:
     `fetch` runs in one thread at a time (the worker's fetch thread); `close` ends the children."""
 
     def __init__(self, *, pinned: bool, reuse: bool = True, processes: int = 1, log: Callable[[str], None] = print):
-        if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= 16:
+        if not is_int(processes, 1, 16):
             raise ValueError(f"processes={processes!r} (need an int in [1, 16])")
         self.buffers = SharedSlab(pinned=pinned)
         self.reuse, self.processes, self.log = reuse, processes, log
