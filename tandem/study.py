@@ -1,29 +1,17 @@
 """`tandem study`: a grid of ordinary `tandem run`s plus named extra runs, resumable, one report.
 
-A study config (YAML; configs/study/*.yaml):
-
-    name: staleness-x-precision
-    description: free text, copied into the report (what ran, instead, when `grid.`/`runs` overrides change it)
-    base: demo.yaml              # the base run config (next to this file, else under configs/)
-    set:                         # overrides applied to every run (dotted keys or nested mappings)
-      trainer.max_steps: 100
-    grid:                        # every combination of these config keys' values is one run
-      recipe: [bf16, int4_qat, nvfp4_moe]
-      loop.max_staleness: [0, 1, 2, 4, 8]
-      loop.seed: [0, 1, 2]
-    runs:                        # named extra runs: overrides on top of base + set
-      int4-train_bf16-rollout: {recipe: int4_qat, rollout_recipe: bf16}
-
-A grid run is named by its grid values, the last part of each key (`recipe-bf16__max_staleness-0__seed-0`); a named run by its
-key. Runs whose resolved configs are equal run once: the later name is an alias of the first (its
-summary row reads the same folder). Each run is `tandem run` in DIR/<name>/ (logs in
-DIR/<name>/launcher.log); `--jobs N` runs N at a time, each pinned to its share of this process's
-CPU set (trainer, rollout workers and Redis inherit it). A run is finished when DIR/<name>/done.json
-exists; re-running the study skips finished runs and restarts interrupted ones in their folder, where
-the trainer resumes from its checkpoint. A run folder made for another config is refused.
-
-Command-line `key=value`: `grid.KEY=[...]` replaces (or adds) a grid axis, `runs=[a, b]` keeps only
-those named runs (`runs=[]`: none), any other key is one more entry of `set`.
+Rules:
+- A study config (YAML; configs/study/*.yaml, the keys on `load_study`) names a base run config,
+  overrides for every run, a grid (every combination of its values is one run) and named extra runs.
+- A grid run is named by its grid values, the last part of each key
+  (`recipe-bf16__max_staleness-0__seed-0`); a named run by its key. Runs whose resolved configs are
+  equal run once: the later name is an alias of the first (its summary row reads the same folder).
+- Each run is `tandem run` in DIR/<name>/ (logs in DIR/<name>/launcher.log); `--jobs N` runs N at a
+  time, each pinned to its share of this process's CPU set (trainer, rollout workers and Redis
+  inherit it).
+- A run is finished when DIR/<name>/done.json exists; re-running the study skips finished runs and
+  restarts interrupted ones in their folder, where the trainer resumes from its checkpoint. A run
+  folder made for another config is refused.
 """
 
 from __future__ import annotations
@@ -136,7 +124,22 @@ def _with(data: dict, dotted: dict[str, Any]) -> dict:
 
 
 def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
-    """A study YAML + command-line overrides -> Study (every run's config checked by `expand`)."""
+    """A study YAML + command-line overrides -> Study (every run's config checked by `expand`):
+
+        name: staleness-x-precision
+        description: free text, copied into the report (what ran, instead, when `grid.`/`runs` overrides change it)
+        base: demo.yaml              # the base run config (next to this file, else under configs/)
+        set:                         # overrides applied to every run (dotted keys or nested mappings)
+          trainer.max_steps: 100
+        grid:                        # every combination of these config keys' values is one run
+          recipe: [bf16, int4_qat, nvfp4_moe]
+          loop.max_staleness: [0, 1, 2, 4, 8]
+          loop.seed: [0, 1, 2]
+        runs:                        # named extra runs: overrides on top of base + set
+          int4-train_bf16-rollout: {recipe: int4_qat, rollout_recipe: bf16}
+
+    Command-line `key=value`: `grid.KEY=[...]` replaces (or adds) a grid axis, `runs=[a, b]` keeps
+    only those named runs (`runs=[]`: none), any other key is one more entry of `set`."""
     p = run_config.find_config(path)
     if p is None:
         raise ValueError(f"study config {path}: no such file")
