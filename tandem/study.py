@@ -52,6 +52,23 @@ class StudyRun:
 
 @dataclass(frozen=True, kw_only=True)
 class Study:
+    """A study config, resolved. Its YAML (configs/study/*.yaml):
+
+        name: staleness-x-precision
+        description: free text       # copied into the report (see below)
+        base: demo.yaml              # the base run config (next to this file, else under configs/)
+        set:                         # overrides applied to every run (dotted keys or nested mappings)
+          trainer.max_steps: 100
+        grid:                        # every combination of these config keys' values is one run
+          recipe: [bf16, int4_qat, nvfp4_moe]
+          loop.max_staleness: [0, 1, 2, 4, 8]
+          loop.seed: [0, 1, 2]
+        runs:                        # named extra runs: overrides on top of base + set
+          int4-train_bf16-rollout: {recipe: int4_qat, rollout_recipe: bf16}
+
+    The report shows the description, or what ran instead when `grid.`/`runs` overrides change it.
+    """
+
     name: str
     description: str
     base: Path
@@ -124,22 +141,8 @@ def _with(data: dict, dotted: dict[str, Any]) -> dict:
 
 
 def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
-    """A study YAML + command-line overrides -> Study (every run's config checked by `expand`):
-
-        name: staleness-x-precision
-        description: free text, copied into the report (what ran, instead, when `grid.`/`runs` overrides change it)
-        base: demo.yaml              # the base run config (next to this file, else under configs/)
-        set:                         # overrides applied to every run (dotted keys or nested mappings)
-          trainer.max_steps: 100
-        grid:                        # every combination of these config keys' values is one run
-          recipe: [bf16, int4_qat, nvfp4_moe]
-          loop.max_staleness: [0, 1, 2, 4, 8]
-          loop.seed: [0, 1, 2]
-        runs:                        # named extra runs: overrides on top of base + set
-          int4-train_bf16-rollout: {recipe: int4_qat, rollout_recipe: bf16}
-
-    Command-line `key=value`: `grid.KEY=[...]` replaces (or adds) a grid axis, `runs=[a, b]` keeps
-    only those named runs (`runs=[]`: none), any other key is one more entry of `set`."""
+    """A study YAML (its keys: Study) + command-line overrides (`_apply_overrides`) -> Study (every
+    run's config checked by `expand`)."""
     p = run_config.find_config(path)
     if p is None:
         raise ValueError(f"study config {path}: no such file")
@@ -156,29 +159,8 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
     grid = _flatten_keys(_mapping(data.get("grid"), "grid", p))
     runs = _mapping(data.get("runs"), "runs", p)
     file_grid, file_runs = dict(grid), list(runs)
-    for item in overrides:
-        key, value = parse_override(item)
-        if key.startswith("grid."):
-            grid[key[len("grid.") :]] = value
-        elif key == "runs":
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"override runs={value!r}: want a list of named runs, e.g. runs=[a,b]")
-            missing = [v for v in value if v not in runs]
-            if missing:
-                raise ValueError(f"override runs: no named run(s) {', '.join(missing)}; known: {', '.join(runs)}")
-            runs = {k: runs[k] for k in value}
-        elif key in grid:
-            raise ValueError(f"override {key}: {key} is a grid key; write grid.{key}=[...]")
-        else:
-            sets[key] = value
-    for key, values in grid.items():
-        if not isinstance(values, list) or not values:
-            raise ValueError(f"study config {p}: grid.{key} must be a non-empty list, got {values!r}")
-    for rname, o in runs.items():
-        if not isinstance(rname, str) or not _NAME_RE.match(rname) or "__" in rname:
-            raise ValueError(f"study config {p}: run name {rname!r} (letters, digits, '-', '_', '.'; no '__')")
-        if not isinstance(o, dict):
-            raise ValueError(f"study config {p}: runs.{rname} must be a mapping of config keys")
+    runs = _apply_overrides(overrides, sets, grid, runs)
+    _check_grid_and_runs(p, grid, runs)
     base_ref = data.get("base", "demo.yaml")
     base = next((b for b in (p.parent / base_ref, run_config.REPO_CONFIGS / base_ref) if b.is_file()), None)
     if base is None:
@@ -200,6 +182,40 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
         "runs": study.runs,
     }
     return Study(**{**study.__dict__, "source": source})
+
+
+def _apply_overrides(overrides, sets: dict, grid: dict, runs: dict) -> dict:
+    """Command-line `key=value` onto the study: `grid.KEY=[...]` replaces (or adds) a grid axis in
+    `grid`, `runs=[a, b]` keeps only those named runs (`runs=[]`: none; returned), any other key is
+    one more entry of `sets`."""
+    for item in overrides:
+        key, value = parse_override(item)
+        if key.startswith("grid."):
+            grid[key[len("grid.") :]] = value
+        elif key == "runs":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"override runs={value!r}: want a list of named runs, e.g. runs=[a,b]")
+            missing = [v for v in value if v not in runs]
+            if missing:
+                raise ValueError(f"override runs: no named run(s) {', '.join(missing)}; known: {', '.join(runs)}")
+            runs = {k: runs[k] for k in value}
+        elif key in grid:
+            raise ValueError(f"override {key}: {key} is a grid key; write grid.{key}=[...]")
+        else:
+            sets[key] = value
+    return runs
+
+
+def _check_grid_and_runs(p: Path, grid: dict, runs: dict) -> None:
+    """Every grid axis a non-empty list; every named run a well-named mapping."""
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"study config {p}: grid.{key} must be a non-empty list, got {values!r}")
+    for rname, o in runs.items():
+        if not isinstance(rname, str) or not _NAME_RE.match(rname) or "__" in rname:
+            raise ValueError(f"study config {p}: run name {rname!r} (letters, digits, '-', '_', '.'; no '__')")
+        if not isinstance(o, dict):
+            raise ValueError(f"study config {p}: runs.{rname} must be a mapping of config keys")
 
 
 def describe(text: str, file_grid: dict, grid: dict, file_runs: list[str], runs: list[str]) -> str:
