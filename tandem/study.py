@@ -346,19 +346,54 @@ def prepare_run_dir(run: StudyRun, run_dir: Path) -> None:
     cfg_path.write_text(text)
 
 
+def _prepare_study(study: Study, runs: list[StudyRun], out: Path) -> None:
+    """The study folder: each run's folder (aliases have none), study.yaml, and this invocation
+    appended to commands.jsonl (every invocation that ran runs here, for the report)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for r in runs:
+        if r.alias_of is None:
+            prepare_run_dir(r, out / r.name)
+    (out / "study.yaml").write_text(yaml.safe_dump(study.source, sort_keys=False))
+    with open(out / "commands.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "command": command_line()}) + "\n")
+
+
+def _progress_line(n_real: int, todo: list, running: dict, n_failed: int, done_here: float, elapsed: float) -> str:
+    """The periodic progress line: runs done, the running ones' steps, and the ETA from the runs
+    (fractions included) progressed since this invocation started (`done_here`)."""
+    partial = sum(j.fraction() - j.steps_at_start / j.max_steps for j in running.values())
+    finished = n_real - len(todo) - len(running)
+    rate = (done_here + partial) / max(elapsed, 1e-9)
+    remaining = len(todo) + sum(1 - j.fraction() for j in running.values())
+    eta = _fmt_s(remaining / rate) if rate > 0 else "?"
+    state = ", ".join(f"{j.run.name} {_steps_done(j.run_dir)}/{j.max_steps}" for j in running.values())
+    return (
+        f"[study] {finished}/{n_real} runs done ({n_failed} failed), running: {state or '-'}; "
+        f"elapsed {_fmt_s(elapsed)}, ETA {eta}"
+    )
+
+
+def _stop_jobs(jobs: list) -> None:
+    """SIGTERM every running job (its launcher stops trainer, workers and Redis in order), then wait
+    for each; one still running after 60 s is killed with its process group."""
+    for job in jobs:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGTERM)
+    for job in jobs:
+        try:
+            job.finish(job.proc.wait(timeout=60))
+        except subprocess.TimeoutExpired:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.finish(job.proc.wait())
+
+
 def run_study(
     study: Study, out: Path, *, jobs: int = 1, log=print, poll_s: float = 1.0, progress_s: float = 30.0
 ) -> int:
     """Run every unfinished run of `study` in `out`, `jobs` at a time (the report is study_report's).
     Returns 0 when every run finished, 1 when some failed, 130 when interrupted."""
     runs = study.expand()
-    out.mkdir(parents=True, exist_ok=True)
-    for r in runs:
-        if r.alias_of is None:
-            prepare_run_dir(r, out / r.name)
-    (out / "study.yaml").write_text(yaml.safe_dump(study.source, sort_keys=False))
-    with open(out / "commands.jsonl", "a") as f:  # every invocation that ran runs here, for the report
-        f.write(json.dumps({"time": time.time(), "command": command_line()}) + "\n")
+    _prepare_study(study, runs, out)
     real = [r for r in runs if r.alias_of is None]
     todo = [r for r in real if run_state(out / r.name) != "done"]
     n_done0 = len(real) - len(todo)
@@ -407,27 +442,10 @@ def run_study(
             now = time.monotonic()
             if now - last_progress >= progress_s:
                 last_progress = now
-                partial = sum(j.fraction() - j.steps_at_start / j.max_steps for j in running.values())
-                finished = len(real) - len(todo) - len(running)
-                rate = (done_here + partial) / max(now - t0, 1e-9)
-                remaining = len(todo) + sum(1 - j.fraction() for j in running.values())
-                eta = _fmt_s(remaining / rate) if rate > 0 else "?"
-                state = ", ".join(f"{j.run.name} {_steps_done(j.run_dir)}/{j.max_steps}" for j in running.values())
-                log(
-                    f"[study] {finished}/{len(real)} runs done ({len(failed)} failed), running: {state or '-'}; "
-                    f"elapsed {_fmt_s(now - t0)}, ETA {eta}"
-                )
+                log(_progress_line(len(real), todo, running, len(failed), done_here, now - t0))
     except KeyboardInterrupt:
         log(f"[study] interrupted: stopping {len(running)} run(s); re-run the same command to resume")
-        for job in running.values():
-            if job.proc.poll() is None:
-                job.proc.send_signal(signal.SIGTERM)  # the launcher stops trainer, workers, Redis in order
-        for job in running.values():
-            try:
-                job.finish(job.proc.wait(timeout=60))
-            except subprocess.TimeoutExpired:
-                os.killpg(job.proc.pid, signal.SIGKILL)
-                job.finish(job.proc.wait())
+        _stop_jobs(list(running.values()))
         return 130
     finally:
         for s, h in old.items():
