@@ -602,16 +602,8 @@ class PolicyClient:
         # partition) costs fetch_timeout_s once, not on every one of max_attempts restarts.
         deadline = time.monotonic() + self.config.fetch_timeout_s
         while True:
-            req = policy_pb2.FetchTensorsRequest(
-                version=manifest.version,
-                tensor_names=[] if names is None else selected,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                start_chunk=next_index,
-            )
             offer = parent if next_index == 0 else None
-            if offer is not None:
-                req.held.add(version=offer.version, manifest_digest=offer.digest)
+            req = _fetch_request(manifest, [] if names is None else selected, tp_rank, tp_size, next_index, offer)
             stats.streams += 1
             # Not wait_for_ready: the manifest just came from this server, so if it is gone now (a trainer
             # that died mid-fetch; its successor listens elsewhere) fail fast instead of waiting out
@@ -649,12 +641,8 @@ class PolicyClient:
                 time.sleep(self.config.retry_backoff_s * restarts)
                 continue
             except _DeltaFailed as e:
-                stats.delta_refused += 1
-                stats.delta_refusal = stats.delta_refusal or str(e)
-                log.warning("version %d: %s; fetching it whole", manifest.version, e)
+                _refuse_delta(e, manifest, state, stats)
                 parent = None
-                for t in state.values():
-                    t.reset()
                 continue
             finally:
                 call.cancel()
@@ -741,6 +729,27 @@ class PolicyClient:
             t.done = True
             t.values = hasher.submit(check_values, v, t.entry.format, t.layout, t.data)
         return True
+
+
+def _fetch_request(manifest, names: list[str], tp_rank: int, tp_size: int, start_chunk: int, offer):
+    """The FetchTensorsRequest from `start_chunk` of the selected tensors (all when `names` is
+    empty), offering the held version `offer` for a delta when it is not None."""
+    req = policy_pb2.FetchTensorsRequest(
+        version=manifest.version, tensor_names=names, tp_rank=tp_rank, tp_size=tp_size, start_chunk=start_chunk
+    )
+    if offer is not None:
+        req.held.add(version=offer.version, manifest_digest=offer.digest)
+    return req
+
+
+def _refuse_delta(e: Exception, manifest, state: dict[str, _Tensor], stats: FetchStats) -> None:
+    """A delta failed: counted, its first reason kept, one log line, every tensor reset for the
+    whole fetch that follows."""
+    stats.delta_refused += 1
+    stats.delta_refusal = stats.delta_refusal or str(e)
+    log.warning("version %d: %s; fetching it whole", manifest.version, e)
+    for t in state.values():
+        t.reset()
 
 
 def _delta_payloads(desc, manifest, state: dict[str, _Tensor], parent: HeldPolicy) -> dict[str, np.ndarray]:
