@@ -97,7 +97,7 @@ class PolicyServerConfig:
     serve_unauthenticated: bool = True
     max_unauthenticated_streams: int = 64
     max_streams_per_peer: int = 16
-    # Deltas against a version the client holds (module docstring); every delta_full_every-th publish full
+    # Deltas against a version the client holds (PolicyServer._delta_for); every delta_full_every-th publish full
     # only. Off here (a bare server serves full versions, as its tests expect); the trainer turns it on
     # (trainer.policy_deltas).
     deltas: bool = False
