@@ -24,15 +24,16 @@ redis:
 demo: venv redis
 	$(BIN)/tandem run configs/demo.yaml
 
+# Tests run with one BLAS thread: torch's default two stall under load on a shared machine.
 test: venv redis lint
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 test-fast: venv
-	$(BIN)/python -m pytest tests/unit -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/unit -q -m "not slow"
 
 protos: venv
 	$(BIN)/python -m tandem.protos

@@ -13,8 +13,7 @@ Rules:
    tensor against the version's manifest (chunk xxh3s and sha256), whatever this module says.
 3. `decode` may write into the parent's own memory (out is parent): the XOR runs element by element.
 4. A delta is served only when its payload bytes are below the version's full bytes (`worth_it`).
-zstd (de)compression and numpy's XOR release the GIL: callers encode or decode tensors in threads
-(each thread keeps its own zstd contexts: making one costs about what a small tensor does).
+zstd (de)compression and numpy's XOR release the GIL: callers encode or decode tensors in threads.
 """
 
 from __future__ import annotations
@@ -27,7 +26,9 @@ import numpy as np
 import zstandard
 
 LEVEL = 3  # zstd level of XOR payloads (bench/bench_delta.py measures it)
-_contexts = threading.local()  # this thread's zstd compressors (by level) and decompressor
+# this thread's zstd compressors (by level) and decompressor: making one costs about what a small
+# tensor does, so each thread keeps its own
+_contexts = threading.local()
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:

@@ -1,10 +1,9 @@
 """Riding out Redis outages: one retry policy for every Redis client of a service.
 
-A Redis restart or failover closes every connection; without retries the next command raises
-`ConnectionError` and the service dies. `OutageRetry` is the redis-py retry policy that
-`broker.streams.connect()` installs on each client, so that every command, pipeline, transaction
-and Lua script call retries, on `ConnectionError` / `TimeoutError` (a server still loading its AOF
-answers LOADING, a `ConnectionError` too), with bounded exponential backoff and full jitter:
+`OutageRetry` is the redis-py retry policy that `broker.streams.connect()` installs on each client,
+so that every command, pipeline, transaction and Lua script call retries, on `ConnectionError` /
+`TimeoutError` (a server still loading its AOF answers LOADING, a `ConnectionError` too), with
+bounded exponential backoff and full jitter:
 
     sleep_k = uniform(0, min(cap_s, base_s * 2**k))        k = 0, 1, 2, ... failures so far
 

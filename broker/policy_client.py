@@ -1,42 +1,18 @@
 """Client of `tandem.v1.PolicyService`: fetch a policy, verify every byte, rebuild the tensors.
 
-    with PolicyClient(PolicyClientConfig(address="127.0.0.1:50051", expected_fingerprint=fp)) as c:
-        policy = c.fetch()                    # latest version, full tensors
-        policy = c.fetch(7, tp_rank=1, tp_size=2, names=[...])
-        policy.tensors["model.layers.0.mlp.experts.0.down_proj.weight"]   # a policy.formats object
-
-What is checked: with `digest` (the signed pointer's), the manifest's own digest first
-(DigestMismatch: content is authenticated whoever serves it); the manifest's internal consistency
-and contract fingerprint (recomputed from the contract, then compared with `expected_fingerprint`:
-FingerprintMismatch names both); the TP degree against the contract; each chunk's xxh3 against
-the chunk; for a tensor received whole, each chunk's xxh3 and the tensor's sha256 (over its
-chunks' sha256s, policy.chunks.tensor_sha256) against the *manifest* (end to end); for a TP
-shard, whose bytes the manifest does not describe, the digest the server computed when it cut the
-shard, and the shard's size against the layout the TP plan predicts. Chunks are sha256-hashed in a thread pool as they arrive; once the digests
-match, stored values no quantizer produces are refused (policy.manifest_check.check_values).
-
-Recovery, bounded by `max_attempts` stream restarts per fetch: a chunk that fails its checksum
-is fetched again (the stream restarts at that chunk's index, at most `max_refetch_per_chunk`
-times per chunk); a stream that drops (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) resumes at
-the chunk after the last good one. Every call has a deadline; one fetch, all its streams together,
-has `fetch_timeout_s`.
-
-Deltas (broker/delta.py): `fetch(parent=HeldPolicy)` (a version this client fetched whole and
-verified before, `FetchedPolicy.held()`) tells the server that version is held; the server may
-then send a delta against it. Every tensor rebuilt from a delta (an unchanged one included) is
-checked against the version's manifest, chunk xxh3s and sha256, as a full fetch is; a delta that
-fails anything (its description, a payload chunk's xxh3, decoding, the rebuilt checksums, a dropped
-stream: a delta stream is not resumed) is refused with one log line, counted
-(`FetchStats.delta_refused`) and the version is fetched whole in the same call. The bytes land
-where a full fetch's would, which may be the parent's own memory (`buffers` holding it, each tensor
-at its own place): after a fetch into it, failed or not, that parent is gone.
-
-Speed (`bench/bench_swap.py`): `streams` > 1 splits one fetch's tensors into that many groups of
-about equal bytes, each fetched by its own FetchTensors stream on its own connection (the RPC
-selects tensors by name), in parallel threads; `fetch(buffers=ReceiveBuffers(...))` receives into
-host memory kept from one fetch to the next (page-locked for a GPU worker) instead of fresh
-memory; `fetch(cancel=FetchCancel())` lets another thread end a fetch at once (a newer version
-superseded it).
+Rules:
+- Nothing is used unverified: the manifest (its digest against the signed pointer's, its
+  consistency, its contract fingerprint against `expected_fingerprint`, the TP degree), every chunk
+  (xxh3) and every tensor (sha256 over its chunks' sha256s, against the manifest; a TP shard against
+  the digest the server computed when it cut it). Then stored values no quantizer produces are
+  refused (policy.manifest_check.check_values). PolicyClient lists each check.
+- Recovery is bounded: at most `max_attempts` stream restarts per fetch, `max_refetch_per_chunk`
+  per chunk; every call has a deadline, one fetch (all its streams) `fetch_timeout_s`.
+- A delta (broker/delta.py) that fails anything is refused with one log line, counted, and the
+  version is fetched whole in the same call (`fetch(parent=...)`).
+- `streams` > 1 splits one fetch's tensors by bytes over that many streams (`split_by_bytes`);
+  `buffers` keeps the receive memory from one fetch to the next; `cancel` ends a fetch from another
+  thread.
 """
 
 from __future__ import annotations
@@ -66,6 +42,7 @@ from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ClientTLS, TLSHandshakeError, handshake_problem
 from policy.chunks import ChecksumMismatch, chunk_checksums, chunk_count, first_chunk_indices, tensor_sha256
 from policy.contract import FingerprintMismatch, check_fingerprint
+from policy.fields import is_int, is_number
 from policy.manifest import MAX_MANIFEST_BYTES, manifest_digest, manifest_from_bytes
 from policy.manifest_check import check_values
 from policy.tp import check_tp
@@ -128,13 +105,9 @@ class PolicyClientConfig:
             bad.append(f"expected_fingerprint={self.expected_fingerprint!r} must be a 64-char sha256 hex or None")
         for name in ("call_timeout_s", "fetch_timeout_s"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if not (is_number(v) and v > 0):
                 bad.append(f"{name}={v!r} must be a number > 0")
-        if (
-            isinstance(self.retry_backoff_s, bool)
-            or not isinstance(self.retry_backoff_s, (int, float))
-            or not 0 <= self.retry_backoff_s <= 10
-        ):
+        if not is_number(self.retry_backoff_s, 0, 10):
             bad.append(f"retry_backoff_s={self.retry_backoff_s!r} must be a number in [0, 10]")
         for name in (
             "max_attempts",
@@ -144,7 +117,7 @@ class PolicyClientConfig:
             "streams",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v, 1):
                 bad.append(f"{name}={v!r} must be an int >= 1")
         bad += self.tls.missing_files()
         if bad:
@@ -321,6 +294,45 @@ class _Tensor:
 
 
 class PolicyClient:
+    """Fetches and verifies policies from one PolicyService:
+
+        with PolicyClient(PolicyClientConfig(address="127.0.0.1:50051", expected_fingerprint=fp)) as c:
+            policy = c.fetch()  # latest version, full tensors
+            policy = c.fetch(7, tp_rank=1, tp_size=2, names=[...])
+            policy.tensors["model.layers.0.mlp.experts.0.down_proj.weight"]  # a policy.formats object
+
+    What is checked: with `digest` (the signed pointer's), the manifest's own digest first
+    (DigestMismatch: content is authenticated whoever serves it); the manifest's internal
+    consistency and contract fingerprint (recomputed from the contract, then compared with
+    `expected_fingerprint`: FingerprintMismatch names both); the TP degree against the contract;
+    each chunk's xxh3 against the chunk; for a tensor received whole, each chunk's xxh3 and the
+    tensor's sha256 (over its chunks' sha256s, policy.chunks.tensor_sha256) against the *manifest*
+    (end to end); for a TP shard, whose bytes the manifest does not describe, the digest the server
+    computed when it cut the shard, and the shard's size against the layout the TP plan predicts.
+    Chunks are sha256-hashed in a thread pool as they arrive; once the digests match, stored values
+    no quantizer produces are refused (policy.manifest_check.check_values).
+
+    Recovery: a chunk that fails its checksum is fetched again (the stream restarts at that chunk's
+    index); a stream that drops (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, ...) resumes at the chunk
+    after the last good one.
+
+    Deltas: `fetch(parent=HeldPolicy)` (a version this client fetched whole and verified before,
+    `FetchedPolicy.held()`) tells the server that version is held; the server may then send a delta
+    against it. Every tensor rebuilt from a delta (an unchanged one included) is checked against the
+    version's manifest, chunk xxh3s and sha256, as a full fetch is; a delta that fails anything (its
+    description, a payload chunk's xxh3, decoding, the rebuilt checksums, a dropped stream: a delta
+    stream is not resumed) is refused, counted (`FetchStats.delta_refused`) and the version fetched
+    whole. The bytes land where a full fetch's would, which may be the parent's own memory
+    (`buffers` holding it, each tensor at its own place): after a fetch into it, failed or not, that
+    parent is gone.
+
+    Speed (`bench/bench_swap.py`): with `streams` > 1 each group of tensors is fetched by its own
+    FetchTensors stream on its own connection (the RPC selects tensors by name), in parallel
+    threads; `fetch(buffers=ReceiveBuffers(...))` receives into host memory kept from one fetch to
+    the next (page-locked for a GPU worker); `fetch(cancel=FetchCancel())` lets another thread end a
+    fetch at once (a newer version superseded it).
+    """
+
     def __init__(self, config: PolicyClientConfig):
         self.config = config
         self._metadata = ((RUN_TOKEN_HEADER, config.run_token),) if config.run_token else None
@@ -590,16 +602,8 @@ class PolicyClient:
         # partition) costs fetch_timeout_s once, not on every one of max_attempts restarts.
         deadline = time.monotonic() + self.config.fetch_timeout_s
         while True:
-            req = policy_pb2.FetchTensorsRequest(
-                version=manifest.version,
-                tensor_names=[] if names is None else selected,
-                tp_rank=tp_rank,
-                tp_size=tp_size,
-                start_chunk=next_index,
-            )
             offer = parent if next_index == 0 else None
-            if offer is not None:
-                req.held.add(version=offer.version, manifest_digest=offer.digest)
+            req = _fetch_request(manifest, [] if names is None else selected, tp_rank, tp_size, next_index, offer)
             stats.streams += 1
             # Not wait_for_ready: the manifest just came from this server, so if it is gone now (a trainer
             # that died mid-fetch; its successor listens elsewhere) fail fast instead of waiting out
@@ -637,12 +641,8 @@ class PolicyClient:
                 time.sleep(self.config.retry_backoff_s * restarts)
                 continue
             except _DeltaFailed as e:
-                stats.delta_refused += 1
-                stats.delta_refusal = stats.delta_refusal or str(e)
-                log.warning("version %d: %s; fetching it whole", manifest.version, e)
+                _refuse_delta(e, manifest, state, stats)
                 parent = None
-                for t in state.values():
-                    t.reset()
                 continue
             finally:
                 call.cancel()
@@ -729,6 +729,27 @@ class PolicyClient:
             t.done = True
             t.values = hasher.submit(check_values, v, t.entry.format, t.layout, t.data)
         return True
+
+
+def _fetch_request(manifest, names: list[str], tp_rank: int, tp_size: int, start_chunk: int, offer):
+    """The FetchTensorsRequest from `start_chunk` of the selected tensors (all when `names` is
+    empty), offering the held version `offer` for a delta when it is not None."""
+    req = policy_pb2.FetchTensorsRequest(
+        version=manifest.version, tensor_names=names, tp_rank=tp_rank, tp_size=tp_size, start_chunk=start_chunk
+    )
+    if offer is not None:
+        req.held.add(version=offer.version, manifest_digest=offer.digest)
+    return req
+
+
+def _refuse_delta(e: Exception, manifest, state: dict[str, _Tensor], stats: FetchStats) -> None:
+    """A delta failed: counted, its first reason kept, one log line, every tensor reset for the
+    whole fetch that follows."""
+    stats.delta_refused += 1
+    stats.delta_refusal = stats.delta_refusal or str(e)
+    log.warning("version %d: %s; fetching it whole", manifest.version, e)
+    for t in state.values():
+        t.reset()
 
 
 def _delta_payloads(desc, manifest, state: dict[str, _Tensor], parent: HeldPolicy) -> dict[str, np.ndarray]:

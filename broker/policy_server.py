@@ -1,55 +1,18 @@
-"""gRPC `tandem.v1.PolicyService`: serves the last K published policies to rollout workers.
+"""gRPC `tandem.v1.PolicyService`: serves the last `keep_versions` published policies to rollout workers.
 
-The server runs grpc.aio on its own event loop (uvloop where available) in a background
-thread, so the trainer, which is synchronous torch code, just calls `publish()`:
-
-    server = PolicyServer(PolicyServerConfig(port=0))
-    port = server.start()
-    server.publish(build_manifest(version=1, ...))   # thread-safe
-    ...
-    server.stop()
-
-Published versions are immutable: publishing a version again with the same content is a
-no-op, with different content a ValueError; versions must increase. The last `keep_versions`
-are held in memory.
-
-Why FetchTensors is fast: a version is held as its chunks' response messages (`TensorChunk`),
-pre-framed back to back in one host buffer (broker.frames), so a fetch costs no protobuf work:
-each message is a slice of the buffer, handed to gRPC as `bytes` (grpcio takes nothing else and
-copies it once more itself). The trainer frames a version straight into a pooled, page-locked buffer
-(`publish(FramedPolicy)`: no host copy at publish); a `PackedPolicy` is copied into a new framed
-buffer once. The buffer of a `FramedPolicy` goes back to its pool when the version is evicted and no
-stream or shard cut still reads it. A TP shard layout is cut lazily on first request (in a worker
-thread), cached per (version, tp_rank, tp_size), and reuses the full layout's messages for tensors a
-shard does not cut (replicated ones).
-
-Requests are parsed by the handlers themselves (raw bytes in), so malformed or oversized
-requests get INVALID_ARGUMENT with a message instead of the framework's INTERNAL. Requests
-above the transport limit (`max_receive_message_bytes`) are refused by gRPC itself with
-RESOURCE_EXHAUSTED. Health (grpc.health.v1) reports NOT_SERVING until the first publish.
-
-Capacity. A FetchTensors stream whose reader takes no chunk for `stall_s` (each `context.write`
-returns when HTTP/2 flow control lets the message out) or that runs past `fetch_deadline_s` is ended
-(counted: `fetch_stalled`, `fetch_deadline_exceeded`); the client resumes at its next chunk. Streams
-(FetchTensors, WatchVersions) are admitted by `admit`: at most `max_concurrent_rpcs`, of which
-unauthenticated peers hold at most `max_unauthenticated_streams` and one address
-`max_streams_per_peer`; with a `run_token` and `serve_unauthenticated` off only authenticated peers
-(the token as metadata, or an mTLS certificate) are served at all. gRPC's own RPC limit is not used:
-it frees a slot only when the HTTP/2 stream closes, which a reader that stops reading never lets
-happen (gRPC asyncio cannot reset one stream; its connection's age does). `stats()` has gauges
-(`active_fetches`, `active_watches`, `streams`, `unauthenticated_streams`), also on Prometheus.
-
-Deltas (broker/delta.py). A request that names versions the client holds (`held`, with their
-manifest digests) may be answered with a delta against one of them: the newest held version this
-server holds with the same digest. The delta of (version, parent) is built once, in a worker thread,
-on first request (XOR + zstd per changed tensor, framed like a version; cached per version, at most
-`keep_versions` parents) and served when its payload is smaller than the full version, else the full
-version is served. Every `delta_full_every`-th publish (the first included) is served full only, so
-a worker's chain of deltas is at most delta_full_every - 1 long. A stream served as a delta starts
-with a message carrying the DeltaDescription; the client verifies what it rebuilds against the manifest.
-
-Faults (corrupted chunks, dropped streams) are injected by the tests, from outside: a subclass that
-wraps the FetchTensors message generator `_fetch_messages` (tests/integration/test_policy_grpc.py) and a TCP proxy.
+Rules:
+- grpc.aio runs on its own event loop (uvloop where available) in a background thread; the
+  trainer's synchronous code calls the thread-safe `publish()` (PolicyServer shows the use).
+- Published versions are immutable and increase: the same content again is a no-op, different
+  content a ValueError.
+- A version is served from its pre-framed chunk messages (broker.frames): a fetch does no protobuf
+  work. A TP shard layout is cut on first request and cached (`_cut_shard`).
+- Handlers parse the raw request bytes: a malformed or oversized request gets INVALID_ARGUMENT with
+  one line; one above `max_receive_message_bytes` gets gRPC's RESOURCE_EXHAUSTED. Health
+  (grpc.health.v1) is NOT_SERVING until the first publish.
+- Streams are admitted by `admit` and ended when stalled or past their deadline (PolicyServer).
+- A request naming versions the client holds may be answered with a delta (`_delta_for`).
+Why: docs/design-decisions.md, "Publishing".
 """
 
 from __future__ import annotations
@@ -71,6 +34,7 @@ from broker import delta as dl
 from broker.frames import FramedPolicy, TensorFrames, frame_buffers, frame_packed
 from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ServerTLS
+from policy.fields import is_int, is_number
 from policy.manifest import (
     MAX_MANIFEST_BYTES,
     MAX_NAME_CHARS,
@@ -133,7 +97,7 @@ class PolicyServerConfig:
     serve_unauthenticated: bool = True
     max_unauthenticated_streams: int = 64
     max_streams_per_peer: int = 16
-    # Deltas against a version the client holds (module docstring); every delta_full_every-th publish full
+    # Deltas against a version the client holds (PolicyServer._delta_for); every delta_full_every-th publish full
     # only. Off here (a bare server serves full versions, as its tests expect); the trainer turns it on
     # (trainer.policy_deltas).
     deltas: bool = False
@@ -155,9 +119,9 @@ class PolicyServerConfig:
             "delta_full_every",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v, 1):
                 bad.append(f"{name}={v!r} must be an int >= 1")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+        if not is_int(self.port, 0, 65535):
             bad.append(f"port={self.port!r} must be an int in [0, 65535]")
         if not isinstance(self.host, str) or not self.host:
             bad.append(f"host={self.host!r} must be a non-empty string")
@@ -194,7 +158,7 @@ class PolicyServerConfig:
             "stall_s",
         ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if not (is_number(v) and v > 0):
                 bad.append(f"{name}={v!r} must be a number > 0")
         if bad:
             raise ValueError("invalid PolicyServerConfig: " + "; ".join(bad))
@@ -407,7 +371,28 @@ class _Abort(Exception):
 
 
 class PolicyServer:
-    """See the module docstring. All public methods are thread-safe."""
+    """The policy service on a background event loop. All public methods are thread-safe:
+
+        server = PolicyServer(PolicyServerConfig(port=0))
+        port = server.start()
+        server.publish(build_manifest(version=1, ...))
+        ...
+        server.stop()
+
+    The trainer frames a version straight into a pooled, page-locked buffer (`publish(FramedPolicy)`:
+    no host copy at publish); a `PackedPolicy` is copied into a new framed buffer once. A
+    FramedPolicy's buffer goes back to its pool when the version is evicted and no stream or shard
+    cut still reads it. A shard layout reuses the full layout's messages for the tensors it does
+    not cut (replicated ones).
+
+    Capacity: a FetchTensors stream whose reader takes no chunk for `stall_s` (each `context.write`
+    returns when HTTP/2 flow control lets the message out) or that runs past `fetch_deadline_s` is
+    ended (counted: `fetch_stalled`, `fetch_deadline_exceeded`); the client resumes at its next
+    chunk. Streams (FetchTensors, WatchVersions) are admitted by `admit`; with a `run_token` and
+    `serve_unauthenticated` off only authenticated peers (the token as metadata, or an mTLS
+    certificate) are served at all. `stats()` has gauges (`active_fetches`, `active_watches`,
+    `streams`, `unauthenticated_streams`), also on Prometheus.
+    """
 
     def __init__(self, config: PolicyServerConfig):
         self.config = config
@@ -898,7 +883,10 @@ class PolicyServer:
             raise asyncio.CancelledError from None
 
     async def _fetch_messages(self, request: bytes, context):
-        """The requested chunk messages, in order (or an abort naming what is wrong with the request)."""
+        """The requested chunk messages, in order (or an abort naming what is wrong with the request).
+
+        The tests inject faults (corrupted chunks, dropped streams) from outside by wrapping this
+        generator in a subclass (tests/integration/test_policy_grpc.py)."""
         try:
             req = self._parse(policy_pb2.FetchTensorsRequest, request)
             tp_size = req.tp_size or 1
@@ -955,7 +943,14 @@ class PolicyServer:
 
     async def _delta_for(self, v: _Version, held) -> _Delta | None:
         """v's delta against the newest version in `held` that this server holds with the same
-        manifest digest (built on first request, in a worker thread; cached), or None: serve full."""
+        manifest digest (built on first request, in a worker thread; cached), or None: serve full.
+
+        A delta is XOR + zstd per changed tensor (broker/delta.py), framed like a version, cached per
+        version for at most `keep_versions` parents, and served only when its payload is smaller than
+        the full version's. Every `delta_full_every`-th publish (the first included) is full only, so
+        a worker's chain of deltas is at most delta_full_every - 1 long. A stream served as a delta
+        starts with a message carrying the DeltaDescription; the client checks what it rebuilds
+        against the manifest."""
         if not self.config.deltas or v.full_only:
             return None
         with self._lock:

@@ -114,7 +114,7 @@ class PolicyPointer:
 
 
 def _relay_errors(degree: object, relays: object) -> list[str]:
-    if isinstance(degree, bool) or not isinstance(degree, int) or not 0 <= degree <= MAX_FANOUT:
+    if not is_int(degree, 0, MAX_FANOUT):
         return [f"fanout={degree!r} (want an int in [0, {MAX_FANOUT}])"]
     if not isinstance(relays, tuple) or len(relays) > MAX_RELAYS:
         return [f"relays: want a tuple of at most {MAX_RELAYS} (worker id, address) pairs"]

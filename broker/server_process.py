@@ -38,6 +38,7 @@ from broker.frames import FramedPolicy, manifest_layout
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.tls import ServerTLS
 from policy import manifest as mf
+from policy.fields import is_int
 
 MAX_MESSAGE = mf.MAX_MANIFEST_BYTES + (1 << 16)
 REPLY_TIMEOUT_S = 120.0  # a publish installs in the child's event loop (PolicyServer.publish: <= 30 s)
@@ -276,7 +277,7 @@ class ServingProcesses:
     per-peer stream caps) hold per process: N processes admit N times as many streams."""
 
     def __init__(self, config: PolicyServerConfig, *, processes: int, log: Callable[[str], None] = print):
-        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        if not is_int(processes, 1):
             raise ValueError(f"processes={processes!r} (want an int >= 1)")
         self.config = dataclasses.replace(config, reuse_port=processes > 1)
         self.processes, self.log = processes, log

@@ -1,16 +1,14 @@
 """Authenticating what travels through Redis: HMAC-SHA256 with a per-run secret.
 
-Whoever can write Redis could otherwise inject trajectories (the contract fingerprint is public:
-it sits in `policy:latest`), feed prompts that crash workers, or point every worker at a policy
-server of their choosing. With a run secret, every trajectory entry carries
-`s = HMAC(key, "tandem.trajectory\\0" || d)` over its encoded bytes `d`, every prompt entry
-`s = HMAC(key, "tandem.prompt\\0" || d)`, and `policy:latest` carries
-`sig = HMAC(key, "tandem.policy_pointer\\0" || version \\n address \\n fingerprint \\n published_at
-\\n content_digest)` over the stored strings. The trainer dead-letters and counts trajectories without
-a valid tag; workers dead-letter and count such prompts, and refuse such pointers.
-The domain prefix keeps a tag for one kind of message from verifying as another. The policy
-server's run token (`policy_token`, the tag of an empty message in its own domain) authenticates
-workers to the trainer's gRPC: sent as metadata `RUN_TOKEN_HEADER`, it reveals nothing of the secret.
+With a run secret, every trajectory entry carries `s = HMAC(key, "tandem.trajectory\\0" || d)` over
+its encoded bytes `d`, every prompt entry `s = HMAC(key, "tandem.prompt\\0" || d)`, and
+`policy:latest` carries `sig = HMAC(key, "tandem.policy_pointer\\0" || version \\n address \\n
+fingerprint \\n published_at \\n content_digest)` over the stored strings. The trainer dead-letters
+and counts trajectories without a valid tag; workers dead-letter and count such prompts, and refuse
+such pointers. The domain prefix keeps a tag for one kind of message from verifying as another. The
+policy server's run token (`policy_token`, the tag of an empty message in its own domain)
+authenticates workers to the trainer's gRPC: sent as metadata `RUN_TOKEN_HEADER`, it reveals
+nothing of the secret.
 
 The secret: 32 random bytes as 64 hex characters, in a file (`run_secret_file`, e.g. a mounted
 Kubernetes Secret) or the TANDEM_RUN_SECRET environment variable; `tandem run` generates one per

@@ -135,6 +135,49 @@ def _write_generation_config(out: Path, token_ids: Mapping[str, int] | None) -> 
         (out / "generation_config.json").write_text(json.dumps(dict(token_ids), indent=2) + "\n")
 
 
+def _checked_shapes(cfg: ModelConfig, tensors: Mapping[str, object], export_format: str, token_ids) -> dict:
+    """The model's parameter shapes, once the format is known, the tensors are exactly the model's
+    and `token_ids` holds only bos/eos/pad_token_id."""
+    if export_format not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {export_format!r}; known: {', '.join(EXPORT_FORMATS)}")
+    shapes = parameter_shapes(cfg)
+    missing = sorted(set(shapes) - set(tensors))
+    unknown = sorted(set(tensors) - set(shapes))
+    if missing or unknown:
+        raise ValueError(f"export: tensors do not match the model: missing {missing[:3]}, unknown {unknown[:3]}")
+    bad = sorted(set(token_ids or {}) - {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if bad:
+        raise ValueError(f"export: token_ids {bad}: expected bos_token_id, eos_token_id, pad_token_id")
+    return shapes
+
+
+def _write_weights(writer: ShardWriter, shapes: dict, tensors: Mapping[str, object], target: str) -> list[str]:
+    """Every weight into `writer`: the `target` ones as their quantized parts, the others in bf16
+    (gate_up_proj split into gate_proj / up_proj). Returns the linear modules written in bf16."""
+    ignore: list[str] = []
+    for name, shape in shapes.items():
+        q = tensors[name]
+        m = _GATE_UP.match(name)
+        if m:
+            half = shape[0] // 2
+            pieces = [(f"{m.group(1)}.gate_proj", slice(0, half)), (f"{m.group(1)}.up_proj", slice(half, shape[0]))]
+        else:
+            pieces = [(name[: -len(".weight")], None)]
+        is_linear = len(shape) == 2 and name != "model.embed_tokens.weight"
+        if formats.format_of(q) == target:
+            for module, rows in pieces:
+                part = q if rows is None else _split_rows(q, target, rows)
+                for suffix, t in _quantized_parts(part, target).items():
+                    writer.add(f"{module}.{suffix}", t)
+            continue
+        w = formats.dequantize(q).view(shape).to(torch.bfloat16)
+        for module, rows in pieces:
+            writer.add(f"{module}.weight", w if rows is None else w[rows])
+            if is_linear:
+                ignore.append(module)
+    return ignore
+
+
 def export_policy(
     out: str | Path,
     cfg: ModelConfig,
@@ -169,16 +212,7 @@ def export_policy(
     FLT_MAX)`, then E4M3 block scales per 16 elements) and apply `S_dec_x[row] * weight_scale_2` to
     the accumulator, as Tandem's rollout does. `token_ids` (bos/eos/pad_token_id of the run's
     tokenizer) go into config.json and generation_config.json, so that `generate` stops at eos."""
-    if export_format not in EXPORT_FORMATS:
-        raise ValueError(f"unknown export format {export_format!r}; known: {', '.join(EXPORT_FORMATS)}")
-    shapes = parameter_shapes(cfg)
-    missing = sorted(set(shapes) - set(tensors))
-    unknown = sorted(set(tensors) - set(shapes))
-    if missing or unknown:
-        raise ValueError(f"export: tensors do not match the model: missing {missing[:3]}, unknown {unknown[:3]}")
-    bad = sorted(set(token_ids or {}) - {"bos_token_id", "eos_token_id", "pad_token_id"})
-    if bad:
-        raise ValueError(f"export: token_ids {bad}: expected bos_token_id, eos_token_id, pad_token_id")
+    shapes = _checked_shapes(cfg, tensors, export_format, token_ids)
     config = hf_config(cfg)  # refuses a model without an HF equivalent before writing anything
     meta = {"tandem_contract_fingerprint": fingerprint, "tandem_version": str(version), "tandem_recipe": recipe}
     extra = {"tandem": {"contract_fingerprint": fingerprint, "version": version, "recipe": recipe}, **(token_ids or {})}
@@ -211,27 +245,7 @@ def export_policy(
 
     _write_generation_config(out, token_ids)
     writer = ShardWriter(out, max_shard_bytes=max_shard_bytes, metadata=meta)
-    ignore: list[str] = []
-    for name, shape in shapes.items():
-        q = tensors[name]
-        m = _GATE_UP.match(name)
-        if m:
-            half = shape[0] // 2
-            pieces = [(f"{m.group(1)}.gate_proj", slice(0, half)), (f"{m.group(1)}.up_proj", slice(half, shape[0]))]
-        else:
-            pieces = [(name[: -len(".weight")], None)]
-        is_linear = len(shape) == 2 and name != "model.embed_tokens.weight"
-        if formats.format_of(q) == target:
-            for module, rows in pieces:
-                part = q if rows is None else _split_rows(q, target, rows)
-                for suffix, t in _quantized_parts(part, target).items():
-                    writer.add(f"{module}.{suffix}", t)
-            continue
-        w = formats.dequantize(q).view(shape).to(torch.bfloat16)
-        for module, rows in pieces:
-            writer.add(f"{module}.weight", w if rows is None else w[rows])
-            if is_linear:
-                ignore.append(module)
+    ignore = _write_weights(writer, shapes, tensors, target)
     writer.finish()
     if cfg.tie_word_embeddings:
         ignore.append("lm_head")  # the head is the (unquantized) embedding: engines must not expect scales

@@ -3,18 +3,14 @@
 A published policy is immutable: (version, manifest, packed tensors). The manifest is the protobuf
 message `tandem.v1.Manifest` (protos/tandem/v1/manifest.proto), serialized deterministically. It
 holds the version, parent version and creation time; the contract and its fingerprint
-(policy.contract); per tensor: name, format, format params, logical shape, each part's
-dtype/shape/byte range, the fp32 global scale when there is one, the TP style (policy.tp_layout),
-xxh3_64 per chunk and a sha256 over the chunks' sha256s (policy.chunks). A manifest of schema 1
-(sha256 over a tensor's raw bytes) is refused with one line naming the schema.
+(policy.contract); per tensor: name, format, format params, logical shape ([M, K]; 1-D parameters
+as [1, D]), each part's dtype/shape/byte range, the fp32 global scale when there is one, the TP
+style (policy.tp_layout), xxh3_64 per chunk and a sha256 over the chunks' sha256s (policy.chunks).
+A manifest of schema 1 (sha256 over a tensor's raw bytes) is refused with one line naming the schema.
 
 The manifest's own digest (`manifest_digest`: over every field but the creation time, so over every
 tensor's checksums) is what the signed `policy:latest` names: a worker compares it first
 (`manifest_from_bytes(digest=...)`, DigestMismatch), so content is authenticated whoever serves it.
-
-Simplifications: the manifest is one message (a 48-layer, 128-expert model is ~4 MB, under
-MAX_MANIFEST_BYTES); a tensor's `shape` is its quantized [M, K] shape, so 1-D parameters such as
-norms are published as [1, D] by whoever quantizes them.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Is a manifest one this rollout can load? Checked completely before anything is allocated.
 
-`verify_manifest` checks a manifest's internal consistency (sizes add up, checksums present,
-fingerprint matches the contract it carries). A consistent manifest can still be unloadable, or
-hostile: a part renamed or dropped (`from_parts` raises KeyError), `format_params_json` of
-`{"zzz": 1}` or `1` (TypeError), a declared 1 TiB tensor (MemoryError from an 8 MiB manifest).
-So the rollout compares every entry with what its own contract implies:
+A consistent manifest (`verify_manifest`) can still be unloadable or hostile, so `check_manifest`
+compares every entry with what this rollout's own contract implies:
 
     names          == the plan's parameter names (none missing, none extra)
     format, params == the plan entry's format and quantize kwargs
@@ -12,11 +9,10 @@ So the rollout compares every entry with what its own contract implies:
     parts          == (name, dtype, shape) of what the format's quantizer produces for that shape
     total_bytes    == the sum those imply, and <= max_total_bytes
 
-The expected parts come from quantizing a zero tensor of each distinct (format, kwargs, shape)
-once per worker (the formats' own code, not a second copy of their layout rules). A manifest that
-fails is refused with `ManifestRefused`, naming every problem (up to 10). Once a tensor's bytes
-are verified against the manifest, `check_values` refuses stored values no quantizer produces
-(non-finite bf16 weights, NaN or out-of-range scales: policy.formats.values) with `ValuesRefused`.
+The expected parts come from quantizing a zero tensor of each distinct (format, kwargs, shape) once
+per worker (`expected_tensors`). A manifest that fails is refused with `ManifestRefused`, naming every
+problem (up to 10); `check_values` refuses verified bytes holding values no quantizer produces
+(policy.formats.values) with `ValuesRefused`.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ class RolloutConfig:
     """Concurrent FetchTensors streams (one connection and thread each) per policy fetch, the
     version's tensors split between them by bytes (broker.policy_client). 1 is the fastest measured
     on the H200 host (1.04 GB/s; 2/4/8 streams 0.77/0.65/0.56 GB/s: the receive threads and the one
-    sha256 thread contend for the GIL; docs/benchmarks.md, "Publish → live"): measure again with
-    bench/bench_swap.py when the client's hashing changes."""
+    sha256 thread contend for the GIL; docs/benchmarks.md, "Fetch streams and the in-place
+    update"): measure again with bench/bench_swap.py when the client's hashing changes."""
     fetch_process: bool | None = None
     """Fetch and verify policies in a child process of the worker (rollout/fetch_process.py) into
     shared memory, so that receiving and hashing never slow decoding (they hold the GIL);
@@ -46,9 +46,10 @@ class RolloutConfig:
     """Child processes receiving one policy fetch (where `fetch_process` is on: CUDA's default), the
     version's tensors split between them by bytes, each writing its part into the one shared slab
     (rollout/fetch_process.py). Measured on the H200 host (4.38 GB, bench/bench_swap.py
-    --processes; docs/benchmarks.md): 1 / 2 / 4 / 6 processes 0.72 / 1.49 / 1.55 / 1.67 GB/s. From 2
-    on the trainer's PolicyServer limits (its one event loop at ~1 core; two workers fetching at once
-    shared 1.77 GB/s), so 2: nearly all of the gain for the least CPU beside the decode loops."""
+    --processes; docs/benchmarks.md, "Fetch processes per worker"): 1 / 2 / 4 / 6 processes
+    0.72 / 1.49 / 1.55 / 1.67 GB/s. From 2 on the trainer's PolicyServer limits (its one event loop
+    at ~1 core; two workers fetching at once shared 1.77 GB/s), so 2: nearly all of the gain for the
+    least CPU beside the decode loops."""
     read_block_ms: int = 500
     """How long one read of the prompts stream blocks."""
     tls: ClientTLS = field(default_factory=ClientTLS)
@@ -79,7 +80,8 @@ class RolloutConfig:
     soon as another finishes, and a group is committed when all its samples are done. 1 = one group
     at a time (its samples still run in up to max_batch slots). A group holds its place until its
     longest sample ends, so slots freed by short samples are refilled only from groups already in
-    flight: more than max_batch / n_samples keeps the slots full (docs/benchmarks.md)."""
+    flight: more than max_batch / n_samples keeps the slots full (docs/benchmarks.md,
+    "Continuous batching")."""
     max_policy_bytes: int = 64 << 30
     """A manifest declaring more tensor bytes than this is refused (policy.manifest_check)."""
     policy_address: str = ""

@@ -1,49 +1,17 @@
 """The rollout engine for a GPU: packed weights, a preallocated KV cache, CUDA graphs, on-device sampling.
 
 `PackedEngine(cfg, plan, tensors, device=..., engine=EngineConfig(...))` serves one policy from its
-published tensors (the quantized objects a worker fetched) without dequantizing the 4-bit ones:
-
-- routed experts in nvfp4 / int4: one `moe_w4a16_matmul` launch per projection over all routed
-  experts (gate_up, then down), tokens grouped by expert on the device (`moe_align_fast`);
-  bf16 routed experts: `torch._grouped_mm` over the expert-sorted tokens (the fair bf16 baseline);
-- other quantized linears in nvfp4 / int4: `w4a16_matmul`; every other format is multiplied as
-  its dequantization (bf16: the published bf16 weight itself);
-- every matmul follows DESIGN.md's Compute contract: its operands are `policy.formats.operand` of
-  the published weights (the kernels read the same values from the packed codes: tests/gpu checks
-  them bitwise) and of the per-token quantized activations at the sites the recipe quantizes
-  (`policy.kernels.quantize`, bitwise QAT's), nvfp4 global scales applied to the fp32 accumulator
-  (`acc * S_dec_x[row] * S_dec_w`, in the kernels' epilogue); formats without a kernel go through
-  `policy.compute.matmul`. Activation quantization skips the host-side finite check: the sampler
-  flags NaN/Inf logits (where any NaN/Inf in the residual stream ends up) in one device word that
-  `generate` reads once, after the sequences are done (-> ValueError);
-- the decode step (embedding -> layers -> LM head -> sampling -> stop bookkeeping) has no host
-  synchronization and is captured in a CUDA graph per batch bucket (`EngineConfig.graph_buckets`);
-  a batch runs in the smallest bucket that holds it, the spare rows as dead padding; its
-  elementwise glue is fused by torch.compile (`EngineConfig.fuse`) and its attention is one Triton
-  kernel per layer that also writes the new K/V (`rollout.kernels.attention_triton`, live keys only);
-- `generate(prompts, n_samples=...)`: each prompt is prefilled once, its KV copied to its samples;
-- continuous batching (`rollout.batching.PackedBackend` with `rollout.scheduler`): `begin`, then
-  `prefixes` (prompts prefilled once per group) and `admit` (a prefix copied into free slots, those
-  rows started) between graph replays, while the other rows keep decoding; every row samples at
-  its own token index (`lengths`) and stops at its own `max_new`, so rows may join at any step;
-- the KV cache is slotted: [max_batch, n_kv_heads, max_seq_len, head_dim] per layer, allocated
-  once; a request that does not fit (too many rows, prompt + max_new_tokens over capacity) is
-  refused with a ValueError naming the numbers;
-- sampling is `rollout.sampling` (counter-based RNG keyed by (row seed, step), Gumbel-max,
-  temperature, optional top-k / top-p), log-probs in fp32 from the same logits;
-- a new version of the same layout is copied into the live engine (`update`: one piece at a time,
-  no reallocation, graphs and KV cache kept), so a version swap costs its host-to-device copy.
-
-Numerics follow `policy.model.Transformer` op for op (fp32 RMSNorm statistics, fp32 RoPE, bf16
-SwiGLU and expert-weighted sum, fp32 softmax router), and its matmuls consume the operands QAT's
-do (policy.qat follows the same Compute contract), so the trainer's QAT recompute of a sequence
-differs from the engine's behavior log-probs only by accumulation order (and what it flips).
-
-Not here: FlashInfer (prefill uses SDPA; decode uses the Triton kernel), a prefill GEMM for the 4-bit
-weights (prefill runs the decode matmul, 16 tokens per tile).
-
-The same code runs on the CPU (reference matmuls, torch sampling, torch attention, no graphs),
-which is how the unit tests check its logic against `rollout.engine.generate`.
+published tensors without dequantizing the 4-bit ones. Rules:
+- every matmul follows DESIGN.md's Compute contract: its operands are `policy.formats.operand` of the
+  published weights and of the per-token quantized activations at the sites the recipe quantizes;
+- numerics follow `policy.model.Transformer` op for op, so the trainer's QAT recompute differs from
+  the engine's behavior log-probs only by accumulation order;
+- the decode step has no host synchronization and is one CUDA graph per batch bucket;
+- a request that does not fit the slotted KV cache is refused with a ValueError naming the numbers;
+  NaN/Inf logits raise ValueError once the sequences are done;
+- a new version of the same layout is copied into the live engine (`update`).
+The same code runs on the CPU (reference matmuls, torch sampling and attention, no graphs), which is
+how the unit tests check its logic against `rollout.engine.generate`.
 """
 
 from __future__ import annotations
@@ -445,7 +413,39 @@ def _copy_into(dst, src, what: str) -> None:
 
 
 class PackedEngine:
-    """One policy version on one device; `generate` has the signature of `policy.model.generate`."""
+    """One policy version on one device; `generate` has the signature of `policy.model.generate`.
+
+    - Routed experts in nvfp4 / int4: one `moe_w4a16_matmul` launch per projection over all routed
+      experts (gate_up, then down), tokens grouped by expert on the device (`moe_align_fast`); bf16
+      routed experts: `torch._grouped_mm` over the expert-sorted tokens (the fair bf16 baseline).
+    - Other quantized linears in nvfp4 / int4: `w4a16_matmul`; every other format is multiplied as
+      its dequantization (bf16: the published bf16 weight itself), or through
+      `policy.compute.matmul` when it has no kernel. The kernels read the operands' values from the
+      packed codes (tests/gpu checks them bitwise); activations are quantized by
+      `policy.kernels.quantize` (bitwise QAT's); nvfp4 global scales are applied to the fp32
+      accumulator (`acc * S_dec_x[row] * S_dec_w`, in the kernels' epilogue).
+    - Activation quantization skips the host-side finite check: the sampler flags NaN/Inf logits
+      (where any NaN/Inf in the residual stream ends up) in one device word that `generate` reads
+      once, after the sequences are done.
+    - The decode step (embedding -> layers -> LM head -> sampling -> stop bookkeeping) is captured
+      per batch bucket (`EngineConfig.graph_buckets`); a batch runs in the smallest bucket that holds
+      it, the spare rows as dead padding; its elementwise glue is fused by torch.compile
+      (`EngineConfig.fuse`) and its attention is one Triton kernel per layer that also writes the
+      new K/V (`rollout.kernels.attention_triton`, live keys only). Prefill uses SDPA and the decode
+      matmul (16 tokens per tile).
+    - `generate(prompts, n_samples=...)`: each prompt is prefilled once, its KV copied to its samples.
+    - Continuous batching (`rollout.batching.PackedBackend` with `rollout.scheduler`): `begin`, then
+      `prefixes` (prompts prefilled once per group) and `admit` (a prefix copied into free slots,
+      those rows started) between graph replays, while the other rows keep decoding; every row
+      samples at its own token index (`lengths`) and stops at its own `max_new`.
+    - The KV cache: [max_batch, n_kv_heads, max_seq_len, head_dim] per layer, allocated once.
+    - Sampling is `rollout.sampling` (counter-based RNG keyed by (row seed, step), Gumbel-max,
+      temperature, optional top-k / top-p), log-probs in fp32 from the same logits.
+    - Numerics: fp32 RMSNorm statistics, fp32 RoPE, bf16 SwiGLU and expert-weighted sum, fp32
+      softmax router, matmuls on the operands QAT's use (policy.qat follows the same contract).
+    - `update` copies a version in one piece at a time: no reallocation, graphs and KV cache kept,
+      so a version swap costs its host-to-device copy.
+    """
 
     def __init__(
         self,

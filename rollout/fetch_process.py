@@ -1,52 +1,17 @@
-"""A rollout worker's policy fetch in a process of its own, so that receiving and hashing a version
-(protobuf parsing, the copy into host memory, xxh3 per chunk, the sha256 pool: Python threads
-holding the GIL for seconds per GB) never competes with the decode loop's Python.
+"""A rollout worker's policy fetch in child processes of its own, so that receiving and hashing a
+version (protobuf parsing, the copy into host memory, xxh3 per chunk, the sha256 pool: Python
+threads holding the GIL for seconds per GB) never competes with the decode loop's Python.
 
-    fetcher = FetchProcess(pinned=True, processes=4, log=print)   # the children start at the first fetch
-    fetched = fetcher.fetch(FetchRequest(address=..., fingerprint=..., version=7), check=..., cancel=...)
-    fetcher.close()
-
-`processes` children per worker (`python -m rollout.fetch_process FD`, `rollout.fetch_processes`),
-started once and reused, each running the ordinary broker.policy_client fetch (every chunk and
-tensor digest verified there) into ONE slab of shared memory that the parent owns: an anonymous
-memfd (Linux memfd_create: no file in /dev/shm, so nothing to leak when any process is killed, and
-no /dev/shm size limit), created and page-locked for the H2D copy on CUDA (`pinned`) by the
-parent, reused across versions of one layout like ReceiveBuffers, its descriptor passed to each
-child once (SCM_RIGHTS over its socket) and mapped there; the memory is freed when no process maps
-it any more. Why several: one process receives at ~1 GB/s (protobuf parse, the copy, xxh3 per
-chunk and the sha256 pool share its GIL), and threads in one process do not add up.
-
-One fetch: the first child gets the manifest; the parent verifies it again (manifest_from_bytes,
-check_fingerprint, the version asked for), runs the worker's `check` before any memory is
-allocated, lays the whole version out in the slab (ReceiveBuffers.offsets over all its tensors)
-and splits the tensors into one group per child of about equal bytes (split_by_bytes: the rule of
-the client's streams). Each child fetches only its group (`fetch_bytes(names=...)`), verifies
-every chunk and tensor of it, and writes each tensor at its offset in the whole layout. The fetch
-ends when every child sent DONE (the stats summed); the first ERROR cancels the others and is
-raised (a real error before a FetchCancelled of a cancelled sibling).
-
-Deltas (broker/delta.py): with `reuse`, the slab holds the last version fetched whole and verified
-until the next fetch writes over it; SLAB then names it as the parent (when the slab was kept, so
-the layout is the same) and each child offers it for its part (`fetch_bytes(parent=...)`), every
-tensor rebuilt in place and checked against the manifest. A fetch that fails leaves no parent.
-
-Nothing pickled crosses the boundary: length-prefixed byte messages over a socketpair
-(`Connection.send_bytes`), each "KIND payload":
-    parent -> first child   FETCH {json request}
-    parent -> other child   JOIN {json request}, then MANIFEST <the serialized manifest>
-    parent -> each child    SLAB {"nbytes": ..., "new": bool, "names": [its tensors] | null = all,
-                            "parent": {"version": v, "digest": hex} | null} (+ the memfd when new) | CANCEL
-    child -> parent         MANIFEST <the serialized manifest> (first child) | DONE {json FetchStats}
-                            | ERROR <Type> <one line>
-An ERROR is raised in the parent as the type the in-process fetch raises (ChecksumMismatch,
-DigestMismatch, ValuesRefused, FingerprintMismatch, ValueError, OSError, FetchCancelled, a
-grpc.RpcError with its status code), so the worker's handling is the same. A child that dies (or
-stops answering) is replaced at once with one log line, the others' parts are cancelled, and the
-fetch fails with OSError (retried); a cancel from the worker cancels every child's part.
-
-CPU workers keep the in-process fetch by default (`rollout.fetch_process`): the CPU engine's
-weights alias the fetched bytes, so each version needs fresh memory, and a CPU worker's versions
-are small. With the child on CPU (`pinned=False, reuse=False`) each fetch gets a new slab.
+Rules:
+- `processes` children (`python -m rollout.fetch_process FD`), started once and reused, each run the
+  ordinary broker.policy_client fetch (every chunk and tensor digest verified there) of their share
+  of the tensors into ONE shared memfd slab that the parent owns (SharedSlab).
+- The parent verifies the manifest again and runs the worker's `check` before any memory is laid
+  out; the first ERROR cancels the other parts and is raised (FetchProcess).
+- Nothing pickled crosses the boundary: "KIND payload" byte messages over a socketpair (`main`
+  lists them); an ERROR is raised in the parent as the type the in-process fetch raises.
+- A child that dies or stops answering is replaced at once; the fetch fails with OSError (retried).
+Why child processes: docs/design-decisions.md, "The rollout side".
 """
 
 from __future__ import annotations
@@ -86,6 +51,7 @@ from broker.policy_client import (
 from broker.tls import ClientTLS
 from policy import manifest as mf
 from policy.contract import check_fingerprint
+from policy.fields import is_int
 from policy.manifest import DigestMismatch
 from policy.manifest_check import ValuesRefused
 from policy.tp_layout import TensorLayout, rebuild, tensor_layout, tp_plan_of
@@ -199,7 +165,12 @@ def _recv(conn: Connection) -> tuple[str, bytes]:
 
 class SharedSlab(ReceiveBuffers):
     """ReceiveBuffers whose slab is a memfd mapped here (and by the children): `fd` is its
-    descriptor until `release_fd` (sent to the children, or the fetch ended), -1 after."""
+    descriptor until `release_fd` (sent to the children, or the fetch ended), -1 after.
+
+    An anonymous memfd (memfd_create: no file in /dev/shm, so nothing leaks when any process is
+    killed, and no /dev/shm size limit), created and page-locked for the H2D copy on CUDA (`pinned`)
+    by the parent, reused across versions of one layout, its descriptor passed to each child once
+    (SCM_RIGHTS over its socket) and mapped there; the memory is freed when no process maps it."""
 
     def __init__(self, *, pinned: bool = False):
         super().__init__(pinned=pinned)
@@ -267,11 +238,34 @@ class _ChildGone(Exception):
 
 
 class FetchProcess:
-    """The parent's handle on a worker's `processes` fetch children (see the module docstring).
-    `fetch` runs in one thread at a time (the worker's fetch thread); `close` ends the children."""
+    """The parent's handle on a worker's `processes` fetch children (`rollout.fetch_processes`).
+    `fetch` runs in one thread at a time (the worker's fetch thread); `close` ends the children:
+
+        fetcher = FetchProcess(pinned=True, processes=4, log=print)  # the children start at the first fetch
+        fetched = fetcher.fetch(FetchRequest(address=..., fingerprint=..., version=7), check=..., cancel=...)
+        fetcher.close()
+
+    One fetch: the first child gets the manifest; the parent verifies it again (manifest_from_bytes,
+    check_fingerprint, the version asked for), runs the worker's `check` before any memory is
+    allocated, lays the whole version out in the slab (ReceiveBuffers.offsets over all its tensors)
+    and splits the tensors into one group per child of about equal bytes (split_by_bytes: the rule
+    of the client's streams). Each child fetches only its group (`fetch_bytes(names=...)`), verifies
+    every chunk and tensor of it, and writes each tensor at its offset in the whole layout. The
+    fetch ends when every child sent DONE (the stats summed); the first ERROR cancels the others
+    and is raised (a real error before a FetchCancelled of a cancelled sibling). A child that dies
+    (or stops answering) is replaced at once with one log line, the others' parts are cancelled,
+    and the fetch fails with OSError; a cancel from the worker cancels every child's part.
+
+    Deltas (broker/delta.py): with `reuse`, the slab holds the last version fetched whole and
+    verified until the next fetch writes over it; SLAB then names it as the parent (when the slab
+    was kept, so the layout is the same) and each child offers it for its part
+    (`fetch_bytes(parent=...)`), every tensor rebuilt in place and checked against the manifest. A
+    fetch that fails leaves no parent. With `pinned=False, reuse=False` (a child on CPU) each fetch
+    gets a new slab: the CPU engine's weights alias the fetched bytes.
+    """
 
     def __init__(self, *, pinned: bool, reuse: bool = True, processes: int = 1, log: Callable[[str], None] = print):
-        if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= 16:
+        if not is_int(processes, 1, 16):
             raise ValueError(f"processes={processes!r} (need an int in [1, 16])")
         self.buffers = SharedSlab(pinned=pinned)
         self.reuse, self.processes, self.log = reuse, processes, log
@@ -551,6 +545,17 @@ def _fetch(conn: Connection, job: _Job, state: dict) -> FetchStats:
 
 
 def main(argv: list[str]) -> int:
+    """A fetch child on socket FD `argv[0]`. The messages, length-prefixed "KIND payload":
+
+        parent -> first child   FETCH {json request}
+        parent -> other child   JOIN {json request}, then MANIFEST <the serialized manifest>
+        parent -> each child    SLAB {"nbytes": ..., "new": bool, "names": [its tensors] | null = all,
+                                "parent": {"version": v, "digest": hex} | null} (+ the memfd when new) | CANCEL
+        child -> parent         MANIFEST <the serialized manifest> (first child) | DONE {json FetchStats}
+                                | ERROR <Type> <one line>
+
+    ERROR's Type is one of ChecksumMismatch, DigestMismatch, ValuesRefused, FingerprintMismatch,
+    ValueError, OSError, FetchCancelled or RpcError <CODE> (`error_line`, `error_from_line`)."""
     # The child lives as long as its parent's end of the socket: ^C and SIGTERM are the parent's.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

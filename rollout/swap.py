@@ -1,11 +1,6 @@
 """Which policy version a rollout worker serves, and when that changes: a pure state machine (no I/O,
-no threads, no clock: the caller passes the time, runs the fetches and installs the versions).
-
-    s = VersionSwap(fingerprint=fp, policy_address=None, retry_s=0.5)
-    s.offer(pointer, now=t, drained=d) -> Step    the newest signed pointer: what to do now
-    s.fetch_done(ticket, error)                    the fetch a "fetch" step started has ended
-    s.went_live() -> Pending / s.fail(error, now=t) the caller installed the fetched version / it raised
-    s.refuse_live(); s.unload()                    the live version computed non-finite values / is gone
+no threads, no clock: the caller passes the time, runs the fetches and installs the versions;
+VersionSwap lists its calls).
 
 Rules:
 1. Forward only, ours only. A pointer not newer than the live version (a restarted trainer) is not
@@ -16,11 +11,8 @@ Rules:
    then its own starts), except while a failed fetch waits for its retry (`retry_s` after the failure).
 3. Drain, then swap. While a fetch is pending no group starts ("drain"); a fetched version is
    installed only once no started group is in flight ("install"), and is then live.
-4. A fetch or install that failed ends the pending fetch; groups start again under the live version.
-   ManifestRefused (this contract cannot load it) refuses the version for good; a manifest of another
-   digest, or bytes failing an authenticated manifest, distrusts that source for that version; other
-   gRPC, value and OS errors are retried `retry_s` later, counted each time, logged when the error is
-   not the last one logged; a cancelled fetch is no news; anything else is raised.
+4. A fetch or install that failed ends the pending fetch; groups start again under the live version;
+   the error decides whether the version is refused, its source distrusted or the fetch retried (`fail`).
 5. A live version whose activations or logits turn non-finite is refused as at fetch: nothing is live
    until a newer version is.
 """
@@ -69,7 +61,14 @@ class Pending:
 class VersionSwap:
     """The state machine of the module docstring. `live`: the version in use (None before the first);
     `pending`: the fetch in progress or fetched; counts for the metrics: `versions_refused`,
-    `sources_distrusted`, `fetch_failures`."""
+    `sources_distrusted`, `fetch_failures`:
+
+        s = VersionSwap(fingerprint=fp, policy_address=None, retry_s=0.5)
+        s.offer(pointer, now=t, drained=d) -> Step    the newest signed pointer: what to do now
+        s.fetch_done(ticket, error)                    the fetch a "fetch" step started has ended
+        s.went_live() -> Pending / s.fail(error, now=t) the caller installed the fetched version / it raised
+        s.refuse_live(); s.unload()                    the live version computed non-finite values / is gone
+    """
 
     def __init__(self, *, fingerprint: str, policy_address: str | None = None, retry_s: float = 0.5):
         self.fingerprint, self.policy_address, self.retry_s = fingerprint, policy_address, retry_s
@@ -125,7 +124,11 @@ class VersionSwap:
 
     def fail(self, error: BaseException, *, now: float) -> str | None:
         """The pending version did not load (rule 4): the line to log, None for none. Raises `error`
-        when rule 4 does not know it."""
+        when rule 4 does not know it. ManifestRefused (this contract cannot load it) refuses the
+        version for good; a manifest of another digest, or bytes failing an authenticated manifest,
+        distrusts that source for that version; other gRPC, value and OS errors are retried `retry_s`
+        later, counted each time, logged when the error is not the last one logged; a cancelled
+        fetch is no news; anything else is raised."""
         p, self.pending = self.pending, None
         pointer = p.pointer
         if isinstance(error, ManifestRefused):

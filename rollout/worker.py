@@ -1,25 +1,18 @@
 """The rollout worker: prompt groups in, scored trajectory groups out, always with a verified policy.
 
 Loop (`RolloutWorker.run`; up to `rollout.max_inflight_groups` groups in flight, continuous batching):
-    newest policy pointer -> `offer` it to the version swap (rollout/swap.py: fetched in the background,
-        groups stop starting, the started ones drain, then it is installed and live);
-    room for a group? -> read prompt groups (own pending entries first, then entries reclaimed from dead
-        workers, then new ones; the queue dead-letters unsigned, undecodable and poison-pill entries) ->
-        dead-letter one this worker cannot run (rollout/prompt_check.py) -> start none with a policy more
-        than `max_staleness` versions behind the newest -> `submit` it to the batcher
-        (rollout/batching.py, rollout/scheduler.py);
+    newest policy pointer -> `offer` it to the version swap (rollout/swap.py);
+    room for a group? -> read prompt groups (own pending entries, reclaimed ones, new ones) ->
+        dead-letter one this worker cannot run (rollout/prompt_check.py) -> start none with a policy
+        more than `max_staleness` versions behind the newest -> `submit` it to the batcher;
     `step` the batcher -> a finished group is scored by the task's verifier -> XADD its n trajectories
         and XACK its prompt in one transaction.
-Every token of a group comes from the version that started it (tagged on its trajectories). A group whose
-generation or scoring raises is dead-lettered with the error's line (groups that failed together are
-retried one at a time first); a live version computing non-finite values is refused and the groups in
-flight start again under the next. SIGTERM: no group is read any more, the ones in flight are finished
-and committed, then the worker exits. Nothing a peer serves ends the worker. Metrics: rollout/metrics.py.
-
-Generation: on the CPU (`rollout.device=cpu`) rollout/engine.py with weights dequantized once per version;
-on CUDA the packed-weight engine of rollout/cuda_engine.py, built from the first version and updated in
-place by each later one of the same layout (another layout gets a fresh engine). Versions are received
-into host memory (page-locked and reused on CUDA; there by a child process, rollout/fetch_process.py).
+Every token of a group comes from the version that started it. A group whose generation or scoring
+raises is dead-lettered with the error's line (groups that failed together are retried one at a time
+first); a live version computing non-finite values is refused and the groups in flight start again
+under the next. SIGTERM: no group is read any more, the ones in flight are finished and committed,
+then the worker exits. Nothing a peer serves ends the worker. Engines: rollout/engine.py on the CPU,
+rollout/cuda_engine.py on CUDA (updated in place per version). Metrics: rollout/metrics.py.
 """
 
 from __future__ import annotations

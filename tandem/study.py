@@ -1,29 +1,17 @@
 """`tandem study`: a grid of ordinary `tandem run`s plus named extra runs, resumable, one report.
 
-A study config (YAML; configs/study/*.yaml):
-
-    name: staleness-x-precision
-    description: free text, copied into the report (what ran, instead, when `grid.`/`runs` overrides change it)
-    base: demo.yaml              # the base run config (next to this file, else under configs/)
-    set:                         # overrides applied to every run (dotted keys or nested mappings)
-      trainer.max_steps: 100
-    grid:                        # every combination of these config keys' values is one run
-      recipe: [bf16, int4_qat, nvfp4_moe]
-      loop.max_staleness: [0, 1, 2, 4, 8]
-      loop.seed: [0, 1, 2]
-    runs:                        # named extra runs: overrides on top of base + set
-      int4-train_bf16-rollout: {recipe: int4_qat, rollout_recipe: bf16}
-
-A grid run is named by its grid values, the last part of each key (`recipe-bf16__max_staleness-0__seed-0`); a named run by its
-key. Runs whose resolved configs are equal run once: the later name is an alias of the first (its
-summary row reads the same folder). Each run is `tandem run` in DIR/<name>/ (logs in
-DIR/<name>/launcher.log); `--jobs N` runs N at a time, each pinned to its share of this process's
-CPU set (trainer, rollout workers and Redis inherit it). A run is finished when DIR/<name>/done.json
-exists; re-running the study skips finished runs and restarts interrupted ones in their folder, where
-the trainer resumes from its checkpoint. A run folder made for another config is refused.
-
-Command-line `key=value`: `grid.KEY=[...]` replaces (or adds) a grid axis, `runs=[a, b]` keeps only
-those named runs (`runs=[]`: none), any other key is one more entry of `set`.
+Rules:
+- A study config (YAML; configs/study/*.yaml, the keys on `load_study`) names a base run config,
+  overrides for every run, a grid (every combination of its values is one run) and named extra runs.
+- A grid run is named by its grid values, the last part of each key
+  (`recipe-bf16__max_staleness-0__seed-0`); a named run by its key. Runs whose resolved configs are
+  equal run once: the later name is an alias of the first (its summary row reads the same folder).
+- Each run is `tandem run` in DIR/<name>/ (logs in DIR/<name>/launcher.log); `--jobs N` runs N at a
+  time, each pinned to its share of this process's CPU set (trainer, rollout workers and Redis
+  inherit it).
+- A run is finished when DIR/<name>/done.json exists; re-running the study skips finished runs and
+  restarts interrupted ones in their folder, where the trainer resumes from its checkpoint. A run
+  folder made for another config is refused.
 """
 
 from __future__ import annotations
@@ -64,6 +52,23 @@ class StudyRun:
 
 @dataclass(frozen=True, kw_only=True)
 class Study:
+    """A study config, resolved. Its YAML (configs/study/*.yaml):
+
+        name: staleness-x-precision
+        description: free text       # copied into the report (see below)
+        base: demo.yaml              # the base run config (next to this file, else under configs/)
+        set:                         # overrides applied to every run (dotted keys or nested mappings)
+          trainer.max_steps: 100
+        grid:                        # every combination of these config keys' values is one run
+          recipe: [bf16, int4_qat, nvfp4_moe]
+          loop.max_staleness: [0, 1, 2, 4, 8]
+          loop.seed: [0, 1, 2]
+        runs:                        # named extra runs: overrides on top of base + set
+          int4-train_bf16-rollout: {recipe: int4_qat, rollout_recipe: bf16}
+
+    The report shows the description, or what ran instead when `grid.`/`runs` overrides change it.
+    """
+
     name: str
     description: str
     base: Path
@@ -136,7 +141,8 @@ def _with(data: dict, dotted: dict[str, Any]) -> dict:
 
 
 def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
-    """A study YAML + command-line overrides -> Study (every run's config checked by `expand`)."""
+    """A study YAML (its keys: Study) + command-line overrides (`_apply_overrides`) -> Study (every
+    run's config checked by `expand`)."""
     p = run_config.find_config(path)
     if p is None:
         raise ValueError(f"study config {path}: no such file")
@@ -153,29 +159,8 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
     grid = _flatten_keys(_mapping(data.get("grid"), "grid", p))
     runs = _mapping(data.get("runs"), "runs", p)
     file_grid, file_runs = dict(grid), list(runs)
-    for item in overrides:
-        key, value = parse_override(item)
-        if key.startswith("grid."):
-            grid[key[len("grid.") :]] = value
-        elif key == "runs":
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"override runs={value!r}: want a list of named runs, e.g. runs=[a,b]")
-            missing = [v for v in value if v not in runs]
-            if missing:
-                raise ValueError(f"override runs: no named run(s) {', '.join(missing)}; known: {', '.join(runs)}")
-            runs = {k: runs[k] for k in value}
-        elif key in grid:
-            raise ValueError(f"override {key}: {key} is a grid key; write grid.{key}=[...]")
-        else:
-            sets[key] = value
-    for key, values in grid.items():
-        if not isinstance(values, list) or not values:
-            raise ValueError(f"study config {p}: grid.{key} must be a non-empty list, got {values!r}")
-    for rname, o in runs.items():
-        if not isinstance(rname, str) or not _NAME_RE.match(rname) or "__" in rname:
-            raise ValueError(f"study config {p}: run name {rname!r} (letters, digits, '-', '_', '.'; no '__')")
-        if not isinstance(o, dict):
-            raise ValueError(f"study config {p}: runs.{rname} must be a mapping of config keys")
+    runs = _apply_overrides(overrides, sets, grid, runs)
+    _check_grid_and_runs(p, grid, runs)
     base_ref = data.get("base", "demo.yaml")
     base = next((b for b in (p.parent / base_ref, run_config.REPO_CONFIGS / base_ref) if b.is_file()), None)
     if base is None:
@@ -197,6 +182,40 @@ def load_study(path: str | Path, overrides: list[str] = ()) -> Study:
         "runs": study.runs,
     }
     return Study(**{**study.__dict__, "source": source})
+
+
+def _apply_overrides(overrides, sets: dict, grid: dict, runs: dict) -> dict:
+    """Command-line `key=value` onto the study: `grid.KEY=[...]` replaces (or adds) a grid axis in
+    `grid`, `runs=[a, b]` keeps only those named runs (`runs=[]`: none; returned), any other key is
+    one more entry of `sets`."""
+    for item in overrides:
+        key, value = parse_override(item)
+        if key.startswith("grid."):
+            grid[key[len("grid.") :]] = value
+        elif key == "runs":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"override runs={value!r}: want a list of named runs, e.g. runs=[a,b]")
+            missing = [v for v in value if v not in runs]
+            if missing:
+                raise ValueError(f"override runs: no named run(s) {', '.join(missing)}; known: {', '.join(runs)}")
+            runs = {k: runs[k] for k in value}
+        elif key in grid:
+            raise ValueError(f"override {key}: {key} is a grid key; write grid.{key}=[...]")
+        else:
+            sets[key] = value
+    return runs
+
+
+def _check_grid_and_runs(p: Path, grid: dict, runs: dict) -> None:
+    """Every grid axis a non-empty list; every named run a well-named mapping."""
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"study config {p}: grid.{key} must be a non-empty list, got {values!r}")
+    for rname, o in runs.items():
+        if not isinstance(rname, str) or not _NAME_RE.match(rname) or "__" in rname:
+            raise ValueError(f"study config {p}: run name {rname!r} (letters, digits, '-', '_', '.'; no '__')")
+        if not isinstance(o, dict):
+            raise ValueError(f"study config {p}: runs.{rname} must be a mapping of config keys")
 
 
 def describe(text: str, file_grid: dict, grid: dict, file_runs: list[str], runs: list[str]) -> str:
@@ -327,19 +346,54 @@ def prepare_run_dir(run: StudyRun, run_dir: Path) -> None:
     cfg_path.write_text(text)
 
 
+def _prepare_study(study: Study, runs: list[StudyRun], out: Path) -> None:
+    """The study folder: each run's folder (aliases have none), study.yaml, and this invocation
+    appended to commands.jsonl (every invocation that ran runs here, for the report)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for r in runs:
+        if r.alias_of is None:
+            prepare_run_dir(r, out / r.name)
+    (out / "study.yaml").write_text(yaml.safe_dump(study.source, sort_keys=False))
+    with open(out / "commands.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "command": command_line()}) + "\n")
+
+
+def _progress_line(n_real: int, todo: list, running: dict, n_failed: int, done_here: float, elapsed: float) -> str:
+    """The periodic progress line: runs done, the running ones' steps, and the ETA from the runs
+    (fractions included) progressed since this invocation started (`done_here`)."""
+    partial = sum(j.fraction() - j.steps_at_start / j.max_steps for j in running.values())
+    finished = n_real - len(todo) - len(running)
+    rate = (done_here + partial) / max(elapsed, 1e-9)
+    remaining = len(todo) + sum(1 - j.fraction() for j in running.values())
+    eta = _fmt_s(remaining / rate) if rate > 0 else "?"
+    state = ", ".join(f"{j.run.name} {_steps_done(j.run_dir)}/{j.max_steps}" for j in running.values())
+    return (
+        f"[study] {finished}/{n_real} runs done ({n_failed} failed), running: {state or '-'}; "
+        f"elapsed {_fmt_s(elapsed)}, ETA {eta}"
+    )
+
+
+def _stop_jobs(jobs: list) -> None:
+    """SIGTERM every running job (its launcher stops trainer, workers and Redis in order), then wait
+    for each; one still running after 60 s is killed with its process group."""
+    for job in jobs:
+        if job.proc.poll() is None:
+            job.proc.send_signal(signal.SIGTERM)
+    for job in jobs:
+        try:
+            job.finish(job.proc.wait(timeout=60))
+        except subprocess.TimeoutExpired:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.finish(job.proc.wait())
+
+
 def run_study(
     study: Study, out: Path, *, jobs: int = 1, log=print, poll_s: float = 1.0, progress_s: float = 30.0
 ) -> int:
     """Run every unfinished run of `study` in `out`, `jobs` at a time (the report is study_report's).
     Returns 0 when every run finished, 1 when some failed, 130 when interrupted."""
     runs = study.expand()
-    out.mkdir(parents=True, exist_ok=True)
-    for r in runs:
-        if r.alias_of is None:
-            prepare_run_dir(r, out / r.name)
-    (out / "study.yaml").write_text(yaml.safe_dump(study.source, sort_keys=False))
-    with open(out / "commands.jsonl", "a") as f:  # every invocation that ran runs here, for the report
-        f.write(json.dumps({"time": time.time(), "command": command_line()}) + "\n")
+    _prepare_study(study, runs, out)
     real = [r for r in runs if r.alias_of is None]
     todo = [r for r in real if run_state(out / r.name) != "done"]
     n_done0 = len(real) - len(todo)
@@ -388,27 +442,10 @@ def run_study(
             now = time.monotonic()
             if now - last_progress >= progress_s:
                 last_progress = now
-                partial = sum(j.fraction() - j.steps_at_start / j.max_steps for j in running.values())
-                finished = len(real) - len(todo) - len(running)
-                rate = (done_here + partial) / max(now - t0, 1e-9)
-                remaining = len(todo) + sum(1 - j.fraction() for j in running.values())
-                eta = _fmt_s(remaining / rate) if rate > 0 else "?"
-                state = ", ".join(f"{j.run.name} {_steps_done(j.run_dir)}/{j.max_steps}" for j in running.values())
-                log(
-                    f"[study] {finished}/{len(real)} runs done ({len(failed)} failed), running: {state or '-'}; "
-                    f"elapsed {_fmt_s(now - t0)}, ETA {eta}"
-                )
+                log(_progress_line(len(real), todo, running, len(failed), done_here, now - t0))
     except KeyboardInterrupt:
         log(f"[study] interrupted: stopping {len(running)} run(s); re-run the same command to resume")
-        for job in running.values():
-            if job.proc.poll() is None:
-                job.proc.send_signal(signal.SIGTERM)  # the launcher stops trainer, workers, Redis in order
-        for job in running.values():
-            try:
-                job.finish(job.proc.wait(timeout=60))
-            except subprocess.TimeoutExpired:
-                os.killpg(job.proc.pid, signal.SIGKILL)
-                job.finish(job.proc.wait())
+        _stop_jobs(list(running.values()))
         return 130
     finally:
         for s, h in old.items():

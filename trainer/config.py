@@ -191,8 +191,9 @@ class TrainerConfig:
     worker holds, when that is smaller than the full version. On by default: every rebuilt tensor is
     checked against the manifest's checksums (a bad delta is refused and fetched whole), the tests of
     whole runs (trainer + workers, faults included) pass with it on, and on the demo model a delta is
-    10-35% of a full nvfp4_moe version per step (docs/benchmarks.md). A bare PolicyServerConfig keeps
-    it off (the server's own tests count full versions' bytes). Off: every fetch is a full version."""
+    10-35% of a full nvfp4_moe version per step (docs/benchmarks.md, "Delta
+    versions on the demo model"). A bare PolicyServerConfig keeps it off (the server's own tests
+    count full versions' bytes). Off: every fetch is a full version."""
     delta_full_every: int = 16
     """With policy_deltas: every this-many-th publish (the first included) is served only as a full
     version, so a worker rebuilds at most delta_full_every - 1 versions in a row from deltas. The
@@ -203,6 +204,12 @@ class TrainerConfig:
     """Samples with |reward| above this are refused (trainer.validation)."""
 
     def __post_init__(self):
+        errors = self._batch_errors() + self._optimizer_errors() + self._placement_errors() + self._serving_errors()
+        if errors:
+            raise ValueError("TrainerConfig: " + "; ".join(errors))
+
+    def _batch_errors(self) -> list[str]:
+        """Steps, groups, minibatches, publishing and checkpoints."""
         errors = []
         for name in (
             "max_steps",
@@ -225,6 +232,11 @@ class TrainerConfig:
                 f"minibatches={self.minibatches} must divide groups_per_step*group_size="
                 f"{self.groups_per_step * self.group_size}"
             )
+        return errors
+
+    def _optimizer_errors(self) -> list[str]:
+        """Learning rates, clipping, TIS and the backward."""
+        errors = []
         if not (self.lr > 0 and self.warmstart_lr > 0):
             errors.append(f"lr={self.lr}, warmstart_lr={self.warmstart_lr} (must be > 0)")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
@@ -233,6 +245,11 @@ class TrainerConfig:
             errors.append(f"tis_cap={self.tis_cap} (must be >= 1)")
         if self.backward not in ("hp", "dequant"):
             errors.append(f"backward={self.backward!r} (hp or dequant)")
+        return errors
+
+    def _placement_errors(self) -> list[str]:
+        """Device, dtype and backend, evaluation and warm start."""
+        errors = []
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda|cuda:\d+", self.device):
             errors.append(f"device={self.device!r} (cpu, cuda or cuda:N)")
         if self.dtype not in ("bfloat16", "float32"):
@@ -249,6 +266,11 @@ class TrainerConfig:
             errors.append(f"eval_every={self.eval_every} needs backend='torch' (it generates with policy.model)")
         if self.warmstart_steps < 0:
             errors.append(f"warmstart_steps={self.warmstart_steps} (must be >= 0)")
+        return errors
+
+    def _serving_errors(self) -> list[str]:
+        """The policy server: its address, processes, deltas, deadlines, stream limits; metrics."""
+        errors = []
         if self.grpc_advertise:
             host, _, port = self.grpc_advertise.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -259,11 +281,7 @@ class TrainerConfig:
             errors.append(f"mps_thread_percentage={self.mps_thread_percentage!r} (an int in [0, 100]; 0 = no limit)")
         if self.policy_server_process is not None and not isinstance(self.policy_server_process, bool):
             errors.append(f"policy_server_process={self.policy_server_process!r} (want true, false or null)")
-        if (
-            isinstance(self.policy_server_processes, bool)
-            or not isinstance(self.policy_server_processes, int)
-            or self.policy_server_processes < 1
-        ):
+        if not is_int(self.policy_server_processes, 1):
             errors.append(f"policy_server_processes={self.policy_server_processes!r} (an int >= 1)")
         elif self.policy_server_processes > 1 and self.policy_server_process is False:
             errors.append(
@@ -272,11 +290,7 @@ class TrainerConfig:
             )
         if not isinstance(self.policy_deltas, bool):
             errors.append(f"policy_deltas={self.policy_deltas!r} (want true or false)")
-        if (
-            isinstance(self.delta_full_every, bool)
-            or not isinstance(self.delta_full_every, int)
-            or self.delta_full_every < 1
-        ):
+        if not is_int(self.delta_full_every, 1):
             errors.append(f"delta_full_every={self.delta_full_every!r} (an int >= 1; 1 = every version full)")
         if not self.fetch_deadline_s > 0:
             errors.append(f"fetch_deadline_s={self.fetch_deadline_s} (must be > 0)")
@@ -288,8 +302,7 @@ class TrainerConfig:
                 errors.append(f"{name}={v!r} (an int in [1, 255]: the server serves 256 streams)")
         if not -1 <= self.metrics_port <= 65535:
             errors.append(f"metrics_port={self.metrics_port} (-1 = off, 0 = free, else a port)")
-        if errors:
-            raise ValueError("TrainerConfig: " + "; ".join(errors))
+        return errors
 
     def queued_groups(self, max_staleness: int) -> int:
         """Groups are consumed first in, first out, and the groups being trained on still count as

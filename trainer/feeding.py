@@ -5,11 +5,8 @@ groups are queued (no Redis, no clock, no I/O; the trainer reads the inputs, tes
     queued_groups(prompt_backlog, trajectory_backlog, *, consumed, group_size, outstanding) -> int
 
 1. Redis lost data when its copy of this trainer's incarnation nonce is not `nonce`, or its copy
-   of the prompt sequence position is not `prompt_seq` (once anything was fed). The nonce is random
-   and written only when the trainer starts and after it handled a loss, so a write retried through
-   an outage (broker.outage) cannot bring it back after a wipe; the prompt_seq SET after every feed
-   can, which is why prompt_seq alone missed wipes. prompt_seq still catches a failover that lost
-   only the last writes. The trainer then feeds every outstanding group again and writes a new nonce.
+   of the prompt sequence position is not `prompt_seq` (once anything was fed). The trainer then
+   feeds every outstanding group again and writes a new nonce. Why both: `redis_lost`.
 2. Queued groups, as Redis counts them: the prompts group's entries not acked (never delivered +
    pending at a worker) plus, in whole groups, the trajectories group's entries not acked that the
    trainer has not consumed or refused yet (`consumed`: those still in Redis).
@@ -22,7 +19,12 @@ from __future__ import annotations
 
 
 def redis_lost(nonce_seen: bytes | None, seq_seen: bytes | None, *, nonce: str, prompt_seq: int) -> str | None:
-    """One line saying what Redis lost (rule 1), or None when it still holds this trainer's markers."""
+    """One line saying what Redis lost (rule 1), or None when it still holds this trainer's markers.
+
+    The nonce is random and written only when the trainer starts and after it handled a loss, so a
+    write retried through an outage (broker.outage) cannot bring it back after a wipe; the
+    prompt_seq SET after every feed can, so prompt_seq alone misses wipes. prompt_seq still catches
+    a failover that lost only the last writes."""
     if nonce_seen is None or nonce_seen.decode(errors="replace") != nonce:
         return "this trainer's nonce is gone" if nonce_seen is None else "this trainer's nonce was replaced"
     if prompt_seq > 0 and (seq_seen is None or seq_seen != str(prompt_seq).encode()):

@@ -1,11 +1,7 @@
 """Is a decoded trajectory fit to train on? A pure function of the sample and the run's rules.
 
-The codec only says that an entry is well formed. A well-formed sample can still crash a step
-(a group size the advantage reshape cannot take, a token id past the embedding table, a 2,000-token
-completion the step cannot allocate) or poison it (a reward of 1e300 makes the advantages NaN).
 `check_trajectory` is called on every record before it may join a group; a sample it rejects is
 dead-lettered alone, with the reason, and counted, and never takes its group's other samples with it.
-
 Rules, each with the reason string it returns (the first that fails):
     group_size         == the run's GRPO group size           (the advantage reshape [-1, n])
     sample_id          == sample_id_for(group_id, sample_index)  (the idempotency key names its slot)

@@ -1,8 +1,8 @@
 """Stored values that no quantizer output holds, found in a tensor's bytes as they are.
 
 Each rule reads a part's bits (vectorized numpy over the raw bytes, no dequantization). The
-quantizers (DESIGN.md, "The quantizer contract") never produce these values, so bytes holding
-them are damage or an attack, and a worker refuses them at fetch:
+quantizers (DESIGN.md, "The quantizer contract") never produce these values, so a worker refuses
+bytes holding them at fetch:
 
     bf16       values         finite: exponent bits not all ones
     nvfp4      block_scales   E4M3 0x00..0x7E: sf = e4m3(min(bamax * k, 448)) is >= 0, never NaN (0x7F/0xFF)
@@ -14,8 +14,7 @@ them are damage or an attack, and a worker refuses them at fetch:
                scales         bf16 in [s(0) = bf16(1e-5), s(FLT_MAX)]
 
 A scale's range is what the format's own quantize() gives for the smallest and the largest finite
-amax (each scale grows with amax): so NaN, Inf, zero, negative and out-of-range scales are all
-refused, and a dequantized value stays finite. nvfp4 codes have no rule (every E2M1 nibble is a value).
+amax, so NaN, Inf, zero, negative and out-of-range scales are refused. nvfp4 codes have no rule.
 """
 
 from __future__ import annotations
