@@ -47,7 +47,6 @@ class Relay:
     def __init__(self, config: PolicyServerConfig):
         self.server = PolicyServer(config)
         self.pool = BufferPool()
-        self.offered = 0
 
     def start(self) -> int:
         return self.server.start()
@@ -60,7 +59,6 @@ class Relay:
         """Serve a verified version (True if new). One older than the newest served is not offered."""
         if manifest.version <= max(self.server.versions(), default=0):
             return False
-        self.offered += 1
         return self.server.publish(reframe(manifest, tensors, self.pool))
 
     def stop(self) -> None:

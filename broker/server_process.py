@@ -156,7 +156,7 @@ class PolicyServerProcess:
             target=self._read, args=(proc, conn, self._replies), name="policy-server-ipc", daemon=True
         ).start()
         ipc.send(conn, "START", config_to_json(dataclasses.replace(self.config, port=self._port)))
-        self._port = self._reply("START", slow_s=REPLY_TIMEOUT_S)["port"]  # a child importing is slow
+        self._port = self._reply("START", log_slow=False)["port"]  # a child importing is slow
 
     def _on_a_child(self, what: str, request: Callable[[bool], T]) -> T:
         """`request(retry)` on a live child. A child that dies under it is reaped and replaced (with the
@@ -222,15 +222,20 @@ class PolicyServerProcess:
         ipc.send(self._conn, kind)
         return self._reply(kind)
 
-    def _reply(self, what: str, slow_s: float = SLOW_REPLY_S) -> dict:
+    def _reply(self, what: str, *, log_slow: bool = True) -> dict:
+        """The next reply; a late one (past SLOW_REPLY_S) logged once when `log_slow`, then waited for
+        up to REPLY_TIMEOUT_S in all."""
+        gone = f"policy server process: no reply to {what} in {REPLY_TIMEOUT_S:.0f} s"
         try:
-            kind, payload = self._replies.get(timeout=slow_s)
+            kind, payload = self._replies.get(timeout=SLOW_REPLY_S if log_slow else REPLY_TIMEOUT_S)
         except queue.Empty:
-            self.log(f"policy server process {self.pid}: no reply to {what} in {slow_s:.0f} s: still waiting")
+            if not log_slow:
+                raise TimeoutError(gone) from None
+            self.log(f"policy server process {self.pid}: no reply to {what} in {SLOW_REPLY_S:.0f} s: still waiting")
             try:
-                kind, payload = self._replies.get(timeout=max(REPLY_TIMEOUT_S - slow_s, 0.001))
+                kind, payload = self._replies.get(timeout=REPLY_TIMEOUT_S - SLOW_REPLY_S)
             except queue.Empty:
-                raise TimeoutError(f"policy server process: no reply to {what} in {REPLY_TIMEOUT_S:.0f} s") from None
+                raise TimeoutError(gone) from None
         if kind == "OK":
             return json.loads(payload)
         if kind == "GONE":
