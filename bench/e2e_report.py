@@ -185,6 +185,7 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
         "logp_abs_diff_stale": _mean([r.get("logp_abs_diff_stale") for r in steady]),
         "reward_mean": _mean([r["reward_mean"] for r in rows]),
         "completion_tokens_per_step": _mean([r["completion_tokens"] for r in steady]),
+        "benchmark_ignore_stop": any(r.get("benchmark_ignore_stop") for r in rows),
         "gpu_util_mean": gpu["util_mean"],
         "gpu_idle_per_step_s": (1 - gpu["util_mean"] / 100) * wall if gpu["util_mean"] is not None and wall else None,
         "gpu_mem_mib": gpu["mem_mib"],
@@ -258,6 +259,12 @@ def table(reports: list[dict], sync: dict | None) -> str:
             f"{r['dropped_stale']} | {r['dropped_fingerprint']} | {_fmt(r['logp_abs_diff_quant'], '.1e')} / "
             f"{_fmt(r['logp_abs_diff_stale'], '.1e')} | {_fmt(r['gpu_util_mean'], '.0f')} | "
             f"{_fmt(r['gpu_idle_per_step_s'])} |"
+        )
+    flagged = [r["run"] for r in reports if r.get("benchmark_ignore_stop")]
+    if flagged:
+        lines.append(
+            f"\nBENCHMARK ONLY ({', '.join(flagged)}): completions ignored their stop token (rollout.ignore_stop), "
+            "so every one runs to task.max_new_tokens; rewards there say nothing about learning."
         )
     return "\n".join(lines)
 

@@ -27,6 +27,8 @@
 #     (redis-server 7.0.15-1~deb12u10, redis-tools of the same version, libjemalloc2 5.3.0-1, liblzf1 3.6-3);
 #   - redis-py, if `import redis` fails: redis-8.1.0-py3-none-any.whl in $E2E_PKGS
 #       (pip download --no-deps redis==8.1.0);
+#   - zstandard, if `import zstandard` fails: its cp312 manylinux wheel in $E2E_PKGS or .whl/
+#       (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 zstandard);
 #   - grpcio-health-checking, if missing: its wheel, installed before this script (the device
 #     tool's .whl folder); grpcio-reflection is not needed (the config turns reflection off);
 #   - for the megatron run, megatron-core if `import megatron.core` fails: megatron_core-*.whl in
@@ -53,7 +55,7 @@ for run in $RUNS; do
   case $run in async|sync|bf16|megatron|async_sm) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT" "$E2E_DIR"
-CONFIG=configs/gpu-h200.yaml
+CONFIG=${E2E_CONFIG:-configs/gpu-h200.yaml}  # configs/gpu-h200-long.yaml: ~1,024-token completions
 if [ "${E2E_SMALL:-0}" = 1 ]; then  # the same launch path on the CPU with a tiny model
   STEPS=${STEPS:-3}
   MODEL=${MODEL:-$E2E_DIR/model-tiny}
@@ -88,6 +90,12 @@ fi
 if [[ " $RUNS " == *" megatron "* ]] && [ "${E2E_SMALL:-0}" != 1 ] && ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
   whl=$(ls "$E2E_PKGS"/megatron_core-*.whl .whl/megatron_core-*.whl 2>/dev/null | head -1)
   [ -n "$whl" ] || { echo "run_e2e_device: RUNS has megatron but megatron-core is missing (no megatron_core-*.whl in $E2E_PKGS or .whl/)" >&2; exit 2; }
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$whl" || exit 1
+  case ":${PYTHONPATH:-}:" in *:/tmp/tandem-site:*) ;; *) export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site ;; esac
+fi
+if ! "$PYTHON" -c "import zstandard" 2>/dev/null; then  # delta versions (broker/delta.py)
+  whl=$(ls "$E2E_PKGS"/zstandard-*.whl .whl/zstandard-*.whl 2>/dev/null | head -1)
+  [ -n "$whl" ] || { echo "run_e2e_device: zstandard is missing (no zstandard-*.whl in $E2E_PKGS or .whl/)" >&2; exit 2; }
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$whl" || exit 1
   case ":${PYTHONPATH:-}:" in *:/tmp/tandem-site:*) ;; *) export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site ;; esac
 fi

@@ -84,6 +84,11 @@ class RolloutConfig:
     "Continuous batching")."""
     max_policy_bytes: int = 64 << 30
     """A manifest declaring more tensor bytes than this is refused (policy.manifest_check)."""
+    ignore_stop: bool = False
+    """BENCHMARK ONLY: completions run to task.max_new_tokens whatever they sample (the stop token
+    does not end them), so a system measurement gets completions of a known length. Every trajectory
+    says so (info "ignore_stop"), and so does every trainer metrics row of a step that used one
+    (`benchmark_ignore_stop`). Never for training: rewards of such completions mean little."""
     policy_address: str = ""
     """host:port to dial for policies instead of the trainer address in policy:latest ("" = the
     pointer's): a local proxy or port-forward in front of the trainer. Versions, fingerprints and the
@@ -116,6 +121,8 @@ class RolloutConfig:
             errors.append(f"memory_fraction={self.memory_fraction} (want 0 < f <= 1, or 0 = no cap)")
         if self.max_batch < 1 or self.kv_capacity < 2:
             errors.append(f"max_batch={self.max_batch}, kv_capacity={self.kv_capacity} (need >= 1 and >= 2)")
+        if not isinstance(self.ignore_stop, bool):
+            errors.append(f"ignore_stop={self.ignore_stop!r} (want true or false)")
         if self.policy_address:
             host, _, port = self.policy_address.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:

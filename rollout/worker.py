@@ -454,6 +454,7 @@ class RolloutWorker:
                     contract_fingerprint=self.fingerprint,
                     worker_id=self.worker_id,
                     created_at=now,
+                    info={"ignore_stop": 1} if self.cfg.ignore_stop else {},
                 )
             )
         return out
@@ -654,7 +655,7 @@ class RolloutWorker:
         """The batcher's backend for the version just loaded: the CPU model or the new PackedEngine."""
         kw = dict(temperature=self.loop.temperature, pad_id=self.task.tokenizer.pad_id)
         eos = self.task.tokenizer.eos_id
-        stop = set() if eos is None else {eos}
+        stop = set() if eos is None or self.cfg.ignore_stop else {eos}
         if self.engine is None:
             return CpuBackend(self.model, slots=self.cfg.max_batch, stop=stop, **kw)
         return PackedBackend(self.engine, stop=stop, **kw)

@@ -77,8 +77,17 @@ class _Backend:
 
     def update(self, loss: Tensor) -> float:
         """One optimizer update on `loss`: backward, clip to `grad_clip`, step, refresh the QAT cache."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         loss.backward()
+        return self.step()
+
+    def zero_grad(self) -> None:
+        """Start an update whose gradients the caller accumulates (`loss.backward()` per micro-batch),
+        ended by `step`."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        """End an update begun by `zero_grad`: clip to `grad_clip`, step, refresh the QAT cache; the norm."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
         self.optimizer.step()
         if self.qat_hook is not None:
@@ -218,12 +227,15 @@ class MegatronBackend(_Backend):
             logits = logits / temperature
         return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
 
-    def update(self, loss: Tensor) -> float:
+    def zero_grad(self) -> None:
         if self.world == 1:
-            return super().update(loss)
+            return super().zero_grad()
         self.module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss.backward()
+
+    def step(self) -> float:
+        if self.world == 1:
+            return super().step()
         self.module.finish_grad_sync()  # reduce-scatter of the gradients over the data-parallel group
         _, norm, _ = self.optimizer.step()  # clips, steps its fp32 shards, all-gathers the parameters
         if self.qat_hook is not None:

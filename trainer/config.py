@@ -88,6 +88,11 @@ class TrainerConfig:
     """Gradient-norm clip per update."""
     minibatches: int = 2
     """Optimizer updates per step; the PPO clip acts from the second one on."""
+    microbatch_tokens: int = 0
+    """Padded tokens (rows x row length) one forward takes at most: the recompute runs in chunks of
+    rows this size, and each minibatch's update accumulates its gradient over such chunks (one
+    optimizer update per minibatch whatever the chunking). 0 = a minibatch in one forward. Long
+    completions need it: the fp32 logits alone are vocab x 4 bytes per token."""
     clip_low: float = 0.2
     """PPO clip: ratio floor 1 - clip_low."""
     clip_high: float = 0.28
@@ -221,6 +226,8 @@ class TrainerConfig:
         ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} (must be >= 1)")
+        if not is_int(self.microbatch_tokens, lo=0):
+            errors.append(f"microbatch_tokens={self.microbatch_tokens!r} (want an int >= 0; 0 = no chunking)")
         if self.checkpoint_every < 0:
             errors.append(f"checkpoint_every={self.checkpoint_every} (must be >= 0; 0 = never)")
         if not 0 <= self.memory_fraction <= 1:

@@ -191,6 +191,8 @@ class Trainer:
             publish_s=self._publish_s,
             quantize_s=parts.publishing.quantize_s,
         )
+        if any(t.info.get("ignore_stop") for g in groups for t in g):
+            row["benchmark_ignore_stop"] = 1  # rollout.ignore_stop: completions did not end at their stop token
         state.step += 1
         state.samples += row["samples"]
         state.completion_tokens += row["completion_tokens"]

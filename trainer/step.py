@@ -7,7 +7,9 @@
 is each sample's log-probs under its own policy version v (the quantization part of the mismatch,
 trainer.grpo), from v's retained packed tensors (trainer.versions), or `prox` itself where the
 weights are still v's (`weights_version`). Rows whose version is not held (from before a restart)
-are marked unknown and left out of the split. The pure parts (`staleness_stats`, `lr_at`) are
+are marked unknown and left out of the split. Every forward takes at most
+trainer.microbatch_tokens padded tokens: the recompute in chunks, each update accumulating its
+gradient over chunks of its minibatch (one optimizer update per minibatch). The pure parts (`staleness_stats`, `lr_at`) are
 tested by hand (tests/unit/test_step.py).
 """
 
@@ -81,7 +83,10 @@ class GRPOStep:
             t.to(self.device) for t in (tokens, targets, attn, mask, behav, rewards, adv)
         )
         with torch.no_grad(), self.autocast:
-            prox = self.backend.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
+            prox = torch.cat([
+                self.backend.token_logprobs(tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature)
+                for r in self._chunks(torch.arange(len(samples), device=self.device), tokens.shape[1])
+            ])  # fmt: skip
             at_version = prox.clone()
             self._sync()
             t1 = time.perf_counter()
@@ -92,10 +97,10 @@ class GRPOStep:
                 if v not in self.versions:
                     known[versions == v] = False
                     continue
-                rows = (versions == v).nonzero().squeeze(-1).to(self.device)
-                at_version[rows] = self.versions.token_logprobs(
-                    v, tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
-                )
+                for rows in self._chunks((versions == v).nonzero().squeeze(-1).to(self.device), tokens.shape[1]):
+                    at_version[rows] = self.versions.token_logprobs(
+                        v, tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
+                    )
         self._sync()
         t2 = time.perf_counter()
         return Batch(
@@ -110,31 +115,40 @@ class GRPOStep:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def _chunks(self, rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, ...]:
+        """`rows` in chunks of at most trainer.microbatch_tokens padded tokens (one row at least)."""
+        if not self.cfg.microbatch_tokens:
+            return (rows,)
+        return rows.split(max(1, self.cfg.microbatch_tokens // row_len))
+
     def optimize(self, b: Batch, *, version: int) -> dict:
         """The GRPO update over `minibatches` shuffled minibatches at trainer version `version`;
         returns the step's metrics row."""
         cfg = self.cfg
         n_tokens = int(b.mask.sum())
         grad_norms, stats = [], Counter()
-        for rows in torch.randperm(len(b.rewards)).chunk(cfg.minibatches):
-            rows = rows.to(self.device)
-            with self.autocast:
-                logp = self.backend.token_logprobs(
-                    b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature
-                )
-            loss, s = grpo.policy_loss(
-                logp, b.prox[rows], b.behav[rows], b.adv[rows], b.mask[rows],
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, n_tokens=n_tokens,
-            )  # fmt: skip
-            grad_norms.append(self.backend.update(loss * cfg.minibatches))  # n_tokens is the step's: rescale
-            stats.update(s)
+        for minibatch in torch.randperm(len(b.rewards)).chunk(cfg.minibatches):
+            self.backend.zero_grad()
+            for rows in self._chunks(minibatch.to(self.device), b.tokens.shape[1]):
+                with self.autocast:
+                    logp = self.backend.token_logprobs(
+                        b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature
+                    )
+                loss, s = grpo.policy_loss(
+                    logp, b.prox[rows], b.behav[rows], b.adv[rows], b.mask[rows],
+                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, n_tokens=n_tokens,
+                )  # fmt: skip
+                (loss * cfg.minibatches).backward()  # n_tokens is the step's: rescale to a minibatch's
+                n = float(b.mask[rows].sum())
+                stats.update({k: v * n for k, v in s.items()} | {"tokens": n})
+            grad_norms.append(self.backend.step())
         return {
             "reward_mean": float(b.rewards.mean()),
             **staleness_stats(version, b.versions.tolist()),
             **grpo.mismatch_metrics(b.prox, b.behav, b.at_version, b.mask, version_known=b.known),
             "grad_norm": sum(grad_norms) / len(grad_norms),
-            "clip_frac": stats["clip_frac"] / cfg.minibatches,
-            "tis_frac": stats["tis_frac"] / cfg.minibatches,
+            "clip_frac": stats["clip_frac"] / max(stats["tokens"], 1.0),
+            "tis_frac": stats["tis_frac"] / max(stats["tokens"], 1.0),
             "samples": len(b.rewards),
             "completion_tokens": n_tokens,
             "step_time_s": time.perf_counter() - b.started,

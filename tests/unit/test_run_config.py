@@ -231,3 +231,15 @@ def test_gpu_h200_config_loads_and_shares_one_gpu():
     assert cfg.trainer.checkpoint_every == 0 and cfg.trainer.grpc_reflection is False
     assert cfg.model.checkpoint and cfg.recipe == "nvfp4_moe" and cfg.task.name == "jsonl"
     assert cfg.rollout.max_batch == cfg.trainer.group_size  # one group per generate call, one graph
+
+
+def test_gpu_h200_long_config_is_the_long_workload_and_says_so():
+    # configs/gpu-h200-long.yaml: >= 256 samples of 1,024 tokens per step, slots kept full, and the
+    # benchmark-only knob on (rollout.ignore_stop) with room for prompt + completion in the KV.
+    cfg = config.load("configs/gpu-h200-long.yaml")
+    assert cfg.trainer.groups_per_step * cfg.trainer.group_size >= 256
+    assert cfg.task.max_new_tokens == 1024 and cfg.rollout.ignore_stop is True
+    assert cfg.rollout.max_inflight_groups * cfg.trainer.group_size >= cfg.rollout.max_batch
+    assert cfg.rollout.kv_capacity > cfg.task.max_new_tokens and cfg.model.overrides["max_seq_len"] >= cfg.rollout.kv_capacity
+    assert cfg.trainer.microbatch_tokens > 0
+    assert config.RunConfig().rollout.ignore_stop is False  # never the default
