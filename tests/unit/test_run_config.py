@@ -240,6 +240,9 @@ def test_gpu_h200_long_config_is_the_long_workload_and_says_so():
     assert cfg.trainer.groups_per_step * cfg.trainer.group_size >= 256
     assert cfg.task.max_new_tokens == 1024 and cfg.rollout.ignore_stop is True
     assert cfg.rollout.max_inflight_groups * cfg.trainer.group_size >= cfg.rollout.max_batch
-    assert cfg.rollout.kv_capacity > cfg.task.max_new_tokens and cfg.model.overrides["max_seq_len"] >= cfg.rollout.kv_capacity
+    assert (
+        cfg.rollout.kv_capacity > cfg.task.max_new_tokens
+        and cfg.model.overrides["max_seq_len"] >= cfg.rollout.kv_capacity
+    )
     assert cfg.trainer.microbatch_tokens > 0
     assert config.RunConfig().rollout.ignore_stop is False  # never the default
