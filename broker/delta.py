@@ -19,13 +19,14 @@ zstd (de)compression and numpy's XOR release the GIL: callers encode or decode t
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import zstandard
 
 LEVEL = 3  # zstd level of XOR payloads (bench/bench_delta.py measures it)
+PIECE = 1 << 20  # bytes XOR-ed and (de)compressed at a time: a piece stays in cache
 # this thread's zstd compressors (by level) and decompressor: making one costs about what a small
 # tensor does, so each thread keeps its own
 _contexts = threading.local()
@@ -61,13 +62,30 @@ def xor(a, b, out: np.ndarray | None = None) -> np.ndarray:
     return np.bitwise_xor(a, b, out=out)
 
 
-def encode(new, parent, *, level: int = LEVEL) -> bytes | None:
+def _piece_buffer(nbytes: int) -> np.ndarray:
+    """This thread's scratch buffer of at least `nbytes` (a piece of XOR, kept in cache)."""
+    buf = getattr(_contexts, "piece", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _contexts.piece = np.empty(nbytes, dtype=np.uint8)
+    return buf
+
+
+def encode(new, parent, *, level: int = LEVEL, piece: int = PIECE) -> bytes | None:
     """The XOR_ZSTD payload of `new` against `parent` (equal sizes), or None when they are equal
-    (UNCHANGED)."""
-    x = xor(new, parent)
-    if not x.any():
-        return None
-    return _compressor(level).compress(x)
+    (UNCHANGED). XOR-ed and compressed `piece` bytes at a time (one zstd frame that records its
+    content size): no buffer of the tensor's size, each piece compressed while in cache."""
+    new, parent = as_bytes(new), as_bytes(parent)
+    if new.nbytes != parent.nbytes:
+        raise DeltaError(f"XOR of {new.nbytes} and {parent.nbytes} bytes")
+    n, buf = new.nbytes, _piece_buffer(min(piece, max(1, new.nbytes)))
+    stream, parts, changed = _compressor(level).compressobj(size=n), [], False
+    for a in range(0, n, piece):
+        x = buf[: min(n, a + piece) - a]
+        np.bitwise_xor(new[a : a + len(x)], parent[a : a + len(x)], out=x)
+        changed = changed or bool(x.any())
+        parts.append(stream.compress(x))
+    parts.append(stream.flush())
+    return b"".join(parts) if changed else None
 
 
 def max_payload_bytes(nbytes: int) -> int:
@@ -75,9 +93,18 @@ def max_payload_bytes(nbytes: int) -> int:
     return nbytes + nbytes // 128 + 4096
 
 
-def decode(name: str, payload, parent, out: np.ndarray) -> None:
-    """Write parent XOR unzstd(payload) into `out` (as many bytes as `parent`; `out` may be `parent`).
-    DeltaError naming `name` when the payload is not one zstd frame of that size."""
+def decode(
+    name: str,
+    payload,
+    parent,
+    out: np.ndarray,
+    *,
+    piece: int = PIECE,
+    on_piece: Callable[[int, int], None] | None = None,
+) -> None:
+    """Write parent XOR unzstd(payload) into `out` (as many bytes as `parent`; `out` may be `parent`),
+    `piece` bytes at a time, calling on_piece(a, b) once out[a:b] is written (a caller hashes it
+    while it is in cache). DeltaError naming `name` when the payload is not one zstd frame of that size."""
     parent = as_bytes(parent)
     n = parent.nbytes
     if out.nbytes != n:
@@ -86,12 +113,31 @@ def decode(name: str, payload, parent, out: np.ndarray) -> None:
         size = zstandard.frame_content_size(payload)
         if size != n:
             raise DeltaError(f"tensor {name}: the delta frame holds {size} bytes, the tensor has {n}")
-        x = _decompressor().decompress(payload, max_output_size=n, allow_extra_data=False)
+        buf = _piece_buffer(min(piece, max(1, n)))
+        with _decompressor().stream_reader(payload, read_across_frames=True) as reader:
+            for a in range(0, n, piece):
+                x = buf[: min(n, a + piece) - a]
+                got = _read_into(reader, x)
+                if got != len(x):
+                    raise DeltaError(f"tensor {name}: the delta decoded to {a + got} bytes, the tensor has {n}")
+                np.bitwise_xor(parent[a : a + len(x)], x, out=out[a : a + len(x)])
+                if on_piece is not None:
+                    on_piece(a, a + len(x))
+            if reader.read(1):
+                raise DeltaError(f"tensor {name}: the delta decodes to more than the tensor's {n} bytes")
     except zstandard.ZstdError as e:
         raise DeltaError(f"tensor {name}: undecodable delta payload: {e}") from None
-    if len(x) != n:
-        raise DeltaError(f"tensor {name}: the delta decoded to {len(x)} bytes, the tensor has {n}")
-    np.bitwise_xor(parent, np.frombuffer(x, dtype=np.uint8), out=out)
+
+
+def _read_into(reader, x: np.ndarray) -> int:
+    """Fill `x` from a zstd stream reader; the bytes read (fewer only at the end of the stream)."""
+    view, got = memoryview(x), 0
+    while got < len(view):
+        k = reader.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return got
 
 
 def xor_compatible(sizes: Mapping[str, int], parent_sizes: Mapping[str, int]) -> str:

@@ -667,7 +667,8 @@ class PolicyClient:
         try:
             payloads = _delta_payloads(desc, manifest, state, parent)
             _receive_payloads(call, manifest, payloads, stats)
-            jobs = [hasher.submit(_rebuild_checked, state[n], parent.data[n], payloads.get(n)) for n in state]
+            biggest_first = sorted(state, key=lambda n: -state[n].layout.nbytes)  # the longest do not start last
+            jobs = [hasher.submit(_rebuild_checked, state[n], parent.data[n], payloads.get(n)) for n in biggest_first]
             failed = [e for e in (f.exception() for f in jobs) if e is not None]  # all ended: none writes any more
             if failed:
                 raise failed[0]
@@ -803,12 +804,19 @@ def _rebuild_checked(t: _Tensor, parent: np.ndarray, payload: np.ndarray | None)
     """t's bytes from the parent's (XOR the payload, if any), then checked against the manifest:
     every chunk's xxh3 and the tensor's sha256 (DeltaError naming the tensor otherwise)."""
     parent = dl.as_bytes(parent)
-    if payload is not None:
-        dl.decode(t.entry.name, payload, parent, t.data)
-    elif t.data.ctypes.data != parent.ctypes.data:  # a parent in place (the same buffers) is already there
-        np.copyto(t.data, parent)
     n, cb = t.layout.nbytes, t.chunk_bytes
-    xxh3s, shas = chunk_checksums(t.data, [(j * cb, min(n, (j + 1) * cb)) for j in range(t.n_chunks)])
+    xxh3s, shas = [], []
+
+    def hash_chunk(a: int, b: int) -> None:  # each chunk right after it is rebuilt, while in cache
+        x, s = chunk_checksums(t.data, [(a, b)])
+        xxh3s.extend(x), shas.extend(s)
+
+    if payload is not None:
+        dl.decode(t.entry.name, payload, parent, t.data, piece=cb, on_piece=hash_chunk)
+    else:
+        if t.data.ctypes.data != parent.ctypes.data:  # a parent in place (the same buffers) is already there
+            np.copyto(t.data, parent)
+        xxh3s, shas = chunk_checksums(t.data, [(j * cb, min(n, (j + 1) * cb)) for j in range(t.n_chunks)])
     if xxh3s != list(t.entry.chunk_xxh3) or tensor_sha256(n, shas) != t.entry.sha256:
         raise dl.DeltaError(f"tensor {t.entry.name}: rebuilt from the delta, it fails the manifest's checksums")
 

@@ -301,8 +301,10 @@ def build_delta(v: _Version, parent: _Version, parent_digest: bytes, *, threads:
         return dl.encode(v.full.tensor_bytes(name), parent.full.tensor_bytes(name))
 
     workers = threads or min(16, os.cpu_count() or 1)
+    biggest_first = sorted(names, key=lambda n: -v.entries[n].nbytes)  # the longest encodes do not start last
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="policy-delta") as pool:
-        payloads = list(pool.map(encode, names))
+        encoded = dict(zip(biggest_first, pool.map(encode, biggest_first)))
+    payloads = [encoded[n] for n in names]
     total = sum(len(p) for p in payloads if p is not None)
     if not dl.worth_it(total, v.manifest.total_bytes):
         return None
