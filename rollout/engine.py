@@ -1,7 +1,7 @@
 """The rollout engine: sampling continuations from the policy model with a KV cache (CPU reference).
 
 `generate(model, prompts, *, n_samples, max_new_tokens, ...) -> Generation` is the API every engine
-implements (this CPU one, and `rollout.cuda_engine` beside it); its docstring defines it.
+implements (this CPU one, and `rollout.packed_engine` beside it); its docstring defines it.
 
 Split as gpt-fast's generate.py: `prefill` (the prompts through the model once, filling the cache),
 `decode_one_token` (one token per row) and `sample` (logits -> token and its log-prob), so that a
