@@ -1,4 +1,4 @@
-"""The packed GPU rollout engine (rollout/cuda_engine.py) on one CUDA device: decode, prefill, mismatch.
+"""The packed GPU rollout engine (rollout/packed_engine.py) on one CUDA device: decode, prefill, mismatch.
 
     python3 bench/bench_engine.py [--layers 6] [--batches 1,16,64,256] [--steps 64] [--json out.json]
     python3 bench/bench_engine.py --continuous [--recipes nvfp4_moe] [--groups 32 --group-size 8]
@@ -31,7 +31,7 @@ from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout import sampling
 from rollout.batching import ContinuousBatcher, PackedBackend
-from rollout.cuda_engine import EngineConfig, PackedEngine
+from rollout.packed_engine import EngineConfig, PackedEngine
 
 
 def copy_bandwidth(device) -> float:

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from broker.policy_client import PolicyClient, PolicyClientConfig, ReceiveBuffers
     from policy.recipe import Recipe
-    from rollout.cuda_engine import EngineConfig, PackedEngine
+    from rollout.packed_engine import EngineConfig, PackedEngine
 
     cuda = args.device == "cuda"
     dev = torch.device(args.device)

@@ -295,23 +295,7 @@ def fill(
     order = sorted(range(len(flat)), key=lambda i: -layout.tensors[i].nbytes)
     cuda_parts = [t for ts in flat for t in ts if _on_cuda(t)]
     host = torch.from_numpy(data) if cuda_parts else None
-    stream = None
-    if cuda_parts:
-        stream = torch.cuda.Stream(device=cuda_parts[0].device)
-        if after is not None:
-            stream.wait_event(after)
-        else:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-
-    def work(i: int, j0: int, j1: int, event):
-        frames, parts = layout.tensors[i], flat[i]
-        if event is not None:
-            event.synchronize()  # releases the GIL
-        for part, src, dst, n in _pieces(frames, [len(t) for t in parts], j0, j1):
-            if not _on_cuda(parts[part]):
-                np.copyto(data[dst : dst + n], parts[part][src : src + n])
-        return _seal_run(data, frames, j0, j1)
-
+    stream = _copy_stream(cuda_parts[0].device, after) if cuda_parts else None
     workers = threads or min(32, os.cpu_count() or 1)
     runs: dict[int, list] = {}
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frame") as pool, _drained(stream):
@@ -319,13 +303,10 @@ def fill(
             frames, parts = layout.tensors[i], flat[i]
             event = None
             if stream is not None and any(_on_cuda(t) for t in parts):
-                with torch.cuda.stream(stream):
-                    for part, src, dst, n in _pieces(frames, [len(t) for t in parts], 0, len(frames.data)):
-                        if _on_cuda(parts[part]):
-                            host[dst : dst + n].copy_(parts[part][src : src + n], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-            runs[i] = [pool.submit(work, i, j0, j1, event) for j0, j1 in hash_runs(_bounds(frames))]
+                event = _copy_cuda_parts(host, stream, frames, parts)
+            runs[i] = [
+                pool.submit(_copy_and_seal, data, frames, parts, j0, j1, event) for j0, j1 in hash_runs(_bounds(frames))
+            ]
         out = []
         for i, frames in enumerate(layout.tensors):
             xxh3s, shas = [], []
@@ -337,6 +318,39 @@ def fill(
             mv[frames.sha256_at : frames.sha256_at + 32] = sha
             out.append((xxh3s, sha))
     return out  # `flat` (and the parts it holds) lives until every copy is done
+
+
+def _copy_stream(device, after: torch.cuda.Event | None) -> torch.cuda.Stream:
+    """The side stream CUDA parts are copied on: after `after`, else after the current stream's work so far."""
+    stream = torch.cuda.Stream(device=device)
+    if after is not None:
+        stream.wait_event(after)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    return stream
+
+
+def _copy_cuda_parts(host: torch.Tensor, stream, frames: TensorFrames, parts: list) -> torch.cuda.Event:
+    """Queue the copies of a tensor's CUDA parts into its data regions on `stream`; returns the
+    event recorded after them."""
+    with torch.cuda.stream(stream):
+        for part, src, dst, n in _pieces(frames, [len(t) for t in parts], 0, len(frames.data)):
+            if _on_cuda(parts[part]):
+                host[dst : dst + n].copy_(parts[part][src : src + n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+def _copy_and_seal(data: np.ndarray, frames: TensorFrames, parts: list, j0: int, j1: int, event):
+    """One thread-pool task: wait for the tensor's CUDA copies (`event`), copy its CPU parts of
+    chunks [j0, j1), then seal those chunks (`_seal_run`)."""
+    if event is not None:
+        event.synchronize()  # releases the GIL
+    for part, src, dst, n in _pieces(frames, [len(t) for t in parts], j0, j1):
+        if not _on_cuda(parts[part]):
+            np.copyto(data[dst : dst + n], parts[part][src : src + n])
+    return _seal_run(data, frames, j0, j1)
 
 
 def _bounds(frames: TensorFrames) -> list[tuple[int, int]]:

@@ -372,6 +372,40 @@ class _Abort(Exception):
         self.code, self.message = code, message
 
 
+def _grpc_options(cfg) -> list[tuple[str, int]]:
+    """The gRPC server's channel options: message sizes, stream cap, keepalive, connection ages."""
+    return [
+        ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_send_message_bytes),
+        ("grpc.so_reuseport", int(cfg.reuse_port)),
+        ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
+        ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(cfg.min_ping_interval_s * 1000)),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.max_connection_idle_ms", int(cfg.idle_s * 1000)),
+        ("grpc.max_connection_age_ms", int(cfg.fetch_deadline_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(cfg.fetch_deadline_s * 1000)),
+    ]
+
+
+def _bind(server, cfg) -> int:
+    """Bind cfg.host:cfg.port (TLS, with client certificates when client_ca is set); the port bound."""
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.tls.enabled:
+        creds = grpc.ssl_server_credentials(
+            [(Path(cfg.tls.key).read_bytes(), Path(cfg.tls.cert).read_bytes())],
+            root_certificates=Path(cfg.tls.client_ca).read_bytes() if cfg.tls.client_ca else None,
+            require_client_auth=bool(cfg.tls.client_ca),
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if not port:
+        raise OSError(f"could not bind {address}")
+    return port
+
+
 class PolicyServer:
     """The policy service on a background event loop. All public methods are thread-safe:
 
@@ -487,21 +521,8 @@ class PolicyServer:
         cfg = self.config
         self._changed = asyncio.Condition()
         self._stopping = asyncio.Event()
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
-                ("grpc.max_send_message_length", cfg.max_send_message_bytes),
-                ("grpc.so_reuseport", int(cfg.reuse_port)),
-                ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
-                ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
-                ("grpc.keepalive_timeout_ms", 20_000),
-                ("grpc.http2.min_ping_interval_without_data_ms", int(cfg.min_ping_interval_s * 1000)),
-                ("grpc.http2.max_ping_strikes", 2),
-                ("grpc.max_connection_idle_ms", int(cfg.idle_s * 1000)),
-                ("grpc.max_connection_age_ms", int(cfg.fetch_deadline_s * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(cfg.fetch_deadline_s * 1000)),
-            ],
-        )  # no maximum_concurrent_rpcs: gRPC frees its slot only when the HTTP/2 stream closes (`admit` caps)
+        # no maximum_concurrent_rpcs: gRPC frees its slot only when the HTTP/2 stream closes (`admit` caps)
+        server = grpc.aio.server(options=_grpc_options(cfg))
         server.add_generic_rpc_handlers(
             (
                 grpc.method_handlers_generic_handler(
@@ -514,11 +535,7 @@ class PolicyServer:
                 ),
             )
         )
-        self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        status = health_pb2.HealthCheckResponse.SERVING if self._latest else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self._health.set("", status)
-        await self._health.set(SERVICE_NAME, status)
+        await self._add_health(server)
         if cfg.reflection:
             from grpc_reflection.v1alpha import reflection
 
@@ -526,18 +543,7 @@ class PolicyServer:
                 (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
                 server,
             )
-        address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls.enabled:
-            creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls.key).read_bytes(), Path(cfg.tls.cert).read_bytes())],
-                root_certificates=Path(cfg.tls.client_ca).read_bytes() if cfg.tls.client_ca else None,
-                require_client_auth=bool(cfg.tls.client_ca),
-            )
-            port = server.add_secure_port(address, creds)
-        else:
-            port = server.add_insecure_port(address)
-        if not port:
-            raise OSError(f"could not bind {address}")
+        port = _bind(server, cfg)
         await server.start()
         self._server, self._port = server, port
         log.info("policy server listening on %s:%d (%s)", cfg.host, port, "TLS" if cfg.tls.enabled else "plaintext")
@@ -547,6 +553,14 @@ class PolicyServer:
         async with self._changed:
             self._changed.notify_all()
         await server.stop(cfg.stop_grace_s)
+
+    async def _add_health(self, server) -> None:
+        """The standard health service: SERVING once a version is published."""
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        status = health_pb2.HealthCheckResponse.SERVING if self._latest else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set("", status)
+        await self._health.set(SERVICE_NAME, status)
 
     async def _signal_stop(self) -> None:
         self._stopping.set()

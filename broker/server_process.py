@@ -375,9 +375,6 @@ def _child(conn: Connection) -> int:
         with send_lock:  # the server's threads say RELEASED while the main thread replies
             ipc.send(conn, kind, payload)
 
-    def error(e: BaseException) -> bytes:
-        return f"{'ValueError' if isinstance(e, ValueError) else 'RuntimeError'} {ipc.one_line(f'{e}')}".encode()
-
     kind, payload = ipc.recv(conn, MAX_MESSAGE)
     try:
         if kind != "START":
@@ -385,7 +382,7 @@ def _child(conn: Connection) -> int:
         server = PolicyServer(config_from_json(payload))
         port = server.start()
     except Exception as e:
-        send("ERROR", error(e))
+        send("ERROR", _error_reply(e))
         return 1
     send("OK", json.dumps({"port": port}).encode())
     maps: dict[int, mmap.mmap] = {}
@@ -395,41 +392,54 @@ def _child(conn: Connection) -> int:
                 kind, payload = ipc.recv(conn, MAX_MESSAGE)
             except (EOFError, OSError):
                 return 0  # the trainer is gone
+            if kind == "STOP":
+                return 0
             try:
-                if kind == "PUBLISH":
-                    head, _, raw = payload.partition(b"\n")
-                    meta = json.loads(head)
-                    buffer = int(meta["buffer"])
-                    released = json.dumps({"buffer": buffer}).encode()
-                    fd = ipc.recv_fd(conn, "PUBLISH") if meta["new"] else -1
-                    try:
-                        if fd >= 0:
-                            maps[buffer] = ipc.map_fd(fd, max(1, int(meta["capacity"])))
-                        manifest = mf.manifest_from_bytes(raw)
-                        layout = manifest_layout(manifest)
-                        if layout.size != meta["size"] or buffer not in maps or layout.size > len(maps[buffer]):
-                            raise ValueError(
-                                f"version {manifest.version}: frames of {meta['size']} bytes in buffer {buffer}, "
-                                f"the manifest lays out {layout.size}"
-                            )
-                    except Exception:
-                        send("RELEASED", released)  # never handed to the server: the trainer's pool takes it back
-                        raise
-                    data = np.frombuffer(maps[buffer], dtype=np.uint8, count=layout.size)
-                    framed = FramedPolicy(manifest, layout, data, release=lambda r=released: send("RELEASED", r))
-                    send("OK", json.dumps({"installed": server.publish(framed)}).encode())
-                elif kind == "VERSIONS":
-                    send("OK", json.dumps({"versions": server.versions()}).encode())
-                elif kind == "STATS":
-                    send("OK", json.dumps(server.stats()).encode())
-                elif kind == "STOP":
-                    return 0
-                else:
-                    raise ValueError(f"unknown message {kind!r}")
+                send("OK", json.dumps(_answer(server, conn, kind, payload, maps, send)).encode())
             except Exception as e:
-                send("ERROR", error(e))
+                send("ERROR", _error_reply(e))
     finally:
         server.stop()
+
+
+def _error_reply(e: BaseException) -> bytes:
+    return f"{'ValueError' if isinstance(e, ValueError) else 'RuntimeError'} {ipc.one_line(f'{e}')}".encode()
+
+
+def _answer(server: PolicyServer, conn: Connection, kind: str, payload: bytes, maps: dict, send) -> dict:
+    """The OK reply's JSON to one message other than START / STOP; ValueError for an unknown one."""
+    if kind == "PUBLISH":
+        return {"installed": server.publish(_received_policy(conn, payload, maps, send))}
+    if kind == "VERSIONS":
+        return {"versions": server.versions()}
+    if kind == "STATS":
+        return server.stats()
+    raise ValueError(f"unknown message {kind!r}")
+
+
+def _received_policy(conn: Connection, payload: bytes, maps: dict, send) -> FramedPolicy:
+    """A PUBLISH's policy over its mapped buffer (mapping a new one into `maps`), whose release says
+    RELEASED; a publish refused here is RELEASED at once, then its error raised."""
+    head, _, raw = payload.partition(b"\n")
+    meta = json.loads(head)
+    buffer = int(meta["buffer"])
+    released = json.dumps({"buffer": buffer}).encode()
+    fd = ipc.recv_fd(conn, "PUBLISH") if meta["new"] else -1
+    try:
+        if fd >= 0:
+            maps[buffer] = ipc.map_fd(fd, max(1, int(meta["capacity"])))
+        manifest = mf.manifest_from_bytes(raw)
+        layout = manifest_layout(manifest)
+        if layout.size != meta["size"] or buffer not in maps or layout.size > len(maps[buffer]):
+            raise ValueError(
+                f"version {manifest.version}: frames of {meta['size']} bytes in buffer {buffer}, "
+                f"the manifest lays out {layout.size}"
+            )
+    except Exception:
+        send("RELEASED", released)  # never handed to the server: the trainer's pool takes it back
+        raise
+    data = np.frombuffer(maps[buffer], dtype=np.uint8, count=layout.size)
+    return FramedPolicy(manifest, layout, data, release=lambda r=released: send("RELEASED", r))
 
 
 def main(argv: list[str]) -> int:

@@ -121,6 +121,26 @@ def config_from_hf(d: dict, where: str | Path = "config.json") -> ModelConfig:
     (`attention_bias`, `mlp_bias`, `*.bias` tensors), an activation other than SiLU, an already
     quantized checkpoint (`quantization_config`), or any config key this module does not know (so
     nothing is silently ignored)."""
+    _refuse_unsupported(d, where)
+    model_type = d["model_type"]
+    fields = _common_fields(d, where)
+    if model_type == "qwen3":
+        fields.update(n_experts=0, top_k=0, expert_ffn_dim=0, ffn_dim=d.get("intermediate_size", 0))
+    else:
+        fields.update(_moe_fields(d))
+    try:
+        if model_type == "qwen3_moe":
+            probe = ModelConfig(**{**fields, "ffn_dim": 1})
+            dense = any(not probe.is_moe_layer(i) for i in range(probe.n_layers))
+            # intermediate_size is only used by dense layers; keep it out of the fingerprint otherwise.
+            fields["ffn_dim"] = d.get("intermediate_size", 0) if dense else 0
+        return ModelConfig(**fields)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _refuse_unsupported(d: dict, where) -> None:
+    """ValueError naming the first field of config.json that Tandem's model cannot represent."""
     model_type = d.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
         raise _refuse(where, "model_type", f"is {model_type!r}: supported are 'qwen3' and 'qwen3_moe'")
@@ -142,8 +162,12 @@ def config_from_hf(d: dict, where: str | Path = "config.json") -> ModelConfig:
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         if key not in d:
             raise _refuse(where, key, "is missing")
+
+
+def _common_fields(d: dict, where) -> dict:
+    """The ModelConfig fields of dense and MoE models alike."""
     heads = d["num_attention_heads"]
-    fields = dict(
+    return dict(
         vocab_size=d["vocab_size"],
         dim=d["hidden_size"],
         n_layers=d["num_hidden_layers"],
@@ -155,28 +179,19 @@ def config_from_hf(d: dict, where: str | Path = "config.json") -> ModelConfig:
         max_seq_len=d.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
     )
-    if model_type == "qwen3":
-        fields.update(n_experts=0, top_k=0, expert_ffn_dim=0, ffn_dim=d.get("intermediate_size", 0))
-    else:
-        n_experts = d.get("num_experts", d.get("num_local_experts", 0))
-        moe = dict(
-            n_experts=n_experts,
-            top_k=d.get("num_experts_per_tok", 0) if n_experts else 0,
-            expert_ffn_dim=d.get("moe_intermediate_size", 0) if n_experts else 0,
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),  # HF's default for qwen3_moe
-            decoder_sparse_step=d.get("decoder_sparse_step", 1),
-            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-        )
-        fields.update(moe)
-    try:
-        if model_type == "qwen3_moe":
-            probe = ModelConfig(**{**fields, "ffn_dim": 1})
-            dense = any(not probe.is_moe_layer(i) for i in range(probe.n_layers))
-            # intermediate_size is only used by dense layers; keep it out of the fingerprint otherwise.
-            fields["ffn_dim"] = d.get("intermediate_size", 0) if dense else 0
-        return ModelConfig(**fields)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}: {e}") from None
+
+
+def _moe_fields(d: dict) -> dict:
+    """The routed-expert fields of a qwen3_moe config."""
+    n_experts = d.get("num_experts", d.get("num_local_experts", 0))
+    return dict(
+        n_experts=n_experts,
+        top_k=d.get("num_experts_per_tok", 0) if n_experts else 0,
+        expert_ffn_dim=d.get("moe_intermediate_size", 0) if n_experts else 0,
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),  # HF's default for qwen3_moe
+        decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+    )
 
 
 def hf_config(cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -178,6 +178,37 @@ def _write_weights(writer: ShardWriter, shapes: dict, tensors: Mapping[str, obje
     return ignore
 
 
+def _quantized_weights(export_format: str, shapes: dict, tensors: Mapping, target: str, what: str):
+    """(names of the weights in `target`, the format options they agree on); ValueError when there
+    are none or one of them is not a linear layer's weight."""
+    quantized = [n for n in shapes if formats.format_of(tensors[n]) == target]
+    if not quantized:
+        have = sorted({formats.format_of(t) for t in tensors.values()})
+        raise ValueError(
+            f"{export_format}: {what} has no {target} weights (it has {have}); "
+            f"export --format hf, or train under a recipe that uses {target}"
+        )
+    options: dict = {}
+    for n in quantized:
+        _check(n, tensors[n], target, options)
+        if len(shapes[n]) != 2 or n == "model.embed_tokens.weight":
+            raise ValueError(f"{export_format}: {n} is {target} but is not a linear layer's weight")
+    return quantized, options
+
+
+def _with_fused_modules(cfg: ModelConfig, ignore: list) -> list:
+    """The unquantized modules `ignore` plus those engines look up by another name: the tied head
+    and, per MoE layer whose experts are all unquantized, the fused experts module."""
+    if cfg.tie_word_embeddings:
+        ignore.append("lm_head")  # the head is the (unquantized) embedding: engines must not expect scales
+    # Engines that fuse a layer's experts into one MoE module look the layer up by that module's name.
+    for i in range(cfg.n_layers):
+        experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for e in range(cfg.n_experts) for p in _EXPERT_PROJ]
+        if cfg.is_moe_layer(i) and set(experts) <= set(ignore):
+            ignore.append(f"model.layers.{i}.mlp.experts")
+    return ignore
+
+
 def export_policy(
     out: str | Path,
     cfg: ModelConfig,
@@ -219,41 +250,18 @@ def export_policy(
     out = Path(out)
     if export_format == "hf":
         _write_generation_config(out, token_ids)
-        save_hf(
-            out,
-            cfg,
-            _dequantized(tensors, shapes),
-            max_shard_bytes=max_shard_bytes,
-            metadata=meta,
-            extra_config=extra,
-        )
+        weights = _dequantized(tensors, shapes)
+        save_hf(out, cfg, weights, max_shard_bytes=max_shard_bytes, metadata=meta, extra_config=extra)
         return {"format": "hf", "version": version, "quantized": 0, "bf16": len(shapes)}
 
     target = _TARGET[export_format]
-    quantized = [n for n in shapes if formats.format_of(tensors[n]) == target]
-    if not quantized:
-        have = sorted({formats.format_of(t) for t in tensors.values()})
-        raise ValueError(
-            f"{export_format}: version {version} (recipe {recipe}) has no {target} weights (it has {have}); "
-            f"export --format hf, or train under a recipe that uses {target}"
-        )
-    options: dict = {}
-    for n in quantized:
-        _check(n, tensors[n], target, options)
-        if len(shapes[n]) != 2 or n == "model.embed_tokens.weight":
-            raise ValueError(f"{export_format}: {n} is {target} but is not a linear layer's weight")
-
+    quantized, options = _quantized_weights(
+        export_format, shapes, tensors, target, f"version {version} (recipe {recipe})"
+    )
     _write_generation_config(out, token_ids)
     writer = ShardWriter(out, max_shard_bytes=max_shard_bytes, metadata=meta)
-    ignore = _write_weights(writer, shapes, tensors, target)
+    ignore = _with_fused_modules(cfg, _write_weights(writer, shapes, tensors, target))
     writer.finish()
-    if cfg.tie_word_embeddings:
-        ignore.append("lm_head")  # the head is the (unquantized) embedding: engines must not expect scales
-    # Engines that fuse a layer's experts into one MoE module look the layer up by that module's name.
-    for i in range(cfg.n_layers):
-        experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for e in range(cfg.n_experts) for p in _EXPERT_PROJ]
-        if cfg.is_moe_layer(i) and set(experts) <= set(ignore):
-            ignore.append(f"model.layers.{i}.mlp.experts")
     qconfig, hf_quant = _quant_config(export_format, options, ignore)
     if hf_quant is not None:
         (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")

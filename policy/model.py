@@ -39,6 +39,9 @@ __all__ = [
     "activation_sites",
     "causal_mask",
     "parameter_shapes",
+    "rms_norm",
+    "rope",
+    "rope_inv_freq",
 ]
 
 
@@ -363,10 +366,15 @@ class RMSNorm(nn.Module):
         self.name = name + ".weight"
 
     def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
-        # fp32 statistics per row (Qwen3 does the same); no cross-row reduction.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * hook.param(self.name, self.weight).float()).to(x.dtype)
+        return rms_norm(x, hook.param(self.name, self.weight), self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim: fp32 statistics per row (Qwen3 does the same), no cross-row
+    reduction, the result in x's dtype. The rollout engines call it too."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
 
 
 def causal_mask(key_valid: Tensor, start: int) -> Tensor:
@@ -381,10 +389,17 @@ def causal_mask(key_valid: Tensor, start: int) -> Tensor:
     return (((k_index[None, :] <= q_index[:, None])[None] & key_valid[:, None, :]) | own)[:, None]
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE (HF/NeoX convention, as Qwen3). x [B, T, H, hd]; cos/sin [B, T, 1, hd/2]."""
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (HF/NeoX convention, as Qwen3) in fp32, the result in x's dtype.
+    x [..., hd]; cos/sin broadcast to [..., hd/2] (here [B, T, 1, hd/2])."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> Tensor:
+    """RoPE's inverse frequencies [hd/2] fp32: 1 / theta^(2i / hd)."""
+    hd = cfg.head_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
 
 
 class Attention(nn.Module):
@@ -413,8 +428,8 @@ class Attention(nn.Module):
         q = self.q_proj(x, hook).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x, hook).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x, hook).view(B, T, self.n_kv_heads, self.head_dim)
-        q = _rope(self.q_norm(q, hook), cos, sin).transpose(1, 2)
-        k = _rope(self.k_norm(k, hook), cos, sin).transpose(1, 2)
+        q = rope(self.q_norm(q, hook), cos, sin).transpose(1, 2)
+        k = rope(self.k_norm(k, hook), cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
         if kv is not None:
             k_buf, v_buf = kv
@@ -695,11 +710,7 @@ class Transformer(nn.Module):
             key_valid = cache.key_valid[:, : start + T]
         S = start + T
         mask = causal_mask(key_valid, start)  # [B, 1, T, S]
-        inv_freq = 1.0 / (
-            self.cfg.rope_theta
-            ** (torch.arange(0, self.cfg.head_dim, 2, device=device, dtype=torch.float32) / self.cfg.head_dim)
-        )
-        angles = positions.float()[..., None] * inv_freq  # [B, T, hd/2]
+        angles = positions.float()[..., None] * rope_inv_freq(self.cfg, device)  # [B, T, hd/2]
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
 
         emb = hook.param("model.embed_tokens.weight", self.model.embed_tokens.weight)

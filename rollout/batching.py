@@ -12,7 +12,7 @@ then free the finished rows' slots and emit the groups whose last sample finishe
 depend only on its prompt, its seed and its own token index, never on when it joined or who shares
 the batch (the CPU engine draws from a generator per row; the GPU sampler keys its RNG by (seed, the
 row's own token index)). Backends share one small protocol (`ContinuousBatcher`): `CpuBackend`
-(the CPU engine, rollout/engine.py) and `PackedBackend` (a `rollout.cuda_engine.PackedEngine`)."""
+(the CPU engine, rollout/engine.py) and `PackedBackend` (a `rollout.packed_engine.PackedEngine`)."""
 
 from __future__ import annotations
 
@@ -338,7 +338,7 @@ class CpuBackend:
 
 
 # --------------------------------------------------------------------------------------------------
-# The packed GPU engine (rollout/cuda_engine.py) as a backend
+# The packed GPU engine (rollout/packed_engine.py) as a backend
 
 
 class PackedBackend:

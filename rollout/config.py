@@ -65,7 +65,7 @@ class RolloutConfig:
     through TANDEM_ROLLOUT_METRICS_HOST)."""
     device: str = "cpu"
     """Where generation runs: "cpu" (rollout/engine.py on dequantized weights, the default) or
-    "cuda" / "cuda:N" (rollout/cuda_engine.py: packed 4-bit weights, CUDA graphs, on-device sampling)."""
+    "cuda" / "cuda:N" (rollout/packed_engine.py: packed 4-bit weights, CUDA graphs, on-device sampling)."""
     memory_fraction: float = 0.0
     """cuda only: the share of the GPU's memory this worker may allocate (torch's caching allocator,
     `torch.cuda.set_per_process_memory_fraction`), for processes sharing one GPU; 0 = no cap."""

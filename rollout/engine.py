@@ -1,7 +1,7 @@
 """The rollout engine: sampling continuations from the policy model with a KV cache (CPU reference).
 
 `generate(model, prompts, *, n_samples, max_new_tokens, ...) -> Generation` is the API every engine
-implements (this CPU one, and `rollout.cuda_engine` beside it); its docstring defines it.
+implements (this CPU one, and `rollout.packed_engine` beside it); its docstring defines it.
 
 Split as gpt-fast's generate.py: `prefill` (the prompts through the model once, filling the cache),
 `decode_one_token` (one token per row) and `sample` (logits -> token and its log-prob), so that a
@@ -159,22 +159,34 @@ def generate(
     if L + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"longest prompt {L} + max_new_tokens {max_new_tokens} > max_seq_len {cfg.max_seq_len}")
     stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
+    tokens, mask = _checked_tokens(cfg, prompts, stop, pad_id)
+    R = B * n_samples
+    gens = row_generators(R, generator, seeds) if temperature > 0 else None
+
+    device = model.lm_head.weight.device
+    cache = KVCache(cfg, B, L + max_new_tokens, dtype=model.lm_head.weight.dtype, device=device)
+    logits = prefill(model, tokens.to(device), mask.to(device), cache)
+    _repeat_rows(cache, n_samples)
+    logits = logits.repeat_interleave(n_samples, dim=0)
+    stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    return _decode(model, cache, logits, max_new_tokens, temperature, gens, stop_t, pad_id)
+
+
+def _checked_tokens(cfg, prompts: Sequence[Sequence[int]], stop: set, pad_id: int) -> tuple[Tensor, Tensor]:
+    """The left-padded prompts and their mask; ValueError for a token id outside the vocabulary."""
     for t in stop | {pad_id}:
         if not 0 <= t < cfg.vocab_size:
             raise ValueError(f"token id {t} (stop/eos/pad) outside vocab of size {cfg.vocab_size}")
     tokens, mask = _left_pad(prompts, pad_id)
     if tokens.min() < 0 or tokens.max() >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must be in [0, vocab_size={cfg.vocab_size})")
-    R = B * n_samples
-    gens = row_generators(R, generator, seeds) if temperature > 0 else None
+    return tokens, mask
 
-    device = model.lm_head.weight.device
-    stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-    cache = KVCache(cfg, B, L + max_new_tokens, dtype=model.lm_head.weight.dtype, device=device)
-    logits = prefill(model, tokens.to(device), mask.to(device), cache)
-    _repeat_rows(cache, n_samples)
-    logits = logits.repeat_interleave(n_samples, dim=0)
 
+def _decode(model, cache: KVCache, logits: Tensor, max_new_tokens: int, temperature: float, gens, stop_t, pad_id):
+    """Sample from the prefilled rows' logits [R, V], then decode one token per step until every row
+    stopped or max_new_tokens; the Generation on the CPU."""
+    R, device = logits.shape[0], logits.device
     out_tokens = torch.full((R, max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_logp = torch.zeros(R, max_new_tokens, dtype=torch.float32, device=device)
     alive = torch.ones(R, dtype=torch.bool, device=device)

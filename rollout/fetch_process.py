@@ -237,6 +237,19 @@ class _ChildGone(Exception):
         self.gone = gone
 
 
+def _raise_first_failure(request: FetchRequest, refused, cancel: FetchCancel, gone: str, errors: list) -> None:
+    """A fetch's failure, first of: the parent's check, `cancel`, a child gone, a child's ERROR
+    (a real one before any FetchCancelled)."""
+    if refused is not None:
+        raise refused
+    if cancel.is_set():
+        raise FetchCancelled(f"version {request.version}: fetch cancelled")
+    if gone:
+        raise OSError(f"the fetch process {gone}")
+    if errors:
+        raise ([e for e in errors if not isinstance(e, FetchCancelled)] or errors)[0]
+
+
 class FetchProcess:
     """The parent's handle on a worker's `processes` fetch children (`rollout.fetch_processes`).
     `fetch` runs in one thread at a time (the worker's fetch thread); `close` ends the children:
@@ -368,14 +381,7 @@ class FetchProcess:
                 e = error_from_line(payload.decode("utf-8", "replace"))
                 if not isinstance(e, FetchCancelled) or not errors:
                     errors.append(e)
-        if refused is not None:
-            raise refused
-        if cancel.is_set():
-            raise FetchCancelled(f"version {request.version}: fetch cancelled")
-        if gone:
-            raise OSError(f"the fetch process {gone}")
-        if errors:
-            raise ([e for e in errors if not isinstance(e, FetchCancelled)] or errors)[0]
+        _raise_first_failure(request, refused, cancel, gone, errors)
         # The slab's views only now: a failed fetch's traceback (its frames) holds none, so the slab
         # can be unmapped at once (SharedSlab.close).
         views = self.buffers.views({n: lay.nbytes for n, lay in layouts.items()})

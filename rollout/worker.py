@@ -12,7 +12,7 @@ raises is dead-lettered with the error's line (groups that failed together are r
 first); a live version computing non-finite values is refused and the groups in flight start again
 under the next. SIGTERM: no group is read any more, the ones in flight are finished and committed,
 then the worker exits. Nothing a peer serves ends the worker. Engines: rollout/engine.py on the CPU,
-rollout/cuda_engine.py on CUDA (updated in place per version). Metrics: rollout/metrics.py.
+rollout/packed_engine.py on CUDA (updated in place per version). Metrics: rollout/metrics.py.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ from policy.loop import AsyncConfig
 from policy.manifest_check import check_manifest, expected_tensors
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
-from rollout.cuda_engine import EngineConfig, PackedEngine, resolve_device
 from rollout.fetch_process import FetchProcess, FetchRequest
+from rollout.packed_engine import EngineConfig, PackedEngine, resolve_device
 
 from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend
 from .config import RolloutConfig

@@ -151,8 +151,9 @@ def _last_line(log: Path) -> str:
     return lines[-1] if lines else f"no output (see {log})"
 
 
-def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, accept_changes: bool = False) -> int:
-    # Everything that can be wrong with the config fails here, before any process or folder exists.
+def _checked_plan(config_path, run_dir, overrides, accept_changes):
+    """(config, run folder, changes on resume, bound ports): everything that can be wrong with the
+    config fails here, before any process or folder exists."""
     cfg = run_config.load(config_path, _env_overrides() + overrides)
     model_config = services.check(cfg)
     preflight.check_workers(cfg)
@@ -164,6 +165,11 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, a
     ports = preflight.bind_ports(preflight.port_plan(cfg, cfg.num_rollout_workers))
     if cfg.redis_url:
         check_redis(cfg.redis_url)
+    return cfg, run_dir, changed, ports
+
+
+def _make_run_folder(run_dir: Path, changed: list) -> None:
+    """Signals that stop the run in order, the private run folder, the previous config kept on changes."""
     # Ctrl-C and SIGTERM both stop the run in order (explicitly: a shell may have started us
     # with SIGINT ignored, as it does for background jobs).
     signal.signal(signal.SIGINT, _interrupt)
@@ -173,6 +179,61 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, a
     os.chmod(run_dir, 0o700)  # also a folder made by an older version
     if changed:
         _keep_previous_config(run_dir, changed)
+
+
+def _with_secret(cfg: run_config.RunConfig, run_dir: Path) -> run_config.RunConfig:
+    """The run's secret file: the configured one, the environment's, or run.secret in the folder."""
+    if cfg.run_secret_file or os.environ.get(SECRET_ENV):
+        return cfg
+    secret = run_dir / "run.secret"  # kept on resume: the run's samples stay verifiable
+    return dataclasses.replace(cfg, run_secret_file=str(secret if secret.exists() else write_secret_file(secret)))
+
+
+def _child_env(redis_url: str) -> dict:
+    """The services' environment. One BLAS thread per process: trainer and workers share the cores,
+    and oversubscribed torch threads are several times slower than one each. The Redis URL (with any
+    password) travels in the environment, not in the file."""
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_REDIS_URL": redis_url}
+    for name in env_config.REDIS_URL_PARTS:  # already in the URL
+        env.pop(name, None)
+    return env
+
+
+def _spawn_workers(cfg, resolved: Path, ports: dict, logs: Path, env: dict) -> list:
+    return [
+        _spawn(
+            ["rollout", "--config", str(resolved), "--worker-id", f"w{i}", *_port_overrides(ports[f"w{i}"])],
+            logs / f"rollout-w{i}.log",
+            env,
+        )
+        for i in range(cfg.num_rollout_workers)
+    ]
+
+
+def _supervise(trainer, workers: list, logs: Path) -> int:
+    """Wait for the trainer's exit code; stop it when no worker could start or every worker exited."""
+    while True:
+        rc = trainer.poll()
+        if rc is not None:
+            return rc
+        unstarted = [i for i, w in enumerate(workers) if w.poll() == CANNOT_START]
+        if unstarted:  # a port taken since the check, a file gone: the run cannot be what was asked
+            log = logs / f"rollout-w{unstarted[0]}.log"
+            print(f"[tandem] rollout worker w{unstarted[0]} could not start: {_last_line(log)}", file=sys.stderr)
+            _stop([trainer])
+            return CANNOT_START
+        dead = [i for i, w in enumerate(workers) if w.poll() is not None]
+        if dead and len(dead) == len(workers):
+            print(f"[tandem] every rollout worker exited; see {logs}", file=sys.stderr)
+            _stop([trainer])
+            outage = {w.returncode for w in workers} == {services.REDIS_OUTAGE_EXIT}
+            return services.REDIS_OUTAGE_EXIT if outage else 1
+        time.sleep(0.5)
+
+
+def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, accept_changes: bool = False) -> int:
+    cfg, run_dir, changed, ports = _checked_plan(config_path, run_dir, overrides, accept_changes)
+    _make_run_folder(run_dir, changed)
     redis, trainer, workers, rc = None, None, [], 1
     logs = run_dir / "logs"
     try:
@@ -180,56 +241,16 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, a
             redis = LocalRedis(LocalRedisConfig(workdir=run_dir / "redis", appendonly=True))
             cfg = dataclasses.replace(cfg, redis_url=redis.start())
             print(f"[tandem] private redis-server at {cfg.redis_url} (append-only file in {run_dir / 'redis'})")
-        if not cfg.run_secret_file and not os.environ.get(SECRET_ENV):
-            secret = run_dir / "run.secret"  # kept on resume: the run's samples stay verifiable
-            cfg = dataclasses.replace(
-                cfg, run_secret_file=str(secret if secret.exists() else write_secret_file(secret))
-            )
+        cfg = _with_secret(cfg, run_dir)
         resolved = run_dir / "config.yaml"
         resolved.write_text(run_config.dump(cfg))  # the Redis password masked: the services get it below
         print(f"[tandem] run folder {run_dir}")
-        # One BLAS thread per process: trainer and workers share the cores, and oversubscribed torch
-        # threads are several times slower than one each. The Redis URL (with any password) travels
-        # in the environment, not in the file.
-        env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_REDIS_URL": cfg.redis_url}
-        for name in env_config.REDIS_URL_PARTS:  # already in the URL
-            env.pop(name, None)
+        env = _child_env(cfg.redis_url)
         _write_ports(run_dir, ports, cfg.redis_url)
-        common = ["--config", str(resolved)]
-        trainer = _spawn(
-            ["trainer", *common, "--run-dir", str(run_dir), *_port_overrides(ports["trainer"])],
-            logs / "trainer.log",
-            env,
-            console=True,
-        )
-        workers = [
-            _spawn(
-                ["rollout", *common, "--worker-id", f"w{i}", *_port_overrides(ports[f"w{i}"])],
-                logs / f"rollout-w{i}.log",
-                env,
-            )
-            for i in range(cfg.num_rollout_workers)
-        ]
-        while True:
-            rc = trainer.poll()
-            if rc is not None:
-                break
-            unstarted = [i for i, w in enumerate(workers) if w.poll() == CANNOT_START]
-            if unstarted:  # a port taken since the check, a file gone: the run cannot be what was asked
-                log = logs / f"rollout-w{unstarted[0]}.log"
-                print(f"[tandem] rollout worker w{unstarted[0]} could not start: {_last_line(log)}", file=sys.stderr)
-                _stop([trainer])
-                rc = CANNOT_START
-                break
-            dead = [i for i, w in enumerate(workers) if w.poll() is not None]
-            if dead and len(dead) == len(workers):
-                print(f"[tandem] every rollout worker exited; see {logs}", file=sys.stderr)
-                _stop([trainer])
-                rc = (
-                    services.REDIS_OUTAGE_EXIT if {w.returncode for w in workers} == {services.REDIS_OUTAGE_EXIT} else 1
-                )
-                break
-            time.sleep(0.5)
+        trainer_argv = ["trainer", "--config", str(resolved), "--run-dir", str(run_dir)]
+        trainer = _spawn([*trainer_argv, *_port_overrides(ports["trainer"])], logs / "trainer.log", env, console=True)
+        workers = _spawn_workers(cfg, resolved, ports, logs, env)
+        rc = _supervise(trainer, workers, logs)
         if rc == services.REDIS_OUTAGE_EXIT:
             print(
                 f"[tandem] giving up: Redis at {env_config.redact_url(cfg.redis_url)} unreachable for more than "
@@ -249,11 +270,16 @@ def run(config_path: str | None, run_dir: str | None, overrides: list[str], *, a
         _stop(workers)
         if redis is not None:
             redis.stop()  # last: the trainer and the workers commit to it while they stop
+    return _finish(trainer, run_dir, rc)
+
+
+def _finish(trainer, run_dir: Path, rc: int) -> int:
+    """The trainer's last lines, the plots, one summary line; rc passed through."""
     if trainer is not None:
-        trainer.tee.join(timeout=5)  # the trainer's last lines
+        trainer.tee.join(timeout=5)
     plots = write_plots(run_dir)
     print(
         f"[tandem] trainer exited with {rc}; plots: {', '.join(p.name for p in plots) or 'none'}; "
-        f"metrics: {run_dir / 'metrics.jsonl'}; logs: {logs}"
+        f"metrics: {run_dir / 'metrics.jsonl'}; logs: {run_dir / 'logs'}"
     )
     return rc

@@ -387,6 +387,39 @@ def _stop_jobs(jobs: list) -> None:
             job.finish(job.proc.wait())
 
 
+def _start_jobs(todo: list, free: list, running: dict, out: Path, shares: list, log) -> None:
+    """Start the next runs of `todo` on the free job slots."""
+    while todo and free:
+        slot = free.pop(0)
+        r = todo.pop(0)
+        state = run_state(out / r.name)
+        running[slot] = _Job(r, out / r.name, shares[slot])
+        log(f"[study] start {r.name} ({'resuming' if state == 'interrupted' else 'new'}) on cpus {shares[slot]}")
+
+
+def _reap_jobs(running: dict, free: list, failed: list, log) -> tuple[int, float]:
+    """Collect the jobs that exited (their slots freed, failures added to `failed`); returns how many
+    exited and the runs they progressed in this invocation (fractions for resumed runs)."""
+    exited, progressed = 0, 0.0
+    for slot, job in list(running.items()):
+        rc = job.proc.poll()
+        if rc is None:
+            continue
+        job.finish(rc)
+        del running[slot]
+        free.append(slot)
+        exited += 1
+        ok = run_state(job.run_dir) == "done"
+        progressed += 1 - job.steps_at_start / job.max_steps
+        if not ok:
+            failed.append(job.run.name)
+        log(
+            f"[study] {'finished' if ok else f'FAILED (exit {rc})'} {job.run.name} in "
+            f"{_fmt_s(time.time() - job.started)}" + ("" if ok else f"; see {job.run_dir / 'launcher.log'}")
+        )
+    return exited, progressed
+
+
 def run_study(
     study: Study, out: Path, *, jobs: int = 1, log=print, poll_s: float = 1.0, progress_s: float = 30.0
 ) -> int:
@@ -414,30 +447,11 @@ def run_study(
     old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while todo or running:
-            while todo and free:
-                slot = free.pop(0)
-                r = todo.pop(0)
-                state = run_state(out / r.name)
-                running[slot] = _Job(r, out / r.name, shares[slot])
-                log(
-                    f"[study] start {r.name} ({'resuming' if state == 'interrupted' else 'new'}) on cpus {shares[slot]}"
-                )
+            _start_jobs(todo, free, running, out, shares, log)
             time.sleep(poll_s)
-            for slot, job in list(running.items()):
-                rc = job.proc.poll()
-                if rc is None:
-                    continue
-                job.finish(rc)
-                del running[slot]
-                free.append(slot)
-                ok = run_state(job.run_dir) == "done"
-                done_here += 1 - job.steps_at_start / job.max_steps
-                if not ok:
-                    failed.append(job.run.name)
-                log(
-                    f"[study] {'finished' if ok else f'FAILED (exit {rc})'} {job.run.name} in "
-                    f"{_fmt_s(time.time() - job.started)}" + ("" if ok else f"; see {job.run_dir / 'launcher.log'}")
-                )
+            exited, progressed = _reap_jobs(running, free, failed, log)
+            done_here += progressed
+            if exited:
                 last_progress = 0.0  # print progress now
             now = time.monotonic()
             if now - last_progress >= progress_s:

@@ -430,9 +430,19 @@ def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | N
         w.writeheader()
         w.writerows(rows)
     pngs = _plots(study, runs, rows, out)
-    vs = versus_bf16(runs, rows)
-    base_cfg = run_config.dump(run_config.from_dict(runs[0].config))
-    breaking = [r["name"] for r in rows if r["contract_breaking"]]
+    lines = [
+        *_report_header(study, runs, rows, out, command),
+        *_versus_section(versus_bf16(runs, rows)),
+        *_runs_section(columns, rows, pngs),
+        *_configs_section(study, runs),
+    ]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    return report
+
+
+def _report_header(study: Study, runs: list[StudyRun], rows: list[dict], out: Path, command: str | None) -> list:
+    """The title, the description, what wrote the report and ran the runs, where, how many finished."""
     cmd = command or command_line()
     ran = list(dict.fromkeys(c["command"] for c in read_jsonl(out / "commands.jsonl"))) or ["none recorded"]
     lines = [
@@ -447,46 +457,58 @@ def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | N
         f"- Machine: {machine()}",
         f"- Runs: {len(rows)} ({sum(r['status'].startswith('done') for r in rows)} finished).",
     ]
+    breaking = [r["name"] for r in rows if r["contract_breaking"]]
     if breaking:
         lines.append(
             f"- **Contract-breaking ablations** (trainer and rollouts on different recipes, the `rollout_recipe` "
             f"knob): {', '.join(breaking)}. Their mismatch is by design, not a contract failure."
         )
-    lines += ["", "## Final reward against the bf16 run of the same staleness", ""]
-    if vs:
-        lines += [
-            "Final reward = mean over the last 10% of steps; difference paired by seed, with a 95% t interval "
-            "over seeds (none with one seed).",
-            "",
-            _table(
-                [
-                    "setting",
-                    "recipe",
-                    "rollout_recipe",
-                    "max_staleness",
-                    "seeds",
-                    "final_reward",
-                    "bf16_final_reward",
-                    "diff",
-                    "ci95",
-                    "baseline",
-                ],
-                [
-                    {
-                        **v,
-                        "ci95": "n/a (1 seed)" if v["ci95"] is None else f"±{v['ci95']:.3f}",
-                        "rollout_recipe": v["rollout_recipe"]
-                        + (" (contract broken)" if v["contract_breaking"] else ""),
-                    }
-                    for v in vs
-                ],
-            ),  # fmt: skip
-        ]
-    else:
-        lines.append("No run has a bf16 run with the same configuration otherwise.")
-    lines += ["", "## Figures", ""]
-    lines += [f"![{p.stem}]({p.name})" for p in pngs]
-    lines += [
+    return lines
+
+
+_VERSUS_COLUMNS = [
+    "setting",
+    "recipe",
+    "rollout_recipe",
+    "max_staleness",
+    "seeds",
+    "final_reward",
+    "bf16_final_reward",
+    "diff",
+    "ci95",
+    "baseline",
+]
+
+
+def _versus_section(vs: list[dict]) -> list:
+    """Final reward of each setting against its bf16 run (`versus_bf16`), as a table."""
+    lines = ["", "## Final reward against the bf16 run of the same staleness", ""]
+    if not vs:
+        return [*lines, "No run has a bf16 run with the same configuration otherwise."]
+    shown = [
+        {
+            **v,
+            "ci95": "n/a (1 seed)" if v["ci95"] is None else f"±{v['ci95']:.3f}",
+            "rollout_recipe": v["rollout_recipe"] + (" (contract broken)" if v["contract_breaking"] else ""),
+        }
+        for v in vs
+    ]
+    return [
+        *lines,
+        "Final reward = mean over the last 10% of steps; difference paired by seed, with a 95% t interval "
+        "over seeds (none with one seed).",
+        "",
+        _table(_VERSUS_COLUMNS, shown),
+    ]
+
+
+def _runs_section(columns: list[str], rows: list[dict], pngs: list[Path]) -> list:
+    """The figures, then every run's means (the table of summary.csv)."""
+    return [
+        "",
+        "## Figures",
+        "",
+        *(f"![{p.stem}]({p.name})" for p in pngs),
         "",
         "## Every run",
         "",
@@ -494,6 +516,13 @@ def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | N
         "steps with grad norm above 5× the median of the earlier steps. The same numbers are in `summary.csv`.",
         "",
         _table(columns[:-1], rows),
+    ]
+
+
+def _configs_section(study: Study, runs: list[StudyRun]) -> list:
+    """The study config as resolved and the first run's resolved config, as YAML blocks."""
+    base_cfg = run_config.dump(run_config.from_dict(runs[0].config))
+    return [
         "",
         "## Configs",
         "",
@@ -511,6 +540,3 @@ def write_report(study: Study, runs: list[StudyRun], out: Path, command: str | N
         "```",
         "",
     ]
-    report = out / "report.md"
-    report.write_text("\n".join(lines))
-    return report

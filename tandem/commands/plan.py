@@ -94,46 +94,55 @@ def main(args) -> int:
 
 
 def render(recipe, plan, model_name: str, as_json: bool) -> None:
-    cfg = plan.config
-    total = sum(e.numel for e in plan.params)
     note = all_bf16_note(plan)
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "recipe": recipe.name,
-                    "recipe_fingerprint": recipe.fingerprint(),
-                    "model": model_name,
-                    "model_fingerprint": cfg.fingerprint(),
-                    "bf16_layers": list(plan.bf16_layers),
-                    "summary": {
-                        "numel_total": total,
-                        "numel_by_format": plan.numel_by_format(),
-                        "tensors_by_format": plan.count_by_format("param"),
-                        "activation_sites_by_format": plan.count_by_format("activation"),
-                    },
-                    "parameters": [
-                        {
-                            "name": e.name,
-                            "format": e.format,
-                            "scope": e.scope,
-                            "numel": e.numel,
-                            "shape": list(e.shape),
-                            **e.to_dict()["kwargs"],
-                        }
-                        for e in plan.params
-                    ],
-                    "activations": [
-                        {"name": e.name, "format": e.format, "scope": e.scope, **e.to_dict()["kwargs"]}
-                        for e in plan.activations
-                    ],
-                    "warnings": list(plan.warnings) + ([note] if note else []),
-                },
-                indent=1,
-            )
-        )
+        print(json.dumps(_plan_json(recipe, plan, model_name, note), indent=1))
         return
+    _print_summary(recipe, plan, model_name)
+    _print_tensors(plan)
+    for w in plan.warnings:
+        print(f"warning: {w}")
+    if note:
+        print(note)
 
+
+def _plan_json(recipe, plan, model_name: str, note: str | None) -> dict:
+    """What `tandem plan --json` prints: the fingerprints, the totals and every entry of the plan."""
+    cfg = plan.config
+    return {
+        "recipe": recipe.name,
+        "recipe_fingerprint": recipe.fingerprint(),
+        "model": model_name,
+        "model_fingerprint": cfg.fingerprint(),
+        "bf16_layers": list(plan.bf16_layers),
+        "summary": {
+            "numel_total": sum(e.numel for e in plan.params),
+            "numel_by_format": plan.numel_by_format(),
+            "tensors_by_format": plan.count_by_format("param"),
+            "activation_sites_by_format": plan.count_by_format("activation"),
+        },
+        "parameters": [
+            {
+                "name": e.name,
+                "format": e.format,
+                "scope": e.scope,
+                "numel": e.numel,
+                "shape": list(e.shape),
+                **e.to_dict()["kwargs"],
+            }
+            for e in plan.params
+        ],
+        "activations": [
+            {"name": e.name, "format": e.format, "scope": e.scope, **e.to_dict()["kwargs"]} for e in plan.activations
+        ],
+        "warnings": list(plan.warnings) + ([note] if note else []),
+    }
+
+
+def _print_summary(recipe, plan, model_name: str) -> None:
+    """The recipe and model, the layers kept in bf16, and a table of parameters per format/scope."""
+    cfg = plan.config
+    total = sum(e.numel for e in plan.params)
     print(
         f"recipe {recipe.name} ({recipe.fingerprint()[:12]}) on {model_name} "
         f"({cfg.n_layers} layers, {total:,} parameters, model {cfg.fingerprint()[:12]})"
@@ -152,12 +161,12 @@ def render(recipe, plan, model_name: str, as_json: bool) -> None:
         numels[key] += e.numel
     for key in sorted(counts, key=lambda k: -numels[k]):
         print(f"{key:<12}{counts[key]:>9}{numels[key]:>18,}{100 * numels[key] / total:>7.1f}%")
+
+
+def _print_tensors(plan) -> None:
+    """Activation sites per format, then the plan's names with their layer indices folded."""
     acts = plan.count_by_format("activation")
     print("activation sites: " + ", ".join(f"{k}: {v}" for k, v in sorted(acts.items())))
     print(f"\n{'name (indices folded)':<58}{'format':<11}{'scope':<8}{'count':>7}{'parameters':>16}  layers")
     for pattern, fmt, scope, count, numel, layers in _grouped(plan.params + plan.activations):
         print(f"{pattern:<58}{fmt:<11}{scope:<8}{count:>7}{numel:>16,}  {layers}")
-    for w in plan.warnings:
-        print(f"warning: {w}")
-    if note:
-        print(note)

@@ -17,7 +17,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from rollout.cuda_engine import resolve_device
+    from rollout.packed_engine import resolve_device
     from tandem import config, env_config, services
 
     if not args.config:

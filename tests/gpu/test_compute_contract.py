@@ -22,12 +22,12 @@ import rollout.kernels as RK  # noqa: E402
 from policy import compute, formats, qat  # noqa: E402
 from policy.model import ModelConfig, Transformer  # noqa: E402
 from policy.recipe import BUILTINS, Recipe  # noqa: E402
-from rollout import cuda_engine  # noqa: E402
+from rollout import fused_glue, packed_weights  # noqa: E402
 from rollout.kernels import matmul_triton as mt  # noqa: E402
 
 DEV = "cuda"
 FID = {"nvfp4": mt.FMT_NVFP4, "int4": mt.FMT_INT4}
-FUSED = cuda_engine._Ops(True)  # the engine's torch.compile'd glue (nvfp4 activation operand values)
+FUSED = fused_glue.Ops(True)  # the engine's torch.compile'd glue (nvfp4 activation operand values)
 
 
 def _weight(fmt: str, n: int, k: int, seed: int):
@@ -126,7 +126,7 @@ def test_qat_on_cuda_uses_the_cpu_operands_bitwise(recipe):
         a, b = h_cpu.act_quant(site, x), h_gpu.act_quant(site, x.to(DEV))
         assert torch.equal(qat.bits(a.values), qat.bits(b.values.cpu())), site
         # the engine's site quantizer (fused nvfp4 operand on CUDA) gives the same operand
-        c = cuda_engine._ActQuant(*spec)(x.to(DEV), FUSED)
+        c = packed_weights.ActQuant(*spec)(x.to(DEV), FUSED)
         assert torch.equal(qat.bits(a.values), qat.bits(c.values.cpu())), site
         for s in ("scale", "block_scale"):
             u, v, w = getattr(a, s), getattr(b, s), getattr(c, s)

@@ -18,8 +18,8 @@ from policy import qat  # noqa: E402
 from policy.model import ModelConfig, Transformer  # noqa: E402
 from policy.recipe import Recipe  # noqa: E402
 from rollout import sampling  # noqa: E402
-from rollout.cuda_engine import EngineConfig, PackedEngine  # noqa: E402
 from rollout.kernels import sampling_triton  # noqa: E402
+from rollout.packed_engine import EngineConfig, PackedEngine  # noqa: E402
 
 DEV = "cuda"
 

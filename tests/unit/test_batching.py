@@ -18,8 +18,8 @@ from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout import sampling
 from rollout.batching import ContinuousBatcher, CpuBackend, PackedBackend
-from rollout.cuda_engine import EngineConfig, PackedEngine
 from rollout.engine import generate
+from rollout.packed_engine import EngineConfig, PackedEngine
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("tiny", n_layers=2, n_experts=4)

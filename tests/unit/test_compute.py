@@ -10,7 +10,7 @@ from policy import compute, formats, qat
 from policy.formats import bf16, fp8_block, int4, mxfp8, nvfp4
 from policy.model import ModelConfig, Transformer
 from policy.recipe import BUILTINS, Recipe
-from rollout.cuda_engine import EngineConfig, PackedEngine
+from rollout.packed_engine import EngineConfig, PackedEngine
 
 E4M3_BYTES = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # every finite E4M3
 

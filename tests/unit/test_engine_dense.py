@@ -1,4 +1,4 @@
-"""The packed rollout engine (rollout.cuda_engine, on the CPU) on the model shapes Hugging Face
+"""The packed rollout engine (rollout.packed_engine, on the CPU) on the model shapes Hugging Face
 checkpoints bring: dense Qwen3 layers, Qwen3-MoE's mlp_only_layers, a tied LM head. Greedy tokens equal
 the reference generate's, log-probs within fp32 rounding."""
 
@@ -10,8 +10,8 @@ import torch
 from policy import qat
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
-from rollout.cuda_engine import EngineConfig, PackedEngine
 from rollout.engine import generate
+from rollout.packed_engine import EngineConfig, PackedEngine
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
 CONFIGS = {

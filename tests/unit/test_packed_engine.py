@@ -1,4 +1,4 @@
-"""rollout.cuda_engine and rollout.sampling on the CPU (reference matmuls, torch sampler, no graphs).
+"""rollout.packed_engine and rollout.sampling on the CPU (reference matmuls, torch sampler, no graphs).
 
 The engine must compute what policy.model.generate computes from the same published tensors
 (greedy tokens equal, log-probs within fp32 rounding), keep a row's samples a function of its seed
@@ -19,8 +19,8 @@ from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout import sampling
 from rollout.config import RolloutConfig
-from rollout.cuda_engine import EngineConfig, PackedEngine, resolve_device
 from rollout.engine import generate
+from rollout.packed_engine import EngineConfig, PackedEngine, resolve_device
 
 CFG = ModelConfig.preset("tiny", n_layers=2, n_experts=4)  # small: the CPU suite stays fast
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]

@@ -1,25 +1,21 @@
-"""The rollout engine for a GPU: packed weights, a preallocated KV cache, CUDA graphs, on-device sampling.
+"""The packed rollout engine: packed weights, a preallocated KV cache, on-device sampling; CUDA graphs on a GPU.
 
 `PackedEngine(cfg, plan, tensors, device=..., engine=EngineConfig(...))` serves one policy from its
-published tensors without dequantizing the 4-bit ones. Rules:
-- every matmul follows DESIGN.md's Compute contract: its operands are `policy.formats.operand` of the
-  published weights and of the per-token quantized activations at the sites the recipe quantizes;
-- numerics follow `policy.model.Transformer` op for op, so the trainer's QAT recompute differs from
-  the engine's behavior log-probs only by accumulation order;
+published tensors (`rollout.packed_weights`) without dequantizing the 4-bit ones. Rules:
+- every matmul follows DESIGN.md's Compute contract (packed_weights says how);
+- numerics follow `policy.model.Transformer` op for op (its `rms_norm` and `rope` themselves, in
+  `rollout.fused_glue`), so the trainer's QAT recompute differs from the engine's behavior
+  log-probs only by accumulation order;
 - the decode step has no host synchronization and is one CUDA graph per batch bucket;
 - a request that does not fit the slotted KV cache is refused with a ValueError naming the numbers;
-  NaN/Inf logits raise ValueError once the sequences are done;
+  NaN/Inf logits raise NonFinite once the sequences are done;
 - a new version of the same layout is copied into the live engine (`update`).
 The same code runs on the CPU (reference matmuls, torch sampling and attention, no graphs), which is
-how the unit tests check its logic against `rollout.engine.generate`.
-"""
+how the unit tests check its logic against `rollout.engine.generate`."""
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,22 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import policy.kernels as PK
-from policy import compute
-from policy.formats import NonFinite, Operand
-from policy.formats import nvfp4 as _nvfp4
-from policy.model import ModelConfig
+from policy.formats import NonFinite
+from policy.model import ModelConfig, rope_inv_freq
 from policy.recipe import Plan
-from rollout import kernels as RK
 from rollout import sampling
 from rollout.engine import Generation, check_request
+from rollout.fused_glue import Ops
+from rollout.packed_weights import LayerWeights, WeightLoader, copy_into, layout_of, matmul_triton
 
-__all__ = ["EngineConfig", "PackedEngine", "layout_of", "resolve_device"]
-
-
-def _matmul_triton():
-    """The Triton decode matmuls, imported on first use (CPU runs never import Triton)."""
-    return importlib.import_module("rollout.kernels.matmul_triton")
+__all__ = ["EngineConfig", "PackedEngine", "resolve_device"]
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -101,335 +90,23 @@ class EngineConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# The decode step's glue: pure functions (the same arithmetic as policy.model), fused on CUDA
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    xf = x.float()  # fp32 statistics per row, as policy.model.RMSNorm
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * w.float()).to(x.dtype)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def _qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps):
-    return _rope(_rms(q, q_norm, eps), cos, sin), _rope(_rms(k, k_norm, eps), cos, sin)
-
-
-def _attn_decode(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """q [n, Hkv, G, hd], k / v [n, Hkv, S, hd], bias [n, 1, 1, S] (0 or -inf) -> [n, Hkv, G, hd]."""
-    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
-    return torch.matmul(s.softmax(dim=-1).to(q.dtype), v)
-
-
-def _add_rms(x: Tensor, y: Tensor, w: Tensor, eps: float):
-    x = x + y
-    return x, _rms(x, w, eps)
-
-
-def _route(logits: Tensor, k: int, norm: bool):
-    probs = logits.float().softmax(dim=-1)
-    weights, ids = probs.topk(k, dim=-1)
-    if norm:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def _swiglu(gu: Tensor, ffn: int) -> Tensor:
-    gate, up = gu.split(ffn, dim=-1)
-    return F.silu(gate) * up
-
-
-def _combine(h: Tensor, weights: Tensor) -> Tensor:
-    n, k = weights.shape
-    return (h.view(n, k, -1) * weights.unsqueeze(-1).to(h.dtype)).sum(dim=1)
-
-
-def _nvfp4_operand(codes: Tensor, block_scales: Tensor) -> Tensor:
-    """policy.formats.nvfp4.operand_values: e2m1 x sf in bf16 (the activation operand's values)."""
-    return _nvfp4.operand_values(codes, block_scales)
-
-
-_OPS = ("rms", "qk_norm_rope", "attn_decode", "add_rms", "route", "swiglu", "combine", "nvfp4_operand")
-
-
-class _Fused:
-    """torch.compile(fn) (static shapes, one graph), falling back to fn for good on the first error."""
-
-    def __init__(self, fn):
-        # One compiled variant per batch bucket (static shapes): room for every bucket of a few engines.
-        dynamo = torch._dynamo.config
-        for key in ("recompile_limit", "cache_size_limit"):
-            if hasattr(dynamo, key):
-                setattr(dynamo, key, max(getattr(dynamo, key), 64))
-        self.fn, self.compiled, self.failed = fn, torch.compile(fn, dynamic=False, fullgraph=True), False
-
-    def __call__(self, *args):
-        if not self.failed:
-            try:
-                return self.compiled(*args)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: run the plain function
-                self.failed = True
-                warnings.warn(
-                    f"cuda_engine: torch.compile of {self.fn.__name__} failed, running it unfused: {e}", stacklevel=2
-                )
-        return self.fn(*args)
-
-
-class _Ops:
-    """The glue functions, fused (torch.compile) or plain."""
-
-    def __init__(self, fuse: bool):
-        for name in _OPS:
-            fn = globals()["_" + name]
-            setattr(self, name, _Fused(fn) if fuse else fn)
-
-
-# --------------------------------------------------------------------------------------------------
-# Weights
-
-
-class _ActQuant:
-    """Per-token activation quantization at one site -> its Compute-contract operand, bitwise QAT's
-    (policy.kernels.quantize, then policy.formats' operand; nvfp4's values fused on CUDA). No
-    host-side finite check: a NaN or Inf in the residual stream reaches the logits, whose finite
-    flag `generate` reads once per call."""
-
-    def __init__(self, fmt: str, kwargs: dict):
-        self.fmt, self.kwargs = fmt, dict(kwargs)
-        self.scaled = fmt in ("nvfp4", "fp8_block")  # operands with scales (not a plain matmul)
-
-    def __call__(self, x2: Tensor, ops) -> Operand:
-        fast = x2.device.type == "cuda" and PK.backend(x2) == "triton"
-        q = PK.quantize(self.fmt, x2, check_finite=not fast, **self.kwargs)
-        if self.fmt == "nvfp4":
-            return Operand(ops.nvfp4_operand(q.codes, q.block_scales), scale=q.global_scale)
-        return PK.formats.operand(q)
-
-
-def _kernel_act(*acts) -> bool:
-    """Whether the 4-bit kernels can take these sites' activation operands (no per-K-block scales)."""
-    return all(a is None or a.fmt != "fp8_block" for a in acts)
-
-
-def _x_operand(act, x2: Tensor, ops) -> Operand:
-    """The activation operand of x2 [M, K] at a site: quantized, or x2 itself."""
-    return compute.plain(x2) if act is None else act(x2, ops)
-
-
-class _Linear:
-    """y = matmul(x̂, Ŵ) for one weight: a PackedLinear for the 4-bit kernels, else its operand
-    (`weight`: the operand's values in the engine dtype when it has no scales, for plain matmuls)."""
-
-    def __init__(self, q, act, device, dtype):
-        self.act = act
-        self.packed = None
-        self.weight = None
-        self.w = None
-        # The kernels take per-row activation scales (nvfp4), not per-K-block ones (fp8_block).
-        if PK.formats.format_of(q) in ("nvfp4", "int4") and device.type == "cuda" and _kernel_act(act):
-            p = RK.pack(PK.to_device(q, device))
-            if RK._kernel_fmt(p, torch.empty(1, p.shape[1], dtype=torch.bfloat16, device=device)) is not None:
-                self.packed = p
-        if self.packed is None:
-            self.w = PK.formats.operand(PK.to_device(q, device))
-            if self.w.scale is None and self.w.block_scale is None:
-                self.weight = self.w.values.to(dtype)
-
-    def __call__(self, x: Tensor, ops) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.weight is not None and (self.act is None or not self.act.scaled):
-            y = F.linear(_x_operand(self.act, x2, ops).values.to(x.dtype), self.weight)  # = compute.matmul
-        elif self.packed is None:
-            y = compute.matmul(_x_operand(self.act, x2, ops), self.w, x.dtype)
-        else:
-            p = self.packed
-            mt = _matmul_triton()
-            fmt = mt.FMT_NVFP4 if p.fmt == "nvfp4" else mt.FMT_INT4
-            xo = _x_operand(self.act, x2, ops)
-            y = mt.w4a16_matmul(
-                xo.values.to(x.dtype), p.codes, p.scales, p.global_scale, fmt, p.group_size, x_scale=xo.scale
-            )
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-
-class _Experts:
-    """The routed experts of one layer: gate_up [E, 2F, D] and down [E, D, F], packed or dense."""
-
-    def __init__(self, gate_up: list, down: list, act_gu, act_dn, device, dtype):
-        self.act_gu, self.act_dn, self.dtype = act_gu, act_dn, dtype
-        fmts = {PK.formats.format_of(q) for q in gate_up + down}
-        self.kernel = None
-        self.plain = False
-        if device.type == "cuda" and fmts <= {"nvfp4", "int4"} and len(fmts) == 1 and _kernel_act(act_gu, act_dn):
-            gu = RK.pack_experts([PK.to_device(q, device) for q in gate_up])
-            dn = RK.pack_experts([PK.to_device(q, device) for q in down])
-            probe = torch.empty(1, 1, dtype=torch.bfloat16, device=device)
-            ok_gu = RK._kernel_fmt(gu, probe.expand(1, gu.shape[1])) is not None
-            if ok_gu and RK._kernel_fmt(dn, probe.expand(1, dn.shape[1])) is not None:
-                mt = _matmul_triton()
-                self.kernel = mt.FMT_NVFP4 if gu.fmt == "nvfp4" else mt.FMT_INT4
-                self.gu, self.dn = gu, dn
-        if self.kernel is None:
-            self.op_gu = [PK.formats.operand(PK.to_device(q, device)) for q in gate_up]
-            self.op_dn = [PK.formats.operand(PK.to_device(q, device)) for q in down]
-            acts = [a for a in (act_gu, act_dn) if a is not None]
-            self.plain = all(o.scale is None and o.block_scale is None for o in self.op_gu + self.op_dn)
-            self.plain = self.plain and not any(a.scaled for a in acts)
-            if self.plain:  # [E, N, K] values; grouped_mm reads them as [E, K, N] through a transposed view
-                self.w_gu = torch.stack([o.values.to(dtype) for o in self.op_gu])
-                self.w_dn = torch.stack([o.values.to(dtype) for o in self.op_dn])
-                del self.op_gu, self.op_dn
-        self.n_experts = len(gate_up)
-        self.ffn, self.dim = gate_up[0].shape[0] // 2, down[0].shape[0]
-
-    def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, ops) -> Tensor:
-        """x [N, D], ids / weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) in x.dtype."""
-        if self.kernel is not None:
-            h = self._kernel(x, ids, ops)
-        elif self.plain and x.device.type == "cuda" and hasattr(torch, "_grouped_mm"):
-            h = self._grouped(x, ids, ops)
-        else:
-            h = self._loop(x, ids, ops)
-        return ops.combine(h, weights)
-
-    def _kernel(self, x: Tensor, ids: Tensor, ops) -> Tensor:
-        mt = _matmul_triton()
-        N, k = ids.shape
-        align = mt.moe_align_fast(ids, self.n_experts)
-        xq = _x_operand(self.act_gu, x, ops)
-        gu, dn = self.gu, self.dn
-        h = mt.moe_w4a16_matmul(
-            xq.values.to(x.dtype),
-            gu.codes,
-            gu.scales,
-            gu.global_scale,
-            ids,
-            self.kernel,
-            gu.group_size,
-            align=align,
-            x_scale=xq.scale,
-        )
-        a = _x_operand(self.act_dn, ops.swiglu(h.view(N * k, -1), self.ffn), ops)
-        y = mt.moe_w4a16_matmul(
-            a.values.to(x.dtype),
-            dn.codes,
-            dn.scales,
-            dn.global_scale,
-            ids.reshape(-1, 1),
-            self.kernel,
-            dn.group_size,
-            align=align,
-            x_scale=a.scale,
-        )
-        return y.view(N * k, -1)
-
-    def _grouped(self, x: Tensor, ids: Tensor, ops) -> Tensor:
-        N, k = ids.shape
-        flat = ids.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-        offs = counts.cumsum(0, dtype=torch.int32)
-        xs = _x_operand(self.act_gu, x.index_select(0, order // k), ops).values.to(x.dtype)
-        a = ops.swiglu(torch._grouped_mm(xs, self.w_gu.transpose(1, 2), offs=offs), self.ffn)
-        a = _x_operand(self.act_dn, a, ops).values.to(x.dtype)
-        ys = torch._grouped_mm(a, self.w_dn.transpose(1, 2), offs=offs)
-        return torch.empty_like(ys).index_copy_(0, order, ys)
-
-    def _loop(self, x: Tensor, ids: Tensor, ops) -> Tensor:
-        """One expert at a time (rows are quantized independently: per-expert chunks give the same bits)."""
-        N, k = ids.shape
-        flat = ids.reshape(-1)
-        xs = x.index_select(0, torch.arange(N * k, device=x.device) // k)
-        out = torch.empty(N * k, self.dim, dtype=x.dtype, device=x.device)
-        for e in torch.unique(flat).tolist():
-            rows = (flat == e).nonzero().squeeze(-1)
-            if self.plain:
-                w_gu, w_dn = compute.plain(self.w_gu[e]), compute.plain(self.w_dn[e])
-            else:
-                w_gu, w_dn = self.op_gu[e], self.op_dn[e]
-            a = ops.swiglu(compute.matmul(_x_operand(self.act_gu, xs[rows], ops), w_gu, x.dtype), self.ffn)
-            out[rows] = compute.matmul(_x_operand(self.act_dn, a, ops), w_dn, x.dtype)
-        return out
-
-
-class _Layer:
-    pass
-
-
-def layout_of(tensors: dict) -> tuple:
-    """What a set of published tensors looks like to the engine, values aside: per name (sorted),
-    each field of its format object: (field, dtype, shape) for a tensor, the value otherwise
-    (scope, group size, ...). Two versions with equal layouts build identical engine structures
-    (PackedEngine.update relies on it; the contract fingerprint guarantees it for one run)."""
-
-    def fields(q):
-        out = []
-        for f in dataclasses.fields(q):
-            v = getattr(q, f.name)
-            out.append((f.name, str(v.dtype), tuple(v.shape)) if isinstance(v, Tensor) else (f.name, repr(v)))
-        return tuple(out)
-
-    return tuple((n, type(tensors[n]).__name__, fields(tensors[n])) for n in sorted(tensors))
-
-
-def _leaves(obj, out: list) -> list:
-    """The device tensors of a piece of the engine's weights, in a fixed order."""
-    if isinstance(obj, Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _leaves(x, out)
-    elif isinstance(obj, dict):
-        for k in sorted(obj):
-            _leaves(obj[k], out)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _leaves(getattr(obj, f.name), out)
-    elif isinstance(obj, (_Layer, _Linear, _Experts, _ActQuant)):
-        _leaves(vars(obj), out)
-    return out
-
-
-def _copy_into(dst, src, what: str) -> None:
-    """Copy every tensor of piece `src` into the same-placed tensor of `dst` (same structure)."""
-    a, b = _leaves(dst, []), _leaves(src, [])
-    if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b)):
-        raise RuntimeError(f"PackedEngine.update: {what} was built with another structure")  # a bug: layouts matched
-    done = set()  # a buffer reachable twice (an operand's values that are also the plain weight) is copied once
-    for x, y in zip(a, b):
-        key = (x.data_ptr(), x.shape, x.stride())
-        if key not in done and x.data_ptr() != y.data_ptr():
-            x.copy_(y)
-            done.add(key)
-
-
-# --------------------------------------------------------------------------------------------------
 # Engine
 
 
 class PackedEngine:
-    """One policy version on one device; `generate` has the signature of `policy.model.generate`.
+    """One policy version on one device; `generate` has the signature of `rollout.engine.generate`.
 
-    - Routed experts in nvfp4 / int4: one `moe_w4a16_matmul` launch per projection over all routed
-      experts (gate_up, then down), tokens grouped by expert on the device (`moe_align_fast`); bf16
-      routed experts: `torch._grouped_mm` over the expert-sorted tokens (the fair bf16 baseline).
-    - Other quantized linears in nvfp4 / int4: `w4a16_matmul`; every other format is multiplied as
-      its dequantization (bf16: the published bf16 weight itself), or through
-      `policy.compute.matmul` when it has no kernel. The kernels read the operands' values from the
-      packed codes (tests/gpu checks them bitwise); activations are quantized by
-      `policy.kernels.quantize` (bitwise QAT's); nvfp4 global scales are applied to the fp32
-      accumulator (`acc * S_dec_x[row] * S_dec_w`, in the kernels' epilogue).
+    - Weights (`rollout.packed_weights`): routed experts in nvfp4 / int4 are one `moe_w4a16_matmul`
+      launch per projection over all routed experts, tokens grouped by expert on the device; bf16
+      routed experts go through `torch._grouped_mm` over the expert-sorted tokens; other nvfp4 /
+      int4 linears through `w4a16_matmul`; every other format is multiplied as its operand
+      (`policy.compute.matmul`). nvfp4 global scales are applied to the fp32 accumulator.
     - Activation quantization skips the host-side finite check: the sampler flags NaN/Inf logits
       (where any NaN/Inf in the residual stream ends up) in one device word that `generate` reads
       once, after the sequences are done.
     - The decode step (embedding -> layers -> LM head -> sampling -> stop bookkeeping) is captured
       per batch bucket (`EngineConfig.graph_buckets`); a batch runs in the smallest bucket that holds
-      it, the spare rows as dead padding; its elementwise glue is fused by torch.compile
+      it, the spare rows as dead padding; its elementwise glue is `rollout.fused_glue`
       (`EngineConfig.fuse`) and its attention is one Triton kernel per layer that also writes the
       new K/V (`rollout.kernels.attention_triton`, live keys only). Prefill uses SDPA and the decode
       matmul (16 tokens per tile).
@@ -466,12 +143,13 @@ class PackedEngine:
         if self.ecfg.max_seq_len > cfg.max_seq_len:
             raise ValueError(f"EngineConfig.max_seq_len={self.ecfg.max_seq_len} > model max_seq_len={cfg.max_seq_len}")
         self._finite_bad = torch.zeros(1, dtype=torch.int32, device=self.device)  # 1: NaN/Inf logits seen
-        self.ops = _Ops(self.ecfg.fuse and self.device.type == "cuda")  # decode step (fixed shapes)
-        self.plain = _Ops(False)  # prefill (shapes vary per call)
+        self.ops = Ops(self.ecfg.fuse and self.device.type == "cuda")  # decode step (fixed shapes)
+        self.plain = Ops(False)  # prefill (shapes vary per call)
         hd = cfg.head_dim
         self.triton_attention = (
             self.device.type == "cuda" and self.ecfg.attention != "torch" and hd & (hd - 1) == 0 and hd >= 16
         )
+        self._loader = WeightLoader(cfg=cfg, plan=plan, device=self.device, dtype=dtype)
         self._load(tensors)
         self._alloc_state()
         self._graphs: dict = {}
@@ -479,79 +157,15 @@ class PackedEngine:
 
     # ---------------------------------------------------------------- loading
 
-    def _act(self, site: str):
-        e = self.plan[site]
-        return None if e.format == "bf16" else _ActQuant(e.format, e.kwargs)
-
-    def _dense(self, tensors, name: str) -> Tensor:
-        return PK.dequantize(PK.to_device(tensors[name], self.device)).to(self.dtype).reshape(self.plan[name].shape)
-
     def _load(self, tensors: dict) -> None:
         missing = sorted(set(self.plan._index) - set(tensors) - {e.name for e in self.plan.activations})
         if missing:
             raise ValueError(f"PackedEngine: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
         self._layout = layout_of(tensors)
-        top = self._top(tensors)
-        self.embed, self.norm, self.lm_head = top.embed, top.norm, top.lm_head
-        self.layers = [self._layer(i, tensors) for i in range(self.cfg.n_layers)]
-        hd = self.cfg.head_dim
-        self.inv_freq = 1.0 / (
-            self.cfg.rope_theta ** (torch.arange(0, hd, 2, device=self.device, dtype=torch.float32) / hd)
-        )
-
-    def _top(self, tensors: dict) -> _Layer:
-        """The embedding, the final norm and the LM head, on the device."""
-        cfg, dev, dt = self.cfg, self.device, self.dtype
-        top = _Layer()
-        top.embed = self._dense(tensors, "model.embed_tokens.weight")
-        top.norm = self._dense(tensors, "model.norm.weight")
-        if cfg.tie_word_embeddings:  # logits = x @ embed_tokens.weight.T, as policy.model.TiedHead
-            top.lm_head = _Linear(tensors["model.embed_tokens.weight"], None, dev, dt)
-        else:
-            top.lm_head = _Linear(tensors["lm_head.weight"], self._act("lm_head.input"), dev, dt)
-        return top
-
-    def _layer(self, i: int, tensors: dict) -> _Layer:
-        """Layer i's weights on the device, in the layout the decode step reads."""
-        cfg, dev, dt = self.cfg, self.device, self.dtype
-        p = f"model.layers.{i}"
-        L = _Layer()
-        L.ln1 = self._dense(tensors, f"{p}.input_layernorm.weight")
-        L.ln2 = self._dense(tensors, f"{p}.post_attention_layernorm.weight")
-        L.q_norm = self._dense(tensors, f"{p}.self_attn.q_norm.weight")
-        L.k_norm = self._dense(tensors, f"{p}.self_attn.k_norm.weight")
-        L.q, L.k, L.v, L.o = (
-            _Linear(tensors[f"{p}.self_attn.{n}_proj.weight"], self._act(f"{p}.self_attn.{n}_proj.input"), dev, dt)
-            for n in "qkvo"
-        )
-        if all(x.weight is not None and x.act is None for x in (L.q, L.k, L.v)):  # one matmul for q, k, v
-            L.qkv = torch.cat([L.q.weight, L.k.weight, L.v.weight])
-        else:
-            L.qkv = None
-        L.gate = L.experts = L.shared = L.dense = None
-        if not cfg.is_moe_layer(i):  # a dense SwiGLU MLP (Qwen3 dense, mlp_only_layers)
-            L.dense = (
-                _Linear(tensors[f"{p}.mlp.gate_up_proj.weight"], self._act(f"{p}.mlp.gate_up_proj.input"), dev, dt),
-                _Linear(tensors[f"{p}.mlp.down_proj.weight"], self._act(f"{p}.mlp.down_proj.input"), dev, dt),
-            )
-            return L
-        L.gate = _Linear(tensors[f"{p}.mlp.gate.weight"], self._act(f"{p}.mlp.gate.input"), dev, dt)
-        E = range(cfg.n_experts)
-        L.experts = _Experts(
-            [tensors[f"{p}.mlp.experts.{e}.gate_up_proj.weight"] for e in E],
-            [tensors[f"{p}.mlp.experts.{e}.down_proj.weight"] for e in E],
-            self._act(f"{p}.mlp.experts.0.gate_up_proj.input"),
-            self._act(f"{p}.mlp.experts.0.down_proj.input"),
-            dev,
-            dt,
-        )
-        if cfg.has_shared_expert:
-            s = f"{p}.mlp.shared_expert"
-            L.shared = (
-                _Linear(tensors[f"{s}.gate_up_proj.weight"], self._act(f"{s}.gate_up_proj.input"), dev, dt),
-                _Linear(tensors[f"{s}.down_proj.weight"], self._act(f"{s}.down_proj.input"), dev, dt),
-            )
-        return L
+        self.top = self._loader.top(tensors)
+        self.embed, self.norm, self.lm_head = self.top.embed, self.top.norm, self.top.lm_head
+        self.layers = [self._loader.layer(i, tensors) for i in range(self.cfg.n_layers)]
+        self.inv_freq = rope_inv_freq(self.cfg, self.device)
 
     @torch.no_grad()
     def update(self, tensors: dict) -> bool:
@@ -569,11 +183,9 @@ class PackedEngine:
         device copy), which this overwrites."""
         if layout_of(tensors) != self._layout:
             return False
-        top = self._top(tensors)
-        _copy_into((self.embed, self.norm, self.lm_head), (top.embed, top.norm, top.lm_head), "the embedding / head")
-        del top
+        copy_into(self.top, self._loader.top(tensors), "the embedding / head")
         for i, L in enumerate(self.layers):
-            _copy_into(L, self._layer(i, tensors), f"layer {i}")
+            copy_into(L, self._loader.layer(i, tensors), f"layer {i}")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return True
@@ -602,7 +214,7 @@ class PackedEngine:
 
     # ---------------------------------------------------------------- forward pieces
 
-    def _qkv(self, L, h: Tensor, ops):
+    def _qkv(self, L: LayerWeights, h: Tensor, ops):
         if L.qkv is not None:
             cfg = self.cfg
             q, k, v = F.linear(h, L.qkv).split(
@@ -611,7 +223,7 @@ class PackedEngine:
             return q, k, v
         return L.q(h, ops), L.k(h, ops), L.v(h, ops)
 
-    def _moe(self, L, x: Tensor, ops) -> Tensor:
+    def _moe(self, L: LayerWeights, x: Tensor, ops) -> Tensor:
         cfg = self.cfg
         if L.dense is not None:
             return L.dense[1](ops.swiglu(L.dense[0](x, ops), cfg.ffn_dim), ops)
@@ -754,7 +366,7 @@ class PackedEngine:
             self._graphs[(n, self._temp_key())] = self._capture(n)
         # The graphs hold the addresses of the matmuls' split-K workspaces: keep those tensors alive
         # even if a later (larger) eager call replaces them in the kernels' cache.
-        self._workspaces = dict(getattr(_matmul_triton(), "_WORKSPACE", {}))
+        self._workspaces = dict(getattr(matmul_triton(), "_WORKSPACE", {}))
 
     def _warm(self, n: int) -> None:
         self.lengths.zero_()  # warm-up steps index the output buffers and the KV slots: keep them in range
@@ -803,28 +415,18 @@ class PackedEngine:
         """Reset the state, prefill the prompts (each once) into slots 0..B*n_samples-1 (row
         b * n_samples + i: sample i of prompt b) and sample their first token; rows stop after
         max_new_tokens (one for all rows or one per row; default: what fits the slot). Returns the bucket the batch decodes in."""
-        P = len(prompts)
-        B = P * n_samples
+        B = len(prompts) * n_samples
         n = self.bucket(B)
         lens = [len(p) for p in prompts]
         T = max(lens)
-        tokens = torch.full((P, T), pad_id, dtype=torch.int64)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+        tokens = _right_padded(prompts, pad_id)
         row_lens = [x for x in lens for _ in range(n_samples)]
         lens_t = torch.tensor(row_lens + [1] * (n - B), dtype=torch.int64)
         dev = self.device
         self.begin(temperature=temperature, stop=stop, pad_id=pad_id)
-        self.seeds[:B] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64)
-        self.alive[:B] = True
-        if max_new_tokens is None or isinstance(max_new_tokens, int):
-            self.max_new[:B] = self.ecfg.max_seq_len - T if max_new_tokens is None else max_new_tokens
-        else:
-            self.max_new[:B] = torch.tensor(list(max_new_tokens), dtype=torch.int64)
+        self._start_rows(B, seeds, self.ecfg.max_seq_len - T if max_new_tokens is None else max_new_tokens)
         logits, kvs = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev))
-        for i, (k, v) in enumerate(kvs):  # each prompt's KV copied to its samples' slots
-            self.k_cache[i][:B, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
-            self.v_cache[i][:B, :, :T] = v if n_samples == 1 else v.repeat_interleave(n_samples, 0)
+        self._place_kv(kvs, B, n_samples)
         if n_samples > 1:
             logits = logits.repeat_interleave(n_samples, 0)
         if n > B:  # spare rows of the bucket: dead padding
@@ -832,6 +434,22 @@ class PackedEngine:
         self._sample_update(logits, slice(0, n))
         self.pos[:n] = lens_t.to(dev)
         return n
+
+    def _start_rows(self, B: int, seeds, max_new: int | Sequence[int]) -> None:
+        """Rows 0..B-1 alive, with their seeds and token budgets (one for all rows or one per row)."""
+        self.seeds[:B] = torch.tensor([int(s) & (2**63 - 1) for s in seeds], dtype=torch.int64)
+        self.alive[:B] = True
+        if isinstance(max_new, int):
+            self.max_new[:B] = max_new
+        else:
+            self.max_new[:B] = torch.tensor(list(max_new), dtype=torch.int64)
+
+    def _place_kv(self, kvs: list, B: int, n_samples: int) -> None:
+        """Each prompt's prefilled KV (per layer (k, v) [P, Hkv, T, hd]) into its samples' slots 0..B-1."""
+        for i, (k, v) in enumerate(kvs):
+            T = k.shape[2]
+            self.k_cache[i][:B, :, :T] = k if n_samples == 1 else k.repeat_interleave(n_samples, 0)
+            self.v_cache[i][:B, :, :T] = v if n_samples == 1 else v.repeat_interleave(n_samples, 0)
 
     # ---------------------------------------------------------------- continuous batching (rollout.batching)
 
@@ -860,10 +478,7 @@ class PackedEngine:
         """Each prompt through the model once (one batched prefill): per prompt (its KV per layer
         [Hkv, len, hd] as k and v lists, its last logits [V]), to `admit` into slots."""
         lens = [len(p) for p in prompts]
-        T = max(lens)
-        tokens = torch.full((len(prompts), T), int(self.pad.item()), dtype=torch.int64)
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+        tokens = _right_padded(prompts, int(self.pad.item()))
         logits, kvs = self._prefill_forward(tokens.to(self.device), torch.tensor(lens, device=self.device))
         return [
             (
@@ -932,27 +547,10 @@ class PackedEngine:
     ) -> Generation:
         """As `rollout.engine.generate` (same arguments and result, row b * n_samples + i is sample i
         of prompt b), on this engine."""
-        cfg, e = self.cfg, self.ecfg
-        lens = check_request(prompts, n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature)
+        stop, seeds = self._checked_request(
+            prompts, n_samples, max_new_tokens, temperature, seeds, generator, eos_id, stop_ids, pad_id
+        )
         B = len(prompts) * n_samples
-        if B > e.max_batch:
-            raise ValueError(
-                f"{B} rows ({len(prompts)} prompts x {n_samples} samples) > engine max_batch={e.max_batch}"
-            )
-        self.check_fits(max(lens), max_new_tokens)
-        stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
-        if len(stop) > self.stop_ids.numel():
-            raise ValueError(f"{len(stop)} stop ids; the engine takes at most {self.stop_ids.numel()}")
-        for t in stop | {pad_id}:
-            if not 0 <= t < cfg.vocab_size:
-                raise ValueError(f"token id {t} (stop/eos/pad) outside vocab of size {cfg.vocab_size}")
-        for b, p in enumerate(prompts):
-            if min(p) < 0 or max(p) >= cfg.vocab_size:
-                raise ValueError(f"prompt {b}: token ids must be in [0, vocab_size={cfg.vocab_size})")
-        if seeds is None:
-            seeds = torch.randint(0, 2**62, (B,), generator=generator).tolist()
-        elif len(seeds) != B:
-            raise ValueError(f"seeds has {len(seeds)} entries for {B} rows")
         n = self.prefill(
             prompts,
             seeds=seeds,
@@ -974,3 +572,38 @@ class PackedEngine:
                 for t in (self.out_tok[:B, :N], self.out_logp[:B, :N], self.lengths[:B], self.stopped[:B])
             )
         )
+
+    def _checked_request(
+        self, prompts, n_samples, max_new_tokens, temperature, seeds, generator, eos_id, stop_ids, pad_id
+    ):
+        """`generate`'s checks (one ValueError line naming what is wrong) -> (stop ids, one seed per row)."""
+        cfg, e = self.cfg, self.ecfg
+        lens = check_request(prompts, n_samples=n_samples, max_new_tokens=max_new_tokens, temperature=temperature)
+        B = len(prompts) * n_samples
+        if B > e.max_batch:
+            raise ValueError(
+                f"{B} rows ({len(prompts)} prompts x {n_samples} samples) > engine max_batch={e.max_batch}"
+            )
+        self.check_fits(max(lens), max_new_tokens)
+        stop = set(stop_ids) | ({eos_id} if eos_id is not None else set())
+        if len(stop) > self.stop_ids.numel():
+            raise ValueError(f"{len(stop)} stop ids; the engine takes at most {self.stop_ids.numel()}")
+        for t in stop | {pad_id}:
+            if not 0 <= t < cfg.vocab_size:
+                raise ValueError(f"token id {t} (stop/eos/pad) outside vocab of size {cfg.vocab_size}")
+        for b, p in enumerate(prompts):
+            if min(p) < 0 or max(p) >= cfg.vocab_size:
+                raise ValueError(f"prompt {b}: token ids must be in [0, vocab_size={cfg.vocab_size})")
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (B,), generator=generator).tolist()
+        elif len(seeds) != B:
+            raise ValueError(f"seeds has {len(seeds)} entries for {B} rows")
+        return stop, seeds
+
+
+def _right_padded(prompts: Sequence[Sequence[int]], pad_id: int) -> Tensor:
+    """The prompts as [P, T] int64 on the CPU, T the longest, each row right-padded with pad_id."""
+    tokens = torch.full((len(prompts), max(len(p) for p in prompts)), pad_id, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+    return tokens
