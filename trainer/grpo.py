@@ -68,7 +68,12 @@ def masked_mean(x: Tensor, mask: Tensor) -> float:
 
 
 def mismatch_metrics(
-    logp_prox: Tensor, logp_behav: Tensor, logp_version: Tensor, mask: Tensor, version_known: Tensor | None = None
+    logp_prox: Tensor,
+    logp_behav: Tensor,
+    logp_version: Tensor,
+    mask: Tensor,
+    version_known: Tensor | None = None,
+    stale_kv: Tensor | None = None,
 ) -> dict[str, float]:
     """Train/rollout mismatch per completion token (masked means over [B, T]):
 
@@ -79,15 +84,22 @@ def mismatch_metrics(
         logp_abs_diff_quant_p50 / _p95: median and 95th percentile of |logp_version - logp_behav|
                                         over the tokens (the mean hides how rare large ones are)
 
-    version_known [B] (bool): rows whose version's weights are known; the others (samples from
-    before a restart) are left out of the two parts and the percentiles, which are absent from the
-    result when no row is known (a mean over nothing is no number, never NaN).
+    version_known [B] or [B, T] (bool): rows / tokens whose version's weights are known; the others
+    (samples from before a restart) are left out of the two parts and the percentiles, which are
+    absent from the result when no token is known (a mean over nothing is no number, never NaN).
+    stale_kv [B, T] (bool): tokens sampled on KV an older version computed (in-flight updates keep
+    it), whose |logp_version - logp_behav| is not quantization alone: left out of the split too, and
+        logp_abs_diff_stale_kv = mean |logp_version - logp_behav| over them   (when there are any known)
     """
     d = logp_prox - logp_behav
-    split = mask if version_known is None else mask * version_known[:, None].to(mask)  # its dtype and device
+    known = mask if version_known is None else version_known if version_known.dim() == 2 else version_known[:, None]
+    known = mask * known.to(mask)  # its dtype and device
+    split = known if stale_kv is None else known * (~stale_kv).to(mask)
     quant = (logp_version - logp_behav).abs()
     tokens = quant[split > 0]
     out = {"logp_abs_diff": masked_mean(d.abs(), mask), "kl_k3": masked_mean(torch.exp(d) - 1 - d, mask)}
+    if stale_kv is not None and bool((known * stale_kv.to(mask)).sum() > 0):
+        out["logp_abs_diff_stale_kv"] = masked_mean(quant, known * stale_kv.to(mask))
     if tokens.numel():
         out.update(
             logp_abs_diff_quant=masked_mean(quant, split),
