@@ -576,10 +576,12 @@ class RolloutWorker:
                 self._backend(), max_inflight_groups=self.cfg.max_inflight_groups, version=fetched.version
             )
         else:  # the same backend unless the engine was built anew
-            if self.swap.inflight and not self.batcher.drained:
-                self.stats.inflight_swaps += 1
             fresh = self._backend() if how == "fresh engine" else None
+            continued = self.batcher.backend.live if self.swap.inflight and self.batcher.backend is not None else 0
             self.batcher.swap(fetched.version, fresh, inflight=self.swap.inflight)
+            if continued:
+                self.stats.inflight_swaps += 1
+                how += f", {continued} sample(s) continued in flight"
         previous, pending = self.version, self.swap.went_live()
         t2 = time.perf_counter()
         parts = {
