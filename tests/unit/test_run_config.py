@@ -231,3 +231,13 @@ def test_gpu_h200_config_loads_and_shares_one_gpu():
     assert cfg.trainer.checkpoint_every == 0 and cfg.trainer.grpc_reflection is False
     assert cfg.model.checkpoint and cfg.recipe == "nvfp4_moe" and cfg.task.name == "jsonl"
     assert cfg.rollout.max_batch == cfg.trainer.group_size  # one group per generate call, one graph
+
+
+def test_loop_inflight_updates_is_a_bool_named_in_its_error():
+    assert config.load(None, ["loop.inflight_updates=true"]).loop.inflight_updates is True
+    assert config.load(None, []).loop.inflight_updates is False  # drain-on-swap by default
+    with pytest.raises(ValueError, match="loop.inflight_updates: expected bool"):
+        config.load(None, ["loop.inflight_updates=3"])
+    with pytest.raises(ValueError, match=r"inflight_updates=1 \(must be true or false\)"):
+        config.AsyncConfig(inflight_updates=1)
+    assert "drain-on-swap" in config.explain("loop.inflight_updates")
