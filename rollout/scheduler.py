@@ -69,7 +69,8 @@ class Scheduler:
     decode-attention kernel reads; a paged cache could share the prefix blocks instead). After
     `request_swap()` samples of groups already started keep being admitted (their prefix was
     computed by this version); groups queued but not started start under the next version, so KV and
-    prefix state never outlive the version that computed them. Modelled on trainer/admission.py
+    prefix state never outlive the version that computed them. An in-flight swap (rule 6) keeps
+    them: what the batcher records per token (rollout/batching.py). Modelled on trainer/admission.py
     (pure, tested alone: tests/unit/test_scheduler.py)."""
 
     slots: int

@@ -1,6 +1,7 @@
 """GRPO with a decoupled PPO clip and truncated importance sampling (TIS), as pure functions.
 
-For each completion token t of a sample drawn by the rollout (behavior policy b, version v):
+For each completion token t of a sample drawn by the rollout (behavior policy b; token t sampled
+by version v_t, one version per sample unless loop.inflight_updates):
     A        = (R - mean_group(R)) / (std_group(R) + eps)        group-normalized advantage
     r        = exp(logp_new - logp_prox)                           ratio to the proximal policy
     w        = min(exp(logp_prox - logp_behav), C)                 truncated importance weight
@@ -11,8 +12,9 @@ how far the step moves the trainer, while w corrects for the rollout being stale
 
 Mismatch metrics, all means over completion tokens:
     logp_abs_diff       |logp_prox - logp_behav|          total train/rollout mismatch
-    logp_abs_diff_quant |logp_v - logp_behav|             same weights (version v), different path
+    logp_abs_diff_quant |logp_v - logp_behav|             same weights (the token's version v), different path
     logp_abs_diff_stale |logp_prox - logp_v|              same path, version v -> current
+    (tokens on KV of an older version, in-flight updates, are in neither: logp_abs_diff_stale_kv)
     kl_k3               E_b[r' - 1 - log r'], r' = p_prox / p_behav   (k3 estimator of KL(b || prox))
 """
 
