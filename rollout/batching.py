@@ -15,13 +15,11 @@ the batch (the CPU engine draws from a generator per row; the GPU sampler keys i
 row's own token index)). Backends share one small protocol (`ContinuousBatcher`): `CpuBackend`
 (the CPU engine, rollout/engine.py) and `PackedBackend` (a `rollout.cuda_engine.PackedEngine`).
 
-Versions per token. A token's version is the version whose weights computed the logits it was
-sampled from. An in-flight swap (the caller has put the new weights into the backend's model or
-engine in place) lets live rows continue: each row's tokens from `backend.fresh_from` on are the
-new version's; a held prefix's first token stays its group's version. The KV cache is kept, not
-recomputed (recomputing it under the new version is the alternative, not built): the prompt's KV
-is its first token's version, so every token of a newer version than its sample's first attends to
-KV an older version computed (`stale_kv_tokens`, reported per sample as `tokens_on_stale_kv`)."""
+Versions per token: the one whose weights computed the token's logits. An in-flight swap (new
+weights already in the backend's model or engine) lets live rows continue, their tokens from
+`backend.fresh_from` on under the new version (a held prefix's first token stays its group's). The
+KV is kept, not recomputed (not built): a token newer than its sample's first attends to an older
+version's KV (`stale_kv_tokens`, per sample `tokens_on_stale_kv`)."""
 
 from __future__ import annotations
 
