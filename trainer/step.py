@@ -87,6 +87,10 @@ class GRPOStep:
         adv = grpo.group_advantages(rewards, self.cfg.group_size)
         versions = torch.tensor([t.oldest_version for t in samples])
         tv = scatter_rows([t.token_versions.astype(np.int64) for t in samples], mask, dtype=torch.long)
+        rows_of = {  # version -> the rows holding a token of it (on the host: no device sync)
+            v: ((tv == v) & (mask > 0)).any(dim=1).nonzero().squeeze(-1).to(self.device)
+            for v in sorted({int(v) for t in samples for v in np.unique(t.token_versions)})
+        }
         tokens, targets, attn, mask, behav, rewards, adv, tv = (
             t.to(self.device) for t in (tokens, targets, attn, mask, behav, rewards, adv, tv)
         )
@@ -94,10 +98,8 @@ class GRPOStep:
             prox = self.backend.token_logprobs(tokens, targets, attention_mask=attn, temperature=self.temperature)
             self._sync()
             t1 = time.perf_counter()
-            on_mask = mask > 0
             by_version = {}
-            for v in sorted(set(tv[on_mask].tolist())):
-                rows = ((tv == v) & on_mask).any(dim=1).nonzero().squeeze(-1)
+            for v, rows in rows_of.items():
                 if v == weights_version:
                     by_version[v] = (rows, prox[rows])  # the current weights are version v: prox
                 elif v in self.versions:
@@ -107,6 +109,7 @@ class GRPOStep:
             at_version, token_known = per_token(tv, by_version, prox)
         self._sync()
         t2 = time.perf_counter()
+        on_mask = mask > 0
         known = (token_known | ~on_mask).all(dim=1).cpu()
         return Batch(
             tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0, known=known,
