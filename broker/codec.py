@@ -8,10 +8,12 @@ length * itemsize before `np.frombuffer` (zero copy). Nothing is ever unpickled.
 
 Limits: a message is refused before unpacking if it is larger than `max_message_bytes`;
 msgpack's own unpacker limits bound every string, binary, array and map, and ext types
-are refused outright. Unknown keys and other schema versions are refused: a reader
-accepts only the schema it was written for (a later schema bump lists what it accepts).
+are refused outright. Unknown keys and unknown schema versions are refused. Schema 2 (written)
+adds `token_versions` to a trajectory; a schema-1 trajectory (accepted) has none and decodes with
+every token at its `policy_version`. Prompt groups are the same in both.
 
-Simplified on purpose: one fixed dtype per array (token ids int32, log-probs float32).
+Simplified on purpose: one fixed dtype per array (token ids int32, log-probs float32, token
+versions uint32).
 Decoded arrays are read-only views into the received bytes; copy them to mutate.
 Every decode failure raises `CodecError` (a ValueError) that names the field.
 """
@@ -27,7 +29,8 @@ import numpy as np
 
 from policy.fields import is_int
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # what encode writes; decode accepts _SCHEMAS
+_UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _MAX_GROUP_SIZE = 4096
@@ -136,6 +139,37 @@ def _logprobs(name: str, value: Any, n: int) -> np.ndarray:
     return arr
 
 
+def _token_versions(value: Any, n: int, policy_version: int) -> np.ndarray:
+    """Rules: one version per completion token, uint32, non-decreasing (a sample only moves to newer
+    versions), the last one = policy_version (the newest); None = every token at policy_version."""
+    name = "token_versions"
+    if value is None:
+        if n == 0:
+            return np.zeros(0, dtype="<u4")
+        if policy_version > _UINT32_MAX:
+            raise CodecError(name, f"policy_version {policy_version} > {_UINT32_MAX} (a token version is uint32)")
+        return np.full(n, policy_version, dtype="<u4")
+    try:
+        arr = np.asarray(value)
+    except Exception as e:
+        raise CodecError(name, f"not convertible to an array ({e})") from None
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise CodecError(name, f"want shape ({n},) (one per completion token), got {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if arr.dtype.kind not in "iu":
+        raise CodecError(name, f"want integer versions, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _UINT32_MAX:
+        raise CodecError(name, f"versions in [{lo}, {hi}], want [0, {_UINT32_MAX}]")
+    arr = np.ascontiguousarray(arr, dtype="<u4")
+    if n > 1 and bool((arr[1:] < arr[:-1]).any()):
+        raise CodecError(name, "must be non-decreasing (a sample moves only to newer versions)")
+    if int(arr[-1]) != policy_version:
+        raise CodecError(name, f"last token's version {int(arr[-1])} != policy_version {policy_version} (the newest)")
+    return arr
+
+
 def _small_dict(name: str, value: Any, limits: CodecLimits) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CodecError(name, f"want dict, got {type(value).__name__}")
@@ -197,8 +231,10 @@ class Trajectory:
 
     sample_id is the idempotency key (see `sample_id_for`). behavior_logprobs[i] is the
     rollout policy's log-probability of completion_tokens[i]; float32 on the wire.
-    policy_version + contract_fingerprint say which published policy produced it.
-    info is a small flat dict for diagnostics (finish reason, timings, ...).
+    token_versions[i] is the policy version that sampled completion_tokens[i] (uint32,
+    non-decreasing; None at construction = all at policy_version). policy_version is the newest
+    (the last token's), `oldest_version` the first token's; contract_fingerprint says which
+    contract produced them. info is a small flat dict for diagnostics (finish reason, timings, ...).
     """
 
     sample_id: str
@@ -215,6 +251,7 @@ class Trajectory:
     worker_id: str
     created_at: float
     info: dict[str, Any] = field(default_factory=dict)
+    token_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("sample_id", "prompt_id", "group_id", "contract_fingerprint", "worker_id"):
@@ -230,11 +267,18 @@ class Trajectory:
         )
         object.__setattr__(self, "reward", _float("reward", self.reward))
         object.__setattr__(self, "policy_version", _int("policy_version", self.policy_version, 0, _INT64_MAX))
+        versions = _token_versions(self.token_versions, completion.shape[0], self.policy_version)
+        object.__setattr__(self, "token_versions", versions)
         object.__setattr__(self, "created_at", _float("created_at", self.created_at))
         object.__setattr__(self, "info", _small_dict("info", self.info, _UNBOUNDED))
 
+    @property
+    def oldest_version(self) -> int:
+        """The version of the first (oldest) token; policy_version for an empty completion."""
+        return int(self.token_versions[0]) if self.token_versions.size else self.policy_version
 
-_TRAJECTORY_FIELDS = (
+
+_TRAJECTORY_FIELDS_V1 = (
     "sample_id",
     "prompt_id",
     "group_id",
@@ -250,8 +294,14 @@ _TRAJECTORY_FIELDS = (
     "created_at",
     "info",
 )
+_TRAJECTORY_FIELDS = (*_TRAJECTORY_FIELDS_V1, "token_versions")
 _PROMPT_FIELDS = ("prompt_id", "group_id", "prompt_tokens", "n_samples", "task", "created_at")
-_ARRAYS = {"prompt_tokens": "<i4", "completion_tokens": "<i4", "behavior_logprobs": "<f4"}
+# kind -> schema -> its fields (encode writes SCHEMA_VERSION's).
+_SCHEMAS = {
+    "trajectory": {1: _TRAJECTORY_FIELDS_V1, 2: _TRAJECTORY_FIELDS},
+    "prompt_group": {1: _PROMPT_FIELDS, 2: _PROMPT_FIELDS},
+}
+_ARRAYS = {"prompt_tokens": "<i4", "completion_tokens": "<i4", "behavior_logprobs": "<f4", "token_versions": "<u4"}
 _DICTS = ("info", "task")
 
 
@@ -296,7 +346,7 @@ def encode_prompt_group(g: PromptGroup, limits: CodecLimits = DEFAULT_LIMITS) ->
 # ---------------------------------------------------------------- decode
 
 
-def _unpack(data: Any, kind: str, names: tuple[str, ...], limits: CodecLimits) -> dict[str, Any]:
+def _unpack(data: Any, kind: str, limits: CodecLimits) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError("message", f"want bytes, got {type(data).__name__}")
     if len(data) > limits.max_message_bytes:
@@ -311,22 +361,23 @@ def _unpack(data: Any, kind: str, names: tuple[str, ...], limits: CodecLimits) -
             max_str_len=max_str_bytes,
             max_bin_len=4 * limits.max_tokens,
             max_array_len=3,  # only the [dtype, length, bytes] triples
-            max_map_len=max(limits.max_dict_items, len(names) + 2),
+            max_map_len=max(limits.max_dict_items, max(len(n) for n in _SCHEMAS[kind].values()) + 2),
             max_ext_len=0,
         )
     except ValueError as e:  # every msgpack decode error is a ValueError
         raise CodecError("message", f"not a valid msgpack message within limits ({type(e).__name__}: {e})") from None
     if not isinstance(msg, dict):
         raise CodecError("message", f"want a map, got {type(msg).__name__}")
-    schema = msg.get("schema")
-    if schema != SCHEMA_VERSION or isinstance(schema, bool):
-        raise CodecError("schema", f"got {schema!r}, this reader accepts {SCHEMA_VERSION}")
+    schema, schemas = msg.get("schema"), _SCHEMAS[kind]
+    if isinstance(schema, bool) or not isinstance(schema, int) or schema not in schemas:
+        raise CodecError("schema", f"got {schema!r}, this reader accepts {sorted(schemas)}")
     if msg.get("kind") != kind:
         raise CodecError("kind", f"got {msg.get('kind')!r}, want {kind!r}")
+    names = schemas[schema]
     expected = set(names) | {"schema", "kind"}
     unknown = sorted(str(k) for k in msg.keys() - expected)
     if unknown:
-        raise CodecError(unknown[0], f"unknown field(s) {unknown} for schema {SCHEMA_VERSION}")
+        raise CodecError(unknown[0], f"unknown field(s) {unknown} for schema {schema}")
     missing = [n for n in names if n not in msg]
     if missing:
         raise CodecError(missing[0], "missing")
@@ -360,8 +411,8 @@ def _unpack_array(name: str, value: Any, limits: CodecLimits) -> np.ndarray:
 
 
 def decode_trajectory(data: bytes, limits: CodecLimits = DEFAULT_LIMITS) -> Trajectory:
-    return Trajectory(**_unpack(data, "trajectory", _TRAJECTORY_FIELDS, limits))
+    return Trajectory(**_unpack(data, "trajectory", limits))
 
 
 def decode_prompt_group(data: bytes, limits: CodecLimits = DEFAULT_LIMITS) -> PromptGroup:
-    return PromptGroup(**_unpack(data, "prompt_group", _PROMPT_FIELDS, limits))
+    return PromptGroup(**_unpack(data, "prompt_group", limits))

@@ -24,11 +24,18 @@ class AsyncConfig:
     """The rollouts' sampling temperature; the trainer computes its log-probs at the same one (> 0)."""
     seed: int = 0
     """Seeds the model initialization, the task's prompts and the warm start."""
+    inflight_updates: bool = False
+    """True: a rollout worker installs a fetched version between two decode steps, and unfinished
+    samples continue under it on the KV cache computed so far (each token records the version that
+    sampled it; the trainer bounds the oldest token's staleness). False: drain-on-swap, no sample
+    spans two versions (the exact alternative)."""
 
     def __post_init__(self):
         errors = []
         if not is_int(self.max_staleness, lo=0):
             errors.append(f"max_staleness={self.max_staleness!r} (must be an int >= 0)")
+        if not isinstance(self.inflight_updates, bool):
+            errors.append(f"inflight_updates={self.inflight_updates!r} (must be true or false)")
         if not self.temperature > 0:
             errors.append(f"temperature={self.temperature} (must be > 0: behavior log-probs need sampling)")
         if errors:

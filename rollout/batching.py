@@ -3,7 +3,8 @@
     b = ContinuousBatcher(backend, max_inflight_groups=G, version=v)
     b.submit(key, prompt, seeds, max_new_tokens=N)     while b.can_submit() (N: one, or one per sample)
     for g in b.step(): ...                             GroupResult: a finished group, all n samples
-    b.request_swap(); ... b.step() until b.drained; b.swap(v')   a new policy version
+    b.request_swap(); ... b.step() until b.drained; b.swap(v')   a new policy version (drain-on-swap)
+    b.swap(v', inflight=True)                          between two steps, rows live (loop.inflight_updates)
 
 One `step`: admit what the scheduler lets in (the prompts of groups starting now prefilled together,
 once per group; each admitted sample gets the prefix copied into its slot and samples its first
@@ -12,7 +13,13 @@ then free the finished rows' slots and emit the groups whose last sample finishe
 depend only on its prompt, its seed and its own token index, never on when it joined or who shares
 the batch (the CPU engine draws from a generator per row; the GPU sampler keys its RNG by (seed, the
 row's own token index)). Backends share one small protocol (`ContinuousBatcher`): `CpuBackend`
-(the CPU engine, rollout/engine.py) and `PackedBackend` (a `rollout.packed_engine.PackedEngine`)."""
+(the CPU engine, rollout/engine.py) and `PackedBackend` (a `rollout.packed_engine.PackedEngine`).
+
+Versions per token: the one whose weights computed the token's logits. An in-flight swap (new
+weights already in the backend's model or engine) lets live rows continue, their tokens from
+`backend.fresh_from` on under the new version (a held prefix's first token stays its group's). The
+KV is kept, not recomputed (not built): a token newer than its sample's first attends to an older
+version's KV (`stale_kv_tokens`, per sample `tokens_on_stale_kv`)."""
 
 from __future__ import annotations
 
@@ -27,19 +34,38 @@ from policy.model import KVCache, Transformer
 from rollout.engine import decode_one_token, prefill, sample
 from rollout.scheduler import Scheduler
 
-__all__ = ["ContinuousBatcher", "CpuBackend", "GroupResult", "PackedBackend"]
+__all__ = ["ContinuousBatcher", "CpuBackend", "GroupResult", "PackedBackend", "stale_kv_tokens", "token_versions"]
 
 
 @dataclass
 class GroupResult:
     """A finished group: sample i produced tokens[i] (the stop token included) with behavior
-    log-probs logprobs[i], all under policy `version`."""
+    log-probs logprobs[i]; versions[i][t] sampled tokens[i][t]; `version` started the group (all
+    tokens' version under drain-on-swap)."""
 
     key: Hashable
     version: int
     tokens: list[list[int]]
     logprobs: list[list[float]]
     stopped: list[bool]
+    versions: list[list[int]]
+
+
+def token_versions(segments: Sequence[tuple[int, int]], n: int) -> list[int]:
+    """The version of each of n tokens from (first token index, version) segments in the order
+    they were recorded (non-decreasing starts; a later segment at the same start wins)."""
+    out, k = [], 0
+    for t in range(n):
+        while k + 1 < len(segments) and segments[k + 1][0] <= t:
+            k += 1
+        out.append(segments[k][1])
+    return out
+
+
+def stale_kv_tokens(versions: Sequence[int]) -> int:
+    """Tokens sampled on KV an older version computed (the KV is kept across an in-flight swap): those
+    of a newer version than the sample's first token, whose version computed the prompt's KV."""
+    return sum(v > versions[0] for v in versions) if len(versions) else 0
 
 
 @dataclass
@@ -50,6 +76,7 @@ class _Pending:
     tokens: list
     logprobs: list
     stopped: list
+    versions: list
     version: int | None = None  # set when the group starts
 
 
@@ -65,6 +92,8 @@ class ContinuousBatcher:
     result(slot) -> (tokens, logprobs, stopped)
     release(slot)                  the slot is free (its row's state is dropped)
     live                           busy slots (0 when drained)
+    fresh_from(slots) -> [int]     per busy slot, the index of its first token whose logits weights
+                                   installed now compute (an in-flight swap)
     """
 
     def __init__(self, backend, *, max_inflight_groups: int, version: int):
@@ -72,6 +101,7 @@ class ContinuousBatcher:
         self.sched = Scheduler(slots=backend.slots, max_inflight_groups=max_inflight_groups, version=version)
         self._groups: dict = {}
         self.prefixes: dict = {}  # key -> the backend's prefix, while the scheduler counts readers of it
+        self._segments: dict = {}  # busy slot -> [(first token index, version)] of its row
 
     @property
     def version(self) -> int | None:
@@ -108,7 +138,7 @@ class ContinuousBatcher:
             )
         self.backend.check(len(prompt), max(budget, default=1))
         self.sched.submit(key, n)
-        self._groups[key] = _Pending(list(prompt), list(seeds), budget, [None] * n, [None] * n, [None] * n)
+        self._groups[key] = _Pending(list(prompt), list(seeds), budget, [None] * n, [None] * n, [None] * n, [None] * n)
 
     def step(self) -> list[GroupResult]:
         admits = self.sched.admit()
@@ -126,6 +156,8 @@ class ContinuousBatcher:
                 j += 1
             g = self._groups[key]
             batch = admits[i:j]
+            for a in batch:  # the first token from the prefix (the group's version), the rest decoded now
+                self._segments[a.slot] = [(0, g.version), (1, self.sched.version)]
             self.backend.admit(
                 self.prefixes[key],
                 [a.slot for a in batch],
@@ -143,9 +175,10 @@ class ContinuousBatcher:
                 f = self.sched.finish(slot)
                 g = self._groups[f.group]
                 g.tokens[f.sample], g.logprobs[f.sample], g.stopped[f.sample] = tokens, logprobs, stopped
+                g.versions[f.sample] = token_versions(self._segments.pop(slot), len(tokens))
                 if f.group_done:
                     del self._groups[f.group]
-                    done.append(GroupResult(f.group, g.version, g.tokens, g.logprobs, g.stopped))
+                    done.append(GroupResult(f.group, g.version, g.tokens, g.logprobs, g.stopped, g.versions))
         return done
 
     def run(self) -> list[GroupResult]:
@@ -161,11 +194,21 @@ class ContinuousBatcher:
     def cancel_swap(self) -> None:
         self.sched.cancel_swap()
 
-    def swap(self, version: int, backend=None) -> None:
+    def swap(self, version: int, backend=None, *, inflight: bool = False) -> None:
         """Install a new version (and the backend that serves it, for engines built per version)
-        once drained; ValueError before."""
-        self.sched.swap(version)
-        assert not self.prefixes and (self.backend is None or self.backend.live == 0), "state survives a drain"
+        once drained; ValueError before. inflight: now, the rows live continuing on the same backend
+        (whose weights the caller has updated in place), their later tokens under `version`."""
+        if inflight and self.backend is not None and self.backend.live:
+            if backend is not None and backend is not self.backend:
+                raise ValueError("in-flight swap: live rows continue on their backend's KV; no new backend")
+            slots = sorted(self._segments)
+            for slot, start in zip(slots, self.backend.fresh_from(slots)):
+                self._segments[slot].append((start, version))
+            self.sched.swap(version, inflight=True)
+            return
+        self.sched.swap(version, inflight=inflight)
+        drained = not self.prefixes and (self.backend is None or self.backend.live == 0)
+        assert inflight or drained, "state survives a drain"
         if backend is not None:
             if backend.slots != self.sched.slots:
                 raise ValueError(f"swap: the new backend has {backend.slots} slots, not {self.sched.slots}")
@@ -283,6 +326,11 @@ class CpuBackend:
         tokens, logprobs, stopped = self.out[slot]
         return tokens, logprobs, stopped
 
+    def fresh_from(self, slots: list[int]) -> list[int]:
+        """`advance` decodes right after sampling: each live row's next logits are already computed,
+        so the weights installed now compute those of the token after the next."""
+        return [len(self.out[s][0]) + 1 for s in slots]
+
     def release(self, slot: int) -> None:
         del self.out[slot]
 
@@ -393,6 +441,13 @@ class PackedBackend:
 
     def result(self, slot: int):
         return self.done.pop(slot)
+
+    def fresh_from(self, slots: list[int]) -> list[int]:
+        """A decode step runs the forward, then samples: a row's next token (index = its count so far,
+        read in one host sync) comes from the weights installed now."""
+        if not slots:
+            return []
+        return self.engine.lengths[torch.tensor(slots, device=self.engine.device)].tolist()
 
     def release(self, slot: int) -> None:
         self.busy.discard(slot)

@@ -40,6 +40,15 @@ COUNTERS = {
         "announced versions refused: a contract fingerprint not this worker's, a manifest it cannot load, "
         "values no quantizer produces, non-finite activations while generating (versions)",
     ),
+    "tokens_on_stale_kv": (
+        "tandem_rollout_tokens_on_stale_kv_total",
+        "completion tokens sampled on KV an older version computed (loop.inflight_updates keeps the KV "
+        "across a swap; 0 when draining on swap) (tokens)",
+    ),
+    "inflight_swaps": (
+        "tandem_rollout_inflight_swaps_total",
+        "versions installed with samples in flight, which continued under them (loop.inflight_updates) (versions)",
+    ),
     "policy_sources_distrusted": (
         "tandem_rollout_policy_sources_distrusted_total",
         "sources that served other content than the signed pointer names (a manifest of another digest, "
@@ -93,6 +102,8 @@ class WorkerStats:
     policy_fetch_bytes: int = 0
     policy_delta_fetches: int = 0
     policy_deltas_refused: int = 0
+    tokens_on_stale_kv: int = 0
+    inflight_swaps: int = 0
     generated_tokens_per_second: float = 0.0
     policy_staleness: int = 0
     publish_to_live_seconds: float = 0.0

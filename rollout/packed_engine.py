@@ -174,8 +174,8 @@ class PackedEngine:
         and copied into this engine's device buffers, then dropped, so at most one piece of the new
         version sits on the device beside the old weights. The KV cache, the captured graphs and
         the compiled glue keep their addresses and stay valid: nothing is reallocated or
-        recaptured. Call it only with no row in flight (the batcher drains first); the next
-        `begin` / `prefill` starts from clean state.
+        recaptured. Rows in flight (loop.inflight_updates) continue on their KV under the new
+        weights; draining on swap, none is, and the next `begin` / `prefill` starts from clean state.
 
         Returns False, changing nothing, when `tensors` do not have the layout this engine was
         built from (`layout_of`: names, formats, shapes, dtypes, format parameters): build a fresh

@@ -3,6 +3,7 @@
     s = Scheduler(slots=S, max_inflight_groups=G, version=v)
     s.submit(key, n_samples); s.admit() -> [Admit]; s.finish(slot) -> Finish
     s.request_swap(); s.drained; s.swap(v')     drain-on-swap of the policy version
+    s.swap(v', inflight=True)                    an in-flight swap (loop.inflight_updates)
 
 Rules:
 1. A slot holds one sample from admission to finish; free slots go lowest index first.
@@ -12,8 +13,11 @@ Rules:
    first admission: its prompt is prefilled once, under the version current then (`group_version`).
 4. A started group's prefix (prompt KV + last logits) is held for each sample still waiting
    (refs = samples not yet admitted); the admission taking the last reference frees it.
-5. Never two versions in one group: `request_swap()` stops starting groups; `drained` when no started
-   group is unfinished; only then `swap(v')`. Capacity errors are ValueErrors naming the numbers."""
+5. Drain-on-swap, never two versions in one group: `request_swap()` stops starting groups; `drained`
+   when no started group is unfinished; only then `swap(v')`.
+6. In-flight swap (`swap(v', inflight=True)`): at any time; started groups continue (their samples
+   under v' from now on, the batcher records which tokens), groups start under v' from now on.
+Capacity errors are ValueErrors naming the numbers."""
 
 from __future__ import annotations
 
@@ -65,7 +69,8 @@ class Scheduler:
     decode-attention kernel reads; a paged cache could share the prefix blocks instead). After
     `request_swap()` samples of groups already started keep being admitted (their prefix was
     computed by this version); groups queued but not started start under the next version, so KV and
-    prefix state never outlive the version that computed them. Modelled on trainer/admission.py
+    prefix state never outlive the version that computed them. An in-flight swap (rule 6) keeps
+    them: what the batcher records per token (rollout/batching.py). Modelled on trainer/admission.py
     (pure, tested alone: tests/unit/test_scheduler.py)."""
 
     slots: int
@@ -176,9 +181,9 @@ class Scheduler:
         """Resume starting groups under the current version (the new one could not be loaded)."""
         self.draining = False
 
-    def swap(self, version: int) -> None:
-        """Install `version` (only when drained) and resume admission."""
-        if not self.drained:
+    def swap(self, version: int, *, inflight: bool = False) -> None:
+        """Install `version` and resume admission: only when drained (rule 5), or at once (rule 6)."""
+        if not inflight and not self.drained:
             busy = self.busy_slots
             raise ValueError(
                 f"swap to v{version} refused: {len(busy)} slot(s) busy and {len(self.held_prefixes)} prefix(es) "

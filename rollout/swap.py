@@ -9,8 +9,11 @@ Rules:
    pending fetch is dropped (`Step.cancel`) and groups start again under the live version.
 2. One fetch at a time. The pointer of the pending fetch keeps it; another supersedes it (cancelled,
    then its own starts), except while a failed fetch waits for its retry (`retry_s` after the failure).
-3. Drain, then swap. While a fetch is pending no group starts ("drain"); a fetched version is
-   installed only once no started group is in flight ("install"), and is then live.
+3. Drain, then swap (default). While a fetch is pending no group starts ("drain"); a fetched version
+   is installed only once no started group is in flight ("install"), and is then live.
+3'. In flight (`inflight=True`, loop.inflight_updates). Groups keep starting while fetching ("wait");
+   a fetched version is installed as soon as it is fetched, between two decode steps, whatever is
+   in flight ("install"): unfinished samples continue under it.
 4. A fetch or install that failed ends the pending fetch; groups start again under the live version;
    the error decides whether the version is refused, its source distrusted or the fetch retried (`fail`).
 5. A live version whose activations or logits turn non-finite is refused as at fetch: nothing is live
@@ -37,9 +40,9 @@ __all__ = ["Pending", "Step", "VersionSwap", "why"]
 class Step:
     """What the caller does after `offer`, in this order: log `line` (if any); if `cancel`, drop the
     pending fetch (stop it if it runs, and wait for it to let go of the host buffers); then `action`:
-    "fetch" start fetching the offered pointer under `ticket` and stop starting groups; "drain" stop
-    starting groups; "install" install the fetched version now (then `went_live`, or `fail`);
-    "resume" start groups again under the live version; "wait" nothing."""
+    "fetch" start fetching the offered pointer under `ticket` (and, draining on swap, stop starting
+    groups); "drain" stop starting groups; "install" install the fetched version now (then
+    `went_live`, or `fail`); "resume" start groups again under the live version; "wait" nothing."""
 
     action: str
     cancel: bool = False
@@ -61,17 +64,20 @@ class Pending:
 class VersionSwap:
     """The state machine of the module docstring. `live`: the version in use (None before the first);
     `pending`: the fetch in progress or fetched; counts for the metrics: `versions_refused`,
-    `sources_distrusted`, `fetch_failures`:
+    `sources_distrusted`, `fetch_failures`; `inflight`: rule 3' instead of 3:
 
-        s = VersionSwap(fingerprint=fp, policy_address=None, retry_s=0.5)
+        s = VersionSwap(fingerprint=fp, policy_address=None, retry_s=0.5, inflight=False)
         s.offer(pointer, now=t, drained=d) -> Step    the newest signed pointer: what to do now
         s.fetch_done(ticket, error)                    the fetch a "fetch" step started has ended
         s.went_live() -> Pending / s.fail(error, now=t) the caller installed the fetched version / it raised
         s.refuse_live(); s.unload()                    the live version computed non-finite values / is gone
     """
 
-    def __init__(self, *, fingerprint: str, policy_address: str | None = None, retry_s: float = 0.5):
+    def __init__(
+        self, *, fingerprint: str, policy_address: str | None = None, retry_s: float = 0.5, inflight: bool = False
+    ):
         self.fingerprint, self.policy_address, self.retry_s = fingerprint, policy_address, retry_s
+        self.inflight = inflight
         self.live: int | None = None
         self.pending: Pending | None = None
         self.refused_versions: set[int] = set()  # immutable versions: never fetched again
@@ -92,7 +98,8 @@ class VersionSwap:
         return self.policy_address or pointer.address
 
     def offer(self, pointer: PolicyPointer, *, now: float, drained: bool) -> Step:
-        """What to do about the newest pointer (rules 1-4); `drained`: no started group is in flight."""
+        """What to do about the newest pointer (rules 1-4); `drained`: no started group is in flight
+        (unused in flight: rule 3')."""
         p = self.pending
         line = self._refusal(pointer)
         if line is not None:
@@ -101,6 +108,8 @@ class VersionSwap:
         if p is not None and p.pointer == pointer:
             if p.error is not None:
                 return Step("resume", cancel=True, line=self.fail(p.error, now=now))
+            if self.inflight:
+                return Step("install" if p.done else "wait")
             return Step("install" if p.done and drained else "drain")
         if self._failed_at is not None and now < self._failed_at + self.retry_s:
             return Step("wait")

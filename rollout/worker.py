@@ -7,7 +7,10 @@ Loop (`RolloutWorker.run`; up to `rollout.max_inflight_groups` groups in flight,
         more than `max_staleness` versions behind the newest -> `submit` it to the batcher;
     `step` the batcher -> a finished group is scored by the task's verifier -> XADD its n trajectories
         and XACK its prompt in one transaction.
-Every token of a group comes from the version that started it. A group whose generation or scoring
+Versions: drain-on-swap by default (every token of a group from the version that started it); with
+`loop.inflight_updates` a fetched version is installed between two decode steps and unfinished samples
+continue under it on their KV (rollout/batching.py; each trajectory's `token_versions`, its
+`policy_version` the newest, info `tokens_on_stale_kv`). A group whose generation or scoring
 raises is dead-lettered with the error's line (groups that failed together are retried one at a time
 first); a live version computing non-finite values is refused and the groups in flight start again
 under the next. SIGTERM: no group is read any more, the ones in flight are finished and committed,
@@ -52,7 +55,7 @@ from policy.recipe import Recipe
 from rollout.fetch_process import FetchProcess, FetchRequest
 from rollout.packed_engine import EngineConfig, PackedEngine, resolve_device
 
-from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend
+from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend, stale_kv_tokens
 from .config import RolloutConfig
 from .metrics import WorkerMetrics, WorkerStats
 from .prompt_check import PromptRules, check_prompt
@@ -115,7 +118,9 @@ class RolloutWorker:
         self.engine: PackedEngine | None = None
         self.fetcher, self.host_buffers = self._receivers()
         self.fingerprint = contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
-        self.swap = VersionSwap(fingerprint=self.fingerprint, policy_address=cfg.policy_address)
+        self.swap = VersionSwap(
+            fingerprint=self.fingerprint, policy_address=cfg.policy_address, inflight=loop.inflight_updates
+        )
         self._job: _FetchJob | None = None
         self._held: HeldPolicy | None = None  # the last version fetched here, to fetch the next against (a delta)
         # What a loadable manifest declares: checked before anything is allocated.
@@ -124,6 +129,7 @@ class RolloutWorker:
         self.inflight: dict = {}  # group_id -> (prompt record or None, its PromptGroup, start time)
         self.prompt_rules = self._prompt_rules(group_size)
         self._isolate: set[str] = set()  # group ids that failed in company: retried one at a time
+        self._requeue: list = []  # prompt records of groups given back (started again from the front)
         self._since_swap = [0, 0, 0.0]  # groups, completion tokens, generating seconds under the version in use
         # The loop's clocks (monotonic, except _committed_at: perf_counter) and what it logged last.
         self._pointer_at = self._read_at = self._kept_at = self._committed_at = 0.0
@@ -183,6 +189,8 @@ class RolloutWorker:
             "policy_fetch_failures": w.fetch_failures,
             "versions_refused": w.versions_refused,
             "policy_sources_distrusted": w.sources_distrusted,
+            "tokens_on_stale_kv": s.tokens_on_stale_kv,
+            "inflight_swaps": s.inflight_swaps,
             "policy_version": w.live or 0,
             "generated_tokens_per_second": s.generated_tokens_per_second,
             "policy_staleness": s.policy_staleness,
@@ -210,9 +218,12 @@ class RolloutWorker:
             while not (self.stop.is_set() and not self.inflight):
                 now = time.monotonic()
                 busy = bool(self.inflight)
-                if not busy or (self.swap.fetched and self._drained()) or now - self._pointer_at >= 0.25:
+                installable = self.swap.fetched and (self.swap.inflight or self._drained())
+                if not busy or installable or now - self._pointer_at >= 0.25:
                     self._pointer_at = now  # generating: a few looks a second
                     await self._follow_pointer(registry)
+                if self._requeue:  # groups an engine rebuilt under them lost: start them again first
+                    carried[:0], self._requeue = self._requeue, []
                 if self.version is None:
                     if carried:  # groups given back by a refused version: still ours
                         await self._keep_alive(queue, carried)
@@ -438,7 +449,9 @@ class RolloutWorker:
         prompt = group.prompt_tokens.tolist()
         now = time.time()
         out = []
-        for i, (completion, logps) in enumerate(zip(result.tokens, result.logprobs)):
+        for i, (completion, logps, versions) in enumerate(zip(result.tokens, result.logprobs, result.versions)):
+            stale_kv = stale_kv_tokens(versions)
+            self.stats.tokens_on_stale_kv += stale_kv
             out.append(
                 Trajectory(
                     sample_id=sample_id_for(group.group_id, i),
@@ -450,11 +463,12 @@ class RolloutWorker:
                     completion_tokens=np.asarray(completion, dtype=np.int32),
                     behavior_logprobs=np.asarray(logps, dtype=np.float32),
                     reward=self.task.score(completion, group.task),
-                    policy_version=result.version,  # the version that started the group: all its tokens
+                    policy_version=versions[-1],  # the newest; the group started under result.version
+                    token_versions=np.asarray(versions, dtype=np.uint32),
                     contract_fingerprint=self.fingerprint,
                     worker_id=self.worker_id,
                     created_at=now,
-                    info={"ignore_stop": 1} if self.cfg.ignore_stop else {},
+                    info={"tokens_on_stale_kv": stale_kv} | ({"ignore_stop": 1} if self.cfg.ignore_stop else {}),
                 )
             )
         return out
@@ -464,7 +478,8 @@ class RolloutWorker:
     async def offer(self, pointer: PolicyPointer) -> bool:
         """Make the newest pointer's version live as soon as it is fetched and no started group is in
         flight (True when it is live now); until then its fetch runs in the background and no group
-        starts. A failure is logged at once and groups start again under the live version."""
+        starts. In flight (loop.inflight_updates): live as soon as it is fetched, groups starting
+        meanwhile. A failure is logged at once and groups start again under the live version."""
         step = self.swap.offer(pointer, now=time.monotonic(), drained=self._drained())
         if step.line:
             self.log(f"{self.worker_id}: {step.line}")
@@ -472,7 +487,7 @@ class RolloutWorker:
             await self._cancel_fetch()
         if step.action == "fetch":
             self._start_fetch(pointer, step.ticket)
-        if step.action in ("fetch", "drain") and self.batcher is not None:
+        if step.action in ("fetch", "drain") and self.batcher is not None and not self.swap.inflight:
             self.batcher.request_swap()
         if step.action == "install":
             return await self._install()
@@ -561,7 +576,12 @@ class RolloutWorker:
                 self._backend(), max_inflight_groups=self.cfg.max_inflight_groups, version=fetched.version
             )
         else:  # the same backend unless the engine was built anew
-            self.batcher.swap(fetched.version, self._backend() if how == "fresh engine" else None)
+            fresh = self._backend() if how == "fresh engine" else None
+            continued = self.batcher.backend.live if self.swap.inflight and self.batcher.backend is not None else 0
+            self.batcher.swap(fetched.version, fresh, inflight=self.swap.inflight)
+            if continued:
+                self.stats.inflight_swaps += 1
+                how += f", {continued} sample(s) continued in flight"
         previous, pending = self.version, self.swap.went_live()
         t2 = time.perf_counter()
         parts = {
@@ -585,6 +605,9 @@ class RolloutWorker:
         if self.engine is not None:
             self.log(f"{self.worker_id}: v{fetched.version} has another tensor layout: building a fresh engine")
         self.engine = None  # free the previous version's weights, KV cache and graphs first
+        if self.batcher is not None and not self.batcher.drained:  # in flight: their KV goes with the engine
+            self._requeue += self._give_back()
+            self.log(f"{self.worker_id}: {len(self._requeue)} group(s) in flight start again under v{fetched.version}")
         if self.batcher is not None:
             self.batcher.backend = None
         try:
@@ -626,13 +649,19 @@ class RolloutWorker:
         flight, to start again under the next version (their samples so far are dropped)."""
         v = self.swap.refuse_live()
         self.health.set_serving(False)
-        records = [rec for rec, _, _ in self.inflight.values() if rec is not None]
-        self.inflight.clear()
-        self.batcher = None  # its scheduler and backend hold that version's rows: a new one at the next swap
+        records = self._give_back()
         self.log(
             f"{self.worker_id}: v{v} refused while generating: {why(e)}; serving nothing until a newer "
             f"version is live, {len(records)} group(s) kept for it"
         )
+        return records
+
+    def _give_back(self) -> list:
+        """Drop the groups in flight and the batcher (its scheduler and backend hold their rows: a new
+        one at the next swap). Returns their prompt records, to start again."""
+        records = [rec for rec, _, _ in self.inflight.values() if rec is not None]
+        self.inflight.clear()
+        self.batcher = None
         return records
 
     def _build_engine(self, tensors: dict) -> PackedEngine:

@@ -3,9 +3,12 @@
     admit(backlog, records, *, version, max_staleness, fingerprint, groups_per_step)
         -> Admission(train, drops, backlog)
 
+A sample's staleness is that of its oldest token: version - oldest_version (the first token's
+version; every token's under drain-on-swap, where a sample has one). With in-flight updates its
+later tokens are newer, so bounding the oldest bounds every token.
+
 Rules, in order:
-1. A backlog group whose version is now too old (version - policy_version > max_staleness) is
-   dropped whole: "stale".
+1. A backlog group with a sample now too old (staleness > max_staleness) is dropped whole: "stale".
 2. Each new record: a contract fingerprint other than the trainer's -> "fingerprint"; too old ->
    "stale"; else it joins its group (by group_id). A group is complete with group_size samples,
    then ordered by sample_index.
@@ -56,7 +59,8 @@ class Admission:
 
 
 def staleness(version: int, record) -> int:
-    return version - record.trajectory.policy_version
+    """Versions between `version` and the record's oldest token."""
+    return version - record.trajectory.oldest_version
 
 
 def admit(
@@ -80,7 +84,7 @@ def admit(
     drops: list[Drop] = []
 
     def fresh(group) -> bool:
-        if staleness(version, group[0]) > max_staleness:
+        if max(staleness(version, r) for r in group) > max_staleness:
             drops.extend(Drop(r, STALE) for r in group)
             return False
         return True

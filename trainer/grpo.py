@@ -1,6 +1,7 @@
 """GRPO with a decoupled PPO clip and truncated importance sampling (TIS), as pure functions.
 
-For each completion token t of a sample drawn by the rollout (behavior policy b, version v):
+For each completion token t of a sample drawn by the rollout (behavior policy b; token t sampled
+by version v_t, one version per sample unless loop.inflight_updates):
     A        = (R - mean_group(R)) / (std_group(R) + eps)        group-normalized advantage
     r        = exp(logp_new - logp_prox)                           ratio to the proximal policy
     w        = min(exp(logp_prox - logp_behav), C)                 truncated importance weight
@@ -11,8 +12,9 @@ how far the step moves the trainer, while w corrects for the rollout being stale
 
 Mismatch metrics, all means over completion tokens:
     logp_abs_diff       |logp_prox - logp_behav|          total train/rollout mismatch
-    logp_abs_diff_quant |logp_v - logp_behav|             same weights (version v), different path
+    logp_abs_diff_quant |logp_v - logp_behav|             same weights (the token's version v), different path
     logp_abs_diff_stale |logp_prox - logp_v|              same path, version v -> current
+    (tokens on KV of an older version, in-flight updates, are in neither: logp_abs_diff_stale_kv)
     kl_k3               E_b[r' - 1 - log r'], r' = p_prox / p_behav   (k3 estimator of KL(b || prox))
 """
 
@@ -68,7 +70,12 @@ def masked_mean(x: Tensor, mask: Tensor) -> float:
 
 
 def mismatch_metrics(
-    logp_prox: Tensor, logp_behav: Tensor, logp_version: Tensor, mask: Tensor, version_known: Tensor | None = None
+    logp_prox: Tensor,
+    logp_behav: Tensor,
+    logp_version: Tensor,
+    mask: Tensor,
+    version_known: Tensor | None = None,
+    stale_kv: Tensor | None = None,
 ) -> dict[str, float]:
     """Train/rollout mismatch per completion token (masked means over [B, T]):
 
@@ -79,15 +86,22 @@ def mismatch_metrics(
         logp_abs_diff_quant_p50 / _p95: median and 95th percentile of |logp_version - logp_behav|
                                         over the tokens (the mean hides how rare large ones are)
 
-    version_known [B] (bool): rows whose version's weights are known; the others (samples from
-    before a restart) are left out of the two parts and the percentiles, which are absent from the
-    result when no row is known (a mean over nothing is no number, never NaN).
+    version_known [B] or [B, T] (bool): rows / tokens whose version's weights are known; the others
+    (samples from before a restart) are left out of the two parts and the percentiles, which are
+    absent from the result when no token is known (a mean over nothing is no number, never NaN).
+    stale_kv [B, T] (bool): tokens sampled on KV an older version computed (in-flight updates keep
+    it), whose |logp_version - logp_behav| is not quantization alone: left out of the split too, and
+        logp_abs_diff_stale_kv = mean |logp_version - logp_behav| over them   (when there are any known)
     """
     d = logp_prox - logp_behav
-    split = mask if version_known is None else mask * version_known[:, None].to(mask)  # its dtype and device
+    known = mask if version_known is None else version_known if version_known.dim() == 2 else version_known[:, None]
+    known = mask * known.to(mask)  # its dtype and device
+    split = known if stale_kv is None else known * (~stale_kv).to(mask)
     quant = (logp_version - logp_behav).abs()
     tokens = quant[split > 0]
     out = {"logp_abs_diff": masked_mean(d.abs(), mask), "kl_k3": masked_mean(torch.exp(d) - 1 - d, mask)}
+    if stale_kv is not None and bool((known * stale_kv.to(mask)).sum() > 0):
+        out["logp_abs_diff_stale_kv"] = masked_mean(quant, known * stale_kv.to(mask))
     if tokens.numel():
         out.update(
             logp_abs_diff_quant=masked_mean(quant, split),

@@ -51,6 +51,27 @@ GAUGES = {
         "tandem_trainer_logp_abs_diff_stale",
         "staleness part of the mismatch: current vs the sample's version, mean per token (nats)",
     ),
+    "logp_abs_diff_stale_kv": (
+        "tandem_trainer_logp_abs_diff_stale_kv",
+        "|trainer under the token's version - rollout| over tokens sampled on KV of an older version "
+        "(loop.inflight_updates), mean per token, last step (nats)",
+    ),
+    "token_staleness_mean": (
+        "tandem_trainer_token_staleness_mean",
+        "mean over the last step's completion tokens of trainer version - the token's version (versions)",
+    ),
+    "tokens_over_max_staleness_frac": (
+        "tandem_trainer_tokens_over_max_staleness_frac",
+        "fraction of the last step's completion tokens more than loop.max_staleness versions old (0..1; 0 by admission)",
+    ),
+    "samples_multi_version": (
+        "tandem_trainer_samples_multi_version",
+        "samples of the last step whose tokens span more than one version (loop.inflight_updates) (samples)",
+    ),
+    "tokens_on_stale_kv": (
+        "tandem_trainer_tokens_on_stale_kv",
+        "completion tokens of the last step sampled on KV an older version computed (tokens)",
+    ),
     "kl_k3": ("tandem_trainer_kl_k3", "k3 estimate of KL(rollout || trainer) per completion token, last step (nats)"),
     "grad_norm": (
         "tandem_trainer_grad_norm",

@@ -111,7 +111,10 @@ def build_parts(
         max_completion_tokens=task.max_completion_tokens,
         max_abs_reward=cfg.max_abs_reward,
     )
-    step = GRPOStep(cfg, backend, versions, pad_id=task.pad_id, temperature=loop.temperature, device=device)
+    step = GRPOStep(
+        cfg, backend, versions, pad_id=task.pad_id, temperature=loop.temperature, device=device,
+        max_staleness=loop.max_staleness,
+    )  # fmt: skip
     # Versions are framed into reusable host buffers (page-locked on CUDA; shared memory that the
     # server's process maps, when it has one).
     buffers = frames.BufferPool(pin=device.type == "cuda", shared=in_child)

@@ -36,9 +36,10 @@ def pack(
     return tokens, targets, attn, loss_mask
 
 
-def scatter_rows(values: Sequence[Sequence[float]], loss_mask: Tensor) -> Tensor:
-    """Place per-completion-token values (e.g. behavior log-probs) at the loss_mask positions."""
-    out = torch.zeros_like(loss_mask)
+def scatter_rows(values: Sequence[Sequence[float]], loss_mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Place per-completion-token values (e.g. behavior log-probs; token versions with dtype long)
+    at the loss_mask positions, 0 elsewhere."""
+    out = torch.zeros_like(loss_mask, dtype=dtype)
     for b, v in enumerate(values):
         idx = loss_mask[b].nonzero().squeeze(-1)
         if len(idx) != len(v):

@@ -249,7 +249,11 @@ class Trainer:
         line = {
             "step": self.state.step,
             "version": self.state.version,
-            "groups": [[g[0].group_id, g[0].policy_version, g[0].worker_id] for g in groups],
+            # [group id, newest version, worker, the oldest token's version of the group]
+            "groups": [
+                [g[0].group_id, max(t.policy_version for t in g), g[0].worker_id, min(t.oldest_version for t in g)]
+                for g in groups
+            ],
             "dropped": self.state.dropped_unaudited,
         }
         self.state.dropped_unaudited = []

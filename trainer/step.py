@@ -4,13 +4,16 @@
     row = step.optimize(batch, version=v)               `minibatches` updates; the step's metrics row
 
 `prox` is the trainer's recompute under its current weights (the PPO proximal policy); `at_version`
-is each sample's log-probs under its own policy version v (the quantization part of the mismatch,
-trainer.grpo), from v's retained packed tensors (trainer.versions), or `prox` itself where the
-weights are still v's (`weights_version`). Rows whose version is not held (from before a restart)
-are marked unknown and left out of the split. Every forward takes at most
-trainer.microbatch_tokens padded tokens: the recompute in chunks, each update accumulating its
-gradient over chunks of its minibatch (one optimizer update per minibatch). The pure parts (`staleness_stats`, `lr_at`) are
-tested by hand (tests/unit/test_step.py).
+is each token's log-prob under the version that sampled it (the quantization part of the mismatch,
+trainer.grpo): per distinct version v of the batch's tokens, the rows holding one recomputed under
+v's retained packed tensors (trainer.versions), or `prox` itself where the weights are still v's
+(`weights_version`), each token picking its own (`versions.per_token`). Tokens whose version is not
+held (from before a restart) are marked unknown and left out of the split; tokens on KV of an older
+version (loop.inflight_updates keeps it) are reported apart (`logp_abs_diff_stale_kv`). Staleness is
+per token (trainer version - the token's version); a sample's is its oldest token's. Every forward
+takes at most trainer.microbatch_tokens padded tokens: the recompute in chunks, each update
+accumulating its gradient over chunks of its minibatch (one optimizer update per minibatch). The pure parts
+(`staleness_stats`, `token_stats`, `lr_at`) are tested by hand (tests/unit/test_step.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from broker.codec import Trajectory
@@ -26,7 +30,7 @@ from broker.codec import Trajectory
 from . import grpo
 from .config import TrainerConfig
 from .sequences import pack, scatter_rows
-from .versions import RetainedVersions
+from .versions import RetainedVersions, per_token
 from .warmstart import lr_factor
 
 
@@ -42,11 +46,13 @@ class Batch:
     behav: torch.Tensor  # the rollouts' behavior log-probs
     rewards: torch.Tensor  # [B]
     adv: torch.Tensor  # [B] group-normalized advantages
-    versions: torch.Tensor  # [B] policy version each sample came from
+    versions: torch.Tensor  # [B] the version of each sample's oldest token
     prox: torch.Tensor  # current weights (proximal policy)
-    at_version: torch.Tensor  # each sample's own version
+    at_version: torch.Tensor  # each token under its own version
     started: float  # perf_counter at the start of the step
-    known: torch.Tensor | None = None  # [B] bool: rows whose version's weights are held (at_version valid)
+    known: torch.Tensor | None = None  # [B] bool: rows whose every token's version is held
+    token_versions: torch.Tensor | None = None  # [B, T] long: the version that sampled each target (0 off the mask)
+    token_known: torch.Tensor | None = None  # [B, T] bool: at_version valid (its version held)
     recompute_s: float = 0.0  # seconds the recompute took (older versions' forwards included)
     at_version_s: float = 0.0  # of which the older versions' forwards (trainer.versions)
 
@@ -61,9 +67,12 @@ class GRPOStep:
         pad_id: int,
         temperature: float,
         device: torch.device,
+        max_staleness: int,
     ):
-        """temperature: the rollouts' sampling temperature (the log-probs must match it)."""
+        """temperature: the rollouts' sampling temperature (the log-probs must match it);
+        max_staleness: the run's bound (loop.max_staleness), which the per-token metrics check."""
         self.cfg, self.backend, self.versions = cfg, backend, versions
+        self.max_staleness = max_staleness
         self.pad_id, self.temperature, self.device = pad_id, temperature, device
         self.autocast = backend.autocast()
 
@@ -78,34 +87,37 @@ class GRPOStep:
         behav = scatter_rows([t.behavior_logprobs for t in samples], mask)
         rewards = torch.tensor([t.reward for t in samples], dtype=torch.float32)
         adv = grpo.group_advantages(rewards, self.cfg.group_size)
-        versions = torch.tensor([t.policy_version for t in samples])
-        tokens, targets, attn, mask, behav, rewards, adv = (
-            t.to(self.device) for t in (tokens, targets, attn, mask, behav, rewards, adv)
+        versions = torch.tensor([t.oldest_version for t in samples])
+        tv = scatter_rows([t.token_versions.astype(np.int64) for t in samples], mask, dtype=torch.long)
+        rows_of = {  # version -> the rows holding a token of it (on the host: no device sync)
+            v: ((tv == v) & (mask > 0)).any(dim=1).nonzero().squeeze(-1).to(self.device)
+            for v in sorted({int(v) for t in samples for v in np.unique(t.token_versions)})
+        }
+        tokens, targets, attn, mask, behav, rewards, adv, tv = (
+            t.to(self.device) for t in (tokens, targets, attn, mask, behav, rewards, adv, tv)
         )
         with torch.no_grad(), self.autocast:
-            prox = torch.cat([
-                self.backend.token_logprobs(tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature)
-                for r in self._chunks(torch.arange(len(samples), device=self.device), tokens.shape[1])
-            ])  # fmt: skip
-            at_version = prox.clone()
+            prox = self._logprobs(lambda r: self.backend.token_logprobs(
+                tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature
+            ), torch.arange(len(samples), device=self.device), tokens.shape[1])  # fmt: skip
             self._sync()
             t1 = time.perf_counter()
-            known = torch.ones(len(samples), dtype=torch.bool)
-            for v in sorted(set(versions.tolist())):
+            by_version = {}
+            for v, rows in rows_of.items():
                 if v == weights_version:
-                    continue  # the current weights are version v: prox
-                if v not in self.versions:
-                    known[versions == v] = False
-                    continue
-                for rows in self._chunks((versions == v).nonzero().squeeze(-1).to(self.device), tokens.shape[1]):
-                    at_version[rows] = self.versions.token_logprobs(
-                        v, tokens[rows], targets[rows], attention_mask=attn[rows], temperature=self.temperature
-                    )
+                    by_version[v] = (rows, prox[rows])  # the current weights are version v: prox
+                elif v in self.versions:
+                    by_version[v] = (rows, self._logprobs(lambda r, v=v: self.versions.token_logprobs(
+                        v, tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature
+                    ), rows, tokens.shape[1]))  # fmt: skip
+            at_version, token_known = per_token(tv, by_version, prox)
         self._sync()
         t2 = time.perf_counter()
+        on_mask = mask > 0
+        known = (token_known | ~on_mask).all(dim=1).cpu()
         return Batch(
-            tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0,
-            known=known, recompute_s=t2 - t0, at_version_s=t2 - t1,
+            tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0, known=known,
+            token_versions=tv, token_known=token_known & on_mask, recompute_s=t2 - t0, at_version_s=t2 - t1,
         )  # fmt: skip
 
     def _sync(self) -> None:
@@ -114,6 +126,10 @@ class GRPOStep:
         in-flight publish's copies to the host (broker.frames.fill) that this step need not wait for."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def _logprobs(self, forward, rows: torch.Tensor, row_len: int) -> torch.Tensor:
+        """forward(rows) -> [len(rows), T] log-probs, run in chunks of trainer.microbatch_tokens."""
+        return torch.cat([forward(r) for r in self._chunks(rows, row_len)])
 
     def _chunks(self, rows: torch.Tensor, row_len: int) -> tuple[torch.Tensor, ...]:
         """`rows` in chunks of at most trainer.microbatch_tokens padded tokens (one row at least)."""
@@ -145,7 +161,15 @@ class GRPOStep:
         return {
             "reward_mean": float(b.rewards.mean()),
             **staleness_stats(version, b.versions.tolist()),
-            **grpo.mismatch_metrics(b.prox, b.behav, b.at_version, b.mask, version_known=b.known),
+            **token_stats(version, b.token_versions, b.mask, max_staleness=self.max_staleness),
+            **grpo.mismatch_metrics(
+                b.prox,
+                b.behav,
+                b.at_version,
+                b.mask,
+                version_known=b.token_known,
+                stale_kv=stale_kv(b.token_versions, b.mask),
+            ),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "clip_frac": stats["clip_frac"] / max(stats["tokens"], 1.0),
             "tis_frac": stats["tis_frac"] / max(stats["tokens"], 1.0),
@@ -157,8 +181,37 @@ class GRPOStep:
         }
 
 
+def stale_kv(token_versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: completion tokens of a newer version than their sample's first token, which
+    attend to KV an older version computed (the KV is kept across an in-flight swap)."""
+    on = mask > 0
+    first = torch.where(on, token_versions, torch.iinfo(torch.long).max).min(dim=1, keepdim=True).values
+    return on & (token_versions > first)
+
+
+def token_stats(version: int, token_versions: torch.Tensor, mask: torch.Tensor, *, max_staleness: int) -> dict:
+    """Per-token staleness (version - the token's version) over the completion tokens of [B, T]:
+    token_staleness_mean; tokens_over_max_staleness_frac (admission bounds a sample's oldest token,
+    so this is 0); samples_multi_version (samples whose tokens span > 1 version); tokens_on_stale_kv."""
+    on = mask > 0
+    staleness = (version - token_versions)[on].double()
+    spans = (
+        torch.where(on, token_versions, 0).max(dim=1).values
+        > torch.where(on, token_versions, torch.iinfo(torch.long).max).min(dim=1).values
+    )
+    return {
+        "token_staleness_mean": float(staleness.mean()) if staleness.numel() else 0.0,
+        "tokens_over_max_staleness_frac": float((staleness > max_staleness).double().mean())
+        if staleness.numel()
+        else 0.0,
+        "samples_multi_version": int(spans.sum()),
+        "tokens_on_stale_kv": int(stale_kv(token_versions, mask).sum()),
+    }
+
+
 def staleness_stats(version: int, sample_versions: list[int]) -> dict:
-    """Staleness (version - sample version) of a step's samples: mean, max and a histogram."""
+    """Staleness (version - the version of the sample's oldest token) of a step's samples: mean, max
+    and a histogram."""
     staleness = [version - v for v in sample_versions]
     return {
         "staleness_mean": sum(staleness) / len(staleness),

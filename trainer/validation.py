@@ -12,6 +12,7 @@ Rules, each with the reason string it returns (the first that fails):
     behavior_logprobs  finite, in [min_logprob, 0]            (log-probabilities of sampled tokens)
     |reward|           <= max_abs_reward, finite
     1 <= policy_version <= the trainer's current version      (no sample from the future)
+    token_versions     >= 1  (the codec checks the rest: non-decreasing, the last = policy_version)
 """
 
 from __future__ import annotations
@@ -80,4 +81,6 @@ def check_trajectory(
         return f"reward={t.reward!r} (want finite, |reward| <= {rules.max_abs_reward:g})"
     if not 1 <= t.policy_version <= version:
         return f"policy_version={t.policy_version} (want 1..{version}, the trainer's current version)"
+    if t.oldest_version < 1:
+        return f"token_versions from {t.oldest_version} (want >= 1)"
     return None

@@ -3,6 +3,7 @@
     versions = RetainedVersions(model_config, plan, keep=max_staleness)
     versions.add(v, backend.quantized_params())    # at each publish: references, no copy
     versions.token_logprobs(v, tokens, targets, attention_mask=attn, temperature=T)
+    per_token(token_versions, by_version, fallback) -> (log-probs, known)   each token under its own version
 
 Rules:
 - `add` holds references to the QuantizedParams the publish produced (the QAT cache's own objects,
@@ -11,7 +12,9 @@ Rules:
 - `token_logprobs(v, ...)` equals, bit for bit, the QAT forward (training recipe, the Compute
   contract's operands) of version v's master weights: a meta-device scratch model whose hook builds
   each operand when its matmul runs (an MoE projection's experts together) and drops it after.
-- Versions from before a restart are not held; their samples are left out of the split.
+- A sample spanning versions (loop.inflight_updates) is recomputed under each distinct version of
+  its tokens, and each token takes the one of its own version (`per_token`, pure).
+- Versions from before a restart are not held; their tokens are left out of the split.
 Why packed versions and not fp32 snapshots, and the memory they take: docs/design-decisions.md."""
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from policy.formats.params import QuantizedParam
 from policy.model import ModelConfig, MoE, Transformer
 from policy.recipe import Plan
 
-__all__ = ["RetainedVersions", "aliasing"]
+__all__ = ["RetainedVersions", "aliasing", "per_token"]
 
 
 def aliasing(tensors: Mapping[str, QuantizedParam], live: Iterable[Tensor]) -> list[str]:
@@ -38,6 +41,21 @@ def aliasing(tensors: Mapping[str, QuantizedParam], live: Iterable[Tensor]) -> l
         for n, q in tensors.items()
         if any(t.untyped_storage().data_ptr() in storages for t in q.value.parts().values())
     ]
+
+
+def per_token(
+    token_versions: Tensor, by_version: Mapping[int, tuple[Tensor, Tensor]], fallback: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Each token's log-prob under the version that sampled it: out[b, t] = the log-probs of
+    v = token_versions[b, t] at (b, t), where by_version[v] = (rows [R] long, log-probs [R, T]) holds
+    the recompute under v of rows `rows`; a token whose version (or row) is not there keeps
+    fallback[b, t] and is not known. -> (out [B, T], known [B, T] bool)."""
+    out, known = fallback.clone(), torch.zeros(token_versions.shape, dtype=torch.bool, device=fallback.device)
+    for v, (rows, logp) in by_version.items():
+        pick = token_versions[rows] == v  # [R, T]
+        out[rows] = torch.where(pick, logp.to(out.dtype), out[rows])
+        known[rows] |= pick
+    return out, known
 
 
 class RetainedVersions:

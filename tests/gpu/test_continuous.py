@@ -105,3 +105,43 @@ def test_continuous_batching_on_cuda(recipe):
     assert same / total >= 0.75, same / total
     d = torch.cat(diffs)
     assert d.median().item() < 0.02 and d.max().item() < 0.5, (d.median().item(), d.max().item())
+
+
+def test_in_flight_update_on_cuda_graphs_continues_rows_under_the_new_weights():
+    """loop.inflight_updates on the packed engine: `update` in place between two batcher steps, rows
+    live; the captured graphs read the new weights; each token's version is where the engine sampled."""
+    cfg = ModelConfig.preset("small", n_layers=2, max_seq_len=256)
+    plan = None
+    packed = {}
+    for v in (1, 2):
+        with torch.device(DEV):
+            model = Transformer(cfg, seed=v).to(torch.bfloat16)
+        plan = Recipe.load("nvfp4_moe").plan(model)
+        packed[v] = qat.quantize_weights(model, plan)
+    eng = PackedEngine(
+        cfg, plan, packed[1], device=DEV, engine=EngineConfig(max_batch=8, max_seq_len=96, graph_buckets=(2, 4, 8))
+    )
+    eng.capture()
+    prompt = list(range(5, 17))
+
+    def run(swap_after: int | None):
+        b = ContinuousBatcher(
+            PackedBackend(eng, temperature=1.0, stop=set(), pad_id=0, check_every=4), max_inflight_groups=2, version=1
+        )
+        b.submit("a", prompt, [1, 2, 3], max_new_tokens=40)
+        done, steps = [], 0
+        while not b.idle:
+            done += b.step()
+            steps += 1
+            if steps == swap_after:
+                assert eng.update(packed[2])
+                b.swap(2, inflight=True)
+        return done[0]
+
+    ref = run(None)
+    assert ref.versions == [[1] * 40] * 3
+    got = run(2)  # admission samples token 0, each step decodes 4: 9 tokens per row at the swap
+    assert got.versions == [[1] * 9 + [2] * 31] * 3
+    assert [t[:9] for t in got.tokens] == [t[:9] for t in ref.tokens]  # v1's tokens: the same computation
+    assert any(t[9:] != r[9:] for t, r in zip(got.tokens, ref.tokens))  # the graphs read v2's weights
+    assert eng.update(packed[1])

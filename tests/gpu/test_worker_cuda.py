@@ -78,3 +78,54 @@ def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
             diffs.append((lp[0, len(t.prompt_tokens) - 1 :] - torch.from_numpy(t.behavior_logprobs)).abs())
     d = torch.cat(diffs)
     assert d.median().item() < 0.05 and d.max().item() < 1.0, d
+
+
+def test_in_flight_updates_on_cuda_install_between_decode_chunks():
+    """loop.inflight_updates on the CUDA worker: v2 copied into the live engine with a group in flight,
+    whose samples continue under it (their tokens' versions where the engine sampled anew)."""
+    cfg = config.load(
+        "configs/demo.yaml",
+        ["rollout.device=cuda", "rollout.max_batch=4", "loop.inflight_updates=true", "task.digits=9"],
+    )
+    _, model_config, recipe = services.task_and_model(cfg)
+    worker = services.make_worker(cfg, "gpu-worker")
+    logs: list[str] = []
+    worker.log = logs.append
+    contract = contract_from_recipe(model_config=model_config, recipe=recipe)
+    plan = recipe.plan(model_config)
+
+    def build(v: int):
+        tensors = quantize_params(dict(Transformer(model_config, seed=v).named_parameters()), plan)
+        return mf.build_manifest(version=v, parent_version=None, contract=contract, tensors=tensors)
+
+    async def scenario(server):
+        def pointer(v):
+            return PolicyPointer(version=v, address=server.address, contract_fingerprint=worker.fingerprint)
+
+        assert await load(worker, pointer(1)), logs
+        p = worker.task.prompt(0)
+        group = PromptGroup(
+            prompt_id="p0", group_id="g0", prompt_tokens=np.asarray(p.tokens, dtype=np.int32), n_samples=4,
+            task=p.fields,
+        )  # fmt: skip
+        worker.submit(group)
+        assert worker.step() == []  # admission samples token 0, one step decodes 8: 9 tokens per row
+        assert not await worker.offer(pointer(2)) and not worker.batcher.draining
+        await worker.wait_fetch(120)
+        first = worker.engine
+        assert await worker.offer(pointer(2)) and worker.engine is first  # in place, the group in flight
+        finished = []
+        while not finished:
+            finished = worker.step()
+        return finished[0].trajectories
+
+    with PolicyServer(PolicyServerConfig(port=0)) as server:
+        for v in (1, 2):
+            server.publish(build(v))
+        trajs = asyncio.run(scenario(server))
+    assert "continued in flight" in next(ln for ln in logs if "policy v2 live" in ln)
+    for t in trajs:
+        n = len(t.completion_tokens)
+        assert t.token_versions.tolist() == [1] * min(n, 9) + [2] * max(0, n - 9)
+        assert t.policy_version == t.token_versions[-1] and t.info["tokens_on_stale_kv"] == max(0, n - 9)
+    assert any(len(t.completion_tokens) > 9 for t in trajs), [len(t.completion_tokens) for t in trajs]

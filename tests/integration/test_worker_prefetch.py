@@ -141,3 +141,51 @@ async def _prefetch_scenario(worker, logs: list[str], free_port) -> None:
 
 def metric(worker, name: str, **labels) -> float | None:
     return worker.metrics.endpoint.registry.get_sample_value(name, labels)
+
+
+async def test_in_flight_updates_install_between_decode_steps_and_samples_continue_under_the_new_version():
+    """loop.inflight_updates: groups keep starting while v2 is fetched; once fetched it is live at the next
+    offer with a group in flight, whose samples carry both versions (the KV kept: tokens_on_stale_kv)."""
+    cfg = dataclasses.replace(
+        CFG,
+        loop=dataclasses.replace(CFG.loop, inflight_updates=True),
+        task=dataclasses.replace(CFG.task, digits=9),  # up to 11 tokens: samples outlast the swap
+        rollout=dataclasses.replace(CFG.rollout, max_inflight_groups=2, max_batch=4),
+    )
+    logs: list[str] = []
+    worker = make_worker(cfg, "w0")
+    worker.log = logs.append
+    with PolicyServer(PolicyServerConfig(keep_versions=4)) as server:
+        for v in (1, 2):
+            server.publish(build(v))
+
+        def pointer(v: int) -> PolicyPointer:
+            return PolicyPointer(version=v, address=server.address, contract_fingerprint=worker.fingerprint)
+
+        assert await load(worker, pointer(1))
+        p = worker.task.prompt(0)
+        prompt = np.asarray(p.tokens, dtype=np.int32)
+        a = PromptGroup(prompt_id="p0", group_id="a", prompt_tokens=prompt, n_samples=2, task=p.fields)
+        b = PromptGroup(prompt_id="p0", group_id="b", prompt_tokens=prompt, n_samples=2, task=p.fields)
+        worker.submit(a)
+        assert worker.step() == []  # a: one token per sample under v1, the next one's logits computed
+        assert not await worker.offer(pointer(2))
+        assert worker.swap.pending.pointer.version == 2 and not worker.batcher.draining  # no drain
+        worker.submit(b)  # groups keep starting while fetching
+        done = {f.group.group_id: f.trajectories for f in worker.step()}  # b starts under v1
+        await worker.wait_fetch(120)
+        assert await worker.offer(pointer(2)) and worker.version == 2  # groups in flight: installed anyway
+        while len(done) < 2:
+            done.update({f.group.group_id: f.trajectories for f in worker.step()})
+        # At the swap a's samples had 2 tokens, b's 1; on the CPU the next one's logits were computed.
+        for key, old in (("a", 3), ("b", 2)):
+            for t in done[key]:
+                n = len(t.completion_tokens)
+                assert t.token_versions.tolist() == [1] * min(n, old) + [2] * max(0, n - old), key
+                assert t.policy_version == t.token_versions[-1] and t.oldest_version == 1
+                assert t.info["tokens_on_stale_kv"] == max(0, n - old)
+        assert any(len(t.completion_tokens) > 3 for t in done["a"]), "no sample of a spans the swap"
+        stale = sum(t.info["tokens_on_stale_kv"] for g in done.values() for t in g)
+        assert metric(worker, "tandem_rollout_tokens_on_stale_kv_total") == stale > 0
+        assert metric(worker, "tandem_rollout_inflight_swaps_total") == 1
+        assert metric(worker, "tandem_rollout_policy_swap_part_seconds", part="drain_wait") < 1.0

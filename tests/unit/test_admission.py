@@ -12,7 +12,11 @@ from trainer.admission import FINGERPRINT, STALE, Backlog, admit
 FP = "f" * 64
 
 
-def rec(group: str, index: int, *, version: int = 5, size: int = 2, fp: str = FP) -> TrajectoryRecord:
+def rec(
+    group: str, index: int, *, version: int = 5, size: int = 2, fp: str = FP, tokens: list[int] | None = None
+) -> TrajectoryRecord:
+    """A sample of `group`; `tokens`: its token versions (the last is its policy_version), else one token at `version`."""
+    tokens = tokens or [version]
     t = Trajectory(
         sample_id=f"{group}-{index}",
         prompt_id=group,
@@ -20,10 +24,11 @@ def rec(group: str, index: int, *, version: int = 5, size: int = 2, fp: str = FP
         sample_index=index,
         group_size=size,
         prompt_tokens=np.array([1, 2], dtype=np.int32),
-        completion_tokens=np.array([3], dtype=np.int32),
-        behavior_logprobs=np.array([-0.5], dtype=np.float32),
+        completion_tokens=np.array([3] * len(tokens), dtype=np.int32),
+        behavior_logprobs=np.array([-0.5] * len(tokens), dtype=np.float32),
         reward=1.0,
-        policy_version=version,
+        policy_version=tokens[-1],
+        token_versions=np.array(tokens),
         contract_fingerprint=fp,
         worker_id="w0",
         created_at=0.0,
@@ -109,3 +114,24 @@ def test_inputs_are_not_modified_and_bad_bounds_are_refused():
         run(Backlog(), [], groups=0)
     with pytest.raises(ValueError, match="max_staleness=-1"):
         run(Backlog(), [], max_staleness=-1)
+
+
+# ------------------------------------------------------------------ per-token versions (in-flight updates)
+
+
+def test_the_oldest_token_decides_a_samples_staleness():
+    # Trainer at 5, max_staleness 2: a sample whose first token is v2 is 3 old, though its newest is v5.
+    out = run(Backlog(), [rec("a", 0, tokens=[2, 4, 5]), rec("b", 0, tokens=[3, 3, 5]), rec("b", 1, tokens=[3])])
+    assert [(d.record.trajectory.sample_id, d.reason) for d in out.drops] == [("a-0", STALE)]
+    assert ids(out.backlog.complete) == [["b-0", "b-1"]]
+    # One step later (version 6) the v3 tokens are 3 old: the whole held group goes.
+    later = run(out.backlog, [], version=6)
+    assert sorted(d.record.trajectory.sample_id for d in later.drops) == ["b-0", "b-1"] and later.train == []
+
+
+def test_a_held_group_goes_when_any_of_its_samples_is_too_old():
+    # Sample 0 began under v4, sample 1 under v3 (both end at v5): at version 6 the group is 3 old.
+    held = run(Backlog(), [rec("a", 0, tokens=[4, 5]), rec("a", 1, tokens=[3, 5])], groups=2)
+    assert held.drops == [] and ids(held.backlog.complete) == [["a-0", "a-1"]]
+    assert [d.reason for d in run(held.backlog, [], version=6).drops] == [STALE, STALE]
+    assert run(held.backlog, [], version=5, groups=1).train  # at 5 it is 2 old: trained

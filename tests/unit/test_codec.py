@@ -68,7 +68,7 @@ def assert_same(a: Trajectory, b: Trajectory) -> None:
         "info",
     ):
         assert getattr(a, name) == getattr(b, name), name
-    for name in ("prompt_tokens", "completion_tokens", "behavior_logprobs"):
+    for name in ("prompt_tokens", "completion_tokens", "behavior_logprobs", "token_versions"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
 
@@ -97,7 +97,7 @@ def test_trajectory_round_trip_is_exact_and_zero_copy():
     assert u.prompt_tokens.dtype == np.dtype("<i4") and u.behavior_logprobs.dtype == np.dtype("<f4")
     # views into the received bytes: read-only, no copy
     assert not u.completion_tokens.flags.writeable
-    assert len(data) < 1000 * 8 + 200 * 4 + 1024
+    assert len(data) < 1000 * 12 + 200 * 4 + 1024  # 4 bytes per token each: ids, log-probs, versions
 
 
 def test_prompt_group_round_trip():
@@ -135,6 +135,8 @@ scalars = (
 def trajectories(draw):
     n = draw(st.integers(0, 300))
     group_size = draw(st.integers(1, 64))
+    version = draw(st.integers(0, 2**32 - 1))
+    versions = sorted(draw(st.lists(st.integers(0, version), min_size=n, max_size=n)))[:-1] + [version] * (n > 0)
     return Trajectory(
         sample_id=draw(ids),
         prompt_id=draw(ids),
@@ -147,7 +149,8 @@ def trajectories(draw):
             draw(st.lists(st.floats(-1e6, 0, width=32), min_size=n, max_size=n)), dtype=np.float32
         ),
         reward=draw(st.floats(allow_nan=False, allow_infinity=False)),
-        policy_version=draw(st.integers(0, 2**63 - 1)),
+        policy_version=version,
+        token_versions=np.array(versions, dtype=np.int64),
         contract_fingerprint=draw(ids),
         worker_id=draw(ids),
         created_at=draw(st.floats(0, 4e9)),
@@ -336,3 +339,68 @@ def test_single_byte_corruptions_raise_only_codec_error_or_decode(pos, value):
         return
     # a corruption inside an array payload or a scalar can still be a valid message
     assert t.completion_tokens.shape[0] == t.behavior_logprobs.shape[0]
+
+
+# ------------------------------------------------------------------ token versions (schema 2)
+
+
+def test_token_versions_round_trip_and_oldest_version():
+    t = make_traj(n_completion=5, policy_version=9, token_versions=[7, 7, 8, 9, 9])
+    u = decode_trajectory(encode_trajectory(t))
+    assert u.token_versions.dtype == np.dtype("<u4") and u.token_versions.tolist() == [7, 7, 8, 9, 9]
+    assert (u.policy_version, u.oldest_version) == (9, 7)
+    # None: every token at policy_version (drain-on-swap); an empty completion's oldest is policy_version.
+    assert make_traj(n_completion=3).token_versions.tolist() == [7, 7, 7]
+    empty = make_traj(n_completion=0)
+    assert empty.token_versions.size == 0 and empty.oldest_version == 7
+
+
+def test_a_schema_1_trajectory_decodes_with_every_token_at_its_policy_version():
+    data = repack(encode_trajectory(make_traj(n_completion=4)), schema=1, token_versions=_DELETE)
+    u = decode_trajectory(data)
+    assert u.token_versions.tolist() == [7, 7, 7, 7] and u.oldest_version == 7
+    with pytest.raises(CodecError) as e:  # schema 1 never had the field
+        decode_trajectory(repack(encode_trajectory(make_traj(n_completion=4)), schema=1))
+    assert e.value.field == "token_versions"
+    assert SCHEMA_VERSION == 2
+
+
+@pytest.mark.parametrize(
+    "versions, message",
+    [
+        ([7, 6, 7], "must be non-decreasing"),
+        ([5, 6, 6], "last token's version 6 != policy_version 7"),
+        ([7, 7], "want shape (3,)"),
+        ([-1, 7, 7], "versions in [-1, 7]"),
+        ([7.0, 7.0, 7.0], "want integer versions"),
+    ],
+)
+def test_bad_token_versions_are_refused_with_one_line(versions, message):
+    with pytest.raises(CodecError) as e:
+        make_traj(n_completion=3, token_versions=np.array(versions))
+    assert e.value.field == "token_versions" and message in str(e.value)
+    # The same on the wire: the decoder refuses what a well-behaved encoder would not write.
+    good = encode_trajectory(make_traj(n_completion=3))
+    raw = np.array(versions).astype("<u4").tobytes() if message != "want integer versions" else b"\0" * 12
+    with pytest.raises(CodecError) as e:
+        decode_trajectory(repack(good, token_versions=["<u4", len(versions), raw]))
+    assert e.value.field == "token_versions"
+
+
+def test_token_versions_on_the_wire_have_one_dtype_and_their_byte_count():
+    good = encode_trajectory(make_traj(n_completion=3))
+    for value in (["<i4", 3, b"\0" * 12], ["<u4", 3, b"\0" * 8]):
+        with pytest.raises(CodecError) as e:
+            decode_trajectory(repack(good, token_versions=value))
+        assert e.value.field == "token_versions"
+
+
+def test_the_trajectory_signature_covers_token_versions():
+    """broker.signing tags the encoded bytes: another token_versions is another payload."""
+    from broker.signing import TRAJECTORY, Signer
+
+    signer = Signer(b"k" * 32)
+    a = encode_trajectory(make_traj(n_completion=3, policy_version=7, token_versions=[6, 7, 7]))
+    b = encode_trajectory(make_traj(n_completion=3, policy_version=7, token_versions=[7, 7, 7]))
+    assert signer.verify(TRAJECTORY, a, signer.sign(TRAJECTORY, a))
+    assert not signer.verify(TRAJECTORY, b, signer.sign(TRAJECTORY, a))

@@ -71,6 +71,25 @@ def test_mismatch_percentiles_and_rows_of_unknown_versions():
     assert sorted(none) == ["kl_k3", "logp_abs_diff"]  # the split over no token is absent, not NaN
 
 
+def test_tokens_on_stale_kv_are_left_out_of_the_split_and_reported_apart():
+    # One row, 3 tokens; |quant| per token 0.1, 0.2, 0.6; the last two were sampled on older KV.
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    behav = torch.tensor([[-1.0, -2.0, -3.0]])
+    at_v = torch.tensor([[-1.1, -2.2, -3.6]])
+    kv = torch.tensor([[False, True, True]])
+    m = grpo.mismatch_metrics(at_v, behav, at_v, mask, version_known=torch.ones(1, 3, dtype=torch.bool), stale_kv=kv)
+    assert m["logp_abs_diff_quant"] == pytest.approx(0.1) and m["logp_abs_diff_stale"] == 0.0
+    assert m["logp_abs_diff_stale_kv"] == pytest.approx(0.4)
+    assert m["logp_abs_diff"] == pytest.approx(0.3)  # the total keeps every token
+    # Per-token known: an unknown token is in neither part.
+    known = torch.tensor([[True, False, True]])
+    m = grpo.mismatch_metrics(at_v, behav, at_v, mask, version_known=known, stale_kv=kv)
+    assert m["logp_abs_diff_stale_kv"] == pytest.approx(0.6) and m["logp_abs_diff_quant"] == pytest.approx(0.1)
+    assert "logp_abs_diff_stale_kv" not in grpo.mismatch_metrics(
+        at_v, behav, at_v, mask, stale_kv=torch.zeros(1, 3, dtype=torch.bool)
+    )
+
+
 def test_pack_aligns_targets_and_completion_mask():
     tokens, targets, attn, mask = pack([[1, 5, 6], [1, 7]], [[8, 2], [9, 9, 2]], pad_id=0)
     assert tokens.tolist() == [[1, 5, 6, 8], [1, 7, 9, 9]]

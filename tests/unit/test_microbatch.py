@@ -41,7 +41,7 @@ def _step(microbatch_tokens: int):
     recipe = Recipe.load("bf16")
     backend = make_backend(cfg, CFG, recipe, seed=1)
     versions = RetainedVersions(CFG, recipe.plan(CFG), keep=0)
-    step = GRPOStep(cfg, backend, versions, pad_id=0, temperature=1.0, device=torch.device("cpu"))
+    step = GRPOStep(cfg, backend, versions, pad_id=0, temperature=1.0, device=torch.device("cpu"), max_staleness=0)
     batch = step.recompute(_groups(), weights_version=0)
     row = step.optimize(batch, version=0)
     return row, batch.prox, [p.grad.clone() for p in backend.parameters()]  # the one update's gradient

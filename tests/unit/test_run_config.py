@@ -246,3 +246,13 @@ def test_gpu_h200_long_config_is_the_long_workload_and_says_so():
     )
     assert cfg.trainer.microbatch_tokens > 0
     assert config.RunConfig().rollout.ignore_stop is False  # never the default
+
+
+def test_loop_inflight_updates_is_a_bool_named_in_its_error():
+    assert config.load(None, ["loop.inflight_updates=true"]).loop.inflight_updates is True
+    assert config.load(None, []).loop.inflight_updates is False  # drain-on-swap by default
+    with pytest.raises(ValueError, match="loop.inflight_updates: expected bool"):
+        config.load(None, ["loop.inflight_updates=3"])
+    with pytest.raises(ValueError, match=r"inflight_updates=1 \(must be true or false\)"):
+        config.AsyncConfig(inflight_updates=1)
+    assert "drain-on-swap" in config.explain("loop.inflight_updates")

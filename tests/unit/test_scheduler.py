@@ -71,6 +71,21 @@ def test_drain_on_swap_finishes_started_groups_then_starts_queued_ones_under_the
     assert s.group_version("b") == 2 and not s.drained
 
 
+def test_an_in_flight_swap_keeps_started_groups_running_and_starts_new_ones_under_the_new_version():
+    s = Scheduler(slots=2, max_inflight_groups=3, version=1)
+    s.submit("a", 3)
+    assert slots_of(s.admit()) == [("a", 0, 0), ("a", 1, 1)]
+    s.submit("b", 1)
+    s.swap(2, inflight=True)  # rule 6: 2 slots busy and a's prefix held, and yet
+    assert s.version == 2 and not s.drained and s.busy_slots == [0, 1] and s.held_prefixes == ["a"]
+    assert s.group_version("a") == 1  # the version it started under
+    s.finish(0)
+    assert slots_of(s.admit()) == [("a", 2, 0)]  # a's last sample, from its v1 prefix
+    s.finish(1)
+    got = s.admit()
+    assert slots_of(got) == [("b", 0, 1)] and got[0].start and s.group_version("b") == 2
+
+
 def test_cancel_swap_resumes_with_the_current_version_and_no_version_admits_nothing():
     s = Scheduler(slots=1, max_inflight_groups=2)
     s.submit("a", 1)

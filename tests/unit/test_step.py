@@ -9,7 +9,8 @@ import torch
 from trainer.checkpoints import Checkpointer, checkpoints
 from trainer.config import LRSchedule, TrainerConfig
 from trainer.metrics import progress_line
-from trainer.step import lr_at, staleness_stats
+from trainer.step import lr_at, stale_kv, staleness_stats, token_stats
+from trainer.versions import per_token
 
 
 def test_staleness_is_version_minus_each_samples_version():
@@ -19,6 +20,42 @@ def test_staleness_is_version_minus_each_samples_version():
         "staleness_hist": {"0": 1, "1": 2, "2": 1},
     }
     assert staleness_stats(1, [1, 1]) == {"staleness_mean": 0.0, "staleness_max": 0, "staleness_hist": {"0": 2}}
+
+
+# Two rows [B=2, T=4]; row 0's completion is targets 1..3 with versions 3, 4, 4 (in-flight: it spans
+# two), row 1's targets 2..3, both at version 5. The trainer is at version 6, max_staleness 2.
+MASK = torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]])
+TV = torch.tensor([[0, 3, 4, 4], [0, 0, 5, 5]])
+
+
+def test_token_staleness_metrics_by_hand():
+    got = token_stats(6, TV, MASK, max_staleness=2)
+    # staleness per token: 3, 2, 2 and 1, 1 -> mean 9/5; one token (3 old) over the bound of 2
+    assert got == {
+        "token_staleness_mean": pytest.approx(9 / 5),
+        "tokens_over_max_staleness_frac": pytest.approx(1 / 5),
+        "samples_multi_version": 1,
+        "tokens_on_stale_kv": 2,  # row 0's v4 tokens attend to the v3 prompt KV and token
+    }
+    assert token_stats(5, TV, MASK, max_staleness=2)["tokens_over_max_staleness_frac"] == 0.0
+    assert stale_kv(TV, MASK).tolist() == [[False, False, True, True], [False, False, False, False]]
+
+
+def test_each_token_takes_the_recompute_of_its_own_version():
+    fallback = torch.full((2, 4), -9.0)
+    by_version = {
+        3: (torch.tensor([0]), torch.tensor([[-3.0, -3.25, -3.5, -3.75]])),  # row 0 under v3
+        4: (torch.tensor([0]), torch.tensor([[-4.0, -4.25, -4.5, -4.75]])),  # row 0 under v4
+        # v5 not held (from before a restart): row 1 keeps the fallback, unknown
+    }
+    out, known = per_token(TV, by_version, fallback)
+    assert out.tolist() == [[-9.0, -3.25, -4.5, -4.75], [-9.0, -9.0, -9.0, -9.0]]
+    assert known.tolist() == [[False, True, True, True], [False, False, False, False]]
+    # A version's rows may be all of them (the current weights: prox): each still picks its own tokens.
+    prox = torch.full((2, 4), -5.0)
+    out, known = per_token(TV, {**by_version, 5: (torch.arange(2), prox)}, fallback)
+    assert out[1].tolist() == [-9.0, -9.0, -5.0, -5.0] and out[0].tolist() == [-9.0, -3.25, -4.5, -4.75]
+    assert (known == (MASK > 0)).all()
 
 
 def test_the_learning_rate_follows_the_schedule_from_the_step_alone():

@@ -201,3 +201,35 @@ def test_a_live_version_refused_while_generating_is_never_fetched_again():
     assert s.live is None and s.refused_versions == {5} and s.versions_refused == 1
     assert s.offer(ptr(5), now=0.0, drained=True) == Step("resume")
     assert s.offer(ptr(6), now=0.0, drained=True).action == "fetch"
+
+
+# ------------------------------------------------------------------ in flight (loop.inflight_updates)
+
+
+def test_in_flight_groups_keep_starting_while_fetching_and_the_version_installs_as_soon_as_fetched():
+    s = VersionSwap(fingerprint=FP, inflight=True)
+    assert s.offer(ptr(1), now=0.0, drained=True) == Step("fetch", ticket=1)
+    s.fetch_done(1)
+    assert s.offer(ptr(1), now=0.0, drained=True) == Step("install")
+    s.went_live()
+    assert s.offer(ptr(2), now=1.0, drained=False) == Step("fetch", ticket=2)
+    assert s.offer(ptr(2), now=1.1, drained=False) == Step("wait")  # fetching: no drain, groups start
+    s.fetch_done(2)
+    assert s.offer(ptr(2), now=1.2, drained=False) == Step("install")  # groups in flight: installed anyway
+    assert s.went_live().pointer == ptr(2) and s.live == 2 and s.pending is None
+
+
+def test_in_flight_a_newer_pointer_supersedes_and_a_failure_resumes_as_when_draining():
+    s = VersionSwap(fingerprint=FP, inflight=True)
+    s.offer(ptr(1), now=0.0, drained=True)
+    s.fetch_done(1)
+    assert s.offer(ptr(1), now=0.0, drained=False) == Step("install")
+    s.went_live()
+    a = s.offer(ptr(2), now=0.0, drained=False)
+    b = s.offer(ptr(3), now=0.0, drained=False)
+    assert b == Step("fetch", cancel=True, line="v3 announced while fetching v2: superseded", ticket=a.ticket + 1)
+    s.fetch_done(b.ticket, grpc.RpcError())
+    step = s.offer(ptr(3), now=5.0, drained=False)
+    assert step.action == "resume" and step.cancel and s.live == 1 and s.fetch_failures == 1
+    assert s.offer(ptr(3), now=5.1, drained=False) == Step("wait")  # retried retry_s after the failure
+    assert s.offer(ptr(3), now=5.6, drained=False).action == "fetch"

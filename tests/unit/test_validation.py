@@ -22,6 +22,8 @@ def good(**changes) -> Trajectory:
         behavior_logprobs=np.array([-0.5, -0.0], dtype=np.float32), reward=1.0, policy_version=3,
         contract_fingerprint="f" * 64, worker_id="w0", created_at=0.0,
     )  # fmt: skip
+    if "token_versions" not in changes and {"completion_tokens", "policy_version"} & set(changes):
+        changes["token_versions"] = None  # all at the new policy_version, one per new token
     return dataclasses.replace(t, **changes)
 
 
@@ -31,6 +33,7 @@ def check(t: Trajectory, version: int = 3, fed=PROMPT) -> str | None:
 
 def test_a_good_sample_passes():
     assert check(good()) is None
+    assert check(good(token_versions=np.array([2, 3]))) is None  # spanning two versions (in-flight updates)
     assert check(good(reward=-10.0, completion_tokens=np.array([15, 0, 2], dtype=np.int32),
                       behavior_logprobs=np.array([-1000.0, -1.0, 0.0], dtype=np.float32))) is None  # fmt: skip
 
@@ -73,6 +76,7 @@ def test_a_good_sample_passes():
         (dict(reward=-10.5), 3, PROMPT, "reward=-10.5"),
         (dict(policy_version=4), 3, PROMPT, "policy_version=4 (want 1..3"),
         (dict(policy_version=0), 3, PROMPT, "policy_version=0"),
+        (dict(token_versions=np.array([0, 3])), 3, PROMPT, "token_versions from 0 (want >= 1)"),
     ],
 )
 def test_each_bad_field_is_named(changes, version, fed, reason):

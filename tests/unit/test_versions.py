@@ -198,7 +198,8 @@ def _step(parts, seed: int) -> None:
     parts.backend.qat_hook.invalidate()
 
 
-def _group(trainer, versions: list[int]) -> list[Trajectory]:
+def _group(trainer, versions: list[int], tokens: list | None = None) -> list[Trajectory]:
+    """Samples of policy versions `versions`; `tokens`: each one's token versions (default all at it)."""
     out = []
     for i, v in enumerate(versions):
         prompt = np.array([1, 5 + i, 7, 9], dtype=np.int32)
@@ -209,6 +210,7 @@ def _group(trainer, versions: list[int]) -> list[Trajectory]:
                 prompt_tokens=prompt, completion_tokens=completion,
                 behavior_logprobs=np.full(3, -1.0, np.float32), reward=float(i % 2), policy_version=v,
                 contract_fingerprint=trainer.contracts.accepted, worker_id="t", created_at=time.time(),
+                token_versions=None if tokens is None else np.array(tokens[i]),
             )
         )  # fmt: skip
     return out
@@ -235,12 +237,23 @@ async def test_trainer_publish_retains_packed_versions_and_recompute_uses_them(t
             step.temperature,
             trainer.backend.model_config,
         )
-        assert torch.equal(qat.bits(batch.at_version[:1]), qat.bits(ref))
+        on = batch.mask[:1] > 0  # at_version is each completion token's (off the mask: prox)
+        assert torch.equal(qat.bits(batch.at_version[:1][on]), qat.bits(ref[on]))
         assert not torch.equal(batch.at_version, batch.prox)
+        # A sample spanning v1 and v2 (in-flight updates): each token under its own version, bitwise.
+        mixed = step.recompute([_group(trainer, [2, 2], tokens=[[1, 1, 2], [2, 2, 2]])], weights_version=None)
+        whole1 = step.recompute([_group(trainer, [1, 2])], weights_version=None)
+        whole2 = step.recompute([_group(trainer, [2, 2])], weights_version=None)
+        at = (mixed.mask[0] > 0).nonzero().squeeze(-1)
+        assert torch.equal(qat.bits(mixed.at_version[0, at[:2]]), qat.bits(whole1.at_version[0, at[:2]]))
+        assert torch.equal(qat.bits(mixed.at_version[0, at[2:]]), qat.bits(whole2.at_version[0, at[2:]]))
+        assert not torch.equal(whole1.at_version[0, at], whole2.at_version[0, at])  # the pick mattered
+        assert mixed.known.tolist() == [True, True] and mixed.versions.tolist() == [1, 2]  # the oldest token's
         await _publish(trainer, 3)
         # v3 is the current weights: its rows are prox itself
         batch = step.recompute([_group(trainer, [3, 1])], weights_version=3)
         assert torch.equal(batch.at_version[0], batch.prox[0]) and not torch.equal(batch.at_version[1], batch.prox[1])
+        assert batch.token_known[0].tolist() == (batch.mask[0] > 0).tolist()
         for v in (4, 5):
             _step(trainer, v)
             await _publish(trainer, v)
