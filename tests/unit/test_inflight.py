@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout.cuda_engine import EngineConfig, PackedEngine
 
 from policy import qat
 from policy.model import KVCache, ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout.batching import ContinuousBatcher, CpuBackend, PackedBackend, stale_kv_tokens, token_versions
 from rollout.engine import decode_one_token, forced_logprobs, generate, prefill
+from rollout.packed_engine import EngineConfig, PackedEngine
 
 TINY = ModelConfig.preset("tiny")
 SMALL = ModelConfig.preset("tiny", n_layers=2, n_experts=4)
