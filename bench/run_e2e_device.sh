@@ -4,7 +4,8 @@
 # the same synchronously (loop.max_staleness=0) and with the bf16 recipe; one report.
 # RUNS names the runs (default "async sync bf16"): async, sync, bf16, megatron (the async run
 # with trainer.backend=megatron: the megatron-core GPTModel trainer, CUDA only) and async_sm (the
-# async run with the trainer's kernels held to E2E_TRAINER_SM percent of the SMs, default 70, under MPS).
+# async run with the trainer's kernels held to E2E_TRAINER_SM percent of the SMs, default 70, under MPS)
+# and inflight (the async run with loop.inflight_updates=true: versions swap between decode steps).
 #
 #   bash bench/run_e2e_device.sh                     # on the GPU machine, from the repository root
 #   RUNS="async sync" STEPS=12 bash bench/run_e2e_device.sh
@@ -52,7 +53,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-420}   # seconds per run at most
 BUDGET_S=${BUDGET_S:-0}           # > 0: the whole script's seconds; runs are cut (SIGINT) to end within it
 T0=$(date +%s)
 for run in $RUNS; do
-  case $run in async|sync|bf16|megatron|async_sm) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm)" >&2; exit 2 ;; esac
+  case $run in async|sync|bf16|megatron|async_sm|inflight) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm, inflight)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT" "$E2E_DIR"
 CONFIG=${E2E_CONFIG:-configs/gpu-h200.yaml}  # configs/gpu-h200-long.yaml: ~1,024-token completions
@@ -145,6 +146,7 @@ for run in $RUNS; do
     bf16) extra=(recipe=bf16) ;;
     megatron) extra=(trainer.backend=megatron) ;;
     async_sm) extra=(trainer.mps_thread_percentage="${E2E_TRAINER_SM:-70}") ;;
+    inflight) extra=(loop.inflight_updates=true) ;;
   esac
   if [ "$run" = megatron ] && [ "${E2E_SMALL:-0}" = 1 ]; then
     echo "=== megatron: skipped (E2E_SMALL runs on the CPU; the megatron backend needs CUDA)"; continue

@@ -93,6 +93,12 @@ class TrainerConfig:
     rows this size, and each minibatch's update accumulates its gradient over such chunks (one
     optimizer update per minibatch whatever the chunking). 0 = a minibatch in one forward. Long
     completions need it: the fp32 logits alone are vocab x 4 bytes per token."""
+    mismatch_split_rows: int = 0
+    """Rows per step whose tokens of an older version are recomputed under that version's packed
+    tensors for the mismatch split's quantization part (a diagnostic: the loss never uses it), spread
+    evenly over the batch; the others are left out of the split. 0 = every row. Each older version
+    costs one forward over its rows, which in an async run with long completions is a large part of
+    the step."""
     clip_low: float = 0.2
     """PPO clip: ratio floor 1 - clip_low."""
     clip_high: float = 0.28
@@ -226,6 +232,8 @@ class TrainerConfig:
         ):
             if getattr(self, name) < 1:
                 errors.append(f"{name}={getattr(self, name)} (must be >= 1)")
+        if not is_int(self.mismatch_split_rows, lo=0):
+            errors.append(f"mismatch_split_rows={self.mismatch_split_rows!r} (want an int >= 0; 0 = every row)")
         if not is_int(self.microbatch_tokens, lo=0):
             errors.append(f"microbatch_tokens={self.microbatch_tokens!r} (want an int >= 0; 0 = no chunking)")
         if self.checkpoint_every < 0:

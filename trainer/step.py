@@ -102,11 +102,13 @@ class GRPOStep:
             ), torch.arange(len(samples), device=self.device), tokens.shape[1])  # fmt: skip
             self._sync()
             t1 = time.perf_counter()
-            by_version = {}
+            by_version, sampled = {}, split_rows(len(samples), self.cfg.mismatch_split_rows).to(self.device)
             for v, rows in rows_of.items():
                 if v == weights_version:
                     by_version[v] = (rows, prox[rows])  # the current weights are version v: prox
-                elif v in self.versions:
+                    continue
+                rows = rows[torch.isin(rows, sampled)]  # an older version's forward: the sampled rows only
+                if len(rows) and v in self.versions:
                     by_version[v] = (rows, self._logprobs(lambda r, v=v: self.versions.token_logprobs(
                         v, tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature
                     ), rows, tokens.shape[1]))  # fmt: skip
@@ -179,6 +181,15 @@ class GRPOStep:
             "recompute_s": b.recompute_s,
             "at_version_s": b.at_version_s,
         }
+
+
+def split_rows(n_rows: int, k: int) -> torch.Tensor:
+    """The rows whose tokens of an older version are recomputed under it for the mismatch split
+    (trainer.mismatch_split_rows): k rows spread evenly over the batch (every (n // k)-th from the
+    first), all of them when k is 0 or >= n_rows."""
+    if not k or k >= n_rows:
+        return torch.arange(n_rows)
+    return torch.arange(0, n_rows, n_rows // k)[:k]
 
 
 def stale_kv(token_versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

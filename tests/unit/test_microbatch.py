@@ -3,6 +3,8 @@ chunks gives the gradient of one forward per minibatch (up to float summation or
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -17,7 +19,7 @@ from trainer.versions import RetainedVersions
 CFG = ModelConfig.preset("tiny", n_layers=2)
 
 
-def _groups(n_groups=2, group_size=4, seed=0):
+def _groups(n_groups=2, group_size=4, seed=0, version=0):
     g = torch.Generator().manual_seed(seed)
     groups = []
     for gi in range(n_groups):
@@ -29,7 +31,7 @@ def _groups(n_groups=2, group_size=4, seed=0):
                 sample_id=f"g{gi}-{i}", prompt_id=f"p{gi}", group_id=f"g{gi}", sample_index=i,
                 group_size=group_size, prompt_tokens=prompt,
                 completion_tokens=torch.randint(3, CFG.vocab_size, (n,), generator=g).numpy().astype(np.int32),
-                behavior_logprobs=np.full(n, -3.0, dtype=np.float32), reward=float(i % 2), policy_version=0,
+                behavior_logprobs=np.full(n, -3.0, dtype=np.float32), reward=float(i % 2), policy_version=version,
                 contract_fingerprint="f" * 16, worker_id="w0", created_at=0.0,
             ))  # fmt: skip
         groups.append(group)
@@ -63,3 +65,26 @@ def test_microbatch_tokens_is_checked():
 
     with pytest.raises(ValueError, match="microbatch_tokens=-1"):
         TrainerConfig(microbatch_tokens=-1)
+
+
+def test_mismatch_split_rows_recomputes_the_sampled_rows_only():
+    # Samples of version 1, weights moved since (weights_version None): the split's quantization
+    # part comes from v1's retained packed tensors, for rows 0 and 4 of 8 only.
+    cfg = TrainerConfig(groups_per_step=2, group_size=4, minibatches=1, mismatch_split_rows=2)
+    recipe = Recipe.load("bf16")
+    backend = make_backend(cfg, CFG, recipe, seed=1)
+    versions = RetainedVersions(CFG, recipe.plan(CFG), keep=1)
+    backend.apply_qat()
+    versions.add(1, backend.quantized_params())
+    groups = _groups(version=1)
+    full = GRPOStep(
+        dataclasses.replace(cfg, mismatch_split_rows=0), backend, versions, pad_id=0, temperature=1.0,
+        device=torch.device("cpu"), max_staleness=1,
+    ).recompute(groups, weights_version=None)  # fmt: skip
+    part = GRPOStep(
+        cfg, backend, versions, pad_id=0, temperature=1.0, device=torch.device("cpu"), max_staleness=1
+    ).recompute(groups, weights_version=None)
+    assert full.known.tolist() == [True] * 8
+    assert part.known.tolist() == [i in (0, 4) for i in range(8)]
+    for i in (0, 4):
+        torch.testing.assert_close(part.at_version[i], full.at_version[i], rtol=1e-5, atol=1e-5)  # batch of 2 vs 8

@@ -109,3 +109,13 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_false(tmp_path):
     assert not ckpt.save(1, {"state": {"step": 1}, "fingerprint": "abc"})
     assert ckpt.newest_step == -1
     assert len(lines) == 1 and lines[0].startswith("checkpoint step-000001.pt not written")
+
+
+def test_split_rows_spreads_k_rows_evenly_or_takes_all():
+    from trainer.step import split_rows
+
+    assert split_rows(8, 0).tolist() == list(range(8))
+    assert split_rows(8, 8).tolist() == list(range(8)) == split_rows(8, 20).tolist()
+    assert split_rows(8, 2).tolist() == [0, 4]
+    assert split_rows(10, 3).tolist() == [0, 3, 6]
+    assert split_rows(256, 32).tolist() == list(range(0, 256, 8))
