@@ -4,12 +4,14 @@ at pool scale"). Pure functions over byte buffers; the policy server encodes, th
 Each tensor is its packed contract bytes (codes and scales, as the manifest lays them out), and
 travels as one of:
   UNCHANGED  the parent's bytes: no payload;
-  XOR_ZSTD   zstd(new XOR parent): one zstd frame that records its content size.
+  XOR_ZSTD   zstd(new XOR parent): consecutive zstd frames, each of FRAME_BYTES of the tensor (the
+             last fewer) and recording its content size, so that threads encode and rebuild the
+             frames of one large tensor at once.
 Rules:
 1. Only tensors of equal size are XOR-ed: a version whose tensors the parent lacks, or has at
    another size, has no delta (`xor_compatible` names the first such tensor).
-2. `decode` refuses (DeltaError, one line) a payload that is not exactly one zstd frame of the
-   tensor's size; it never decides that a rebuilt tensor is right: the client checks every rebuilt
+2. `decode` refuses (DeltaError, one line) a frame that is not exactly one zstd frame of the
+   bytes it rebuilds; it never decides that a rebuilt tensor is right: the client checks every rebuilt
    tensor against the version's manifest (chunk xxh3s and sha256), whatever this module says.
 3. `decode` may write into the parent's own memory (out is parent): the XOR runs element by element.
 4. A delta is served only when its payload bytes are below the version's full bytes (`worth_it`).
@@ -27,6 +29,7 @@ import zstandard
 
 LEVEL = 3  # zstd level of XOR payloads (bench/bench_delta.py measures it)
 PIECE = 1 << 20  # bytes XOR-ed and (de)compressed at a time: a piece stays in cache
+FRAME_BYTES = 32 << 20  # tensor bytes per zstd frame: a large tensor's frames encode and rebuild in parallel
 # this thread's zstd compressors (by level) and decompressor: making one costs about what a small
 # tensor does, so each thread keeps its own
 _contexts = threading.local()
@@ -71,9 +74,16 @@ def _piece_buffer(nbytes: int) -> np.ndarray:
 
 
 def encode(new, parent, *, level: int = LEVEL, piece: int = PIECE) -> bytes | None:
-    """The XOR_ZSTD payload of `new` against `parent` (equal sizes), or None when they are equal
-    (UNCHANGED). XOR-ed and compressed `piece` bytes at a time (one zstd frame that records its
-    content size): no buffer of the tensor's size, each piece compressed while in cache."""
+    """The XOR_ZSTD payload of `new` against `parent` (equal sizes) as one frame, or None when they
+    are equal (UNCHANGED)."""
+    frame, changed = encode_frame(new, parent, level=level, piece=piece)
+    return frame if changed else None
+
+
+def encode_frame(new, parent, *, level: int = LEVEL, piece: int = PIECE) -> tuple[bytes, bool]:
+    """One zstd frame of `new` XOR `parent` (equal sizes; the frame records its content size) and
+    whether any byte differs. XOR-ed and compressed `piece` bytes at a time: no buffer of the
+    tensor's size, each piece compressed while in cache."""
     new, parent = as_bytes(new), as_bytes(parent)
     if new.nbytes != parent.nbytes:
         raise DeltaError(f"XOR of {new.nbytes} and {parent.nbytes} bytes")
@@ -85,7 +95,7 @@ def encode(new, parent, *, level: int = LEVEL, piece: int = PIECE) -> bytes | No
         changed = changed or bool(x.any())
         parts.append(stream.compress(x))
     parts.append(stream.flush())
-    return b"".join(parts) if changed else None
+    return b"".join(parts), changed
 
 
 def max_payload_bytes(nbytes: int) -> int:

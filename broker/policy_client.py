@@ -665,13 +665,15 @@ class PolicyClient:
         (one line) on anything wrong, FetchCancelled when cancelled."""
         v = manifest.version
         try:
-            payloads = _delta_payloads(desc, manifest, state, parent)
+            payloads, frames = _delta_payloads(desc, manifest, state, parent)
             _receive_payloads(call, manifest, payloads, stats)
-            biggest_first = sorted(state, key=lambda n: -state[n].layout.nbytes)  # the longest do not start last
-            jobs = [hasher.submit(_rebuild_checked, state[n], parent.data[n], payloads.get(n)) for n in biggest_first]
+            sums = {n: ([0] * t.n_chunks, [b""] * t.n_chunks) for n, t in state.items()}
+            jobs = [hasher.submit(_rebuild_piece, *job, sums) for job in _rebuild_jobs(state, parent, payloads, frames)]
             failed = [e for e in (f.exception() for f in jobs) if e is not None]  # all ended: none writes any more
             if failed:
                 raise failed[0]
+            for t in state.values():
+                _check_rebuilt(t, sums)
         except (grpc.RpcError, ValueError, OverflowError) as e:  # DeltaError is a ValueError
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled(f"version {v}: fetch cancelled") from None
@@ -753,23 +755,42 @@ def _refuse_delta(e: Exception, manifest, state: dict[str, _Tensor], stats: Fetc
         t.reset()
 
 
-def _delta_payloads(desc, manifest, state: dict[str, _Tensor], parent: HeldPolicy) -> dict[str, np.ndarray]:
+def _delta_payloads(desc, manifest, state: dict[str, _Tensor], parent: HeldPolicy) -> tuple[dict, dict]:
     """Check a delta description against the request (its parent, exactly the tensors asked for,
-    sane payload sizes): each XOR_ZSTD tensor's empty payload buffer by name. DeltaError otherwise."""
+    sane payload and frame sizes): each XOR_ZSTD tensor's empty payload buffer and its frames
+    (`_frame_bounds`) by name. DeltaError otherwise."""
     if desc.parent_version != parent.version or desc.parent_manifest_digest != parent.digest:
         raise dl.DeltaError(f"the delta is against v{desc.parent_version}, not the v{parent.version} held")
     names = [t.name for t in desc.tensors]
     if sorted(names) != sorted(state):
         raise dl.DeltaError(f"the delta describes {len(names)} tensors, not the {len(state)} asked for")
-    out = {}
+    step = desc.frame_tensor_bytes
+    if step % manifest.chunk_bytes:
+        raise dl.DeltaError(f"frame_tensor_bytes {step} is not a multiple of the chunk size {manifest.chunk_bytes}")
+    payloads, frames = {}, {}
     for t in desc.tensors:
         n = state[t.name].layout.nbytes
-        if t.encoding == policy_pb2.UNCHANGED and t.payload_bytes == 0:
+        if t.encoding == policy_pb2.UNCHANGED and t.payload_bytes == 0 and not t.frame_bytes:
             continue
         if t.encoding != policy_pb2.XOR_ZSTD or not 0 < t.payload_bytes <= dl.max_payload_bytes(n):
             raise dl.DeltaError(f"tensor {t.name}: encoding {t.encoding} with {t.payload_bytes} payload bytes")
-        out[t.name] = np.empty(t.payload_bytes, dtype=np.uint8)
-    return out
+        frames[t.name] = _frame_bounds(t, n, step)
+        payloads[t.name] = np.empty(t.payload_bytes, dtype=np.uint8)
+    return payloads, frames
+
+
+def _frame_bounds(t, n: int, step: int) -> list[tuple[int, int, int, int]]:
+    """A tensor's zstd frames as (tensor start, end, payload start, end); DeltaError when their
+    sizes do not cover the tensor (`step` bytes each, the last fewer) and the payload exactly."""
+    sizes = list(t.frame_bytes) or [t.payload_bytes]
+    starts = list(range(0, n, step)) if step and t.frame_bytes else [0]
+    if len(sizes) != len(starts) or sum(sizes) != t.payload_bytes or min(sizes) < 1:
+        raise dl.DeltaError(f"tensor {t.name}: {len(sizes)} frames of {sum(sizes)} bytes for {n} bytes")
+    bounds, at = [], 0
+    for a, size in zip(starts, sizes):
+        bounds.append((a, min(n, a + step) if len(starts) > 1 else n, at, at + size))
+        at += size
+    return bounds
 
 
 def _receive_payloads(call, manifest, payloads: dict[str, np.ndarray], stats: FetchStats) -> None:
@@ -800,24 +821,46 @@ def _receive_payloads(call, manifest, payloads: dict[str, np.ndarray], stats: Fe
         raise dl.DeltaError(f"the delta stream ended before tensor(s) {short[:5]} were complete")
 
 
-def _rebuild_checked(t: _Tensor, parent: np.ndarray, payload: np.ndarray | None) -> None:
-    """t's bytes from the parent's (XOR the payload, if any), then checked against the manifest:
-    every chunk's xxh3 and the tensor's sha256 (DeltaError naming the tensor otherwise)."""
-    parent = dl.as_bytes(parent)
-    n, cb = t.layout.nbytes, t.chunk_bytes
-    xxh3s, shas = [], []
+def _rebuild_jobs(state: dict[str, _Tensor], parent: HeldPolicy, payloads: dict, frames: dict) -> list[tuple]:
+    """The pieces a delta's tensors are rebuilt in, biggest tensors first: (tensor, parent bytes,
+    frame payload or None for the parent's bytes, tensor start, end); a tensor's frames, or pieces of
+    FRAME_BYTES of an unchanged one, run in parallel."""
+    jobs = []
+    for name in sorted(state, key=lambda n: -state[n].layout.nbytes):
+        t, par = state[name], dl.as_bytes(parent.data[name])
+        if name in frames:
+            jobs += [(t, par, payloads[name][pa:pb], a, b) for a, b, pa, pb in frames[name]]
+        else:
+            step = t.chunk_bytes * max(1, dl.FRAME_BYTES // t.chunk_bytes)
+            n = t.layout.nbytes
+            jobs += [(t, par, None, a, min(n, a + step)) for a in range(0, max(n, 1), step)]
+    return jobs
 
-    def hash_chunk(a: int, b: int) -> None:  # each chunk right after it is rebuilt, while in cache
-        x, s = chunk_checksums(t.data, [(a, b)])
-        xxh3s.extend(x), shas.extend(s)
 
-    if payload is not None:
-        dl.decode(t.entry.name, payload, parent, t.data, piece=cb, on_piece=hash_chunk)
+def _rebuild_piece(t: _Tensor, parent: np.ndarray, payload, a: int, b: int, sums: dict) -> None:
+    """t's bytes [a, b) from the parent's (XOR the frame `payload`, if any), each chunk hashed right
+    after it is rebuilt (while in cache) into sums[name] = (xxh3s, sha256s) at its chunk's index."""
+    cb, out, par = t.chunk_bytes, t.data[a:b], parent[a:b]
+    if payload is None:
+        if out.ctypes.data != par.ctypes.data:  # a parent in place (the same buffers) is already there
+            np.copyto(out, par)
+        x, s = chunk_checksums(t.data, [(i, min(b, i + cb)) for i in range(a, max(b, a + 1), cb)])
     else:
-        if t.data.ctypes.data != parent.ctypes.data:  # a parent in place (the same buffers) is already there
-            np.copyto(t.data, parent)
-        xxh3s, shas = chunk_checksums(t.data, [(j * cb, min(n, (j + 1) * cb)) for j in range(t.n_chunks)])
-    if xxh3s != list(t.entry.chunk_xxh3) or tensor_sha256(n, shas) != t.entry.sha256:
+        x, s = [], []
+
+        def hash_chunk(i: int, k: int) -> None:
+            xi, si = chunk_checksums(out, [(i, k)])
+            x.extend(xi), s.extend(si)
+
+        dl.decode(t.entry.name, payload, par, out, piece=cb, on_piece=hash_chunk)
+    xxh3s, shas = sums[t.entry.name]
+    xxh3s[a // cb : a // cb + len(x)], shas[a // cb : a // cb + len(s)] = x, s
+
+
+def _check_rebuilt(t: _Tensor, sums: dict) -> None:
+    """A rebuilt tensor against the manifest: every chunk's xxh3 and its sha256 (DeltaError otherwise)."""
+    xxh3s, shas = sums[t.entry.name]
+    if xxh3s != list(t.entry.chunk_xxh3) or tensor_sha256(t.layout.nbytes, shas) != t.entry.sha256:
         raise dl.DeltaError(f"tensor {t.entry.name}: rebuilt from the delta, it fails the manifest's checksums")
 
 

@@ -274,16 +274,20 @@ class _Delta:
 
     parent: int
     parent_digest: bytes
-    encodings: dict[str, tuple[int, int]]
+    encodings: dict[str, tuple[int, list[int]]]  # name -> (encoding, its zstd frames' sizes)
     layout: _Layout
     payload_bytes: int
+    frame_tensor_bytes: int
 
     def header(self, version: int, names: list[str]) -> bytes:
         """The stream's first message: the description of `names` (manifest order)."""
-        d = policy_pb2.DeltaDescription(parent_version=self.parent, parent_manifest_digest=self.parent_digest)
+        d = policy_pb2.DeltaDescription(
+            parent_version=self.parent, parent_manifest_digest=self.parent_digest,
+            frame_tensor_bytes=self.frame_tensor_bytes,
+        )  # fmt: skip
         for n in names:
-            encoding, nbytes = self.encodings[n]
-            d.tensors.add(name=n, encoding=encoding, payload_bytes=nbytes)
+            encoding, frames = self.encodings[n]
+            d.tensors.add(name=n, encoding=encoding, payload_bytes=sum(frames), frame_bytes=frames)
         return policy_pb2.TensorChunk(version=version, delta=d).SerializeToString(deterministic=True)
 
 
@@ -293,35 +297,37 @@ def build_delta(v: _Version, parent: _Version, parent_digest: bytes, *, threads:
     sizes = {n: e.nbytes for n, e in v.entries.items()}
     if dl.xor_compatible(sizes, {n: e.nbytes for n, e in parent.entries.items()}):
         return None
-    names = [t.name for t in v.manifest.tensors]
+    names, cb = [t.name for t in v.manifest.tensors], v.manifest.chunk_bytes
+    step = cb * max(1, dl.FRAME_BYTES // cb)  # tensor bytes per frame: whole chunks
+    changed = [n for n in names if v.entries[n].sha256 != parent.entries[n].sha256]  # equal digests: equal bytes
+    pieces = [  # every frame of every changed tensor, the biggest tensors' first
+        (n, a) for n in sorted(changed, key=lambda n: -v.entries[n].nbytes) for a in range(0, v.entries[n].nbytes, step)
+    ]
 
-    def encode(name: str) -> bytes | None:
-        if v.entries[name].sha256 == parent.entries[name].sha256:
-            return None  # equal digests: equal bytes
-        return dl.encode(v.full.tensor_bytes(name), parent.full.tensor_bytes(name))
+    def encode(piece: tuple[str, int]) -> bytes:
+        name, a = piece
+        new, old = v.full.tensor_bytes(name), parent.full.tensor_bytes(name)
+        return dl.encode_frame(new[a : a + step], old[a : a + step])[0]
 
     workers = threads or min(16, os.cpu_count() or 1)
-    biggest_first = sorted(names, key=lambda n: -v.entries[n].nbytes)  # the longest encodes do not start last
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="policy-delta") as pool:
-        encoded = dict(zip(biggest_first, pool.map(encode, biggest_first)))
-    payloads = [encoded[n] for n in names]
-    total = sum(len(p) for p in payloads if p is not None)
+        frames = dict(zip(pieces, pool.map(encode, pieces)))
+    total = sum(len(f) for f in frames.values())
     if not dl.worth_it(total, v.manifest.total_bytes):
         return None
-    items, encodings, index, cb = [], {}, 0, v.manifest.chunk_bytes
-    for name, p in zip(names, payloads):
-        if p is None:
-            encodings[name] = (policy_pb2.UNCHANGED, 0)
-            continue
-        encodings[name] = (policy_pb2.XOR_ZSTD, len(p))
-        items.append((name, index, p))
-        index += chunk_count(len(p), cb)
+    items, encodings, index, frames_of = [], dict.fromkeys(names, (policy_pb2.UNCHANGED, [])), 0, set(changed)
+    for name in (n for n in names if n in frames_of):
+        parts = [frames[(name, a)] for a in range(0, v.entries[name].nbytes, step)]
+        encodings[name] = (policy_pb2.XOR_ZSTD, [len(f) for f in parts])
+        payload = b"".join(parts)
+        items.append((name, index, payload))
+        index += chunk_count(len(payload), cb)
     layout = _Layout()
     if items:
         frames, data, _ = frame_buffers(v.version, items, cb, threads=workers)
         for f in frames.tensors:
             layout.add_frames(f, data)
-    return _Delta(parent.version, parent_digest, encodings, layout, total)
+    return _Delta(parent.version, parent_digest, encodings, layout, total, step)
 
 
 def _delta_selection(d: _Delta, v: _Version, req) -> tuple[list[bytes], _Layout, list[int]]:

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import manifest_pb2 as tandem_dot_v1_dot_manifest__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/policy.proto\x12\ttandem.v1\x1a\x18tandem/v1/manifest.proto\"6\n\x12GetManifestRequest\x12\x14\n\x07version\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\n\n\x08_version\"\x99\x01\n\x13\x46\x65tchTensorsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0ctensor_names\x18\x02 \x03(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x13\n\x0bstart_chunk\x18\x05 \x01(\x04\x12$\n\x04held\x18\x06 \x03(\x0b\x32\x16.tandem.v1.HeldVersion\"7\n\x0bHeldVersion\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\x0c\"^\n\x0b\x44\x65ltaTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x18.tandem.v1.DeltaEncoding\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\"s\n\x10\x44\x65ltaDescription\x12\x16\n\x0eparent_version\x18\x01 \x01(\x04\x12\x1e\n\x16parent_manifest_digest\x18\x02 \x01(\x0c\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.tandem.v1.DeltaTensor\"\xce\x01\n\x0bTensorChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\x04\x12\x13\n\x0btensor_name\x18\x03 \x01(\t\x12\x15\n\rtensor_nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04xxh3\x18\x06 \x01(\x06\x12\x15\n\rtensor_sha256\x18\x07 \x01(\x0c\x12*\n\x05\x64\x65lta\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.DeltaDescription\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"-\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"\xb8\x01\n\x13VersionAnnouncement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x1b\n\x0eparent_version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x17\n\x0f\x63reated_unix_ns\x18\x03 \x01(\x03\x12\x1c\n\x14\x63ontract_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x14\n\x0ctensor_count\x18\x06 \x01(\rB\x11\n\x0f_parent_version*L\n\rDeltaEncoding\x12\x1e\n\x1a\x44\x45LTA_ENCODING_UNSPECIFIED\x10\x00\x12\r\n\tUNCHANGED\x10\x01\x12\x0c\n\x08XOR_ZSTD\x10\x02\x32\xf0\x01\n\rPolicyService\x12\x41\n\x0bGetManifest\x12\x1d.tandem.v1.GetManifestRequest\x1a\x13.tandem.v1.Manifest\x12H\n\x0c\x46\x65tchTensors\x12\x1e.tandem.v1.FetchTensorsRequest\x1a\x16.tandem.v1.TensorChunk0\x01\x12R\n\rWatchVersions\x12\x1f.tandem.v1.WatchVersionsRequest\x1a\x1e.tandem.v1.VersionAnnouncement0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/policy.proto\x12\ttandem.v1\x1a\x18tandem/v1/manifest.proto\"6\n\x12GetManifestRequest\x12\x14\n\x07version\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\n\n\x08_version\"\x99\x01\n\x13\x46\x65tchTensorsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0ctensor_names\x18\x02 \x03(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x13\n\x0bstart_chunk\x18\x05 \x01(\x04\x12$\n\x04held\x18\x06 \x03(\x0b\x32\x16.tandem.v1.HeldVersion\"7\n\x0bHeldVersion\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\x0c\"s\n\x0b\x44\x65ltaTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x18.tandem.v1.DeltaEncoding\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x66rame_bytes\x18\x04 \x03(\x04\"\x8f\x01\n\x10\x44\x65ltaDescription\x12\x16\n\x0eparent_version\x18\x01 \x01(\x04\x12\x1e\n\x16parent_manifest_digest\x18\x02 \x01(\x0c\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.tandem.v1.DeltaTensor\x12\x1a\n\x12\x66rame_tensor_bytes\x18\x04 \x01(\x04\"\xce\x01\n\x0bTensorChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\x04\x12\x13\n\x0btensor_name\x18\x03 \x01(\t\x12\x15\n\rtensor_nbytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04xxh3\x18\x06 \x01(\x06\x12\x15\n\rtensor_sha256\x18\x07 \x01(\x0c\x12*\n\x05\x64\x65lta\x18\x08 \x01(\x0b\x32\x1b.tandem.v1.DeltaDescription\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"-\n\x14WatchVersionsRequest\x12\x15\n\rafter_version\x18\x01 \x01(\x04\"\xb8\x01\n\x13VersionAnnouncement\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x1b\n\x0eparent_version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x17\n\x0f\x63reated_unix_ns\x18\x03 \x01(\x03\x12\x1c\n\x14\x63ontract_fingerprint\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x14\n\x0ctensor_count\x18\x06 \x01(\rB\x11\n\x0f_parent_version*L\n\rDeltaEncoding\x12\x1e\n\x1a\x44\x45LTA_ENCODING_UNSPECIFIED\x10\x00\x12\r\n\tUNCHANGED\x10\x01\x12\x0c\n\x08XOR_ZSTD\x10\x02\x32\xf0\x01\n\rPolicyService\x12\x41\n\x0bGetManifest\x12\x1d.tandem.v1.GetManifestRequest\x1a\x13.tandem.v1.Manifest\x12H\n\x0c\x46\x65tchTensors\x12\x1e.tandem.v1.FetchTensorsRequest\x1a\x16.tandem.v1.TensorChunk0\x01\x12R\n\rWatchVersions\x12\x1f.tandem.v1.WatchVersionsRequest\x1a\x1e.tandem.v1.VersionAnnouncement0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.policy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DELTAENCODING']._serialized_start=988
-  _globals['_DELTAENCODING']._serialized_end=1064
+  _globals['_DELTAENCODING']._serialized_start=1038
+  _globals['_DELTAENCODING']._serialized_end=1114
   _globals['_GETMANIFESTREQUEST']._serialized_start=63
   _globals['_GETMANIFESTREQUEST']._serialized_end=117
   _globals['_FETCHTENSORSREQUEST']._serialized_start=120
@@ -41,15 +41,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELDVERSION']._serialized_start=275
   _globals['_HELDVERSION']._serialized_end=330
   _globals['_DELTATENSOR']._serialized_start=332
-  _globals['_DELTATENSOR']._serialized_end=426
-  _globals['_DELTADESCRIPTION']._serialized_start=428
-  _globals['_DELTADESCRIPTION']._serialized_end=543
-  _globals['_TENSORCHUNK']._serialized_start=546
-  _globals['_TENSORCHUNK']._serialized_end=752
-  _globals['_WATCHVERSIONSREQUEST']._serialized_start=754
-  _globals['_WATCHVERSIONSREQUEST']._serialized_end=799
-  _globals['_VERSIONANNOUNCEMENT']._serialized_start=802
-  _globals['_VERSIONANNOUNCEMENT']._serialized_end=986
-  _globals['_POLICYSERVICE']._serialized_start=1067
-  _globals['_POLICYSERVICE']._serialized_end=1307
+  _globals['_DELTATENSOR']._serialized_end=447
+  _globals['_DELTADESCRIPTION']._serialized_start=450
+  _globals['_DELTADESCRIPTION']._serialized_end=593
+  _globals['_TENSORCHUNK']._serialized_start=596
+  _globals['_TENSORCHUNK']._serialized_end=802
+  _globals['_WATCHVERSIONSREQUEST']._serialized_start=804
+  _globals['_WATCHVERSIONSREQUEST']._serialized_end=849
+  _globals['_VERSIONANNOUNCEMENT']._serialized_start=852
+  _globals['_VERSIONANNOUNCEMENT']._serialized_end=1036
+  _globals['_POLICYSERVICE']._serialized_start=1117
+  _globals['_POLICYSERVICE']._serialized_end=1357
 # @@protoc_insertion_point(module_scope)

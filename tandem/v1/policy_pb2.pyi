@@ -48,24 +48,28 @@ class HeldVersion(_message.Message):
     def __init__(self, version: _Optional[int] = ..., manifest_digest: _Optional[bytes] = ...) -> None: ...
 
 class DeltaTensor(_message.Message):
-    __slots__ = ("name", "encoding", "payload_bytes")
+    __slots__ = ("name", "encoding", "payload_bytes", "frame_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     encoding: DeltaEncoding
     payload_bytes: int
-    def __init__(self, name: _Optional[str] = ..., encoding: _Optional[_Union[DeltaEncoding, str]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    frame_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., encoding: _Optional[_Union[DeltaEncoding, str]] = ..., payload_bytes: _Optional[int] = ..., frame_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeltaDescription(_message.Message):
-    __slots__ = ("parent_version", "parent_manifest_digest", "tensors")
+    __slots__ = ("parent_version", "parent_manifest_digest", "tensors", "frame_tensor_bytes")
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     parent_version: int
     parent_manifest_digest: bytes
     tensors: _containers.RepeatedCompositeFieldContainer[DeltaTensor]
-    def __init__(self, parent_version: _Optional[int] = ..., parent_manifest_digest: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[DeltaTensor, _Mapping]]] = ...) -> None: ...
+    frame_tensor_bytes: int
+    def __init__(self, parent_version: _Optional[int] = ..., parent_manifest_digest: _Optional[bytes] = ..., tensors: _Optional[_Iterable[_Union[DeltaTensor, _Mapping]]] = ..., frame_tensor_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("version", "chunk_index", "tensor_name", "tensor_nbytes", "offset", "xxh3", "tensor_sha256", "delta", "data")

@@ -14,6 +14,7 @@ import xxhash
 from google.protobuf.message import DecodeError
 from mixed_formats import format_for  # tests/mixed_formats.py: conftest.py puts tests/ on sys.path
 
+from broker import delta as dl
 from broker.delta import HeldPolicy
 from broker.policy_client import PolicyClient, PolicyClientConfig, ReceiveBuffers
 from broker.policy_server import PolicyServer, PolicyServerConfig
@@ -133,6 +134,27 @@ def test_delta_when_the_parent_is_held_full_when_not(versions):
         assert s.stats()["delta_streams"] == 1
 
 
+def test_a_large_tensors_delta_travels_as_frames_rebuilt_apart(versions, monkeypatch):
+    # One chunk per frame: every tensor over a chunk is encoded, sent and rebuilt as several frames.
+    monkeypatch.setattr(dl, "FRAME_BYTES", CHUNK)
+    descriptions = []
+    real = PolicyClient._take_delta
+
+    def spy(self, call, desc, *a, **kw):
+        descriptions.append(desc)
+        return real(self, call, desc, *a, **kw)
+
+    monkeypatch.setattr(PolicyClient, "_take_delta", spy)
+    with serve(versions[1], versions[2]) as s, client(s) as c:
+        v2 = c.fetch(2, parent=c.fetch(1).held())
+    assert v2.stats.delta_parent == 1 and v2.stats.delta_refused == 0
+    assert_bytes_of(v2, versions[2])
+    (desc,) = descriptions
+    assert desc.frame_tensor_bytes == CHUNK
+    framed = [t for t in desc.tensors if len(t.frame_bytes) > 1]
+    assert framed and all(sum(t.frame_bytes) == t.payload_bytes for t in desc.tensors)
+
+
 def test_delta_over_several_streams(versions):
     with serve(versions[1], versions[2]) as s, client(s, streams=3) as c:
         v2 = c.fetch(2, parent=c.fetch(1).held())
@@ -164,15 +186,18 @@ def test_a_wrong_parent_is_refused_and_fetched_whole(versions, caplog):
         assert len(lines) == 1 and "fetching it whole" in lines[0]
 
 
+@pytest.mark.parametrize("frame_bytes", [dl.FRAME_BYTES, CHUNK], ids=["one-frame", "frames"])
 @pytest.mark.parametrize("fix_xxh3", [False, True], ids=["chunk-xxh3", "rebuilt-checksums"])
-def test_flipped_delta_bytes_are_refused_and_fetched_whole(versions, fix_xxh3):
+def test_flipped_delta_bytes_are_refused_and_fetched_whole(versions, fix_xxh3, frame_bytes, monkeypatch):
+    monkeypatch.setattr(dl, "FRAME_BYTES", frame_bytes)
     with serve(versions[1], versions[2], cls=RoguePolicyServer) as s, client(s) as c:
         s.flip, s.fix_xxh3 = True, fix_xxh3
         v2 = c.fetch(2, parent=c.fetch(1).held())
         assert v2.stats.delta_refused == 1 and v2.stats.delta_parent == 0
         why = v2.stats.delta_refusal
         if fix_xxh3:  # the payload decodes to other bytes, or not at all
-            assert "fails the manifest's checksums" in why or "undecodable delta payload" in why, why
+            reasons = ("fails the manifest's checksums", "undecodable delta payload", "the delta frame holds")
+            assert any(r in why for r in reasons), why  # a flip in a frame's header changes its size
         else:
             assert "failed its xxh3 check" in why, why
         assert_bytes_of(v2, versions[2])
