@@ -11,7 +11,7 @@ processes (ServingProcesses: the trainer's side). Versions: `--delta 0` = new ra
 `--delta P` = P of the previous version's bytes changed, scattered (the low byte of random bf16
 elements), and deltas on in every server. `--fanout 0`: every worker fetches from the trainer's
 servers; F >= 1: each worker runs a broker.relay.Relay on a free loopback port, offers every version
-it verified, and fetches from its sources per broker.fanout.sources over the members' relay
+it verified if it has children in the tree (a leaf's copy has no reader here), and fetches from its sources per broker.fanout.sources over the members' relay
 addresses (waiting up to `--relay-wait-s` for a relay to hold the version, falling back to the next
 source on any error). Per version: publish, then every worker is told the version (a pipe: the
 Redis announcement left out). Printed per (fanout, delta, N):
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -117,6 +118,8 @@ def worker(trainer: str, fingerprint: str, degree: int, wait_s: float, deltas: b
     print(json.dumps({"ready": True, "relay": me}), flush=True)
     members = json.loads(sys.stdin.readline())
     chain = fanout.sources(members, degree, me) if relay else [fanout.TRAINER]
+    # a member with children in the tree offers (one without has no reader here: its copy is skipped)
+    serves = relay is not None and any(me in fanout.sources(members, degree, m)[:1] for m in members)
     addresses = [trainer if s == fanout.TRAINER else s for s in chain]
     clients = [PolicyClient(PolicyClientConfig(address=a, expected_fingerprint=fingerprint, fetch_timeout_s=600))
                for a in addresses]  # fmt: skip
@@ -132,7 +135,7 @@ def worker(trainer: str, fingerprint: str, degree: int, wait_s: float, deltas: b
         fetched, source, failures = fetch_from(clients, version, buffers, held, wait_s)
         t, mark = time.monotonic(), time.process_time()
         held = fetched.held()
-        if relay:
+        if serves:
             relay.offer(fetched.manifest, fetched.data)
         received = sum(e.nbytes for e in fetched.manifest.tensors)
         print(json.dumps({**report, "t": t, "cpu": mark - cpu, "bytes": received, "wire": fetched.stats.bytes,
@@ -256,8 +259,9 @@ HEADER = (f"{'F':>2} {'delta':>5} {'N':>3} {'depth':>5} {'egress/ver':>11} {'x v
 
 
 def row_line(r: dict, base: dict) -> str:
-    """One printed row; `base` is the same setup's N = 2 row (or its first)."""
+    """One printed row; `base` is the same setup's N = 2 row (None before it: the ratios print 0)."""
     v = r["version_bytes"]
+    base = base or {"egress_bytes_per_version": math.inf, "live_p50_s": math.inf}
     return (
         f"{r['fanout']:>2} {r['delta']:>5.3f} {r['workers']:>3} {r['depth']:>5} "
         f"{r['egress_bytes_per_version'] / 1e6:>8.1f} MB {r['egress_bytes_per_version'] / v:>6.3f} "
@@ -318,8 +322,10 @@ def main() -> int:
             setup = []
             for n in (int(s) for s in args.workers.split(",")):
                 setup.append(measure(n, degree, fraction, args))
-                base = next((r for r in setup if r["workers"] == 2), setup[0])
+                base = next((r for r in setup if r["workers"] == 2), None)
                 print(row_line(setup[-1], base), flush=True)
+                if args.json:  # row by row: a run cut short keeps its rows
+                    Path(args.json).write_text(json.dumps(rows + setup, indent=1))
             rows += setup
     print(f"load {os.getloadavg()[0]:.1f}")
     for line in targets(rows):
