@@ -576,16 +576,19 @@ class RolloutWorker:
 
     def _from_relay(self, source: str, pointer: PolicyPointer, cancel: FetchCancel, held) -> FetchedPolicy:
         """`pointer`'s version from a relay within relay_timeout_s, waiting while the relay does not
-        hold it yet (NOT_FOUND: it is fetching it itself)."""
+        hold it yet (NOT_FOUND, or UNAVAILABLE before its first version: it is fetching it itself)."""
         deadline = time.monotonic() + self.cfg.relay_timeout_s
         while True:
             left = deadline - time.monotonic()
             try:
                 return self._fetch_from(source, pointer, cancel, held, timeout_s=max(0.05, left))
             except grpc.RpcError as e:
-                if not callable(getattr(e, "code", None)) or e.code() != grpc.StatusCode.NOT_FOUND or left < 0.2:
+                code = e.code() if callable(getattr(e, "code", None)) else None
+                if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE) or left < 0.1:
                     raise
-            time.sleep(0.1)
+            if cancel.is_set():
+                raise FetchCancelled(f"version {pointer.version}: fetch cancelled")
+            time.sleep(0.05)
 
     def _fetch_from(self, address: str, pointer: PolicyPointer, cancel: FetchCancel, held, *, timeout_s: float):
         request = FetchRequest(
