@@ -597,6 +597,7 @@ class RolloutWorker:
             version=pointer.version,
             digest=pointer.content_digest,
             fetch_timeout_s=timeout_s,
+            call_timeout_s=min(10.0, timeout_s),  # GetManifest: within a relay's deadline too
             streams=self.cfg.fetch_streams,
             tls=self.cfg.tls,
             run_token=policy_token(self.signer),
