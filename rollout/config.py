@@ -100,6 +100,9 @@ class RolloutConfig:
     relay_advertise: str = ""
     """host:port peers dial for this worker's relay, sent with its heartbeat; "" = relay_host and the
     bound port. In a pod: the pod IP and the relay port (TANDEM_ROLLOUT_RELAY_ADVERTISE)."""
+    relay_server_name: str = ""
+    """With rollout.tls: the name checked against a relay's certificate (the worker certificate every
+    worker presents) instead of the dialed host, a pod IP ("" = the dialed host)."""
     relay_timeout_s: float = 20.0
     """Deadline of a fetch from a relay (waiting for the relay to hold the version included), after
     which the next source is asked (the trainer last, under fetch_timeout_s)."""
@@ -147,10 +150,10 @@ class RolloutConfig:
             errors.append(f"relay_host={self.relay_host!r} (want an address to bind)")
         if self.relay_advertise and not _is_host_port(self.relay_advertise):
             errors.append(f"relay_advertise={self.relay_advertise!r} (want host:port or '')")
-        if self.relay and not self.relay_advertise and self.relay_host in ("0.0.0.0", "::", "[::]"):
-            errors.append(f"relay_host={self.relay_host!r} is no address to dial: set relay_advertise")
         if not is_number(self.relay_timeout_s, 0.01, 3600):
             errors.append(f"relay_timeout_s={self.relay_timeout_s!r} (want seconds in [0.01, 3600])")
+        if not isinstance(self.relay_server_name, str) or any(c.isspace() for c in self.relay_server_name):
+            errors.append(f"relay_server_name={self.relay_server_name!r} (want a name without whitespace, or '')")
         if self.relay and self.tls.enabled and not self.tls.cert:
             errors.append("relay=true with rollout.tls needs tls.cert and tls.key (the relay presents them to peers)")
         return errors

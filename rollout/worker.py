@@ -21,6 +21,7 @@ rollout/cuda_engine.py on CUDA (updated in place per version). Metrics: rollout/
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import threading
 import time
@@ -149,6 +150,10 @@ class RolloutWorker:
         self.relay: Relay | None = None  # started in run() where rollout.relay is on
         self.relay_address = ""  # what peers dial (rollout.relay_advertise, else the bound address)
         self._relay_lock = threading.Lock()  # the fetch thread counts, the metrics thread reads
+        # Peers' relays are checked against the worker certificate's name (rollout.relay_server_name).
+        self._relay_tls = cfg.tls
+        if cfg.tls.enabled and cfg.relay_server_name:
+            self._relay_tls = dataclasses.replace(cfg.tls, server_name=cfg.relay_server_name)
 
     def _receivers(self) -> tuple[FetchProcess | None, ReceiveBuffers | None]:
         """The fetch child process (rollout.fetch_process; CUDA's default) and where versions are received.
@@ -289,6 +294,11 @@ class RolloutWorker:
         """This worker's relay for its peers: the trainer's server code with its limits, the run token
         (only authenticated peers are served where there is one), and with rollout.tls the worker's
         own certificate, peers' client certificates signed by tls.ca required."""
+        if not self.cfg.relay_advertise and self.cfg.relay_host in ("0.0.0.0", "::", "[::]"):
+            # (checked here, not in RolloutConfig: the trainer's pod loads the same config without it)
+            raise ValueError(
+                f"rollout.relay_host={self.cfg.relay_host!r} is no address to dial: set rollout.relay_advertise"
+            )
         tls = self.cfg.tls
         token = policy_token(self.signer)
         self.relay = Relay(
@@ -571,7 +581,9 @@ class RolloutWorker:
                 held = None if self.host_buffers is not None else held  # the attempt wrote over it
                 continue
             return self._fetched(fetched, source, relayed=True)
-        fetched = self._fetch_from(sources[-1], pointer, cancel, held, timeout_s=self.cfg.fetch_timeout_s)
+        fetched = self._fetch_from(
+            sources[-1], pointer, cancel, held, timeout_s=self.cfg.fetch_timeout_s, tls=self.cfg.tls
+        )
         return self._fetched(fetched, sources[-1], relayed=False)
 
     def _from_relay(self, source: str, pointer: PolicyPointer, cancel: FetchCancel, held) -> FetchedPolicy:
@@ -581,7 +593,7 @@ class RolloutWorker:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self._fetch_from(source, pointer, cancel, held, timeout_s=max(0.05, left))
+                return self._fetch_from(source, pointer, cancel, held, timeout_s=max(0.05, left), tls=self._relay_tls)
             except grpc.RpcError as e:
                 code = e.code() if callable(getattr(e, "code", None)) else None
                 if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE) or left < 0.1:
@@ -590,7 +602,7 @@ class RolloutWorker:
                 raise FetchCancelled(f"version {pointer.version}: fetch cancelled")
             time.sleep(0.05)
 
-    def _fetch_from(self, address: str, pointer: PolicyPointer, cancel: FetchCancel, held, *, timeout_s: float):
+    def _fetch_from(self, address: str, pointer: PolicyPointer, cancel: FetchCancel, held, *, timeout_s: float, tls):
         request = FetchRequest(
             address=address,
             fingerprint=self.fingerprint,
@@ -599,7 +611,7 @@ class RolloutWorker:
             fetch_timeout_s=timeout_s,
             call_timeout_s=min(10.0, timeout_s),  # GetManifest: within a relay's deadline too
             streams=self.cfg.fetch_streams,
-            tls=self.cfg.tls,
+            tls=tls,
             run_token=policy_token(self.signer),
         )
         # A server gone from this address (a restarted trainer, a dead relay) fails here at once,
