@@ -173,3 +173,36 @@ def test_a_chain_of_relays_carries_every_version_at_one_trainer_copy_each(tmp_pa
     assert row["relays"] == 3
     assert 0 < row["policy_sent_bytes"] <= 1.5 * full * versions, (row["policy_sent_bytes"], full, versions)
     assert_trained_under_live_versions(run_dir, logs)
+
+
+def test_relays_speak_mutual_tls_with_the_workers_certificate(tmp_path, redis_url, run_id):
+    """With rollout.tls each relay presents the worker certificate and requires a peer's: w2 fetches
+    from w1's relay over mTLS, checking the certificate's name (rollout.relay_server_name)."""
+    from tls_certs import make_certs
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    make_certs(certs, ("trainer", "rollout"), san="IP:127.0.0.1,DNS:tandem-rollout")
+    cfg = relay_config(tmp_path, run_id, redis_url)
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    logs.mkdir()
+    tls = [f"rollout.tls.ca={certs / 'ca.crt'}", f"rollout.tls.cert={certs / 'rollout.crt'}",
+           f"rollout.tls.key={certs / 'rollout.key'}", "rollout.relay_server_name=tandem-rollout"]  # fmt: skip
+    workers = {
+        w: spawn(["rollout", "--config", str(cfg), "--worker-id", w, *tls], logs / f"{w}.log") for w in WORKERS[:2]
+    }
+    wait(lambda: all(relay_address(logs / f"{w}.log") for w in workers), "the relays", 120, workers.values())
+    trainer = spawn(
+        ["trainer", "--config", str(cfg), "--run-dir", str(run_dir), f"trainer.tls.cert={certs / 'trainer.crt'}",
+         f"trainer.tls.key={certs / 'trainer.key'}", f"trainer.tls.client_ca={certs / 'ca.crt'}"],
+        logs / "trainer.log",
+    )  # fmt: skip
+    procs = [trainer, *workers.values()]
+    try:
+        w1 = relay_address(logs / "w1.log")
+        wait(
+            lambda: any(s == w1 for _, _, s in live_lines(logs / "w2.log")), "w2 fetching from w1 over mTLS", 240, procs
+        )
+    finally:
+        stop(procs)
+    assert "TLSHandshakeError" not in (logs / "w2.log").read_text()
