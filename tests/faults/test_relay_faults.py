@@ -227,6 +227,12 @@ def test_the_trainer_restarted_while_a_relay_holds_old_versions(tmp_path, redis_
         with PolicyClient(PolicyClientConfig(address=w1, run_token=token)) as c:
             old = c.get_manifest()  # the newest version w1's relay serves: lost with the trainer
         run.start_trainer()
+
+        def renumbered() -> bool:  # w2 resumes once the pointer names the restart's versions only
+            p = latest_pointer(redis_url, run_id, secret)
+            return p is not None and p.version > old.version
+
+        wait_for(renumbered, "the restarted trainer's first version", run)
         before = len(live_lines(run, "w2"))
         run.workers["w2"].send_signal(signal.SIGCONT)
         wait_for(lambda: any(v > old.version for v, _ in live_lines(run, "w2")), "w2 past the old versions", run)
