@@ -92,7 +92,7 @@ class PolicyPointer:
 
     def sources(self, member: str) -> list[str]:
         """The addresses `member` fetches this version from, in order (its ancestors' relays, then
-        the trainer's `address`)."""
+        the trainer's `address`; a member not named starts at a peer: broker.fanout.sources)."""
         if not self.fanout:
             return [self.address]
         relay_of = dict(self.relays)
