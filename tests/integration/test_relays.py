@@ -5,7 +5,10 @@ publishing a chain (trainer.relay_fanout=1: trainer -> w1 -> w2 -> w3).
 Every worker converges to the newest version; w2 and w3 fetch from their relays (their "live" lines
 name the source, their metrics count it); the trainer's server sends about one copy per version
 (policy_sent_bytes in metrics.jsonl; deltas off, so a copy is a full version); and every sample was
-trained under a version its worker had live.
+trained under a version its worker had live. Relays over mTLS with the workers' certificate. And
+one worker driven without Redis (in process and in a fetch child): a dead relay passed over and
+counted, a relay's flipped bytes refused and that relay distrusted for that version only, a fetch
+waiting on a relay cancelled at once by a newer pointer.
 """
 
 from __future__ import annotations
@@ -206,3 +209,119 @@ def test_relays_speak_mutual_tls_with_the_workers_certificate(tmp_path, redis_ur
     finally:
         stop(procs)
     assert "TLSHandshakeError" not in (logs / "w2.log").read_text()
+
+
+# ------------------------------------------------- one worker's fetch over its sources (no Redis)
+@pytest.fixture(params=[False, True], ids=["in-process", "child-process"])
+def one_worker(request):
+    """A CPU worker driven through its public methods (tests/drive_worker.py), a trainer's server
+    holding v1..v3 and a peer's relay holding none (the worker fetching in process, then in a child); `pointer(v, relays)` names the worker second in a
+    chain behind those relays."""
+    import dataclasses
+
+    from test_worker_prefetch import CFG, build
+
+    from broker.policy_server import PolicyServer, PolicyServerConfig
+    from broker.registry import PolicyPointer
+    from broker.relay import Relay
+    from policy.manifest import manifest_digest
+    from tandem.services import make_worker
+
+    rollout = dataclasses.replace(CFG.rollout, relay_timeout_s=20.0, fetch_streams=1, fetch_process=request.param)
+    cfg = dataclasses.replace(CFG, rollout=rollout)
+    worker = make_worker(cfg, "w9")
+    logs: list[str] = []
+    worker.log = logs.append
+    server, relay = PolicyServer(PolicyServerConfig(keep_versions=4)), Relay(PolicyServerConfig(keep_versions=2))
+    server.start()
+    relay.start()
+    digests = {}
+    for v in (1, 2, 3):
+        policy = build(v)
+        digests[v] = manifest_digest(policy.manifest).hex()
+        server.publish(policy)
+
+    def pointer(v: int, relays: tuple[str, ...]) -> PolicyPointer:
+        members = tuple((f"w{i}", a) for i, a in enumerate(relays)) + (("w9", "127.0.0.1:1"),)
+        return PolicyPointer(
+            version=v, address=server.address, contract_fingerprint=worker.fingerprint, content_digest=digests[v],
+            fanout=1, relays=members,
+        )  # fmt: skip
+
+    yield worker, logs, pointer, server, relay
+    if worker.fetcher is not None:
+        worker.fetcher.close()
+    relay.stop()
+    server.stop()
+
+
+async def test_a_dead_relay_is_passed_over_and_counted(one_worker, free_port):
+    from drive_worker import load
+
+    worker, logs, pointer, server, _ = one_worker
+    dead = f"127.0.0.1:{free_port()}"
+    assert await load(worker, pointer(1, (dead,)))
+    assert worker.version == 1 and worker.stats.policy_relay_fallbacks == 1 and worker.stats.policy_relay_fetches == 0
+    (line,) = [ln for ln in logs if "relay fallback" in ln]
+    assert f"relay {dead} failed for v1" in line and "connection refused" in line
+    assert f"from {server.address}" in [ln for ln in logs if "live (" in ln][-1]
+    values = worker.metric_values()
+    assert (
+        values["policy_relay_fallbacks"] == 1 and values["policy_fetch_failures"] == 0
+    )  # the trainer's fetch did not fail
+
+
+async def test_a_superseded_fetch_waiting_on_a_relay_is_cancelled_at_once(one_worker):
+    """The relay does not hold v2 (its worker has not fetched it): the fetch waits for it there, up to
+    relay_timeout_s (20 s). A newer pointer cancels that wait at once, and v3 comes from the relay as
+    soon as the relay holds it."""
+    import time
+
+    from drive_worker import load
+
+    worker, logs, pointer, server, relay = one_worker
+    relay.offer(*_whole(server, 1))  # the relay holds v1 only: NOT_FOUND for v2
+    assert not await worker.offer(pointer(2, (relay.address,)))
+    await worker.wait_fetch(1.0)
+    assert worker.swap.pending is not None and not worker.swap.fetched  # still waiting on the relay
+    t0 = time.monotonic()
+    relay.offer(*_whole(server, 3))
+    assert await load(worker, pointer(3, (relay.address,)))
+    assert time.monotonic() - t0 < 10, "the superseded fetch held the worker up to its relay deadline"
+    assert worker.version == 3 and worker.stats.policy_relay_fetches == 1 and worker.stats.policy_relay_fallbacks == 0
+    assert "w9: v3 announced while fetching v2: superseded" in logs
+    assert f"from {relay.address}" in [ln for ln in logs if "live (" in ln][-1]
+
+
+def _whole(server, version: int):
+    """(manifest, name -> verified bytes) of a version fetched whole from `server`."""
+    from broker.policy_client import PolicyClient, PolicyClientConfig
+
+    with PolicyClient(PolicyClientConfig(address=server.address)) as c:
+        fetched = c.fetch(version)
+    return fetched.manifest, fetched.data
+
+
+async def test_a_relay_serving_flipped_bytes_is_distrusted_for_that_version(one_worker):
+    """Bytes failing the manifest's checksums: refused, the relay not asked for that version again
+    (rollout/sources.py), the version fetched from the trainer; asked again for the next version."""
+    import numpy as np
+    from drive_worker import load
+
+    worker, logs, pointer, server, relay = one_worker
+    manifest, data = _whole(server, 1)
+    data = dict(data)
+    name = max(data, key=lambda n: len(data[n]))
+    data[name] = np.array(data[name], copy=True)
+    data[name][7] ^= 0x10
+    relay.offer(manifest, data)
+    p1 = pointer(1, (relay.address,))
+    assert await load(worker, p1)
+    assert worker.version == 1 and f"from {server.address}" in [ln for ln in logs if "live (" in ln][-1]
+    assert worker.swap.distrusted == {(1, relay.address, p1.content_digest)}
+    assert worker.metric_values()["policy_sources_distrusted"] == 1 and worker.stats.policy_relay_fallbacks == 1
+    (line,) = [ln for ln in logs if "relay fallback" in ln]
+    assert "ChecksumMismatch" in line and "not asked for it again" in line
+    relay.offer(*_whole(server, 2))  # an honest v2: a relay distrusted for v1 only
+    assert await load(worker, pointer(2, (relay.address,)))
+    assert f"from {relay.address}" in [ln for ln in logs if "live (" in ln][-1]
