@@ -280,6 +280,7 @@ async def test_a_superseded_fetch_waiting_on_a_relay_is_cancelled_at_once(one_wo
     from drive_worker import load
 
     worker, logs, pointer, server, relay = one_worker
+    assert await load(worker, pointer(1, ()))  # v1 from the trainer: the fetch child (if any) is up
     relay.offer(*_whole(server, 1))  # the relay holds v1 only: NOT_FOUND for v2
     assert not await worker.offer(pointer(2, (relay.address,)))
     await worker.wait_fetch(1.0)
