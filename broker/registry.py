@@ -92,7 +92,7 @@ class PolicyPointer:
 
     def sources(self, member: str) -> list[str]:
         """The addresses `member` fetches this version from, in order (its ancestors' relays, then
-        the trainer's `address`)."""
+        the trainer's `address`; a member not named starts at a peer: broker.fanout.sources)."""
         if not self.fanout:
             return [self.address]
         relay_of = dict(self.relays)
@@ -273,7 +273,8 @@ class Heartbeats:
             await pipe.execute()
 
     async def live(self, role: str | None = None) -> dict[str, dict[str, Any]]:
-        """worker_id -> its last heartbeat ({worker_id, role, at, info}) for unexpired workers."""
+        """worker_id -> its last heartbeat ({worker_id, role, at, info}) for unexpired workers (a value
+        that is no JSON object is left out)."""
         ids = sorted(m.decode() for m in await self.redis.smembers(self.keys.workers))
         if not ids:
             return {}
@@ -283,10 +284,11 @@ class Heartbeats:
             await self.redis.srem(self.keys.workers, *dead)
         out = {}
         for i, v in zip(ids, values):
-            if v is None:
+            try:
+                beat = None if v is None else json.loads(v)
+            except (ValueError, UnicodeDecodeError):  # written by somebody else: not a heartbeat
                 continue
-            beat = json.loads(v)
-            if role is None or beat.get("role") == role:
+            if isinstance(beat, dict) and (role is None or beat.get("role") == role):
                 out[i] = beat
         return out
 

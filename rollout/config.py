@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from broker.health import HealthConfig
 from broker.tls import ClientTLS
-from policy.fields import is_int
+from policy.fields import is_int, is_number
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 
@@ -93,6 +93,24 @@ class RolloutConfig:
     """host:port to dial for policies instead of the trainer address in policy:latest ("" = the
     pointer's): a local proxy or port-forward in front of the trainer. Versions, fingerprints and the
     pointer's signature are checked as always."""
+    relay: bool = False
+    """Serve the versions this worker fetched and verified to its peers (broker.relay: the trainer's
+    server code, limits and run token; with rollout.tls the worker's own tls.cert/key, client
+    certificates signed by tls.ca required), the newest two, so a peer can get a delta. The trainer
+    names the relays in the signed pointer where trainer.relay_fanout > 0 (docs/running.md, "Relays")."""
+    relay_host: str = "127.0.0.1"
+    """Address the relay binds (a pod binds "0.0.0.0" and advertises its IP: relay_advertise)."""
+    relay_port: int = 0
+    """Port of the relay; 0 = a free port."""
+    relay_advertise: str = ""
+    """host:port peers dial for this worker's relay, sent with its heartbeat; "" = relay_host and the
+    bound port. In a pod: the pod IP and the relay port (TANDEM_ROLLOUT_RELAY_ADVERTISE)."""
+    relay_server_name: str = ""
+    """With rollout.tls: the name checked against a relay's certificate (the worker certificate every
+    worker presents) instead of the dialed host, a pod IP ("" = the dialed host)."""
+    relay_timeout_s: float = 20.0
+    """Deadline of a fetch from a relay (waiting for the relay to hold the version included), after
+    which the next source is asked (the trainer last, under fetch_timeout_s)."""
 
     def __post_init__(self):
         errors = []
@@ -123,9 +141,33 @@ class RolloutConfig:
             errors.append(f"max_batch={self.max_batch}, kv_capacity={self.kv_capacity} (need >= 1 and >= 2)")
         if not isinstance(self.ignore_stop, bool):
             errors.append(f"ignore_stop={self.ignore_stop!r} (want true or false)")
-        if self.policy_address:
-            host, _, port = self.policy_address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                errors.append(f"policy_address={self.policy_address!r} (want host:port or '')")
+        if self.policy_address and not _is_host_port(self.policy_address):
+            errors.append(f"policy_address={self.policy_address!r} (want host:port or '')")
+        errors += self._relay_errors()
         if errors:
             raise ValueError("RolloutConfig: " + "; ".join(errors))
+
+    def _relay_errors(self) -> list[str]:
+        errors = []
+        if not isinstance(self.relay, bool):
+            errors.append(f"relay={self.relay!r} (want true or false)")
+        if not is_int(self.relay_port, 0, 65535):
+            errors.append(f"relay_port={self.relay_port!r} (want 0 = a free port, else a port)")
+        if not isinstance(self.relay_host, str) or not self.relay_host or any(c.isspace() for c in self.relay_host):
+            errors.append(f"relay_host={self.relay_host!r} (want an address to bind)")
+        if self.relay_advertise and not _is_host_port(self.relay_advertise):
+            errors.append(f"relay_advertise={self.relay_advertise!r} (want host:port or '')")
+        if not is_number(self.relay_timeout_s, 0.01, 3600):
+            errors.append(f"relay_timeout_s={self.relay_timeout_s!r} (want seconds in [0.01, 3600])")
+        if not isinstance(self.relay_server_name, str) or any(c.isspace() for c in self.relay_server_name):
+            errors.append(f"relay_server_name={self.relay_server_name!r} (want a name without whitespace, or '')")
+        if self.relay and self.tls.enabled and not self.tls.cert:
+            errors.append("relay=true with rollout.tls needs tls.cert and tls.key (the relay presents them to peers)")
+        return errors
+
+
+def _is_host_port(value: object) -> bool:
+    if not isinstance(value, str) or len(value) > 256 or any(c.isspace() for c in value):
+        return False
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

@@ -72,6 +72,7 @@ class FetchRequest:
     version: int
     digest: str = ""
     fetch_timeout_s: float = 60.0
+    call_timeout_s: float = 10.0
     streams: int = 1
     tls: ClientTLS = dataclasses.field(default_factory=ClientTLS)
     run_token: str = dataclasses.field(default="", repr=False)
@@ -81,6 +82,7 @@ class FetchRequest:
             address=self.address,
             expected_fingerprint=self.fingerprint,
             fetch_timeout_s=self.fetch_timeout_s,
+            call_timeout_s=self.call_timeout_s,
             streams=self.streams,
             tls=self.tls,
             run_token=self.run_token,

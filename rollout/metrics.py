@@ -54,6 +54,23 @@ COUNTERS = {
         "sources that served other content than the signed pointer names (a manifest of another digest, "
         "or bytes not its manifest's): not asked for that version again (sources)",
     ),
+    "policy_relay_fetches": (
+        "tandem_rollout_policy_relay_fetches_total",
+        "versions fetched from a peer's relay instead of the trainer (rollout.relay, trainer.relay_fanout) (versions)",
+    ),
+    "policy_relay_fallbacks": (
+        "tandem_rollout_policy_relay_fallbacks_total",
+        "relays passed over for the next source: dead, slower than rollout.relay_timeout_s, or serving bytes "
+        "that failed verification (the log names each) (fetch attempts)",
+    ),
+    "relay_sent_bytes": (
+        "tandem_rollout_relay_sent_bytes_total",
+        "TensorChunk bytes this worker's relay served to peers (bytes)",
+    ),
+    "relay_versions_offered": (
+        "tandem_rollout_relay_versions_offered_total",
+        "versions this worker's relay took in to serve, each verified whole here (versions)",
+    ),
 }
 GAUGES = {
     "policy_version": ("tandem_rollout_policy_version", "policy version in use (0 before the first)"),
@@ -104,6 +121,9 @@ class WorkerStats:
     policy_deltas_refused: int = 0
     tokens_on_stale_kv: int = 0
     inflight_swaps: int = 0
+    policy_relay_fetches: int = 0
+    policy_relay_fallbacks: int = 0
+    relay_versions_offered: int = 0
     generated_tokens_per_second: float = 0.0
     policy_staleness: int = 0
     publish_to_live_seconds: float = 0.0

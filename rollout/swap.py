@@ -71,6 +71,7 @@ class VersionSwap:
         s.fetch_done(ticket, error)                    the fetch a "fetch" step started has ended
         s.went_live() -> Pending / s.fail(error, now=t) the caller installed the fetched version / it raised
         s.refuse_live(); s.unload()                    the live version computed non-finite values / is gone
+        s.distrust(pointer, relay)                     a relay served other content (the fetch fell back)
     """
 
     def __init__(
@@ -166,6 +167,13 @@ class VersionSwap:
             f"fetching v{pointer.version} from {self.source(pointer)} failed, "
             f"will retry (the same error again is not logged): {why(error)}"
         )
+
+    def distrust(self, pointer: PolicyPointer, source: str) -> None:
+        """A relay `source` served other content than `pointer` names: not asked for that version
+        again (rollout/sources.py leaves it out), counted with the distrusted sources. Called from the
+        fetch thread: one set.add, which the GIL makes atomic against the loop's membership tests."""
+        self.distrusted.add((pointer.version, source, pointer.content_digest))
+        self.sources_distrusted += 1
 
     def refuse_live(self) -> int | None:
         """The live version computed non-finite values (rule 5): refused, nothing live. Returns it."""

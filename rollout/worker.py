@@ -14,19 +14,25 @@ continue under it on their KV (rollout/batching.py; each trajectory's `token_ver
 raises is dead-lettered with the error's line (groups that failed together are retried one at a time
 first); a live version computing non-finite values is refused and the groups in flight start again
 under the next. SIGTERM: no group is read any more, the ones in flight are finished and committed,
-then the worker exits. Nothing a peer serves ends the worker. Engines: rollout/engine.py on the CPU,
+then the worker exits. Nothing a peer serves ends the worker. Relays (rollout.relay): each version
+fetched and verified whole is served to peers (broker.relay); a fetch asks the pointer's sources in
+order (rollout/sources.py), a relay that is dead, slower than relay_timeout_s or serving other bytes
+logged, counted and passed over; only the trainer's failure reaches the swap. Engines: rollout/engine.py on the CPU,
 rollout/packed_engine.py on CUDA (updated in place per version). Metrics: rollout/metrics.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
+import threading
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
 from broker.codec import PromptGroup, Trajectory, sample_id_for
@@ -42,10 +48,15 @@ from broker.policy_client import (
     ReceiveBuffers,
     check_reachable,
 )
+from broker.policy_server import PolicyServerConfig
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
+from broker.relay import Relay
 from broker.signing import Signer, policy_token
 from broker.streams import PromptQueue, StreamConfig, connect
+from broker.tls import ServerTLS
+from policy import manifest as mf
 from policy import qat
+from policy.chunks import ChecksumMismatch
 from policy.contract import contract_from_recipe
 from policy.formats import NonFinite
 from policy.loop import AsyncConfig
@@ -59,6 +70,7 @@ from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend,
 from .config import RolloutConfig
 from .metrics import WorkerMetrics, WorkerStats
 from .prompt_check import PromptRules, check_prompt
+from .sources import fetch_sources
 from .swap import Pending, VersionSwap, why
 from .tasks import Task
 
@@ -81,7 +93,7 @@ class _FetchJob:
     """The thread fetching the swap's pending version (`VersionSwap.pending`)."""
 
     cancel: FetchCancel
-    task: asyncio.Task  # -> (FetchedPolicy, perf_counter when it was complete)
+    task: asyncio.Task  # -> (FetchedPolicy, perf_counter when it was complete, the source it came from)
 
 
 class RolloutWorker:
@@ -141,6 +153,13 @@ class RolloutWorker:
         self.metrics = WorkerMetrics(cfg.metrics_port, cfg.metrics_host, self.metric_values)
         if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
             PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
+        self.relay: Relay | None = None  # started in run() where rollout.relay is on
+        self.relay_address = ""  # what peers dial (rollout.relay_advertise, else the bound address)
+        self._relay_lock = threading.Lock()  # the fetch thread counts, the metrics thread reads
+        # Peers' relays are checked against the worker certificate's name (rollout.relay_server_name).
+        self._relay_tls = cfg.tls
+        if cfg.tls.enabled and cfg.relay_server_name:
+            self._relay_tls = dataclasses.replace(cfg.tls, server_name=cfg.relay_server_name)
 
     def _receivers(self) -> tuple[FetchProcess | None, ReceiveBuffers | None]:
         """The fetch child process (rollout.fetch_process; CUDA's default) and where versions are received.
@@ -191,6 +210,10 @@ class RolloutWorker:
             "policy_sources_distrusted": w.sources_distrusted,
             "tokens_on_stale_kv": s.tokens_on_stale_kv,
             "inflight_swaps": s.inflight_swaps,
+            "policy_relay_fetches": s.policy_relay_fetches,
+            "policy_relay_fallbacks": s.policy_relay_fallbacks,
+            "relay_sent_bytes": self.relay.server.stats()["bytes_sent"] if self.relay is not None else 0,
+            "relay_versions_offered": s.relay_versions_offered,
             "policy_version": w.live or 0,
             "generated_tokens_per_second": s.generated_tokens_per_second,
             "policy_staleness": s.policy_staleness,
@@ -253,6 +276,8 @@ class RolloutWorker:
             self.log(f"{self.worker_id}: health (grpc.health.v1) on {self.health.host}:{self.health.port}")
         if self.metrics.port is not None:
             self.log(f"{self.worker_id}: metrics (Prometheus) on port {self.metrics.port}")
+        if self.cfg.relay:
+            self._start_relay()
         self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
         registry = PolicyRegistry(self.redis, self.keys, signer=self.signer)
         queue = PromptQueue(
@@ -271,15 +296,44 @@ class RolloutWorker:
                 "refused_versions": len(self.swap.refused_versions),
                 "refused_prompts": sum(self.stats.prompts_refused.values()),
                 "distrusted_sources": len(self.swap.distrusted),
+                **({"relay": self.relay_address} if self.relay_address else {}),
             },
         )
         return registry, queue, asyncio.create_task(beats)
+
+    def _start_relay(self) -> None:
+        """This worker's relay for its peers: the trainer's server code with its limits, the run token
+        (only authenticated peers are served where there is one), and with rollout.tls the worker's
+        own certificate, peers' client certificates signed by tls.ca required."""
+        if not self.cfg.relay_advertise and self.cfg.relay_host in ("0.0.0.0", "::", "[::]"):
+            # (checked here, not in RolloutConfig: the trainer's pod loads the same config without it)
+            raise ValueError(
+                f"rollout.relay_host={self.cfg.relay_host!r} is no address to dial: set rollout.relay_advertise"
+            )
+        tls = self.cfg.tls
+        token = policy_token(self.signer)
+        self.relay = Relay(
+            PolicyServerConfig(
+                host=self.cfg.relay_host,
+                port=self.cfg.relay_port,
+                keep_versions=2,  # the newest and its parent: a peer holding the parent gets a delta
+                tls=ServerTLS(cert=tls.cert, key=tls.key, client_ca=tls.ca) if tls.enabled else ServerTLS(),
+                run_token=token,
+                serve_unauthenticated=not token,
+                deltas=True,
+            )
+        )
+        port = self.relay.start()
+        self.relay_address = self.cfg.relay_advertise or f"{self.cfg.relay_host}:{port}"
+        self.log(f"{self.worker_id}: relay for peers on {self.cfg.relay_host}:{port} (advertised {self.relay_address})")
 
     async def _close(self, beats: asyncio.Task) -> None:
         self.stop.set()
         await self._cancel_fetch()
         if self.fetcher is not None:
             self.fetcher.close()
+        if self.relay is not None:
+            self.relay.stop()
         await beats
         await self.redis.aclose()
         self.health.stop()
@@ -518,30 +572,73 @@ class RolloutWorker:
             job.cancel.cancel()
             await asyncio.wait({job.task})
 
-    def _fetch(self, pointer: PolicyPointer, cancel: FetchCancel) -> tuple[FetchedPolicy, float]:
+    def _fetch(self, pointer: PolicyPointer, cancel: FetchCancel) -> tuple[FetchedPolicy, float, str]:
         """The fetch thread: the verified version (bytes in `host_buffers` on CUDA), fetched by the
-        child process (`fetcher`) or here."""
+        child processes (`fetcher`) or here, from the first of its sources (rollout/sources.py) that
+        serves it; a relay's failure is counted and the next source asked, the trainer's is raised.
+        A version fetched whole is offered to this worker's relay."""
+        sources = fetch_sources(
+            pointer,
+            self.worker_id,
+            policy_address=self.cfg.policy_address,
+            distrusted=self.swap.distrusted,
+            own_address=self.relay_address,
+        )
+        held = self._held
+        for source in sources[:-1]:
+            if cancel.is_set():
+                raise FetchCancelled(f"version {pointer.version}: fetch cancelled")
+            try:
+                fetched = self._from_relay(source, pointer, cancel, held)
+            except FetchCancelled:
+                raise
+            except Exception as e:  # dead, slow, other bytes: the next source
+                self._relay_failed(pointer, source, e)
+                held = None if self.host_buffers is not None else held  # the attempt wrote over it
+                continue
+            return self._fetched(fetched, source, relayed=True)
+        fetched = self._fetch_from(
+            sources[-1], pointer, cancel, held, timeout_s=self.cfg.fetch_timeout_s, tls=self.cfg.tls
+        )
+        return self._fetched(fetched, sources[-1], relayed=False)
+
+    def _from_relay(self, source: str, pointer: PolicyPointer, cancel: FetchCancel, held) -> FetchedPolicy:
+        """`pointer`'s version from a relay within relay_timeout_s, waiting while the relay does not
+        hold it yet (NOT_FOUND, or UNAVAILABLE before its first version: it is fetching it itself)."""
+        deadline = time.monotonic() + self.cfg.relay_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._fetch_from(source, pointer, cancel, held, timeout_s=max(0.05, left), tls=self._relay_tls)
+            except grpc.RpcError as e:
+                code = e.code() if callable(getattr(e, "code", None)) else None
+                if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE) or left < 0.1:
+                    raise
+            if cancel.is_set():
+                raise FetchCancelled(f"version {pointer.version}: fetch cancelled")
+            time.sleep(0.05)
+
+    def _fetch_from(self, address: str, pointer: PolicyPointer, cancel: FetchCancel, held, *, timeout_s: float, tls):
         request = FetchRequest(
-            address=self.swap.source(pointer),
+            address=address,
             fingerprint=self.fingerprint,
             version=pointer.version,
             digest=pointer.content_digest,
-            fetch_timeout_s=self.cfg.fetch_timeout_s,
+            fetch_timeout_s=timeout_s,
+            call_timeout_s=min(10.0, timeout_s),  # GetManifest: within a relay's deadline too
             streams=self.cfg.fetch_streams,
-            tls=self.cfg.tls,
+            tls=tls,
             run_token=policy_token(self.signer),
         )
+        # A server gone from this address (a restarted trainer, a dead relay) fails here at once,
+        # so the next source (or pointer) is tried within a loop, not after the fetch's deadline.
+        check_reachable(address)
         if self.fetcher is not None:
-            fetched = self.fetcher.fetch(request, check=self._check_manifest, cancel=cancel)
-            return fetched, time.perf_counter()
-        # A trainer gone from this address (a restart; the pointer outlived it in Redis) fails
-        # here at once, so the next pointer is seen within a loop, not after fetch_timeout_s.
-        check_reachable(request.address)
-        held = self._held
+            return self.fetcher.fetch(request, check=self._check_manifest, cancel=cancel)
         if self.host_buffers is not None:
             self._held = None  # the fetch writes over it
         with PolicyClient(request.client_config()) as client:
-            fetched = client.fetch(
+            return client.fetch(
                 pointer.version,
                 digest=pointer.content_digest,
                 check=self._check_manifest,
@@ -549,8 +646,37 @@ class RolloutWorker:
                 cancel=cancel,
                 parent=held,
             )
-        self._held = fetched.held()
-        return fetched, time.perf_counter()
+
+    def _fetched(self, fetched: FetchedPolicy, source: str, *, relayed: bool) -> tuple[FetchedPolicy, float, str]:
+        """A verified fetch: kept as the next delta's parent, offered to the relay, counted."""
+        at = time.perf_counter()
+        if self.fetcher is None:
+            self._held = fetched.held()
+        if relayed:
+            with self._relay_lock:
+                self.stats.policy_relay_fetches += 1
+        if self.relay is not None and fetched.held() is not None:  # whole tensors (tp_size 1)
+            try:  # copied into the relay's own buffers: the next fetch reuses these
+                if self.relay.offer(fetched.manifest, fetched.data):
+                    with self._relay_lock:
+                        self.stats.relay_versions_offered += 1
+            except Exception as e:  # the relay is a service to peers: never this worker's failure
+                self.log(f"{self.worker_id}: relaying v{fetched.version} failed: {why(e)}")
+        return fetched, at, source
+
+    def _relay_failed(self, pointer: PolicyPointer, source: str, e: Exception) -> None:
+        """One line and a count per relay passed over; bytes failing the signed digest distrust it
+        for this version (rollout/sources.py leaves it out of the retries)."""
+        wrong = isinstance(e, (mf.DigestMismatch, ChecksumMismatch)) and bool(pointer.content_digest)
+        if wrong:
+            self.swap.distrust(pointer, source)
+        with self._relay_lock:
+            self.stats.policy_relay_fallbacks += 1
+            n = self.stats.policy_relay_fallbacks
+        self.log(
+            f"{self.worker_id}: relay {source} failed for v{pointer.version}: {why(e)}"
+            f"{' (other bytes than signed: not asked for it again)' if wrong else ''}; next source (#{n} relay fallback)"
+        )
 
     def _check_manifest(self, manifest) -> None:
         check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
@@ -559,7 +685,7 @@ class RolloutWorker:
         """Swap the fetched version in: copied into the engine (or the CPU model), then the batcher.
         False (logged, counted; groups resume under the live version) when that raised."""
         job, self._job = self._job, None
-        fetched, fetched_at = job.task.result()
+        fetched, fetched_at, source = job.task.result()
         t0 = time.perf_counter()
         try:
             how = await self._load(fetched)
@@ -591,7 +717,7 @@ class RolloutWorker:
             "h2d": t1 - t0,
             "swap": t2 - t1,
         }
-        self._went_live(pending, fetched, parts, previous, how)
+        self._went_live(pending, fetched, parts, previous, f"{how}, from {source}")
         return True
 
     async def _load(self, fetched: FetchedPolicy) -> str:

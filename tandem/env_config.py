@@ -32,6 +32,8 @@ ENV_KEYS = {
     "TANDEM_ROLLOUT_HEALTH_HOST": "rollout.health.host",
     "TANDEM_TRAINER_METRICS_HOST": "trainer.metrics_host",  # the pod IP, where Prometheus scrapes
     "TANDEM_ROLLOUT_METRICS_HOST": "rollout.metrics_host",
+    "TANDEM_ROLLOUT_RELAY_ADVERTISE": "rollout.relay_advertise",  # "$(POD_IP):PORT": where peers dial its relay
+    "TANDEM_ROLLOUT_RELAY_SERVER_NAME": "rollout.relay_server_name",  # with TLS: the workers' certificate name
 }
 REDIS_URL_PARTS = ("TANDEM_REDIS_PASSWORD", "TANDEM_REDIS_CA_FILE", "TANDEM_REDIS_CERT_FILE", "TANDEM_REDIS_KEY_FILE")
 

@@ -28,7 +28,8 @@ from .config import RunConfig
 
 TRAINER_PORTS = ("trainer.grpc_port", "trainer.metrics_port", "trainer.health.port")
 WORKER_PORTS = ("rollout.metrics_port", "rollout.health.port")
-RESUME_FREE = ("trainer.max_steps", "num_rollout_workers", *TRAINER_PORTS, *WORKER_PORTS)
+RELAY_PORT = "rollout.relay_port"  # a worker's port too, where rollout.relay is on
+RESUME_FREE = ("trainer.max_steps", "num_rollout_workers", *TRAINER_PORTS, *WORKER_PORTS, RELAY_PORT)
 LAUNCHER_FILLED = ("redis_url", "run_secret_file")
 RUN_FOLDER_MARKS = ("config.yaml", "study-run.yaml")
 
@@ -51,15 +52,16 @@ def _get(cfg: RunConfig, key: str):
 def _address(cfg: RunConfig, key: str) -> tuple[str, int]:
     """(host, port) of a port key: the port and the address its section binds it on."""
     section, name = key.rsplit(".", 1)
-    host = {"grpc_port": "grpc_host", "metrics_port": "metrics_host"}.get(name, "host")
+    host = {"grpc_port": "grpc_host", "metrics_port": "metrics_host", "relay_port": "relay_host"}.get(name, "host")
     return _get(cfg, f"{section}.{host}"), _get(cfg, key)
 
 
 def port_plan(cfg: RunConfig, workers: int) -> dict[str, dict[str, tuple[str, int]]]:
     """{service: {key: (host, port)}} of the run's listening ports (rule 1); port 0 = a free one."""
     plan = {"trainer": {k: _address(cfg, k) for k in TRAINER_PORTS if _get(cfg, k) >= 0}}
+    worker_ports = (*WORKER_PORTS, RELAY_PORT) if cfg.rollout.relay else WORKER_PORTS
     for i in range(workers):
-        fixed = {k: _address(cfg, k) for k in WORKER_PORTS if _get(cfg, k) >= 0}
+        fixed = {k: _address(cfg, k) for k in worker_ports if _get(cfg, k) >= 0}
         plan[f"w{i}"] = {k: (host, port + i if port else 0) for k, (host, port) in fixed.items()}
     seen: dict[int, str] = {}
     for service, ports in plan.items():

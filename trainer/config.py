@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from broker.health import HealthConfig
+from broker.registry import MAX_FANOUT
 from broker.tls import ServerTLS
 from policy.fields import is_int
 
@@ -209,6 +210,12 @@ class TrainerConfig:
     """With policy_deltas: every this-many-th publish (the first included) is served only as a full
     version, so a worker rebuilds at most delta_full_every - 1 versions in a row from deltas. The
     mean cost per version is about (1 + (K - 1) * delta fraction) / K of a full one; 1 = never a delta."""
+    relay_fanout: int = 0
+    """Relays (docs/running.md, "Relays"): with F > 0 each published pointer names, signed, the live
+    workers that relay (rollout.relay; by worker id, at most broker.registry.MAX_RELAYS) as a tree of
+    degree F (broker.fanout): the first F fetch from the trainer, each other from a relay, so the
+    trainer sends about F copies of a version whatever the pool's size. 0 = off: every worker fetches
+    from the trainer."""
     collect_timeout_s: float = 300.0
     """Give up waiting for trajectories after this long (seconds)."""
     max_abs_reward: float = 1e3
@@ -307,6 +314,8 @@ class TrainerConfig:
             errors.append(f"policy_deltas={self.policy_deltas!r} (want true or false)")
         if not is_int(self.delta_full_every, 1):
             errors.append(f"delta_full_every={self.delta_full_every!r} (an int >= 1; 1 = every version full)")
+        if not is_int(self.relay_fanout, 0, MAX_FANOUT):
+            errors.append(f"relay_fanout={self.relay_fanout!r} (an int in [0, {MAX_FANOUT}]; 0 = no relays)")
         if not self.fetch_deadline_s > 0:
             errors.append(f"fetch_deadline_s={self.fetch_deadline_s} (must be > 0)")
         if not self.stall_s > 0:

@@ -120,7 +120,8 @@ def build_parts(
     buffers = frames.BufferPool(pin=device.type == "cuda", shared=in_child)
     publishing = PolicyPublishing(
         backend, contracts, versions, server, buffers,
-        advertise=cfg.grpc_advertise, keep_digests=loop.max_staleness + 2, device=device, log=log,
+        advertise=cfg.grpc_advertise, keep_digests=loop.max_staleness + 2, device=device,
+        relay_fanout=cfg.relay_fanout, log=log,
     )  # fmt: skip
     return Parts(
         link=link, task=task, loop=loop, state=state, backend=backend, contracts=contracts, rules=rules,

@@ -12,6 +12,8 @@ publish and the version is never served), framing, hashing and installing in the
 policy:latest names the version, once it is servable, and `announced()` runs. Parts sharing
 storage with a live parameter are staged on the training thread instead, before the next update.
 With the rollout_recipe ablation the published tensors are quantized by the rollouts' recipe.
+With `relay_fanout` F > 0 the pointer also names, signed, the live workers' relays (`relay_tree`):
+the tree of degree F a version travels over (broker.fanout).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from broker import frames
-from broker.registry import PolicyPointer, PolicyRegistry
+from broker.registry import MAX_RELAYS, Heartbeats, PolicyPointer, PolicyRegistry
 from policy import manifest as mf
 from policy.contract import contract_from_recipe
 from policy.formats.params import quantize_params
@@ -78,13 +80,17 @@ class PolicyPublishing:
         advertise: str | None,
         keep_digests: int,
         device: torch.device,
+        relay_fanout: int = 0,
         log: Callable[[str], None] = print,
     ):
         """server: a broker PolicyServer or ServingProcesses; advertise: the address named in
-        policy:latest (None: the server's own); keep_digests: versions whose digest is kept."""
+        policy:latest (None: the server's own); keep_digests: versions whose digest is kept;
+        relay_fanout: the degree of the relay tree (trainer.relay_fanout; 0: none)."""
         self.backend, self.contracts, self.versions = backend, contracts, versions
         self.server, self.buffers, self.device = server, buffers, device
-        self.advertise, self.keep_digests = advertise, keep_digests
+        self.advertise, self.keep_digests, self.relay_fanout = advertise, keep_digests, relay_fanout
+        self.log = log
+        self.relays_named = 0  # members of the last pointer's relay tree
         self.publisher = Publisher(log=log)
         self.registry: PolicyRegistry | None = None
         self._digests: dict[int, str] = {}  # version -> its manifest's digest (hex), named in policy:latest
@@ -144,6 +150,10 @@ class PolicyPublishing:
         version = version or max(self.server.versions(), default=0)
         if not version:
             return
+        relays = await self.relay_tree() if self.relay_fanout else ()
+        if len(relays) != self.relays_named:
+            self.log(f"v{version}: {len(relays)} relay(s) in the fan-out tree of degree {self.relay_fanout}")
+        self.relays_named = len(relays)
         await self.registry.publish(
             PolicyPointer(
                 version=version,
@@ -151,8 +161,25 @@ class PolicyPublishing:
                 contract_fingerprint=self.contracts.accepted,
                 published_at=time.time(),
                 content_digest=self._digests[version],  # what workers trust, whoever serves the bytes
+                fanout=self.relay_fanout,
+                relays=relays,
             )
         )
+
+    async def relay_tree(self) -> tuple[tuple[str, str], ...]:
+        """The live rollout workers that relay, (worker id, relay address) by worker id, at most
+        MAX_RELAYS: from their heartbeats, which anybody with access to Redis can write. A rogue
+        address here can only make a worker ask the wrong server first: the pointer signs the
+        version's content digest, so bytes from anywhere else fail verification, that relay is
+        passed over and the worker falls back to its next source (rollout/sources.py). Entries that
+        are not a (1-256 character, whitespace-free) id and host:port are left out."""
+        beats = await Heartbeats(self.registry.redis, self.registry.keys).live("rollout")
+        tree = []
+        for worker_id, beat in sorted(beats.items()):
+            address = (beat.get("info") or {}).get("relay") if isinstance(beat, dict) else None
+            if _relay_entry_ok(worker_id) and _relay_entry_ok(address) and ":" in address:
+                tree.append((worker_id, address))
+        return tuple(tree[:MAX_RELAYS])
 
     async def idle(self) -> float:
         return await self.publisher.idle()
@@ -163,3 +190,7 @@ class PolicyPublishing:
         await self.publisher.settle()
         self.server.stop()
         self.buffers.close()
+
+
+def _relay_entry_ok(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 256 and not any(c.isspace() for c in value)

@@ -190,6 +190,8 @@ class Trainer:
             collect_s=collect_s,
             publish_s=self._publish_s,
             quantize_s=parts.publishing.quantize_s,
+            policy_sent_bytes=parts.publishing.server.stats()["bytes_sent"],  # the trainer's egress, run by run
+            relays=parts.publishing.relays_named,
         )
         if any(t.info.get("ignore_stop") for g in groups for t in g):
             row["benchmark_ignore_stop"] = 1  # rollout.ignore_stop: completions did not end at their stop token

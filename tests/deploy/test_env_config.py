@@ -30,6 +30,7 @@ def _check(port: int, service: str) -> str:
 def test_every_env_key_lands_in_its_config_field():
     env = {name: f"/x/{name.lower()}" for name in env_config.ENV_KEYS}
     env.update(TANDEM_RUN_ID="2024", TANDEM_REDIS_URL="redis://r:6379/0", TANDEM_ROLLOUT_TLS_SERVER_NAME="trainer")
+    env.update(TANDEM_ROLLOUT_RELAY_ADVERTISE="10.1.2.3:50052", TANDEM_ROLLOUT_RELAY_SERVER_NAME="tandem-rollout")
     cfg = _load(env)
     assert cfg.run_id == "2024"  # quoted: YAML would have made it an int
     assert cfg.redis_url == "redis://r:6379/0"
@@ -42,6 +43,7 @@ def test_every_env_key_lands_in_its_config_field():
         key="/x/tandem_rollout_tls_key",
         server_name="trainer",
     )
+    assert (cfg.rollout.relay_advertise, cfg.rollout.relay_server_name) == ("10.1.2.3:50052", "tandem-rollout")
     # Command-line overrides come after the environment and win.
     assert _load(env, ["run_id=cli"]).run_id == "cli"
     assert env_config.env_overrides({}) == []

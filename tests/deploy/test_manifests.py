@@ -140,6 +140,7 @@ def test_every_rendered_manifest_is_valid(rendered, overlay):
             "PodDisruptionBudget",
             "NetworkPolicy",
             "NetworkPolicy",
+            "NetworkPolicy",
             *(["TriggerAuthentication"] if overlay == "gpu" else []),  # KEDA's Redis client certificate
         ]
     )
@@ -234,6 +235,24 @@ def test_ports_and_probes_match_what_the_code_listens_on(rendered, overlay, tmp_
         live["periodSeconds"] * live["failureThreshold"]
         >= get(docs, "Deployment", "tandem-rollout")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     )
+
+    # Relays: the container port, the pod IP advertised to peers, the trainer naming them in its pointer.
+    assert rcfg.relay and rcfg.relay_host == "0.0.0.0" and port_of(r, "relay") == rcfg.relay_port > 0
+    env, names = env_of(r), [e["name"] for e in r["env"]]
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["TANDEM_ROLLOUT_RELAY_ADVERTISE"]["value"] == f"$(POD_IP):{rcfg.relay_port}"
+    assert names.index("POD_IP") < names.index("TANDEM_ROLLOUT_RELAY_ADVERTISE"), "$(VAR) expands earlier vars only"
+    assert rcfg.relay_advertise == f"$(POD_IP):{rcfg.relay_port}" and cfg.relay_fanout > 0
+    # Rollout pods take peers on the relay port only, Prometheus on the metrics port.
+    by_port = {p["port"]: rule["from"] for rule in get(docs, "NetworkPolicy", "tandem-rollout")["spec"]["ingress"]
+               for p in rule["ports"]}  # fmt: skip
+    assert set(by_port) == {rcfg.relay_port, rcfg.metrics_port}
+    (peers,) = by_port[rcfg.relay_port]
+    assert set(peers) == {"podSelector"} and peers["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
+        "rollout"
+    )
+    (monitoring,) = by_port[rcfg.metrics_port]
+    assert monitoring["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
 
     # The network policy opens exactly the gRPC port to rollout pods, the metrics port to monitoring.
     np = get(docs, "NetworkPolicy", "tandem-trainer")
@@ -367,6 +386,9 @@ def test_labels_match_selectors(rendered, overlay):
     trainer_np = get(docs, "NetworkPolicy", "tandem-trainer")
     (from_pods,) = [f["podSelector"] for f in trainer_np["spec"]["ingress"][0]["from"]]
     assert selected(from_pods) == ["tandem-rollout"], "only rollout pods reach the trainer's gRPC"
+    rollout_np = get(docs, "NetworkPolicy", "tandem-rollout")
+    (peers,) = [f["podSelector"] for f in rollout_np["spec"]["ingress"][0]["from"]]
+    assert selected(peers) == ["tandem-rollout"], "only rollout pods reach a rollout pod's relay"
     redis_np = get(docs, "NetworkPolicy", "tandem-redis")
     (tandem_pods,) = [f["podSelector"] for f in redis_np["spec"]["ingress"][0]["from"]]
     assert sorted(selected(tandem_pods)) == ["tandem-redis", "tandem-rollout", "tandem-trainer"]
@@ -414,6 +436,8 @@ def test_overlays_differ_as_documented(rendered, tmp_path):
     )
     r = loaded_config(gpu, tmp_path, "tandem-rollout").rollout
     assert r.tls.ca == "/etc/tandem-tls/ca.crt" and r.tls.cert
+    assert r.relay_server_name == "tandem-rollout"  # relays present the workers' certificate to peers
+    assert loaded_config(cpu, tmp_path, "tandem-rollout").rollout.relay_server_name == ""
     assert not loaded_config(cpu, tmp_path, "tandem-trainer").trainer.tls.enabled
 
 

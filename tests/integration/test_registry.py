@@ -149,7 +149,8 @@ async def test_the_relay_tree_travels_signed_with_the_pointer(redis_url, run_id)
         assert (got.fanout, got.relays) == (2, members)
         assert got.sources("w0") == ["trainer:50051"]
         assert got.sources("w4") == ["10.0.0.1:7000", "trainer:50051"]
-        assert got.sources("w9") == ["trainer:50051"]  # joined since: from the trainer
+        # Joined since: seeded from a peer (sha256("w9") % 6 == 5: w5, then w5's sources).
+        assert got.sources("w9") == ["10.0.0.5:7000", "10.0.0.1:7000", "trainer:50051"]
         await r.hset(keys.policy_latest, "relays", '[["w0","evil:1"]]')
         assert await reg.latest() is None and reg.refused == 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.fanout import TRAINER, sources, trainer_children
+from broker.fanout import TRAINER, sources, stranger_pick, trainer_children
 
 POOL = [f"w{i}" for i in range(8)]
 
@@ -34,8 +34,22 @@ def test_the_trainer_sends_degree_copies_whatever_the_pool():
             assert all(members.index(a) < members.index(m) for a in chain[:-1])
 
 
-def test_degree_one_is_a_chain_and_strangers_fetch_from_the_trainer():
+def test_degree_one_is_a_chain():
     assert sources(["a", "b", "c"], 1, "c") == ["b", "a", TRAINER]
-    assert sources(["a", "b"], 2, "joined-since") == [TRAINER]
     with pytest.raises(ValueError, match="fan-out degree 0"):
         sources(["a"], 0, "a")
+
+
+def test_a_member_joined_since_the_publish_is_seeded_from_a_peer():
+    # sha256("joined-since") starts 75da772ba6f660ac: 0x75da772ba6f660ac % 8 == 4, % 2 == 0;
+    # sha256("w9") starts f06dc74f4de7d3a1: % 8 == 1.
+    assert stranger_pick(POOL, "joined-since") == "w4"
+    assert sources(POOL, 2, "joined-since") == ["w4", "w1", TRAINER]  # w4, then w4's own sources
+    assert sources(POOL, 2, "w9") == ["w1", TRAINER]
+    assert sources(["a", "b"], 2, "joined-since") == ["a", TRAINER]
+    assert sources([], 2, "joined-since") == [TRAINER]  # nobody named: the trainer
+    # Stable, and strangers spread over the tree rather than all landing on one member.
+    picks = {stranger_pick(POOL, f"new-{i}") for i in range(64)}
+    assert stranger_pick(POOL, "new-1") == stranger_pick(list(POOL), "new-1") and len(picks) >= 6
+    # The trainer's egress stays the first hops of the named members: a stranger adds none.
+    assert all(sources(POOL, 2, f"new-{i}")[0] != TRAINER for i in range(64))

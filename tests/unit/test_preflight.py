@@ -23,6 +23,10 @@ def test_worker_ports_are_the_base_plus_the_index_and_free_ports_stay_free():
     plan = preflight.port_plan(cfg("trainer.health.port=0", "trainer.health.host=10.0.0.5"), workers=1)
     assert plan["trainer"]["trainer.health.port"] == ("10.0.0.5", 0)
     assert plan["w0"] == {"rollout.metrics_port": ("127.0.0.1", 0)}
+    # A relaying worker's relay port is one of its ports (base + index), bound on rollout.relay_host.
+    plan = preflight.port_plan(cfg("rollout.relay=true", "rollout.relay_port=7000", "rollout.metrics_port=-1"), 2)
+    assert plan["w0"] == {"rollout.relay_port": ("127.0.0.1", 7000)}
+    assert plan["w1"] == {"rollout.relay_port": ("127.0.0.1", 7001)}
 
 
 def test_free_ports_are_picked_apart_below_the_ephemeral_range():

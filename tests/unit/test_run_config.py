@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
 
+from broker.tls import ClientTLS
 from rollout.tasks import AdditionTask, CharTokenizer, Task, TaskConfig, make_task
 from tandem import config, env_config
 
@@ -256,3 +258,22 @@ def test_loop_inflight_updates_is_a_bool_named_in_its_error():
     with pytest.raises(ValueError, match=r"inflight_updates=1 \(must be true or false\)"):
         config.AsyncConfig(inflight_updates=1)
     assert "drain-on-swap" in config.explain("loop.inflight_updates")
+
+
+def test_relay_keys_are_checked_with_one_line_naming_the_key():
+    from rollout.config import RolloutConfig
+    from trainer.config import TrainerConfig
+
+    for kw, says in (
+        ({"relay_port": 70000}, "relay_port=70000"),
+        ({"relay_advertise": "no-port"}, "relay_advertise='no-port'"),
+        ({"relay_timeout_s": 0}, "relay_timeout_s=0"),
+        ({"relay": "yes"}, "relay='yes'"),
+        ({"relay_server_name": "a b"}, "relay_server_name='a b'"),
+        ({"relay": True, "tls": ClientTLS(ca=__file__)}, "relay=true with rollout.tls needs tls.cert"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            RolloutConfig(**kw)
+    with pytest.raises(ValueError, match=re.escape("relay_fanout=65 (an int in [0, 64]")):
+        TrainerConfig(relay_fanout=65)
+    assert RolloutConfig(relay=True, relay_advertise="10.0.0.1:50052").relay_timeout_s == 20.0
