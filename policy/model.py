@@ -748,7 +748,7 @@ class Transformer(nn.Module):
                 )
             else:
                 x, ids = layer(x, cos, sin, mask, hook, None if cache is None else cache.layers[i], start, route)
-            if ids is not None:
+            if ids is not None and return_routes:
                 used.append(ids)
         if cache is not None:
             cache.length = S
@@ -783,7 +783,8 @@ class Transformer(nn.Module):
         """
         if targets.shape != tokens.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
-        logits, used = self(tokens, attention_mask=attention_mask, routes=routes, return_routes=True)
+        out = self(tokens, attention_mask=attention_mask, routes=routes, return_routes=return_routes)
+        logits, used = out if return_routes else (out, None)
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature

@@ -265,7 +265,7 @@ class CpuBackend:
         self, model: Transformer, *, slots: int, temperature: float, stop: set, pad_id: int, record_routes: bool = False
     ):
         self.model, self.slots, self.temperature, self.pad_id = model, slots, float(temperature), pad_id
-        self.record_routes = record_routes
+        self.record_routes = record_routes and bool(model.moe_layers())  # a dense model has none to record
         self.routes: Tensor | None = None  # [R, n MoE layers, k]: the expert ids behind each row's logits
         self.stop = torch.tensor(sorted(stop), dtype=torch.long)
         self.rows: list[int] = []  # slot of each cache row
@@ -294,7 +294,7 @@ class CpuBackend:
             tokens[b, L - len(p) :] = torch.as_tensor(p, dtype=torch.long)
             mask[b, L - len(p) :] = True
         cache = KVCache(cfg, len(prompts), L, dtype=self.model.lm_head.weight.dtype)
-        logits, ids = prefill(self.model, tokens, mask, cache, routes=True)
+        logits, ids = prefill(self.model, tokens, mask, cache, routes=True)  # ids: [B, layers, k], cheap
         return [
             _CpuPrefix(
                 [k[b, :, L - len(p) :].clone() for k, _ in cache.layers],
@@ -352,7 +352,10 @@ class CpuBackend:
             if self.cache.length + 1 > self.cache.capacity:
                 self._rebuild(list(range(len(self.rows))))
             alive = torch.ones(len(self.rows), dtype=torch.bool)
-            self.logits, self.routes = decode_one_token(self.model, nxt, alive, self.cache, routes=True)
+            if self.record_routes:
+                self.logits, self.routes = decode_one_token(self.model, nxt, alive, self.cache, routes=True)
+            else:
+                self.logits = decode_one_token(self.model, nxt, alive, self.cache)
         else:
             self.cache, self.logits, self.routes = None, None, None
         return done

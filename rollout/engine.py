@@ -63,15 +63,19 @@ def row_generators(rows: int, generator: torch.Generator | None, seeds: Sequence
 def prefill(model: Transformer, tokens: Tensor, mask: Tensor, cache: KVCache, *, routes: bool = False):
     """Left-padded prompts [B, L] (mask True = real token) into an empty cache -> last logits [B, V]
     fp32; routes: (logits, the last position's expert ids [B, n MoE layers, k])."""
+    if not routes:
+        return model(tokens, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()
     logits, ids = model(tokens, attention_mask=mask, cache=cache, last_only=True, return_routes=True)
-    return (logits[:, -1].float(), ids[:, -1]) if routes else logits[:, -1].float()
+    return logits[:, -1].float(), ids[:, -1]
 
 
 def decode_one_token(model: Transformer, tokens: Tensor, alive: Tensor, cache: KVCache, *, routes: bool = False):
     """One new token per row [B] (rows with alive False are padding nobody attends to) -> logits [B, V]
     fp32; routes: (logits, expert ids [B, n MoE layers, k])."""
+    if not routes:
+        return model(tokens[:, None], attention_mask=alive[:, None], cache=cache)[:, -1].float()
     logits, ids = model(tokens[:, None], attention_mask=alive[:, None], cache=cache, return_routes=True)
-    return (logits[:, -1].float(), ids[:, -1]) if routes else logits[:, -1].float()
+    return logits[:, -1].float(), ids[:, -1]
 
 
 def sample(logits: Tensor, temperature: float, gens: list | None) -> tuple[Tensor, Tensor]:
@@ -176,9 +180,10 @@ def generate(
     cache = KVCache(cfg, B, L + max_new_tokens, dtype=model.lm_head.weight.dtype, device=device)
     logits, ids = prefill(model, tokens.to(device), mask.to(device), cache, routes=True)
     _repeat_rows(cache, n_samples)
-    logits, ids = logits.repeat_interleave(n_samples, dim=0), ids.repeat_interleave(n_samples, dim=0)
+    logits = logits.repeat_interleave(n_samples, dim=0)
+    ids = ids.repeat_interleave(n_samples, dim=0) if record_routes else None
     stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-    return _decode(model, cache, (logits, ids if record_routes else None), max_new_tokens, temperature, gens, stop_t, pad_id)
+    return _decode(model, cache, (logits, ids), max_new_tokens, temperature, gens, stop_t, pad_id)
 
 
 def _checked_tokens(cfg, prompts: Sequence[Sequence[int]], stop: set, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -216,7 +221,11 @@ def _decode(model, cache: KVCache, first: tuple, max_new_tokens: int, temperatur
         if not alive.any() or step == max_new_tokens - 1:
             break
         # Finished rows keep stepping in lockstep, as padding nobody attends to.
-        logits, ids = decode_one_token(model, torch.where(alive, nxt, pad_id), alive, cache, routes=True)
+        fed = torch.where(alive, nxt, pad_id)
+        if out_routes is None:
+            logits = decode_one_token(model, fed, alive, cache)
+        else:
+            logits, ids = decode_one_token(model, fed, alive, cache, routes=True)
     routes = None if out_routes is None else out_routes.cpu()
     return Generation(out_tokens.cpu(), out_logp.cpu(), lengths.cpu(), stopped.cpu(), routes)
 

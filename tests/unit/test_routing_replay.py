@@ -176,11 +176,14 @@ def test_the_batchers_carry_each_samples_routes(kind):
             assert routes.tolist() == alone.routes[i, : len(r.tokens[i])].tolist(), (g, i)
 
 
-def test_without_replay_nothing_is_recorded():
+def test_without_replay_or_without_moe_layers_nothing_is_recorded():
     model = Transformer(CFG, seed=1)
     assert generate(model, PROMPTS, max_new_tokens=3, seeds=[1, 2, 3]).routes is None
     out = _run(CpuBackend(model, slots=4, temperature=1.0, stop=set(), pad_id=0), [(0, PROMPTS[0], [1, 2])])
     assert out[0].routes == [None, None]
+    dense = Transformer(ModelConfig.preset("tiny-dense", n_layers=2), seed=1)
+    backend = CpuBackend(dense, slots=4, temperature=1.0, stop=set(), pad_id=0, record_routes=True)
+    assert _run(backend, [(0, PROMPTS[0], [1, 2])])[0].routes == [None, None]
 
 
 def _trajectories(gen, prompt, *, reward_of=lambda i: float(i % 2)):
