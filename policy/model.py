@@ -735,21 +735,7 @@ class Transformer(nn.Module):
 
         emb = hook.param("model.embed_tokens.weight", self.model.embed_tokens.weight)
         x = F.embedding(tokens, emb)
-        moe = self.moe_layers()
-        if routes is not None and tuple(routes.shape) != (B, T, len(moe), self.cfg.top_k):
-            raise ValueError(f"routes shape {tuple(routes.shape)} != {(B, T, len(moe), self.cfg.top_k)} (B, T, MoE layers, k)")
-        ckpt = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
-        used = []
-        for i, layer in enumerate(self.model.layers):
-            route = None if routes is None or i not in moe else routes[:, :, moe.index(i)]
-            if ckpt:  # non-reentrant: autocast and the hook replay as they ran
-                x, ids = torch.utils.checkpoint.checkpoint(
-                    layer, x, cos, sin, mask, hook, None, start, route, use_reentrant=False
-                )
-            else:
-                x, ids = layer(x, cos, sin, mask, hook, None if cache is None else cache.layers[i], start, route)
-            if ids is not None and return_routes:
-                used.append(ids)
+        x, used = self._layers(x, (cos, sin, mask, hook, cache, start), routes)
         if cache is not None:
             cache.length = S
         if last_only:
@@ -760,6 +746,28 @@ class Transformer(nn.Module):
         k = self.cfg.top_k
         ids = torch.stack(used, dim=2) if used else torch.zeros(B, T, 0, k, dtype=torch.long, device=device)
         return logits, ids[:, -1:] if last_only else ids
+
+    def _layers(self, x: Tensor, args: tuple, routes: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """The decoder layers on x [B, T, D] -> (x, the expert ids each MoE layer used, [B, T, k]
+        each); routes: forced ids [B, T, n MoE layers, k] (-1: the router's), or None."""
+        cos, sin, mask, hook, cache, start = args
+        B, T, k = x.shape[0], x.shape[1], self.cfg.top_k
+        moe = self.moe_layers()
+        if routes is not None and tuple(routes.shape) != (B, T, len(moe), k):
+            raise ValueError(f"routes shape {tuple(routes.shape)} != {(B, T, len(moe), k)} (B, T, MoE layers, k)")
+        ckpt = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
+        used = []
+        for i, layer in enumerate(self.model.layers):
+            route = None if routes is None or i not in moe else routes[:, :, moe.index(i)]
+            if ckpt:  # non-reentrant: autocast and the hook replay as they ran
+                x, ids = torch.utils.checkpoint.checkpoint(
+                    layer, x, cos, sin, mask, hook, None, start, route, use_reentrant=False
+                )
+            else:
+                x, ids = layer(x, cos, sin, mask, hook, None if cache is None else cache.layers[i], start, route)
+            if ids is not None:
+                used.append(ids)
+        return x, used
 
     def moe_layers(self) -> list[int]:
         """The indices of the MoE layers (the routes' third axis, in this order)."""

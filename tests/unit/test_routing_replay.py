@@ -100,14 +100,23 @@ def test_a_perturbed_router_flips_routing_without_replay_but_not_with_it():
     assert float(diff_replay.mean()) < float(diff_free.mean())
 
 
-def test_under_replay_the_gate_stays_differentiable():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_under_replay_the_gate_stays_differentiable(checkpointing):
     model = Transformer(CFG, seed=1)
     gen = generate(model, PROMPTS, max_new_tokens=6, seeds=[1, 2, 3], record_routes=True)
     tokens, targets, attn, mask, routes = _trainer_view(PROMPTS, gen)
-    logp = model.token_logprobs(tokens, targets, attention_mask=attn, routes=routes)
+    model.activation_checkpointing = checkpointing  # the layers run again in the backward, replayed too
+    logp, used = model.token_logprobs(tokens, targets, attention_mask=attn, routes=routes, return_routes=True)
+    assert torch.equal(used[mask > 0], routes[mask > 0])
     (logp * mask).sum().backward()
     gate = dict(model.named_parameters())["model.layers.2.mlp.gate.weight"]
     assert gate.grad is not None and float(gate.grad.abs().max()) > 0
+
+
+def test_route_ids_are_one_byte_up_to_256_experts():
+    from rollout.batching import route_dtype
+
+    assert route_dtype(8) == route_dtype(256) == np.uint8 and route_dtype(257) == np.uint16
 
 
 def test_bad_forced_routes_are_refused_with_one_line():
