@@ -256,3 +256,15 @@ def test_loop_inflight_updates_is_a_bool_named_in_its_error():
     with pytest.raises(ValueError, match=r"inflight_updates=1 \(must be true or false\)"):
         config.AsyncConfig(inflight_updates=1)
     assert "drain-on-swap" in config.explain("loop.inflight_updates")
+
+
+def test_loop_routing_replay_is_a_bool_and_refused_with_megatron():
+    assert config.load(None, ["loop.routing_replay=true"]).loop.routing_replay is True
+    assert config.load(None, []).loop.routing_replay is False
+    with pytest.raises(ValueError, match="loop.routing_replay: expected bool"):
+        config.load(None, ["loop.routing_replay=3"])
+    with pytest.raises(ValueError, match=r"routing_replay=1 \(must be true or false\)"):
+        config.AsyncConfig(routing_replay=1)
+    assert "uint8" in config.explain("loop.routing_replay")
+    with pytest.raises(ValueError, match="loop.routing_replay=true with trainer.backend='megatron'"):
+        config.load(None, ["loop.routing_replay=true", "trainer.backend=megatron", "trainer.device=cuda"])
