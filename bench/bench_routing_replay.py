@@ -36,7 +36,9 @@ def measure(rollout: Transformer, trainer: Transformer, prompts, *, n_samples: i
         comps = gen.completions()
         tokens, targets, attn, mask = pack([prompts[r // n_samples] for r in range(len(comps))], comps, 0)
         layers, k = gen.routes.shape[2], gen.routes.shape[3]
-        routes = scatter_routes([gen.routes[r, :n].numpy() for r, n in enumerate(gen.lengths.tolist())], mask, layers, k)
+        routes = scatter_routes(
+            [gen.routes[r, :n].numpy() for r, n in enumerate(gen.lengths.tolist())], mask, layers, k
+        )
         on = mask > 0
         behav = torch.cat([gen.logprobs[r, :n] for r, n in enumerate(gen.lengths.tolist())])
         free, used = trainer.token_logprobs(tokens, targets, attention_mask=attn, return_routes=True)
@@ -72,7 +74,15 @@ def main() -> None:
     trainer = Transformer(cfg, seed=None)
     trainer.load_weights({k: v.detach().clone() for k, v in master.named_parameters()})
     qat.apply_qat(trainer, plan)
-    print(json.dumps({"setting": "quant", "recipe": args.recipe, **measure(rollout, trainer, prompts, n_samples=n, max_new=args.max_new)}))
+    print(
+        json.dumps(
+            {
+                "setting": "quant",
+                "recipe": args.recipe,
+                **measure(rollout, trainer, prompts, n_samples=n, max_new=args.max_new),
+            }
+        )
+    )
 
     stale = Transformer(cfg, seed=None)
     with torch.no_grad():

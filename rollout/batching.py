@@ -200,9 +200,7 @@ class ContinuousBatcher:
                 g.versions[f.sample] = token_versions(self._segments.pop(slot), len(tokens))
                 if f.group_done:
                     del self._groups[f.group]
-                    done.append(
-                        GroupResult(f.group, g.version, g.tokens, g.logprobs, g.stopped, g.versions, g.routes)
-                    )
+                    done.append(GroupResult(f.group, g.version, g.tokens, g.logprobs, g.stopped, g.versions, g.routes))
         return done
 
     def run(self) -> list[GroupResult]:

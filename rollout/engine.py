@@ -202,7 +202,9 @@ def _decode(model, cache: KVCache, first: tuple, max_new_tokens: int, temperatur
     step until every row stopped or max_new_tokens; the Generation on the CPU."""
     logits, ids = first
     R, device = logits.shape[0], logits.device
-    out_routes = None if ids is None else torch.zeros(R, max_new_tokens, *ids.shape[1:], dtype=torch.long, device=device)
+    out_routes = (
+        None if ids is None else torch.zeros(R, max_new_tokens, *ids.shape[1:], dtype=torch.long, device=device)
+    )
     out_tokens = torch.full((R, max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_logp = torch.zeros(R, max_new_tokens, dtype=torch.float32, device=device)
     alive = torch.ones(R, dtype=torch.bool, device=device)

@@ -535,7 +535,9 @@ class PackedEngine:
         self.max_new[rows] = torch.tensor(list(max_new_tokens), dtype=torch.int64, device=self.device)
         self.out_tok[rows] = self.pad
         self.out_logp[rows] = 0.0
-        self._sample_update(logits[None].expand(r, -1), rows, None if routes is None else routes[None].expand(r, -1, -1))
+        self._sample_update(
+            logits[None].expand(r, -1), rows, None if routes is None else routes[None].expand(r, -1, -1)
+        )
         self.pos[rows] = T
 
     @torch.no_grad()

@@ -29,7 +29,11 @@ def _config(tmp, run_id: str, redis_url: str):
         "model": {
             "preset": "tiny",
             "overrides": {
-                "n_layers": N_LAYERS, "dim": 64, "n_experts": 4, "top_k": TOP_K, "expert_ffn_dim": 64,
+                "n_layers": N_LAYERS,
+                "dim": 64,
+                "n_experts": 4,
+                "top_k": TOP_K,
+                "expert_ffn_dim": 64,
                 "shared_expert_ffn_dim": 64,
             },
         },  # fmt: skip

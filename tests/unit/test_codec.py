@@ -359,7 +359,9 @@ def test_token_versions_round_trip_and_oldest_version():
 
 
 def test_a_schema_1_trajectory_decodes_with_every_token_at_its_policy_version():
-    data = repack(encode_trajectory(make_traj(n_completion=4)), schema=1, token_versions=_DELETE, routed_experts=_DELETE)
+    data = repack(
+        encode_trajectory(make_traj(n_completion=4)), schema=1, token_versions=_DELETE, routed_experts=_DELETE
+    )
     u = decode_trajectory(data)
     assert u.token_versions.tolist() == [7, 7, 7, 7] and u.oldest_version == 7
     with pytest.raises(CodecError) as e:  # schema 1 never had the field

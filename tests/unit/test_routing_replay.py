@@ -198,11 +198,19 @@ def test_without_replay_or_without_moe_layers_nothing_is_recorded():
 def _trajectories(gen, prompt, *, reward_of=lambda i: float(i % 2)):
     return [
         Trajectory(
-            sample_id=f"g0/{i}", prompt_id="p0", group_id="g0", sample_index=i, group_size=len(gen.lengths),
+            sample_id=f"g0/{i}",
+            prompt_id="p0",
+            group_id="g0",
+            sample_index=i,
+            group_size=len(gen.lengths),
             prompt_tokens=np.asarray(prompt, dtype=np.int32),
             completion_tokens=gen.tokens[i, :n].numpy().astype(np.int32),
-            behavior_logprobs=gen.logprobs[i, :n].detach().numpy(), reward=reward_of(i), policy_version=1,
-            contract_fingerprint="f" * 16, worker_id="w0", created_at=0.0,
+            behavior_logprobs=gen.logprobs[i, :n].detach().numpy(),
+            reward=reward_of(i),
+            policy_version=1,
+            contract_fingerprint="f" * 16,
+            worker_id="w0",
+            created_at=0.0,
             routed_experts=gen.routes[i, :n].numpy().astype(np.uint8),
         )  # fmt: skip
         for i, n in enumerate(gen.lengths.tolist())
