@@ -1,7 +1,8 @@
 """The asynchronous loop with routing replay (loop.routing_replay) end to end: a real redis-server,
 the trainer and two rollout workers as separate processes, as `tandem run` starts them. Every
 trajectory on the stream carries its tokens' expert ids ([n, MoE layers, k] uint8), the trainer
-accepts them all (none refused) and takes every step with them replayed."""
+accepts them all (none refused) and takes every step with them replayed; with drain-on-swap and
+with in-flight updates (a sample's ids then come from the versions that sampled its tokens)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ MAX_STEPS = 6
 N_LAYERS, TOP_K = 2, 2
 
 
-def _config(tmp, run_id: str, redis_url: str):
+def _config(tmp, run_id: str, redis_url: str, inflight: bool):
     cfg = {
         "run_id": run_id,
         "redis_url": redis_url,
         "num_rollout_workers": 2,
-        "loop": {"max_staleness": 1, "seed": 3, "routing_replay": True},
+        "loop": {"max_staleness": 1, "seed": 3, "routing_replay": True, "inflight_updates": inflight},
         "recipe": "nvfp4_moe",
         "model": {
             "preset": "tiny",
@@ -55,8 +56,9 @@ def _config(tmp, run_id: str, redis_url: str):
     return path
 
 
-def test_async_loop_with_routing_replay(tmp_path, redis_url, run_id):
-    cfg = _config(tmp_path, run_id, redis_url)
+@pytest.mark.parametrize("inflight", [False, True], ids=["drain", "inflight"])
+def test_async_loop_with_routing_replay(tmp_path, redis_url, run_id, inflight):
+    cfg = _config(tmp_path, run_id, redis_url, inflight)
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
     trainer = _spawn(["trainer", "--config", str(cfg), "--run-dir", str(run_dir)], logs / "trainer.log")
