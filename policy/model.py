@@ -11,7 +11,9 @@ Rules: quantization is not in this file: every matmul and non-matmul parameter g
 model's `QuantHook` (plain by default; `policy.qat` installs QAT and packed-weight hooks), which sees
 each matmul's site (the weight name without ".weight"; the activation site adds ".input"). A row's
 result does not depend on the rest of the batch (per-token routing, per-row masks, no batch
-statistics) up to last-bit float differences between batch shapes. MoE dispatch: `MoE`. No dropout,
+statistics) up to last-bit float differences between batch shapes. MoE dispatch: `MoE`; routing
+replay: `MoE.routed` takes forced expert ids per token and returns the ids it used (the forward's
+`routes` / `return_routes`). No dropout,
 biases, router auxiliary loss, capacity limit or sliding windows (why: docs/design-decisions.md)."""
 
 from __future__ import annotations
