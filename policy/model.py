@@ -13,8 +13,8 @@ each matmul's site (the weight name without ".weight"; the activation site adds 
 result does not depend on the rest of the batch (per-token routing, per-row masks, no batch
 statistics) up to last-bit float differences between batch shapes. MoE dispatch: `MoE`; routing
 replay: `MoE.routed` takes forced expert ids per token and returns the ids it used (the forward's
-`routes` / `return_routes`). No dropout,
-biases, router auxiliary loss, capacity limit or sliding windows (why: docs/design-decisions.md)."""
+`routes` / `return_routes`). No dropout, biases, router auxiliary loss, capacity limit or sliding
+windows (why: docs/design-decisions.md)."""
 
 from __future__ import annotations
 
