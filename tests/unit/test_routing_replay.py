@@ -282,3 +282,24 @@ def test_megatron_with_routing_replay_is_refused_with_one_line():
     with pytest.raises(ValueError) as e:
         RunConfig(loop=AsyncConfig(routing_replay=True), trainer=TrainerConfig(backend="megatron", device="cuda"))
     assert "loop.routing_replay=true with trainer.backend='megatron'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_older_versions_forward_replays_the_routes_too():
+    """The mismatch split's forward under a retained version (trainer.versions) takes the routes:
+    on the same weights it gives the trainer's replayed recompute, token for token."""
+    cfg = TrainerConfig(lr=1e-3, groups_per_step=1, group_size=4, minibatches=1)
+    recipe = Recipe.load("nvfp4_moe")
+    backend = make_backend(cfg, CFG, recipe, seed=1)
+    backend.apply_qat()
+    versions = RetainedVersions(CFG, recipe.plan(CFG), keep=1)
+    versions.add(1, backend.quantized_params(), live=backend.parameters())
+    rollout = _perturbed_router(backend.model, scale=0.005)
+    gen = generate(rollout, [PROMPTS[0]], n_samples=4, max_new_tokens=12, seeds=[1, 2, 3, 4], record_routes=True)
+    step = GRPOStep(
+        cfg, backend, versions, pad_id=0, temperature=1.0, device=torch.device("cpu"), max_staleness=1,
+        replay_routes=(LAYERS, K),
+    )  # fmt: skip
+    batch = step.recompute([_trajectories(gen, PROMPTS[0])], weights_version=None)  # forces version 1's forward
+    on = batch.mask > 0
+    assert bool(batch.token_known[on].all())
+    torch.testing.assert_close(batch.at_version[on], batch.prox[on], rtol=0, atol=1e-5)
