@@ -8,12 +8,14 @@ length * itemsize before `np.frombuffer` (zero copy). Nothing is ever unpickled.
 
 Limits: a message is refused before unpacking if it is larger than `max_message_bytes`;
 msgpack's own unpacker limits bound every string, binary, array and map, and ext types
-are refused outright. Unknown keys and unknown schema versions are refused. Schema 2 (written)
-adds `token_versions` to a trajectory; a schema-1 trajectory (accepted) has none and decodes with
-every token at its `policy_version`. Prompt groups are the same in both.
+are refused outright. Unknown keys and unknown schema versions are refused. Schema 2 adds
+`token_versions` to a trajectory; a schema-1 trajectory (accepted) has none and decodes with
+every token at its `policy_version`. Schema 3 (written) adds `routed_experts` (routing replay, nil
+when not recorded) as `[dtype, [n, layers, k], raw bytes]`, n = the completion's length; schemas 1
+and 2 decode with none. Prompt groups are the same in all.
 
 Simplified on purpose: one fixed dtype per array (token ids int32, log-probs float32, token
-versions uint32).
+versions uint32, routed expert ids uint8 for <= 256 experts else uint16).
 Decoded arrays are read-only views into the received bytes; copy them to mutate.
 Every decode failure raises `CodecError` (a ValueError) that names the field.
 """
@@ -29,12 +31,14 @@ import numpy as np
 
 from policy.fields import is_int
 
-SCHEMA_VERSION = 2  # what encode writes; decode accepts _SCHEMAS
+SCHEMA_VERSION = 3  # what encode writes; decode accepts _SCHEMAS
 _UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _MAX_GROUP_SIZE = 4096
 _MAX_DICT_KEY_CHARS = 64
+_MAX_MOE_LAYERS, _MAX_TOP_K = 1024, 64  # bounds of routed_experts' layer and k axes
+_ROUTE_DTYPES = ("|u1", "<u2")
 
 
 class CodecError(ValueError):
@@ -170,6 +174,29 @@ def _token_versions(value: Any, n: int, policy_version: int) -> np.ndarray:
     return arr
 
 
+def _routed_experts(value: Any, n: int) -> np.ndarray | None:
+    """Rules: None (not recorded), or [n, layers, k] unsigned ids, one row per completion token,
+    1 <= layers <= 1024, 1 <= k <= 64; uint8 kept, other integer arrays stored as uint16."""
+    name = "routed_experts"
+    if value is None:
+        return None
+    try:
+        arr = np.asarray(value)
+    except Exception as e:
+        raise CodecError(name, f"not convertible to an array ({e})") from None
+    if arr.ndim != 3 or arr.shape[0] != n:
+        raise CodecError(name, f"want shape ({n}, layers, k) (one row per completion token), got {arr.shape}")
+    if not (1 <= arr.shape[1] <= _MAX_MOE_LAYERS and 1 <= arr.shape[2] <= _MAX_TOP_K):
+        raise CodecError(name, f"shape {arr.shape}: want 1..{_MAX_MOE_LAYERS} layers and 1..{_MAX_TOP_K} ids")
+    if arr.dtype.kind not in "iu":
+        raise CodecError(name, f"want integer expert ids, got dtype {arr.dtype}")
+    if arr.dtype == np.uint8:
+        return np.ascontiguousarray(arr)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 0xFFFF):
+        raise CodecError(name, "expert ids must be in [0, 65535]")
+    return np.ascontiguousarray(arr, dtype="<u2")
+
+
 def _small_dict(name: str, value: Any, limits: CodecLimits) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CodecError(name, f"want dict, got {type(value).__name__}")
@@ -234,7 +261,9 @@ class Trajectory:
     token_versions[i] is the policy version that sampled completion_tokens[i] (uint32,
     non-decreasing; None at construction = all at policy_version). policy_version is the newest
     (the last token's), `oldest_version` the first token's; contract_fingerprint says which
-    contract produced them. info is a small flat dict for diagnostics (finish reason, timings, ...).
+    contract produced them. routed_experts[i, l, j] (routing replay, else None) is the j-th expert
+    id the rollout's router picked at MoE layer l in the forward whose logits sampled
+    completion_tokens[i] (uint8 or uint16, [n, layers, k]). info is a small flat dict for diagnostics (finish reason, timings, ...).
     """
 
     sample_id: str
@@ -252,6 +281,7 @@ class Trajectory:
     created_at: float
     info: dict[str, Any] = field(default_factory=dict)
     token_versions: np.ndarray | None = None
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         for name in ("sample_id", "prompt_id", "group_id", "contract_fingerprint", "worker_id"):
@@ -269,6 +299,7 @@ class Trajectory:
         object.__setattr__(self, "policy_version", _int("policy_version", self.policy_version, 0, _INT64_MAX))
         versions = _token_versions(self.token_versions, completion.shape[0], self.policy_version)
         object.__setattr__(self, "token_versions", versions)
+        object.__setattr__(self, "routed_experts", _routed_experts(self.routed_experts, completion.shape[0]))
         object.__setattr__(self, "created_at", _float("created_at", self.created_at))
         object.__setattr__(self, "info", _small_dict("info", self.info, _UNBOUNDED))
 
@@ -294,12 +325,13 @@ _TRAJECTORY_FIELDS_V1 = (
     "created_at",
     "info",
 )
-_TRAJECTORY_FIELDS = (*_TRAJECTORY_FIELDS_V1, "token_versions")
+_TRAJECTORY_FIELDS_V2 = (*_TRAJECTORY_FIELDS_V1, "token_versions")
+_TRAJECTORY_FIELDS = (*_TRAJECTORY_FIELDS_V2, "routed_experts")
 _PROMPT_FIELDS = ("prompt_id", "group_id", "prompt_tokens", "n_samples", "task", "created_at")
 # kind -> schema -> its fields (encode writes SCHEMA_VERSION's).
 _SCHEMAS = {
-    "trajectory": {1: _TRAJECTORY_FIELDS_V1, 2: _TRAJECTORY_FIELDS},
-    "prompt_group": {1: _PROMPT_FIELDS, 2: _PROMPT_FIELDS},
+    "trajectory": {1: _TRAJECTORY_FIELDS_V1, 2: _TRAJECTORY_FIELDS_V2, 3: _TRAJECTORY_FIELDS},
+    "prompt_group": {1: _PROMPT_FIELDS, 2: _PROMPT_FIELDS, 3: _PROMPT_FIELDS},
 }
 _ARRAYS = {"prompt_tokens": "<i4", "completion_tokens": "<i4", "behavior_logprobs": "<f4", "token_versions": "<u4"}
 _DICTS = ("info", "task")
@@ -314,11 +346,41 @@ def _pack_array(name: str, arr: np.ndarray, limits: CodecLimits) -> list:
     return [_ARRAYS[name], int(arr.shape[0]), arr.data]  # memoryview: no copy before packing
 
 
+def _pack_routes(arr: np.ndarray | None, limits: CodecLimits) -> list | None:
+    if arr is None:
+        return None
+    if arr.shape[0] > limits.max_tokens:
+        raise CodecError("routed_experts", f"length {arr.shape[0]} > limit {limits.max_tokens}")
+    return [arr.dtype.str, [int(d) for d in arr.shape], arr.data]
+
+
+def _unpack_routes(value: Any, limits: CodecLimits) -> np.ndarray | None:
+    """[dtype, [n, layers, k], bytes] -> a read-only array (the shape's rules: `_routed_experts`)."""
+    name = "routed_experts"
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 3):
+        raise CodecError(name, "want nil or [dtype, [n, layers, k], bytes]")
+    dtype, shape, raw = value
+    if dtype not in _ROUTE_DTYPES:
+        raise CodecError(name, f"dtype {dtype!r}, want one of {list(_ROUTE_DTYPES)}")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(is_int(d, 0, limits.max_tokens) for d in shape)):
+        raise CodecError(name, f"shape {shape!r}: want [n, layers, k] of ints in [0, {limits.max_tokens}]")
+    if not isinstance(raw, bytes):
+        raise CodecError(name, f"want bytes payload, got {type(raw).__name__}")
+    want = math.prod(shape) * np.dtype(dtype).itemsize
+    if len(raw) != want:
+        raise CodecError(name, f"{len(raw)} bytes for shape {shape} x {dtype} (want {want})")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
 def _encode(kind: str, obj: Any, names: tuple[str, ...], limits: CodecLimits) -> bytes:
     msg: dict[str, Any] = {"schema": SCHEMA_VERSION, "kind": kind}
     for name in names:
         value = getattr(obj, name)
-        if name in _ARRAYS:
+        if name == "routed_experts":
+            value = _pack_routes(value, limits)
+        elif name in _ARRAYS:
             value = _pack_array(name, value, limits)
         elif name in _DICTS:
             value = _small_dict(name, value, limits)
@@ -359,7 +421,7 @@ def _unpack(data: Any, kind: str, limits: CodecLimits) -> dict[str, Any]:
             strict_map_key=True,
             use_list=True,
             max_str_len=max_str_bytes,
-            max_bin_len=4 * limits.max_tokens,
+            max_bin_len=max(4 * limits.max_tokens, limits.max_message_bytes),
             max_array_len=3,  # only the [dtype, length, bytes] triples
             max_map_len=max(limits.max_dict_items, max(len(n) for n in _SCHEMAS[kind].values()) + 2),
             max_ext_len=0,
@@ -384,7 +446,9 @@ def _unpack(data: Any, kind: str, limits: CodecLimits) -> dict[str, Any]:
     out = {}
     for name in names:
         value = msg[name]
-        if name in _ARRAYS:
+        if name == "routed_experts":
+            value = _unpack_routes(value, limits)
+        elif name in _ARRAYS:
             value = _unpack_array(name, value, limits)
         elif name in _DICTS:
             value = _small_dict(name, value, limits)

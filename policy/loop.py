@@ -30,12 +30,22 @@ class AsyncConfig:
     sampled it; the trainer bounds the oldest token's staleness). False: drain-on-swap, no sample
     spans two versions (the exact alternative)."""
 
+    routing_replay: bool = False
+    """True (MoE models): rollout routing replay (R3). Each trajectory carries, per completion token
+    and MoE layer, the top-k expert ids the rollout's forward picked (`routed_experts`, uint8 for
+    <= 256 experts: n_moe_layers * top_k bytes per token), and the trainer's recompute and training
+    forward route those tokens to them (gate weights: the router's own softmax at those experts,
+    renormalized, differentiable). Prompt tokens are routed by the trainer's router. Not with
+    trainer.backend megatron."""
+
     def __post_init__(self):
         errors = []
         if not is_int(self.max_staleness, lo=0):
             errors.append(f"max_staleness={self.max_staleness!r} (must be an int >= 0)")
         if not isinstance(self.inflight_updates, bool):
             errors.append(f"inflight_updates={self.inflight_updates!r} (must be true or false)")
+        if not isinstance(self.routing_replay, bool):
+            errors.append(f"routing_replay={self.routing_replay!r} (must be true or false)")
         if not self.temperature > 0:
             errors.append(f"temperature={self.temperature} (must be > 0: behavior log-probs need sampling)")
         if errors:

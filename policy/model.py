@@ -11,8 +11,10 @@ Rules: quantization is not in this file: every matmul and non-matmul parameter g
 model's `QuantHook` (plain by default; `policy.qat` installs QAT and packed-weight hooks), which sees
 each matmul's site (the weight name without ".weight"; the activation site adds ".input"). A row's
 result does not depend on the rest of the batch (per-token routing, per-row masks, no batch
-statistics) up to last-bit float differences between batch shapes. MoE dispatch: `MoE`. No dropout,
-biases, router auxiliary loss, capacity limit or sliding windows (why: docs/design-decisions.md)."""
+statistics) up to last-bit float differences between batch shapes. MoE dispatch: `MoE`; routing
+replay: `MoE.routed` takes forced expert ids per token and returns the ids it used (the forward's
+`routes` / `return_routes`). No dropout, biases, router auxiliary loss, capacity limit or sliding
+windows (why: docs/design-decisions.md)."""
 
 from __future__ import annotations
 
@@ -509,13 +511,24 @@ class MoE(nn.Module):
         return hook.grouped_linear(down_sites, h, [e.down_proj.weight for e in self.experts], offs, groups)
 
     def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
+        return self.routed(x, hook)[0]
+
+    def routed(self, x: Tensor, hook: QuantHook, route: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """-> (output like x, the expert ids used [..., k] long). `route` [..., k] (x's leading
+        shape): forced expert ids per token, -1 where the router picks (routing replay); the gate
+        weights are then the router's own softmax probabilities gathered at the forced experts
+        (renormalized over the k when norm_topk_prob), so the router stays differentiable."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         N, k = x.shape[0], self.top_k
         if N == 0:
-            return x.clone().view(shape)
+            return x.clone().view(shape), torch.zeros(*shape[:-1], k, dtype=torch.long, device=x.device)
         probs = self.gate(x, hook).float().softmax(dim=-1)
         weights, experts = probs.topk(k, dim=-1)
+        if route is not None:
+            forced = route.reshape(N, k).to(device=x.device, dtype=torch.long)
+            experts = torch.where(forced[:, :1] >= 0, forced, experts)
+            weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         # Dispatch: sort the N*k (token, slot) assignments by expert, run each expert once on its
@@ -534,7 +547,7 @@ class MoE(nn.Module):
         out = (y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x, hook)
-        return out.view(shape)
+        return out.view(shape), experts.view(*shape[:-1], k)
 
     def _loop_experts(self, xg: Tensor, flat: Tensor, hook: QuantHook) -> Tensor:
         """The reference: each expert once on its gathered rows (a host sync for the counts)."""
@@ -560,9 +573,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, f"{p}.post_attention_layernorm")
         self.mlp = MoE(cfg, f"{p}.mlp") if cfg.is_moe_layer(i) else Expert(cfg.dim, cfg.ffn_dim, f"{p}.mlp")
 
-    def forward(self, x, cos, sin, mask, hook, kv, start):
+    def forward(self, x, cos, sin, mask, hook, kv, start, route=None):
+        """-> (x, the MoE's expert ids [B, T, k], or None for a dense MLP); route: see `MoE.forward`."""
         x = x + self.self_attn(self.input_layernorm(x, hook), cos, sin, mask, hook, kv, start)
-        return x + self.mlp(self.post_attention_layernorm(x, hook), hook)
+        h = self.post_attention_layernorm(x, hook)
+        if isinstance(self.mlp, MoE):
+            y, ids = self.mlp.routed(h, hook, route)
+            return x + y, ids
+        return x + self.mlp(h, hook), None
 
 
 class KVCache:
@@ -624,6 +642,8 @@ class Transformer(nn.Module):
     token_logprobs(tokens, targets, attention_mask=None, temperature=1.0) -> [B, T] fp32
     load_weights({canonical name: tensor}) copies effective weights in (e.g. dequantized packed ones).
     quant_hook: a `QuantHook` or None (plain).
+    routes / return_routes (forward and token_logprobs): routing replay, forced expert ids per token
+      and MoE layer [B, T, n MoE layers, k] (-1 = the router's choice), and the ids used, returned.
 
     On the meta device (`with torch.device("meta"): Transformer(cfg)`) nothing is allocated or
     initialized, which is how planning code inspects the 30B model.
@@ -684,7 +704,9 @@ class Transformer(nn.Module):
         attention_mask: Tensor | None = None,
         cache: KVCache | None = None,
         last_only: bool = False,
-    ) -> Tensor:
+        routes: Tensor | None = None,
+        return_routes: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
@@ -715,28 +737,66 @@ class Transformer(nn.Module):
 
         emb = hook.param("model.embed_tokens.weight", self.model.embed_tokens.weight)
         x = F.embedding(tokens, emb)
-        ckpt = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
-        for i, layer in enumerate(self.model.layers):
-            if ckpt:  # non-reentrant: autocast and the hook replay as they ran
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, hook, None, start, use_reentrant=False)
-                continue
-            x = layer(x, cos, sin, mask, hook, None if cache is None else cache.layers[i], start)
+        x, used = self._layers(x, (cos, sin, mask, hook, cache, start), routes)
         if cache is not None:
             cache.length = S
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x, hook), hook)
+        logits = self.lm_head(self.model.norm(x, hook), hook)
+        if not return_routes:
+            return logits
+        k = self.cfg.top_k
+        ids = torch.stack(used, dim=2) if used else torch.zeros(B, T, 0, k, dtype=torch.long, device=device)
+        return logits, ids[:, -1:] if last_only else ids
+
+    def _layers(self, x: Tensor, args: tuple, routes: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """The decoder layers on x [B, T, D] -> (x, the expert ids each MoE layer used, [B, T, k]
+        each); routes: forced ids [B, T, n MoE layers, k] (-1: the router's), or None."""
+        cos, sin, mask, hook, cache, start = args
+        B, T, k = x.shape[0], x.shape[1], self.cfg.top_k
+        moe = self.moe_layers()
+        if routes is not None and tuple(routes.shape) != (B, T, len(moe), k):
+            raise ValueError(f"routes shape {tuple(routes.shape)} != {(B, T, len(moe), k)} (B, T, MoE layers, k)")
+        ckpt = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
+        used = []
+        for i, layer in enumerate(self.model.layers):
+            route = None if routes is None or i not in moe else routes[:, :, moe.index(i)]
+            if ckpt:  # non-reentrant: autocast and the hook replay as they ran
+                x, ids = torch.utils.checkpoint.checkpoint(
+                    layer, x, cos, sin, mask, hook, None, start, route, use_reentrant=False
+                )
+            else:
+                x, ids = layer(x, cos, sin, mask, hook, None if cache is None else cache.layers[i], start, route)
+            if ids is not None:
+                used.append(ids)
+        return x, used
+
+    def moe_layers(self) -> list[int]:
+        """The indices of the MoE layers (the routes' third axis, in this order)."""
+        return [i for i in range(self.cfg.n_layers) if self.cfg.is_moe_layer(i)]
 
     def token_logprobs(
-        self, tokens: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None, temperature: float = 1.0
-    ) -> Tensor:
+        self,
+        tokens: Tensor,
+        targets: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        temperature: float = 1.0,
+        routes: Tensor | None = None,
+        return_routes: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """log p(targets[b, t] | tokens[b, :t+1]) in fp32, [B, T], from logits / temperature.
 
         Positions masked out by `attention_mask` get garbage values; the caller masks them.
+        routes [B, T, n MoE layers, k] long: forced expert ids (-1: the router's own), see
+        `MoE.forward`; return_routes: also return the ids every MoE layer used (same shape).
         """
         if targets.shape != tokens.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
-        logits = self(tokens, attention_mask=attention_mask).float()
+        out = self(tokens, attention_mask=attention_mask, routes=routes, return_routes=return_routes)
+        logits, used = out if return_routes else (out, None)
+        logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
-        return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
+        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
+        return (logp, used) if return_routes else logp

@@ -19,13 +19,18 @@ Versions per token: the one whose weights computed the token's logits. An in-fli
 weights already in the backend's model or engine) lets live rows continue, their tokens from
 `backend.fresh_from` on under the new version (a held prefix's first token stays its group's). The
 KV is kept, not recomputed (not built): a token newer than its sample's first attends to an older
-version's KV (`stale_kv_tokens`, per sample `tokens_on_stale_kv`)."""
+version's KV (`stale_kv_tokens`, per sample `tokens_on_stale_kv`).
+
+Routing replay (loop.routing_replay; a backend built with record_routes=True): each sample's
+`routes`, per token the expert ids each MoE layer picked in the forward whose logits sampled it,
+[n, n MoE layers, k] uint8 (<= 256 experts, else uint16, `route_dtype`); None when not recorded."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,14 +39,23 @@ from policy.model import KVCache, Transformer
 from rollout.engine import decode_one_token, prefill, sample
 from rollout.scheduler import Scheduler
 
-__all__ = ["ContinuousBatcher", "CpuBackend", "GroupResult", "PackedBackend", "stale_kv_tokens", "token_versions"]
+__all__ = [
+    "ContinuousBatcher",
+    "CpuBackend",
+    "GroupResult",
+    "PackedBackend",
+    "route_dtype",
+    "stale_kv_tokens",
+    "token_versions",
+]
 
 
 @dataclass
 class GroupResult:
     """A finished group: sample i produced tokens[i] (the stop token included) with behavior
     log-probs logprobs[i]; versions[i][t] sampled tokens[i][t]; `version` started the group (all
-    tokens' version under drain-on-swap)."""
+    tokens' version under drain-on-swap); routes[i]: sample i's expert ids [n, layers, k] (routing
+    replay) or None."""
 
     key: Hashable
     version: int
@@ -49,6 +63,12 @@ class GroupResult:
     logprobs: list[list[float]]
     stopped: list[bool]
     versions: list[list[int]]
+    routes: list = field(default_factory=list)
+
+
+def route_dtype(n_experts: int):
+    """The compact dtype of expert ids: uint8 for <= 256 experts, else uint16 (the codec's two)."""
+    return np.uint8 if n_experts <= 256 else np.uint16
 
 
 def token_versions(segments: Sequence[tuple[int, int]], n: int) -> list[int]:
@@ -77,6 +97,7 @@ class _Pending:
     logprobs: list
     stopped: list
     versions: list
+    routes: list
     version: int | None = None  # set when the group starts
 
 
@@ -89,7 +110,7 @@ class ContinuousBatcher:
     admit(prefix, slots, seeds, max_new)   copy the prefix into those slots, start those rows (max_new:
                                    one budget per row)
     advance() -> [slot]            run live rows; the busy slots whose row has finished
-    result(slot) -> (tokens, logprobs, stopped)
+    result(slot) -> (tokens, logprobs, stopped, routes [n, layers, k] array or None)
     release(slot)                  the slot is free (its row's state is dropped)
     live                           busy slots (0 when drained)
     fresh_from(slots) -> [int]     per busy slot, the index of its first token whose logits weights
@@ -138,7 +159,7 @@ class ContinuousBatcher:
             )
         self.backend.check(len(prompt), max(budget, default=1))
         self.sched.submit(key, n)
-        self._groups[key] = _Pending(list(prompt), list(seeds), budget, [None] * n, [None] * n, [None] * n, [None] * n)
+        self._groups[key] = _Pending(list(prompt), list(seeds), budget, *([None] * n for _ in range(5)))
 
     def step(self) -> list[GroupResult]:
         admits = self.sched.admit()
@@ -170,15 +191,16 @@ class ContinuousBatcher:
         done = []
         if self.backend.live:
             for slot in self.backend.advance():
-                tokens, logprobs, stopped = self.backend.result(slot)
+                tokens, logprobs, stopped, routes = self.backend.result(slot)
                 self.backend.release(slot)
                 f = self.sched.finish(slot)
                 g = self._groups[f.group]
                 g.tokens[f.sample], g.logprobs[f.sample], g.stopped[f.sample] = tokens, logprobs, stopped
+                g.routes[f.sample] = routes
                 g.versions[f.sample] = token_versions(self._segments.pop(slot), len(tokens))
                 if f.group_done:
                     del self._groups[f.group]
-                    done.append(GroupResult(f.group, g.version, g.tokens, g.logprobs, g.stopped, g.versions))
+                    done.append(GroupResult(f.group, g.version, g.tokens, g.logprobs, g.stopped, g.versions, g.routes))
         return done
 
     def run(self) -> list[GroupResult]:
@@ -224,6 +246,7 @@ class _CpuPrefix:
     k: list  # per layer [Hkv, T, hd]
     v: list
     logits: Tensor  # [V] fp32
+    routes: Tensor | None = None  # [n MoE layers, k]: the last prompt position's expert ids
 
 
 class CpuBackend:
@@ -234,17 +257,21 @@ class CpuBackend:
     positions, so results are unchanged up to float reduction order), and capacity for the longest
     remaining continuation: the CPU never decodes dead rows. Each row samples from its own
     `torch.Generator(seed)` (rollout/engine.py's Gumbel-max), so its draws do not depend on when it
-    joined."""
+    joined. record_routes: each row records its tokens' expert ids (routing replay)."""
 
-    def __init__(self, model: Transformer, *, slots: int, temperature: float, stop: set, pad_id: int):
+    def __init__(
+        self, model: Transformer, *, slots: int, temperature: float, stop: set, pad_id: int, record_routes: bool = False
+    ):
         self.model, self.slots, self.temperature, self.pad_id = model, slots, float(temperature), pad_id
+        self.record_routes = record_routes and bool(model.moe_layers())  # a dense model has none to record
+        self.routes: Tensor | None = None  # [R, n MoE layers, k]: the expert ids behind each row's logits
         self.stop = torch.tensor(sorted(stop), dtype=torch.long)
         self.rows: list[int] = []  # slot of each cache row
         self.cache: KVCache | None = None
         self.logits: Tensor | None = None  # [R, V]: the next-token logits of each row (to sample)
         self.gens: list = []
         self.remaining: list[int] = []  # tokens each row may still produce
-        self.out: dict = {}  # slot -> [tokens, logprobs, stopped]
+        self.out: dict = {}  # slot -> [tokens, logprobs, stopped, routes (one [layers, k] per token)]
 
     @property
     def live(self) -> int:
@@ -265,12 +292,13 @@ class CpuBackend:
             tokens[b, L - len(p) :] = torch.as_tensor(p, dtype=torch.long)
             mask[b, L - len(p) :] = True
         cache = KVCache(cfg, len(prompts), L, dtype=self.model.lm_head.weight.dtype)
-        logits = prefill(self.model, tokens, mask, cache)
+        logits, ids = prefill(self.model, tokens, mask, cache, routes=True)  # ids: [B, layers, k], cheap
         return [
             _CpuPrefix(
                 [k[b, :, L - len(p) :].clone() for k, _ in cache.layers],
                 [v[b, :, L - len(p) :].clone() for _, v in cache.layers],
                 logits[b].clone(),
+                ids[b].clone() if self.record_routes else None,
             )
             for b, p in enumerate(prompts)
         ]
@@ -278,13 +306,16 @@ class CpuBackend:
     def admit(self, prefix: _CpuPrefix, slots: list[int], seeds: list[int], max_new: list[int]) -> None:
         n = len(slots)
         for s in slots:
-            self.out[s] = [[], [], False]
+            self.out[s] = [[], [], False, []]
         self._rebuild(list(range(len(self.rows))), (prefix, n, max(max_new)))
         self.rows += slots
         self.gens += [torch.Generator().manual_seed(int(s)) for s in seeds] if self.temperature > 0 else [None] * n
         self.remaining += list(max_new)
         add = prefix.logits[None].expand(n, -1)
         self.logits = add.clone() if self.logits is None else torch.cat([self.logits, add])
+        if self.record_routes:
+            ids = prefix.routes[None].expand(n, -1, -1)
+            self.routes = ids.clone() if self.routes is None else torch.cat([self.routes, ids])
 
     @torch.no_grad()
     def advance(self) -> list[int]:
@@ -301,6 +332,8 @@ class CpuBackend:
             o = self.out[slot]
             o[0].append(int(nxt[r]))
             o[1].append(float(lp[r]))
+            if self.record_routes:
+                o[3].append(self.routes[r])
             self.remaining[r] -= 1
             if bool(hit[r]) or self.remaining[r] == 0:
                 o[2] = bool(hit[r])
@@ -317,14 +350,20 @@ class CpuBackend:
             if self.cache.length + 1 > self.cache.capacity:
                 self._rebuild(list(range(len(self.rows))))
             alive = torch.ones(len(self.rows), dtype=torch.bool)
-            self.logits = decode_one_token(self.model, nxt, alive, self.cache)
+            if self.record_routes:
+                self.logits, self.routes = decode_one_token(self.model, nxt, alive, self.cache, routes=True)
+            else:
+                self.logits = decode_one_token(self.model, nxt, alive, self.cache)
         else:
-            self.cache, self.logits = None, None
+            self.cache, self.logits, self.routes = None, None, None
         return done
 
     def result(self, slot: int):
-        tokens, logprobs, stopped = self.out[slot]
-        return tokens, logprobs, stopped
+        tokens, logprobs, stopped, ids = self.out[slot]
+        routes = None
+        if self.record_routes:
+            routes = torch.stack(ids).numpy().astype(route_dtype(self.model.cfg.n_experts))
+        return tokens, logprobs, stopped, routes
 
     def fresh_from(self, slots: list[int]) -> list[int]:
         """`advance` decodes right after sampling: each live row's next logits are already computed,
@@ -396,7 +435,8 @@ class PackedBackend:
     row waits check_every / 2 steps on average for its slot to be reused; 8 keeps that and the host
     turnaround per chunk each near 2% of a 136-token sample at batch 64). A prefix
     is copied into each sample's slot at admission (the fused decode-attention kernel reads one
-    contiguous KV row per slot; sharing would need a paged cache with a block table)."""
+    contiguous KV row per slot; sharing would need a paged cache with a block table). The engine's
+    `EngineConfig.record_routes` says whether rows record their expert ids (routing replay)."""
 
     def __init__(self, engine, *, temperature: float, stop: set, pad_id: int, check_every: int = 8):
         engine.begin(temperature=temperature, stop=stop, pad_id=pad_id)
@@ -435,8 +475,11 @@ class PackedBackend:
             tok = eng.out_tok[rows, :N].tolist()
             lp = eng.out_logp[rows, :N].tolist()
             stopped = eng.stopped[rows].tolist()
+            routes = None if eng.out_routes is None else eng.out_routes[rows, :N].cpu().numpy()
+            dtype = route_dtype(eng.cfg.n_experts)
             for i, s in enumerate(fin):
-                self.done[s] = (tok[i][: lengths[i]], lp[i][: lengths[i]], bool(stopped[i]))
+                r = None if routes is None else routes[i, : lengths[i]].astype(dtype)
+                self.done[s] = (tok[i][: lengths[i]], lp[i][: lengths[i]], bool(stopped[i]), r)
         return fin
 
     def result(self, slot: int):

@@ -10,7 +10,9 @@ is copied into the rows of its n samples (as nanochat's `Engine.generate` does).
 
 Sampling is Gumbel-max with per-row exponential noise, argmax(logp - log E) with E ~ Exp(1) drawn
 from the row's own generator over the whole vocabulary at every step: the same draw whatever the
-batch, so per-row seeding is exact. Simplified: the model's forward runs as is (weights dequantized
+batch, so per-row seeding is exact. Routing replay (`record_routes`): each row also records, per
+generated token, the expert ids every MoE layer picked in the forward whose logits sampled it (the
+prefill's last position for the first token, the decode step of the previous token after). Simplified: the model's forward runs as is (weights dequantized
 once per version by the worker); GPU engines use the packed-weight matmuls of `rollout.kernels`."""
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Generation:
     logprobs: Tensor  # [R, N] fp32
     lengths: Tensor  # [R] long
     stopped: Tensor  # [R] bool
+    routes: Tensor | None = None  # [R, N, n MoE layers, k] long (record_routes), 0 past a row's end
 
     def completions(self) -> list[list[int]]:
         return [self.tokens[b, :n].tolist() for b, n in enumerate(self.lengths.tolist())]
@@ -57,14 +60,22 @@ def row_generators(rows: int, generator: torch.Generator | None, seeds: Sequence
     return [torch.Generator().manual_seed(s) for s in row_seeds]
 
 
-def prefill(model: Transformer, tokens: Tensor, mask: Tensor, cache: KVCache) -> Tensor:
-    """Left-padded prompts [B, L] (mask True = real token) into an empty cache -> last logits [B, V] fp32."""
-    return model(tokens, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()
+def prefill(model: Transformer, tokens: Tensor, mask: Tensor, cache: KVCache, *, routes: bool = False):
+    """Left-padded prompts [B, L] (mask True = real token) into an empty cache -> last logits [B, V]
+    fp32; routes: (logits, the last position's expert ids [B, n MoE layers, k])."""
+    if not routes:
+        return model(tokens, attention_mask=mask, cache=cache, last_only=True)[:, -1].float()
+    logits, ids = model(tokens, attention_mask=mask, cache=cache, last_only=True, return_routes=True)
+    return logits[:, -1].float(), ids[:, -1]
 
 
-def decode_one_token(model: Transformer, tokens: Tensor, alive: Tensor, cache: KVCache) -> Tensor:
-    """One new token per row [B] (rows with alive False are padding nobody attends to) -> logits [B, V] fp32."""
-    return model(tokens[:, None], attention_mask=alive[:, None], cache=cache)[:, -1].float()
+def decode_one_token(model: Transformer, tokens: Tensor, alive: Tensor, cache: KVCache, *, routes: bool = False):
+    """One new token per row [B] (rows with alive False are padding nobody attends to) -> logits [B, V]
+    fp32; routes: (logits, expert ids [B, n MoE layers, k])."""
+    if not routes:
+        return model(tokens[:, None], attention_mask=alive[:, None], cache=cache)[:, -1].float()
+    logits, ids = model(tokens[:, None], attention_mask=alive[:, None], cache=cache, return_routes=True)
+    return logits[:, -1].float(), ids[:, -1]
 
 
 def sample(logits: Tensor, temperature: float, gens: list | None) -> tuple[Tensor, Tensor]:
@@ -132,6 +143,7 @@ def generate(
     eos_id: int | None = None,
     stop_ids: Sequence[int] = (),
     pad_id: int = 0,
+    record_routes: bool = False,
 ) -> Generation:
     """Sample n_samples continuations of each prompt: the API every engine implements.
 
@@ -148,6 +160,7 @@ def generate(
     temperature     sampling temperature (> 0), or 0 for greedy
     eos_id/stop_ids a row stops after producing one of these (the stop token is included)
     pad_id          what fills a row after it stopped
+    record_routes   also return each token's expert ids per MoE layer (routing replay)
 
     Generation: tokens [R, N] long, logprobs [R, N] fp32, lengths [R] long, stopped [R] bool, on
     the CPU, with R = B * n_samples and N = max_new_tokens. Row r produced tokens[r, :lengths[r]];
@@ -165,11 +178,12 @@ def generate(
 
     device = model.lm_head.weight.device
     cache = KVCache(cfg, B, L + max_new_tokens, dtype=model.lm_head.weight.dtype, device=device)
-    logits = prefill(model, tokens.to(device), mask.to(device), cache)
+    logits, ids = prefill(model, tokens.to(device), mask.to(device), cache, routes=True)
     _repeat_rows(cache, n_samples)
     logits = logits.repeat_interleave(n_samples, dim=0)
+    ids = ids.repeat_interleave(n_samples, dim=0) if record_routes else None
     stop_t = torch.tensor(sorted(stop), dtype=torch.long, device=device)
-    return _decode(model, cache, logits, max_new_tokens, temperature, gens, stop_t, pad_id)
+    return _decode(model, cache, (logits, ids), max_new_tokens, temperature, gens, stop_t, pad_id)
 
 
 def _checked_tokens(cfg, prompts: Sequence[Sequence[int]], stop: set, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -183,10 +197,14 @@ def _checked_tokens(cfg, prompts: Sequence[Sequence[int]], stop: set, pad_id: in
     return tokens, mask
 
 
-def _decode(model, cache: KVCache, logits: Tensor, max_new_tokens: int, temperature: float, gens, stop_t, pad_id):
-    """Sample from the prefilled rows' logits [R, V], then decode one token per step until every row
-    stopped or max_new_tokens; the Generation on the CPU."""
+def _decode(model, cache: KVCache, first: tuple, max_new_tokens: int, temperature: float, gens, stop_t, pad_id):
+    """Sample from the prefilled rows' (logits [R, V], expert ids or None), then decode one token per
+    step until every row stopped or max_new_tokens; the Generation on the CPU."""
+    logits, ids = first
     R, device = logits.shape[0], logits.device
+    out_routes = (
+        None if ids is None else torch.zeros(R, max_new_tokens, *ids.shape[1:], dtype=torch.long, device=device)
+    )
     out_tokens = torch.full((R, max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_logp = torch.zeros(R, max_new_tokens, dtype=torch.float32, device=device)
     alive = torch.ones(R, dtype=torch.bool, device=device)
@@ -196,6 +214,8 @@ def _decode(model, cache: KVCache, logits: Tensor, max_new_tokens: int, temperat
         nxt, lp = sample(logits, temperature, gens)
         out_tokens[:, step] = torch.where(alive, nxt, pad_id)
         out_logp[:, step] = torch.where(alive, lp, 0.0)
+        if out_routes is not None:
+            out_routes[:, step] = torch.where(alive[:, None, None], ids, 0)
         lengths += alive.long()
         hit = alive & torch.isin(nxt, stop_t)
         stopped |= hit
@@ -203,8 +223,13 @@ def _decode(model, cache: KVCache, logits: Tensor, max_new_tokens: int, temperat
         if not alive.any() or step == max_new_tokens - 1:
             break
         # Finished rows keep stepping in lockstep, as padding nobody attends to.
-        logits = decode_one_token(model, torch.where(alive, nxt, pad_id), alive, cache)
-    return Generation(out_tokens.cpu(), out_logp.cpu(), lengths.cpu(), stopped.cpu())
+        fed = torch.where(alive, nxt, pad_id)
+        if out_routes is None:
+            logits = decode_one_token(model, fed, alive, cache)
+        else:
+            logits, ids = decode_one_token(model, fed, alive, cache, routes=True)
+    routes = None if out_routes is None else out_routes.cpu()
+    return Generation(out_tokens.cpu(), out_logp.cpu(), lengths.cpu(), stopped.cpu(), routes)
 
 
 @torch.no_grad()

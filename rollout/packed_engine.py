@@ -11,7 +11,11 @@ published tensors (`rollout.packed_weights`) without dequantizing the 4-bit ones
   NaN/Inf logits raise NonFinite once the sequences are done;
 - a new version of the same layout is copied into the live engine (`update`).
 The same code runs on the CPU (reference matmuls, torch sampling and attention, no graphs), which is
-how the unit tests check its logic against `rollout.engine.generate`."""
+how the unit tests check its logic against `rollout.engine.generate`.
+Routing replay (`EngineConfig.record_routes`): the expert ids of the top-k the router already
+computes are written, on the device and inside the decode graph, into a per-slot buffer
+`out_routes` [max_batch, max_seq_len, n MoE layers, k] (uint8 for <= 256 experts, else int16) at
+the column of the token those logits sample, as `out_tok` is: no host sync per step."""
 
 from __future__ import annotations
 
@@ -59,7 +63,8 @@ class EngineConfig:
     sum, nvfp4 dequantization) with torch.compile so each piece is one or two kernels; falls back
     to plain torch (with a warning) where compilation fails. attention: decode attention "triton"
     (rollout.kernels.attention_triton: KV write + attention over the live keys in one kernel per
-    layer), "torch" (two batched matmuls over the whole slot, masked), or "auto" (triton on CUDA)."""
+    layer), "torch" (two batched matmuls over the whole slot, masked), or "auto" (triton on CUDA).
+    record_routes: record each token's expert ids per MoE layer (routing replay, `out_routes`)."""
 
     max_batch: int = 64
     max_seq_len: int = 1024
@@ -70,6 +75,7 @@ class EngineConfig:
     check_every: int = 16
     fuse: bool = True
     attention: str = "auto"
+    record_routes: bool = False
 
     def __post_init__(self):
         errors = []
@@ -205,6 +211,12 @@ class PackedEngine:
         self.out_tok = torch.zeros(B, S, dtype=torch.int64, device=dev)
         self.out_logp = torch.zeros(B, S, dtype=torch.float32, device=dev)
         self.max_new = torch.zeros(B, dtype=torch.int64, device=dev)  # a row stops after this many tokens
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+        self.out_routes = (  # routing replay: the expert ids behind each sampled token
+            torch.zeros(B, S, n_moe, cfg.top_k, dtype=torch.uint8 if cfg.n_experts <= 256 else torch.int16, device=dev)
+            if e.record_routes and n_moe
+            else None
+        )
         self.temperature = torch.ones(1, dtype=torch.float32, device=dev)
         self._temp_value = 1.0
         self.stop_ids = torch.full((8,), -1, dtype=torch.int64, device=dev)
@@ -223,11 +235,14 @@ class PackedEngine:
             return q, k, v
         return L.q(h, ops), L.k(h, ops), L.v(h, ops)
 
-    def _moe(self, L: LayerWeights, x: Tensor, ops) -> Tensor:
+    def _moe(self, L: LayerWeights, x: Tensor, ops, ids_out: list | None = None) -> Tensor:
+        """The layer's MLP; an MoE layer appends its expert ids [rows, k] to ids_out when given."""
         cfg = self.cfg
         if L.dense is not None:
             return L.dense[1](ops.swiglu(L.dense[0](x, ops), cfg.ffn_dim), ops)
         weights, ids = ops.route(L.gate(x, ops), cfg.top_k, cfg.norm_topk_prob)
+        if ids_out is not None:
+            ids_out.append(ids)
         out = L.experts(x, ids, weights, ops)
         if L.shared is not None:
             out = out + L.shared[1](ops.swiglu(L.shared[0](x, ops), cfg.shared_expert_ffn_dim), ops)
@@ -236,8 +251,9 @@ class PackedEngine:
     def _next_norm(self, i: int) -> Tensor:
         return self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm
 
-    def _decode_forward(self, n: int) -> Tensor:
-        """Logits [n, V] (model dtype) for rows 0..n-1: token cur_tok[b] at position pos[b] (also its KV slot)."""
+    def _decode_forward(self, n: int, ids_out: list | None = None) -> Tensor:
+        """Logits [n, V] (model dtype) for rows 0..n-1: token cur_tok[b] at position pos[b] (also its KV
+        slot); each MoE layer's expert ids [n, k] appended to ids_out when given."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.norm_eps
         H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         pos, rows = self.pos[:n], self.slots[:n]
@@ -263,12 +279,13 @@ class PackedEngine:
                 vc[rows, :, pos] = v.view(n, Hk, hd)
                 o = ops.attn_decode(q.view(n, Hk, H // Hk, hd), kc[:n], vc[:n], bias, scale).reshape(n, H * hd)
             x, h = ops.add_rms(x, L.o(o, ops), L.ln2, eps)
-            x, h = ops.add_rms(x, self._moe(L, h, ops), self._next_norm(i), eps)
+            x, h = ops.add_rms(x, self._moe(L, h, ops, ids_out), self._next_norm(i), eps)
         return self.lm_head(h, ops)  # the sampler reads them as fp32
 
-    def _prefill_forward(self, tokens: Tensor, lens: Tensor) -> tuple[Tensor, list]:
+    def _prefill_forward(self, tokens: Tensor, lens: Tensor) -> tuple[Tensor, list, Tensor | None]:
         """Right-padded prompts [n, T] -> (logits [n, V] at each row's last real token, per layer
-        (k, v) [n, Hkv, T, hd]: the prompts' KV, for the caller to place in slots)."""
+        (k, v) [n, Hkv, T, hd]: the prompts' KV, for the caller to place in slots, and with
+        record_routes the last real token's expert ids [n, n MoE layers, k], else None)."""
         cfg, ops, eps = self.cfg, self.plain, self.cfg.norm_eps
         n, T = tokens.shape
         H, Hk, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -277,7 +294,7 @@ class PackedEngine:
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
         x = F.embedding(tokens, self.embed)
         h = ops.rms(x, self.layers[0].ln1, eps)
-        kvs = []
+        kvs, ids = [], [] if self.out_routes is not None else None
         for i, L in enumerate(self.layers):
             q, k, v = self._qkv(L, h, ops)
             q, k = ops.qk_norm_rope(q.view(n, T, H, hd), k.view(n, T, Hk, hd), L.q_norm, L.k_norm, cos, sin, eps)
@@ -286,17 +303,20 @@ class PackedEngine:
             # Right padding: a real token's causal window holds only real tokens.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hk)
             x, h = ops.add_rms(x, L.o(o.transpose(1, 2).reshape(n, T, H * hd), ops), L.ln2, eps)
-            m = self._moe(L, h.reshape(n * T, -1), ops).view(n, T, -1)
+            m = self._moe(L, h.reshape(n * T, -1), ops, ids).view(n, T, -1)
             x, h = ops.add_rms(x, m, self._next_norm(i), eps)
-        last = h[torch.arange(n, device=self.device), lens - 1]
-        return self.lm_head(last, ops), kvs
+        rows = torch.arange(n, device=self.device)
+        last = h[rows, lens - 1]
+        routes = None if ids is None else torch.stack([r.view(n, T, -1)[rows, lens - 1] for r in ids], dim=1)
+        return self.lm_head(last, ops), kvs, routes
 
     # ---------------------------------------------------------------- sampling + bookkeeping
 
-    def _sample_update(self, logits: Tensor, rows: slice | Tensor) -> None:
+    def _sample_update(self, logits: Tensor, rows: slice | Tensor, routes: Tensor | None = None) -> None:
         """Sample the next token of `rows` (a slice of slots, or slot indices), each at its own token
         index (`lengths`: the RNG counter and the output column, so a row's draws do not depend on
-        when it joined the batch), record it, stop rows on a stop id or at their max_new; no host sync."""
+        when it joined the batch), record it (and `routes` [rows, n MoE layers, k], the expert ids
+        behind these logits, when recording), stop rows on a stop id or at their max_new; no host sync."""
         e = self.ecfg
         temp = self._temp_value if (e.top_k > 0 or e.top_p < 1.0) else self.temperature
         index = self.lengths[rows]
@@ -308,6 +328,8 @@ class PackedEngine:
         col = index.clamp(max=self.out_tok.shape[1] - 1)
         self.out_tok.index_put_((slots, col), torch.where(alive, tok, self.pad))
         self.out_logp.index_put_((slots, col), torch.where(alive, lp, 0.0))
+        if routes is not None and self.out_routes is not None:
+            self.out_routes.index_put_((slots, col), routes.to(self.out_routes.dtype))
         count = index + alive.long()
         hit = alive & (tok[:, None] == self.stop_ids[None, :]).any(dim=1)
         self.stopped[rows] = self.stopped[rows] | hit
@@ -317,8 +339,9 @@ class PackedEngine:
         self.cur_tok[rows] = torch.where(alive, tok, self.pad)
 
     def _decode_step(self, n: int) -> None:
-        logits = self._decode_forward(n)
-        self._sample_update(logits, slice(0, n))
+        ids = [] if self.out_routes is not None else None
+        logits = self._decode_forward(n, ids)
+        self._sample_update(logits, slice(0, n), None if ids is None else torch.stack(ids, dim=1))
         self.pos[:n] += self.alive[:n].long()  # a finished row stays put: its (free) slot keeps in range
 
     def _graph(self, n: int):
@@ -350,6 +373,7 @@ class PackedEngine:
             self.out_logp,
             self.max_new,
             self._finite_bad,
+            *([] if self.out_routes is None else [self.out_routes]),
         ]
 
     def _temp_key(self):
@@ -425,13 +449,15 @@ class PackedEngine:
         dev = self.device
         self.begin(temperature=temperature, stop=stop, pad_id=pad_id)
         self._start_rows(B, seeds, self.ecfg.max_seq_len - T if max_new_tokens is None else max_new_tokens)
-        logits, kvs = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev))
+        logits, kvs, routes = self._prefill_forward(tokens.to(dev), torch.tensor(lens, device=dev))
         self._place_kv(kvs, B, n_samples)
         if n_samples > 1:
             logits = logits.repeat_interleave(n_samples, 0)
+            routes = None if routes is None else routes.repeat_interleave(n_samples, 0)
         if n > B:  # spare rows of the bucket: dead padding
             logits = torch.cat([logits, logits.new_zeros(n - B, logits.shape[1])])
-        self._sample_update(logits, slice(0, n))
+            routes = None if routes is None else torch.cat([routes, routes.new_zeros(n - B, *routes.shape[1:])])
+        self._sample_update(logits, slice(0, n), routes)
         self.pos[:n] = lens_t.to(dev)
         return n
 
@@ -476,15 +502,17 @@ class PackedEngine:
     @torch.no_grad()
     def prefixes(self, prompts: Sequence[Sequence[int]]) -> list:
         """Each prompt through the model once (one batched prefill): per prompt (its KV per layer
-        [Hkv, len, hd] as k and v lists, its last logits [V]), to `admit` into slots."""
+        [Hkv, len, hd] as k and v lists, its last logits [V], its last token's expert ids [n MoE
+        layers, k] or None), to `admit` into slots."""
         lens = [len(p) for p in prompts]
         tokens = _right_padded(prompts, int(self.pad.item()))
-        logits, kvs = self._prefill_forward(tokens.to(self.device), torch.tensor(lens, device=self.device))
+        logits, kvs, routes = self._prefill_forward(tokens.to(self.device), torch.tensor(lens, device=self.device))
         return [
             (
                 [k[b, :, :n].clone() for k, _ in kvs],
                 [v[b, :, :n].clone() for _, v in kvs],
                 logits[b].clone(),
+                None if routes is None else routes[b].clone(),
             )
             for b, n in enumerate(lens)
         ]
@@ -494,7 +522,7 @@ class PackedEngine:
         """Start rows in `slots` (free ones) from a prefix of `prefixes`: its KV copied into each
         slot, each row's first token sampled with its own seed, each stopping after its
         max_new_tokens; the other rows are untouched."""
-        ks, vs, logits = prefix
+        ks, vs, logits, routes = prefix
         T, r = ks[0].shape[1], len(slots)
         rows = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
         for i in range(len(ks)):
@@ -507,7 +535,9 @@ class PackedEngine:
         self.max_new[rows] = torch.tensor(list(max_new_tokens), dtype=torch.int64, device=self.device)
         self.out_tok[rows] = self.pad
         self.out_logp[rows] = 0.0
-        self._sample_update(logits[None].expand(r, -1), rows)
+        self._sample_update(
+            logits[None].expand(r, -1), rows, None if routes is None else routes[None].expand(r, -1, -1)
+        )
         self.pos[rows] = T
 
     @torch.no_grad()
@@ -566,12 +596,15 @@ class PackedEngine:
             raise NonFinite("PackedEngine: non-finite activations or logits (NaN/Inf) in this batch")
         N = max_new_tokens
         # copy=True: on the CPU .cpu() would alias the engine's buffers, which the next call reuses.
-        return Generation(
-            *(
-                t.to("cpu", copy=True)
-                for t in (self.out_tok[:B, :N], self.out_logp[:B, :N], self.lengths[:B], self.stopped[:B])
-            )
-        )
+        out = [
+            t.to("cpu", copy=True)
+            for t in (self.out_tok[:B, :N], self.out_logp[:B, :N], self.lengths[:B], self.stopped[:B])
+        ]
+        routes = None
+        if self.out_routes is not None:  # as rollout.engine.generate's: long, 0 past a row's end
+            routes = self.out_routes[:B, :N].to("cpu", torch.long)
+            routes *= (torch.arange(N)[None, :] < out[2][:, None])[:, :, None, None]
+        return Generation(*out, routes)
 
     def _checked_request(
         self, prompts, n_samples, max_new_tokens, temperature, seeds, generator, eos_id, stop_ids, pad_id

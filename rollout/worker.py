@@ -10,7 +10,8 @@ Loop (`RolloutWorker.run`; up to `rollout.max_inflight_groups` groups in flight,
 Versions: drain-on-swap by default (every token of a group from the version that started it); with
 `loop.inflight_updates` a fetched version is installed between two decode steps and unfinished samples
 continue under it on their KV (rollout/batching.py; each trajectory's `token_versions`, its
-`policy_version` the newest, info `tokens_on_stale_kv`). A group whose generation or scoring
+`policy_version` the newest, info `tokens_on_stale_kv`). `loop.routing_replay`: each trajectory
+carries its tokens' expert ids per MoE layer (`routed_experts`, from the engine). A group whose generation or scoring
 raises is dead-lettered with the error's line (groups that failed together are retried one at a time
 first); a live version computing non-finite values is refused and the groups in flight start again
 under the next. SIGTERM: no group is read any more, the ones in flight are finished and committed,
@@ -519,6 +520,7 @@ class RolloutWorker:
                     reward=self.task.score(completion, group.task),
                     policy_version=versions[-1],  # the newest; the group started under result.version
                     token_versions=np.asarray(versions, dtype=np.uint32),
+                    routed_experts=result.routes[i] if result.routes else None,  # loop.routing_replay
                     contract_fingerprint=self.fingerprint,
                     worker_id=self.worker_id,
                     created_at=now,
@@ -799,7 +801,9 @@ class RolloutWorker:
             tensors,
             device=self.device,
             engine=EngineConfig(
-                max_batch=self.cfg.max_batch, max_seq_len=min(self.cfg.kv_capacity, self.model_config.max_seq_len)
+                max_batch=self.cfg.max_batch,
+                max_seq_len=min(self.cfg.kv_capacity, self.model_config.max_seq_len),
+                record_routes=self.loop.routing_replay,
             ),
         )
         engine.capture()
@@ -812,7 +816,9 @@ class RolloutWorker:
         eos = self.task.tokenizer.eos_id
         stop = set() if eos is None or self.cfg.ignore_stop else {eos}
         if self.engine is None:
-            return CpuBackend(self.model, slots=self.cfg.max_batch, stop=stop, **kw)
+            return CpuBackend(
+                self.model, slots=self.cfg.max_batch, stop=stop, record_routes=self.loop.routing_replay, **kw
+            )
         return PackedBackend(self.engine, stop=stop, **kw)
 
 

@@ -123,6 +123,11 @@ class RunConfig:
                 f"trainer.eval_every={self.trainer.eval_every} needs held-out prompts: set task.heldout_fraction "
                 "(or task.heldout_path for a jsonl task)"
             )
+        if self.loop.routing_replay and self.trainer.backend == "megatron":
+            errors.append(
+                "loop.routing_replay=true with trainer.backend='megatron' (its MoE router takes no forced "
+                "routing here: use trainer.backend='torch')"
+            )
         if errors:
             raise ValueError("RunConfig: " + "; ".join(errors))
 

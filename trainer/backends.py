@@ -2,7 +2,8 @@
 
 The trainer's components (trainer.step, trainer.publishing, trainer.service) talk to a backend only
 through these methods, so the loop is the same for both:
-    token_logprobs(tokens, targets, attention_mask=, temperature=)  -> [B, T] fp32 (autograd on)
+    token_logprobs(tokens, targets, attention_mask=, temperature=, routes=)  -> [B, T] fp32 (autograd on;
+        routes: routing replay's forced expert ids, the torch backend only)
     update(loss) -> grad norm        zero grads, backward, clip, optimizer step, refresh the QAT cache
     set_lr(lr); canonical(); load_weights({name: tensor}); state_dict() / load_state_dict()
     apply_qat() / qat_hook; quantized_params(); finite_check()   QAT, publishing, the NaN/Inf test
@@ -140,8 +141,12 @@ class TorchBackend(_Backend):
         self.model.activation_checkpointing = cfg.activation_checkpointing
         self.optimizer = self._adamw()
 
-    def token_logprobs(self, tokens, targets, *, attention_mask=None, temperature: float = 1.0) -> Tensor:
-        return self.model.token_logprobs(tokens, targets, attention_mask=attention_mask, temperature=temperature)
+    def token_logprobs(
+        self, tokens, targets, *, attention_mask=None, temperature: float = 1.0, routes: Tensor | None = None
+    ) -> Tensor:
+        return self.model.token_logprobs(
+            tokens, targets, attention_mask=attention_mask, temperature=temperature, routes=routes
+        )
 
     def canonical(self) -> dict[str, Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
@@ -217,7 +222,11 @@ class MegatronBackend(_Backend):
                 [self.module],
             )
 
-    def token_logprobs(self, tokens, targets, *, attention_mask=None, temperature: float = 1.0) -> Tensor:
+    def token_logprobs(
+        self, tokens, targets, *, attention_mask=None, temperature: float = 1.0, routes: Tensor | None = None
+    ) -> Tensor:
+        if routes is not None:  # RunConfig refuses loop.routing_replay with this backend
+            raise ValueError("trainer.backend='megatron' takes no forced routing (loop.routing_replay)")
         if attention_mask is not None:
             m = attention_mask.bool()
             if bool((m[:, 1:] & ~m[:, :-1]).any()):  # a real token after a pad

@@ -89,6 +89,11 @@ def build_parts(
     accept its fingerprint, breaking the contract on purpose. writers: fed every metrics row."""
     if cfg.eval_every and task.evaluate is None:
         raise ValueError(f"trainer.eval_every={cfg.eval_every} but the trainer was given no evaluation")
+    if loop.routing_replay and cfg.backend == "megatron":
+        raise ValueError("loop.routing_replay=true needs trainer.backend='torch' (megatron takes no forced routing)")
+    # Routing replay: the MoE layers' indices (none: a dense model, nothing to replay).
+    replay = [i for i in range(model_config.n_layers) if model_config.is_moe_layer(i)] if loop.routing_replay else []
+    replay = replay or None
     backend = make_backend(cfg, model_config, recipe, seed=loop.seed)
     contracts = Contracts.of(model_config, recipe, rollout_recipe)
     # The newest versions' packed tensors as their publish produced them (trainer.versions).
@@ -110,10 +115,11 @@ def build_parts(
         max_seq_len=model_config.max_seq_len,
         max_completion_tokens=task.max_completion_tokens,
         max_abs_reward=cfg.max_abs_reward,
+        routes=replay and (len(replay), model_config.top_k, model_config.n_experts),
     )
     step = GRPOStep(
         cfg, backend, versions, pad_id=task.pad_id, temperature=loop.temperature, device=device,
-        max_staleness=loop.max_staleness,
+        max_staleness=loop.max_staleness, replay_routes=replay and (len(replay), model_config.top_k),
     )  # fmt: skip
     # Versions are framed into reusable host buffers (page-locked on CUDA; shared memory that the
     # server's process maps, when it has one).

@@ -36,6 +36,21 @@ def pack(
     return tokens, targets, attn, loss_mask
 
 
+def scatter_routes(routes: Sequence, loss_mask: Tensor, layers: int, k: int) -> Tensor:
+    """Routing replay: each sample's per-completion-token expert ids [n, layers, k] (the rollout's
+    `routed_experts`) at its loss_mask positions of [B, T, layers, k] long, -1 elsewhere (prompt
+    positions and padding: the router's own choice). Completion token i's ids sit where its target
+    is predicted, at the input position of the forward that sampled it."""
+    out = torch.full((*loss_mask.shape, layers, k), -1, dtype=torch.long)
+    for b, r in enumerate(routes):
+        idx = loss_mask[b].nonzero().squeeze(-1)
+        r = np.asarray(r)
+        if r.shape != (len(idx), layers, k):
+            raise ValueError(f"row {b}: routes of shape {r.shape} for {len(idx)} completion tokens x {layers} x {k}")
+        out[b, idx] = torch.from_numpy(r.astype(np.int64))
+    return out
+
+
 def scatter_rows(values: Sequence[Sequence[float]], loss_mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Place per-completion-token values (e.g. behavior log-probs; token versions with dtype long)
     at the loss_mask positions, 0 elsewhere."""

@@ -12,7 +12,10 @@ held (from before a restart) are marked unknown and left out of the split; token
 version (loop.inflight_updates keeps it) are reported apart (`logp_abs_diff_stale_kv`). Staleness is
 per token (trainer version - the token's version); a sample's is its oldest token's. Every forward
 takes at most trainer.microbatch_tokens padded tokens: the recompute in chunks, each update
-accumulating its gradient over chunks of its minibatch (one optimizer update per minibatch). The pure parts
+accumulating its gradient over chunks of its minibatch (one optimizer update per minibatch). Routing
+replay (loop.routing_replay): every forward (recompute, older versions', training) routes each
+completion token's forward to the rollout's recorded experts (`Batch.routes`, trainer.sequences.
+scatter_routes); prompt tokens keep the trainer's own routing. The pure parts
 (`staleness_stats`, `token_stats`, `lr_at`) are tested by hand (tests/unit/test_step.py).
 """
 
@@ -29,7 +32,7 @@ from broker.codec import Trajectory
 
 from . import grpo
 from .config import TrainerConfig
-from .sequences import pack, scatter_rows
+from .sequences import pack, scatter_routes, scatter_rows
 from .versions import RetainedVersions, per_token
 from .warmstart import lr_factor
 
@@ -55,6 +58,7 @@ class Batch:
     token_known: torch.Tensor | None = None  # [B, T] bool: at_version valid (its version held)
     recompute_s: float = 0.0  # seconds the recompute took (older versions' forwards included)
     at_version_s: float = 0.0  # of which the older versions' forwards (trainer.versions)
+    routes: torch.Tensor | None = None  # [B, T, MoE layers, k] long: replayed expert ids (-1: the router's)
 
 
 class GRPOStep:
@@ -68,10 +72,13 @@ class GRPOStep:
         temperature: float,
         device: torch.device,
         max_staleness: int,
+        replay_routes: tuple[int, int] | None = None,
     ):
         """temperature: the rollouts' sampling temperature (the log-probs must match it);
-        max_staleness: the run's bound (loop.max_staleness), which the per-token metrics check."""
+        max_staleness: the run's bound (loop.max_staleness), which the per-token metrics check;
+        replay_routes: (MoE layers, k) under loop.routing_replay (every sample carries routed_experts)."""
         self.cfg, self.backend, self.versions = cfg, backend, versions
+        self.replay_routes = replay_routes
         self.max_staleness = max_staleness
         self.pad_id, self.temperature, self.device = pad_id, temperature, device
         self.autocast = backend.autocast()
@@ -89,6 +96,10 @@ class GRPOStep:
         adv = grpo.group_advantages(rewards, self.cfg.group_size)
         versions = torch.tensor([t.oldest_version for t in samples])
         tv = scatter_rows([t.token_versions.astype(np.int64) for t in samples], mask, dtype=torch.long)
+        routes = None
+        if self.replay_routes is not None:
+            routes = scatter_routes([t.routed_experts for t in samples], mask, *self.replay_routes).to(self.device)
+        rk = (lambda r: {}) if routes is None else (lambda r: {"routes": routes[r]})
         rows_of = {  # version -> the rows holding a token of it (on the host: no device sync)
             v: ((tv == v) & (mask > 0)).any(dim=1).nonzero().squeeze(-1).to(self.device)
             for v in sorted({int(v) for t in samples for v in np.unique(t.token_versions)})
@@ -98,7 +109,7 @@ class GRPOStep:
         )
         with torch.no_grad(), self.autocast:
             prox = self._logprobs(lambda r: self.backend.token_logprobs(
-                tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature
+                tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature, **rk(r)
             ), torch.arange(len(samples), device=self.device), tokens.shape[1])  # fmt: skip
             self._sync()
             t1 = time.perf_counter()
@@ -110,7 +121,7 @@ class GRPOStep:
                 rows = rows[torch.isin(rows, sampled)]  # an older version's forward: the sampled rows only
                 if len(rows) and v in self.versions:
                     by_version[v] = (rows, self._logprobs(lambda r, v=v: self.versions.token_logprobs(
-                        v, tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature
+                        v, tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature, **rk(r)
                     ), rows, tokens.shape[1]))  # fmt: skip
             at_version, token_known = per_token(tv, by_version, prox)
         self._sync()
@@ -120,6 +131,7 @@ class GRPOStep:
         return Batch(
             tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0, known=known,
             token_versions=tv, token_known=token_known & on_mask, recompute_s=t2 - t0, at_version_s=t2 - t1,
+            routes=routes,
         )  # fmt: skip
 
     def _sync(self) -> None:
@@ -148,10 +160,12 @@ class GRPOStep:
         for minibatch in torch.randperm(len(b.rewards)).chunk(cfg.minibatches):
             self.backend.zero_grad()
             for rows in self._chunks(minibatch.to(self.device), b.tokens.shape[1]):
+                replay = {} if b.routes is None else {"routes": b.routes[rows]}
                 with self.autocast:
                     logp = self.backend.token_logprobs(
-                        b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature
-                    )
+                        b.tokens[rows], b.targets[rows], attention_mask=b.attn[rows], temperature=self.temperature,
+                        **replay,
+                    )  # fmt: skip
                 loss, s = grpo.policy_loss(
                     logp, b.prox[rows], b.behav[rows], b.adv[rows], b.mask[rows],
                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, tis_cap=cfg.tis_cap, n_tokens=n_tokens,

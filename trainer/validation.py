@@ -13,6 +13,8 @@ Rules, each with the reason string it returns (the first that fails):
     |reward|           <= max_abs_reward, finite
     1 <= policy_version <= the trainer's current version      (no sample from the future)
     token_versions     >= 1  (the codec checks the rest: non-decreasing, the last = policy_version)
+    routed_experts     under routing replay (`routes`): present, [n, MoE layers, k], each token's k
+                       ids distinct and < n_experts
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class TrajectoryRules:
     max_completion_tokens: int  # the task's generation limit
     max_abs_reward: float  # rewards outside [-this, this] are rejected
     min_logprob: float = -1000.0  # behavior log-probs below this are rejected (exp() underflows long before)
+    routes: tuple[int, int, int] | None = None  # (MoE layers, k, n_experts) under loop.routing_replay
 
     def __post_init__(self) -> None:
         errors = []
@@ -83,4 +86,18 @@ def check_trajectory(
         return f"policy_version={t.policy_version} (want 1..{version}, the trainer's current version)"
     if t.oldest_version < 1:
         return f"token_versions from {t.oldest_version} (want >= 1)"
+    if rules.routes is not None:
+        return _routes_refusal(t.routed_experts, n_completion, *rules.routes)
+    return None
+
+
+def _routes_refusal(r: np.ndarray | None, n: int, layers: int, k: int, n_experts: int) -> str | None:
+    if r is None:
+        return "no routed_experts (loop.routing_replay needs them: is the rollout's loop.routing_replay on?)"
+    if r.shape != (n, layers, k):
+        return f"routed_experts of shape {r.shape}, want ({n}, {layers}, {k}) (tokens, MoE layers, top_k)"
+    if int(r.max()) >= n_experts:
+        return f"routed_experts hold expert id {int(r.max())} (want < n_experts={n_experts})"
+    if k > 1 and bool((np.diff(np.sort(r, axis=-1), axis=-1) == 0).any()):
+        return "routed_experts repeat an expert within a token's top_k"
     return None

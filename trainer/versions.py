@@ -106,13 +106,15 @@ class RetainedVersions:
     @torch.no_grad()
     def token_logprobs(
         self, version: int, tokens: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
-        temperature: float = 1.0,
+        temperature: float = 1.0, routes: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         """[B, T] fp32 log-probs of `targets` under `version` (the caller's autocast applies, as
-        for the trainer's own forward)."""
+        for the trainer's own forward); routes: replayed expert ids (policy.model.Transformer)."""
         hook = self.scratch.quant_hook = _PackedOperands(self.plan, self._packed[version], self._groups)
         try:
-            return self.scratch.token_logprobs(tokens, targets, attention_mask=attention_mask, temperature=temperature)
+            return self.scratch.token_logprobs(
+                tokens, targets, attention_mask=attention_mask, temperature=temperature, routes=routes
+            )
         finally:
             self.scratch.quant_hook = None
             hook.invalidate()  # its operands are freed now

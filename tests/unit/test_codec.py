@@ -295,8 +295,11 @@ def test_decode_limits_apply_before_and_during_unpacking():
     with pytest.raises(CodecError, match="bytes > limit"):
         decode_trajectory(big, CodecLimits(max_message_bytes=len(big) - 1))
     with pytest.raises(CodecError) as e:  # msgpack's own max_bin_len trips first
-        decode_trajectory(big, CodecLimits(max_tokens=1000))
+        decode_trajectory(big, CodecLimits(max_tokens=1000, max_message_bytes=3000))
     assert e.value.field == "message"
+    with pytest.raises(CodecError) as e:  # a bin may be as large as the message (routed_experts): the length check
+        decode_trajectory(big, CodecLimits(max_tokens=1000))
+    assert e.value.field == "completion_tokens"
     with pytest.raises(CodecError) as e:  # declared length over the limit, small payload
         decode_trajectory(repack(GOOD, completion_tokens=["<i4", 5000, b""]), CodecLimits(max_tokens=4096))
     assert e.value.field == "completion_tokens"
@@ -356,13 +359,15 @@ def test_token_versions_round_trip_and_oldest_version():
 
 
 def test_a_schema_1_trajectory_decodes_with_every_token_at_its_policy_version():
-    data = repack(encode_trajectory(make_traj(n_completion=4)), schema=1, token_versions=_DELETE)
+    data = repack(
+        encode_trajectory(make_traj(n_completion=4)), schema=1, token_versions=_DELETE, routed_experts=_DELETE
+    )
     u = decode_trajectory(data)
     assert u.token_versions.tolist() == [7, 7, 7, 7] and u.oldest_version == 7
     with pytest.raises(CodecError) as e:  # schema 1 never had the field
-        decode_trajectory(repack(encode_trajectory(make_traj(n_completion=4)), schema=1))
+        decode_trajectory(repack(encode_trajectory(make_traj(n_completion=4)), schema=1, routed_experts=_DELETE))
     assert e.value.field == "token_versions"
-    assert SCHEMA_VERSION == 2
+    assert SCHEMA_VERSION == 3
 
 
 @pytest.mark.parametrize(
@@ -402,5 +407,77 @@ def test_the_trajectory_signature_covers_token_versions():
     signer = Signer(b"k" * 32)
     a = encode_trajectory(make_traj(n_completion=3, policy_version=7, token_versions=[6, 7, 7]))
     b = encode_trajectory(make_traj(n_completion=3, policy_version=7, token_versions=[7, 7, 7]))
+    assert signer.verify(TRAJECTORY, a, signer.sign(TRAJECTORY, a))
+    assert not signer.verify(TRAJECTORY, b, signer.sign(TRAJECTORY, a))
+
+
+# ------------------------------------------------------------------ routed experts (schema 3)
+
+
+def _routes(n: int, layers: int = 3, k: int = 2, dtype=np.uint8) -> np.ndarray:
+    return (np.arange(n * layers * k).reshape(n, layers, k) % 200).astype(dtype)
+
+
+def test_routed_experts_round_trip_uint8_and_uint16():
+    for dtype, wire in ((np.uint8, "|u1"), (np.int64, "<u2")):
+        r = _routes(4, dtype=dtype) + (0 if dtype == np.uint8 else 300)
+        u = decode_trajectory(encode_trajectory(make_traj(n_completion=4, routed_experts=r)))
+        assert u.routed_experts.dtype == np.dtype(wire) and u.routed_experts.shape == (4, 3, 2)
+        assert u.routed_experts.tolist() == r.tolist()
+    assert decode_trajectory(encode_trajectory(make_traj(n_completion=4))).routed_experts is None
+
+
+def test_schema_2_trajectories_decode_without_routed_experts():
+    data = repack(encode_trajectory(make_traj(n_completion=4)), schema=2, routed_experts=_DELETE)
+    assert decode_trajectory(data).routed_experts is None
+    with pytest.raises(CodecError) as e:  # schema 2 never had the field
+        decode_trajectory(repack(encode_trajectory(make_traj(n_completion=4)), schema=2))
+    assert e.value.field == "routed_experts"
+
+
+@pytest.mark.parametrize(
+    "routes, message",
+    [
+        (np.zeros((3, 2, 2), np.uint8), "want shape (4, layers, k)"),  # one row per completion token
+        (np.zeros((4, 2), np.uint8), "want shape (4, layers, k)"),
+        (np.zeros((4, 0, 2), np.uint8), "want 1..1024 layers"),
+        (np.zeros((4, 2, 65), np.uint8), "1..64 ids"),
+        (np.zeros((4, 2, 2), np.float32), "want integer expert ids"),
+        (np.full((4, 2, 2), 70000), "expert ids must be in [0, 65535]"),
+    ],
+)
+def test_bad_routed_experts_are_refused_with_one_line(routes, message):
+    with pytest.raises(CodecError) as e:
+        make_traj(n_completion=4, routed_experts=routes)
+    assert e.value.field == "routed_experts" and message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (["|u1", [4, 3, 2], b"\0" * 23], "23 bytes for shape [4, 3, 2]"),
+        (["<u4", [4, 3, 2], b"\0" * 96], "dtype '<u4'"),
+        (["|u1", [4, 3], b"\0" * 12], "want [n, layers, k]"),
+        (["|u1", [4, -3, 2], b"\0" * 24], "want [n, layers, k]"),
+        (["|u1", [5, 3, 2], b"\0" * 30], "want shape (4, layers, k)"),
+        (["|u1", [4, 3, 2]], "want nil or"),
+    ],
+)
+def test_routed_experts_on_the_wire_are_checked(value, message):
+    good = encode_trajectory(make_traj(n_completion=4, routed_experts=_routes(4)))
+    with pytest.raises(CodecError) as e:
+        decode_trajectory(repack(good, routed_experts=value))
+    assert e.value.field == "routed_experts" and message in str(e.value)
+
+
+def test_the_trajectory_signature_covers_routed_experts():
+    from broker.signing import TRAJECTORY, Signer
+
+    signer = Signer(b"k" * 32)
+    r = _routes(3)
+    a = encode_trajectory(make_traj(n_completion=3, routed_experts=r))
+    r2 = r.copy()
+    r2[1, 2, 0] ^= 1
+    b = encode_trajectory(make_traj(n_completion=3, routed_experts=r2))
     assert signer.verify(TRAJECTORY, a, signer.sign(TRAJECTORY, a))
     assert not signer.verify(TRAJECTORY, b, signer.sign(TRAJECTORY, a))

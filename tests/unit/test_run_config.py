@@ -277,3 +277,15 @@ def test_relay_keys_are_checked_with_one_line_naming_the_key():
     with pytest.raises(ValueError, match=re.escape("relay_fanout=65 (an int in [0, 64]")):
         TrainerConfig(relay_fanout=65)
     assert RolloutConfig(relay=True, relay_advertise="10.0.0.1:50052").relay_timeout_s == 20.0
+
+
+def test_loop_routing_replay_is_a_bool_and_refused_with_megatron():
+    assert config.load(None, ["loop.routing_replay=true"]).loop.routing_replay is True
+    assert config.load(None, []).loop.routing_replay is False
+    with pytest.raises(ValueError, match="loop.routing_replay: expected bool"):
+        config.load(None, ["loop.routing_replay=3"])
+    with pytest.raises(ValueError, match=r"routing_replay=1 \(must be true or false\)"):
+        config.AsyncConfig(routing_replay=1)
+    assert "uint8" in config.explain("loop.routing_replay")
+    with pytest.raises(ValueError, match="loop.routing_replay=true with trainer.backend='megatron'"):
+        config.load(None, ["loop.routing_replay=true", "trainer.backend=megatron", "trainer.device=cuda"])
