@@ -107,11 +107,15 @@ def _float(name: str, value: Any) -> float:
     return value
 
 
-def _tokens(name: str, value: Any, *, allow_empty: bool) -> np.ndarray:
+def _array(name: str, value: Any) -> np.ndarray:
     try:
-        arr = np.asarray(value)
+        return np.asarray(value)
     except Exception as e:  # e.g. a CUDA or grad-requiring torch tensor
         raise CodecError(name, f"not convertible to an array ({e})") from None
+
+
+def _tokens(name: str, value: Any, *, allow_empty: bool) -> np.ndarray:
+    arr = _array(name, value)
     if arr.ndim != 1:
         raise CodecError(name, f"want a 1-D array, got shape {arr.shape}")
     if not allow_empty and arr.size == 0:
@@ -127,10 +131,7 @@ def _tokens(name: str, value: Any, *, allow_empty: bool) -> np.ndarray:
 
 
 def _logprobs(name: str, value: Any, n: int) -> np.ndarray:
-    try:
-        arr = np.asarray(value)
-    except Exception as e:
-        raise CodecError(name, f"not convertible to an array ({e})") from None
+    arr = _array(name, value)
     if arr.ndim != 1 or arr.shape[0] != n:
         raise CodecError(name, f"want shape ({n},) (one per completion token), got {arr.shape}")
     if arr.size == 0 and arr.dtype.kind != "f":
@@ -153,10 +154,7 @@ def _token_versions(value: Any, n: int, policy_version: int) -> np.ndarray:
         if policy_version > _UINT32_MAX:
             raise CodecError(name, f"policy_version {policy_version} > {_UINT32_MAX} (a token version is uint32)")
         return np.full(n, policy_version, dtype="<u4")
-    try:
-        arr = np.asarray(value)
-    except Exception as e:
-        raise CodecError(name, f"not convertible to an array ({e})") from None
+    arr = _array(name, value)
     if arr.ndim != 1 or arr.shape[0] != n:
         raise CodecError(name, f"want shape ({n},) (one per completion token), got {arr.shape}")
     if arr.size == 0:
@@ -180,10 +178,7 @@ def _routed_experts(value: Any, n: int) -> np.ndarray | None:
     name = "routed_experts"
     if value is None:
         return None
-    try:
-        arr = np.asarray(value)
-    except Exception as e:
-        raise CodecError(name, f"not convertible to an array ({e})") from None
+    arr = _array(name, value)
     if arr.ndim != 3 or arr.shape[0] != n:
         raise CodecError(name, f"want shape ({n}, layers, k) (one row per completion token), got {arr.shape}")
     if not (1 <= arr.shape[1] <= _MAX_MOE_LAYERS and 1 <= arr.shape[2] <= _MAX_TOP_K):
