@@ -261,6 +261,16 @@ class FetchedPolicy:
         return HeldPolicy(self.version, manifest_digest(self.manifest), self.data)
 
 
+@dataclass
+class _Resume:
+    """Where one fetch's FetchTensors stream resumes: the next chunk index, the restarts so far and
+    how often each chunk failed its xxh3."""
+
+    next_index: int = 0
+    restarts: int = 0
+    refetches: dict[int, int] = field(default_factory=dict)
+
+
 class _Tensor:
     """Reassembly state of one tensor: bytes received so far, in order, and their chunks' sha256s.
 
@@ -595,50 +605,41 @@ class PolicyClient:
         (on `fetch`: one connection's FetchTensors; the main channel's by default). The first
         request offers `parent`; a delta that fails is refused and the tensors fetched whole."""
         fetch = fetch or self._fetch
-        next_index = 0
-        refetches: dict[int, int] = {}
-        restarts = 0
+        at = _Resume()
         # One deadline for the whole fetch: a connection that stalls (the peer stopped sending, a
         # partition) costs fetch_timeout_s once, not on every one of max_attempts restarts.
         deadline = time.monotonic() + self.config.fetch_timeout_s
         while True:
-            offer = parent if next_index == 0 else None
-            req = _fetch_request(manifest, [] if names is None else selected, tp_rank, tp_size, next_index, offer)
+            offer = parent if at.next_index == 0 else None
+            req = _fetch_request(manifest, [] if names is None else selected, tp_rank, tp_size, at.next_index, offer)
             stats.streams += 1
             # Not wait_for_ready: the manifest just came from this server, so if it is gone now (a trainer
             # that died mid-fetch; its successor listens elsewhere) fail fast instead of waiting out
             # fetch_timeout_s on every one of max_attempts restarts.
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled(f"version {manifest.version}: fetch cancelled")
-            timeout = max(0.001, deadline - time.monotonic())
-            call = fetch(req, timeout=timeout, wait_for_ready=False, metadata=self._metadata)
+            call = fetch(
+                req, timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=False, metadata=self._metadata
+            )
             if cancel is not None:
                 cancel._register(call)
-            bad_index = None
             try:
-                for chunk in call:
-                    if chunk.HasField("delta"):
-                        if offer is None or next_index:
-                            raise ValueError(f"version {manifest.version}: a delta description nobody asked for")
-                        self._take_delta(call, chunk.delta, manifest, state, offer, stats, hasher, cancel)
-                        return
-                    if not self._accept(chunk, state, manifest, next_index, hasher):
-                        bad_index = chunk.chunk_index  # checksum failed: fetch this chunk again
-                        break
-                    stats.chunks += 1
-                    stats.bytes += len(chunk.data)
-                    next_index = chunk.chunk_index + 1
+                bad_index = self._read_call(call, manifest, state, stats, hasher, cancel, offer, at)
             except grpc.RpcError as e:
                 if cancel is not None and cancel.is_set():
                     # The call is its own RpcError, and its traceback's frames hold the call and this
                     # frame's buffers: cut it, or that cycle keeps a fetch child's slab until the GC runs.
                     e.__traceback__ = None
                     raise FetchCancelled(f"version {manifest.version}: fetch cancelled") from None
-                if e.code() not in _RETRYABLE or restarts >= self.config.max_attempts or time.monotonic() >= deadline:
+                if (
+                    e.code() not in _RETRYABLE
+                    or at.restarts >= self.config.max_attempts
+                    or time.monotonic() >= deadline
+                ):
                     raise
-                restarts += 1
+                at.restarts += 1
                 stats.resumed_streams += 1
-                time.sleep(self.config.retry_backoff_s * restarts)
+                time.sleep(self.config.retry_backoff_s * at.restarts)
                 continue
             except _DeltaFailed as e:
                 _refuse_delta(e, manifest, state, stats)
@@ -650,14 +651,35 @@ class PolicyClient:
                     cancel._unregister(call)
             if bad_index is None:
                 return
-            refetches[bad_index] = refetches.get(bad_index, 0) + 1
-            if refetches[bad_index] > self.config.max_refetch_per_chunk or restarts >= self.config.max_attempts:
-                raise ChecksumMismatch(
-                    f"version {manifest.version}: chunk {bad_index} failed its xxh3 check {refetches[bad_index]} times"
-                )
-            restarts += 1
-            stats.refetched_chunks += 1
-            next_index = bad_index
+            self._refetch(at, bad_index, manifest.version, stats)
+
+    def _read_call(self, call, manifest, state, stats, hasher, cancel, offer, at: _Resume) -> int | None:
+        """One FetchTensors call's messages into `state`, `at.next_index` moving past each chunk
+        accepted; the index of a chunk that failed its xxh3 (to fetch again), else None (the call
+        ended, or it was a delta stream, taken whole by `_take_delta`)."""
+        for chunk in call:
+            if chunk.HasField("delta"):
+                if offer is None or at.next_index:
+                    raise ValueError(f"version {manifest.version}: a delta description nobody asked for")
+                self._take_delta(call, chunk.delta, manifest, state, offer, stats, hasher, cancel)
+                return None
+            if not self._accept(chunk, state, manifest, at.next_index, hasher):
+                return chunk.chunk_index
+            stats.chunks += 1
+            stats.bytes += len(chunk.data)
+            at.next_index = chunk.chunk_index + 1
+        return None
+
+    def _refetch(self, at: _Resume, bad_index: int, version: int, stats: FetchStats) -> None:
+        """Resume at a chunk that failed its xxh3; ChecksumMismatch once it failed too often."""
+        at.refetches[bad_index] = at.refetches.get(bad_index, 0) + 1
+        if at.refetches[bad_index] > self.config.max_refetch_per_chunk or at.restarts >= self.config.max_attempts:
+            raise ChecksumMismatch(
+                f"version {version}: chunk {bad_index} failed its xxh3 check {at.refetches[bad_index]} times"
+            )
+        at.restarts += 1
+        stats.refetched_chunks += 1
+        at.next_index = bad_index
 
     def _take_delta(self, call, desc, manifest, state, parent: HeldPolicy, stats, hasher, cancel) -> None:
         """The rest of a stream served as a delta against `parent` (described by `desc`): payloads
