@@ -120,11 +120,7 @@ class RolloutWorker:
         self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.task = task
         self.recipe = recipe
-        self.device = resolve_device(cfg.device)  # ValueError naming the problem when unusable
-        if self.device.type == "cuda" and cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
-            import torch
-
-            torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, self.device.index or 0)
+        self.device = _device(cfg)
         self.model_config = model_config
         # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine, updated in place.
         self.model = Transformer(model_config, seed=None) if self.device.type == "cpu" else None
@@ -152,8 +148,6 @@ class RolloutWorker:
         self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH, host=cfg.health.host)
         self.stats = WorkerStats()
         self.metrics = WorkerMetrics(cfg.metrics_port, cfg.metrics_host, self.metric_values)
-        if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
-            PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
         self.relay: Relay | None = None  # started in run() where rollout.relay is on
         self.relay_address = ""  # what peers dial (rollout.relay_advertise, else the bound address)
         self._relay_lock = threading.Lock()  # the fetch thread counts, the metrics thread reads
@@ -161,6 +155,8 @@ class RolloutWorker:
         self._relay_tls = cfg.tls
         if cfg.tls.enabled and cfg.relay_server_name:
             self._relay_tls = dataclasses.replace(cfg.tls, server_name=cfg.relay_server_name)
+        if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
+            PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
 
     def _receivers(self) -> tuple[FetchProcess | None, ReceiveBuffers | None]:
         """The fetch child process (rollout.fetch_process; CUDA's default) and where versions are received.
@@ -820,6 +816,16 @@ class RolloutWorker:
                 self.model, slots=self.cfg.max_batch, stop=stop, record_routes=self.loop.routing_replay, **kw
             )
         return PackedBackend(self.engine, stop=stop, **kw)
+
+
+def _device(cfg: RolloutConfig):
+    """rollout.device (ValueError naming the problem when unusable), its memory cap set on CUDA."""
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device.index or 0)
+    return device
 
 
 def prompt_stream_config(cfg: RolloutConfig) -> StreamConfig:

@@ -72,6 +72,15 @@ class Parts:
     health: HealthServer
 
 
+def _replayed_layers(cfg: TrainerConfig, loop: AsyncConfig, model_config: ModelConfig) -> list[int] | None:
+    """Routing replay: the MoE layers' indices (None: replay off, or a dense model with nothing to replay)."""
+    if loop.routing_replay and cfg.backend == "megatron":
+        raise ValueError("loop.routing_replay=true needs trainer.backend='torch' (megatron takes no forced routing)")
+    if not loop.routing_replay:
+        return None
+    return [i for i in range(model_config.n_layers) if model_config.is_moe_layer(i)] or None
+
+
 def build_parts(
     cfg: TrainerConfig,
     *,
@@ -89,11 +98,7 @@ def build_parts(
     accept its fingerprint, breaking the contract on purpose. writers: fed every metrics row."""
     if cfg.eval_every and task.evaluate is None:
         raise ValueError(f"trainer.eval_every={cfg.eval_every} but the trainer was given no evaluation")
-    if loop.routing_replay and cfg.backend == "megatron":
-        raise ValueError("loop.routing_replay=true needs trainer.backend='torch' (megatron takes no forced routing)")
-    # Routing replay: the MoE layers' indices (none: a dense model, nothing to replay).
-    replay = [i for i in range(model_config.n_layers) if model_config.is_moe_layer(i)] if loop.routing_replay else []
-    replay = replay or None
+    replay = _replayed_layers(cfg, loop, model_config)
     backend = make_backend(cfg, model_config, recipe, seed=loop.seed)
     contracts = Contracts.of(model_config, recipe, rollout_recipe)
     # The newest versions' packed tensors as their publish produced them (trainer.versions).
