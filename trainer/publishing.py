@@ -96,6 +96,9 @@ class PolicyPublishing:
         self._digests: dict[int, str] = {}  # version -> its manifest's digest (hex), named in policy:latest
         self.quantize_s = 0.0  # the last publish's production of the quantized parts (training thread)
         self.background_s = 0.0  # the background part of the last publish that finished
+        # The serving processes' bytes sent, as of the last publish: read in the publisher's thread,
+        # never on the training thread (a stalled serving child must not hold up a step's row).
+        self.sent_bytes = 0
 
     def start(self, registry: PolicyRegistry) -> None:
         self.registry = registry
@@ -144,6 +147,7 @@ class PolicyPublishing:
         self._digests = {k: d for k, d in self._digests.items() if k > version - self.keep_digests}
         self._digests[version] = mf.manifest_digest(framed.manifest).hex()
         self.server.publish(framed)
+        self.sent_bytes = self.server.stats()["bytes_sent"]
 
     async def point_registry(self, version: int | None = None) -> None:
         """Point policy:latest at `version` (default: the newest version the server holds; none yet: nothing)."""

@@ -190,7 +190,7 @@ class Trainer:
             collect_s=collect_s,
             publish_s=self._publish_s,
             quantize_s=parts.publishing.quantize_s,
-            policy_sent_bytes=parts.publishing.server.stats()["bytes_sent"],  # the trainer's egress, run by run
+            policy_sent_bytes=parts.publishing.sent_bytes,  # the trainer's egress so far, as of the last publish
             relays=parts.publishing.relays_named,
         )
         if any(t.info.get("ignore_stop") for g in groups for t in g):
