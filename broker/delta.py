@@ -65,6 +65,11 @@ def xor(a, b, out: np.ndarray | None = None) -> np.ndarray:
     return np.bitwise_xor(a, b, out=out)
 
 
+def frame_step(chunk_bytes: int) -> int:
+    """Tensor bytes per zstd frame: FRAME_BYTES rounded down to whole chunks (one chunk at least)."""
+    return chunk_bytes * max(1, FRAME_BYTES // chunk_bytes)
+
+
 def _piece_buffer(nbytes: int) -> np.ndarray:
     """This thread's scratch buffer of at least `nbytes` (a piece of XOR, kept in cache)."""
     buf = getattr(_contexts, "piece", None)

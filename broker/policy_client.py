@@ -853,7 +853,7 @@ def _rebuild_jobs(state: dict[str, _Tensor], parent: HeldPolicy, payloads: dict,
         if name in frames:
             jobs += [(t, par, payloads[name][pa:pb], a, b) for a, b, pa, pb in frames[name]]
         else:
-            step = t.chunk_bytes * max(1, dl.FRAME_BYTES // t.chunk_bytes)
+            step = dl.frame_step(t.chunk_bytes)
             n = t.layout.nbytes
             jobs += [(t, par, None, a, min(n, a + step)) for a in range(0, max(n, 1), step)]
     return jobs

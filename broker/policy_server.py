@@ -298,7 +298,7 @@ def build_delta(v: _Version, parent: _Version, parent_digest: bytes, *, threads:
     if dl.xor_compatible(sizes, {n: e.nbytes for n, e in parent.entries.items()}):
         return None
     names, cb = [t.name for t in v.manifest.tensors], v.manifest.chunk_bytes
-    step = cb * max(1, dl.FRAME_BYTES // cb)  # tensor bytes per frame: whole chunks
+    step = dl.frame_step(cb)
     changed = [n for n in names if v.entries[n].sha256 != parent.entries[n].sha256]  # equal digests: equal bytes
     pieces = [  # every frame of every changed tensor, the biggest tensors' first
         (n, a) for n in sorted(changed, key=lambda n: -v.entries[n].nbytes) for a in range(0, v.entries[n].nbytes, step)
