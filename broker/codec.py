@@ -1,23 +1,15 @@
 """Wire codec for the two Redis messages: `PromptGroup` (prompts stream) and `Trajectory`.
 
-Format: one msgpack map per message with `schema` (an int, `SCHEMA_VERSION`) and `kind`
-("prompt_group" or "trajectory"), plus the fields of the dataclass under their own names.
-Numeric arrays travel as `[dtype, length, raw little-endian bytes]`; the decoder checks
-that the dtype string is exactly the expected one and that the byte count equals
-length * itemsize before `np.frombuffer` (zero copy). Nothing is ever unpickled.
-
-Limits: a message is refused before unpacking if it is larger than `max_message_bytes`;
-msgpack's own unpacker limits bound every string, binary, array and map, and ext types
-are refused outright. Unknown keys and unknown schema versions are refused. Schema 2 adds
-`token_versions` to a trajectory; a schema-1 trajectory (accepted) has none and decodes with
-every token at its `policy_version`. Schema 3 (written) adds `routed_experts` (routing replay, nil
-when not recorded) as `[dtype, [n, layers, k], raw bytes]`, n = the completion's length; schemas 1
-and 2 decode with none. Prompt groups are the same in all.
-
-Simplified on purpose: one fixed dtype per array (token ids int32, log-probs float32, token
-versions uint32, routed expert ids uint8 for <= 256 experts else uint16).
-Decoded arrays are read-only views into the received bytes; copy them to mutate.
-Every decode failure raises `CodecError` (a ValueError) that names the field.
+Format: one msgpack map per message with `schema` (`SCHEMA_VERSION`), `kind` ("prompt_group" or
+"trajectory") and the dataclass's fields under their own names. Numeric arrays travel as
+`[dtype, length, raw little-endian bytes]` (`routed_experts`: `[dtype, [n, layers, k], bytes]`), one
+fixed dtype each (token ids int32, log-probs float32, token versions uint32, expert ids uint8 for
+<= 256 experts else uint16), checked for dtype and byte count before a zero-copy `np.frombuffer`;
+decoded arrays are read-only views. Nothing is ever unpickled.
+Limits: a message over `max_message_bytes` is refused before unpacking; msgpack's limits bound every
+string, binary, array and map; ext types, unknown keys and unknown schemas are refused. Schema 3 is
+written; schema 1 (no `token_versions`: every token at `policy_version`) and 2 (no `routed_experts`)
+are read. Every decode failure raises `CodecError` (a ValueError) naming the field.
 """
 
 from __future__ import annotations

@@ -6,24 +6,13 @@
     b.request_swap(); ... b.step() until b.drained; b.swap(v')   a new policy version (drain-on-swap)
     b.swap(v', inflight=True)                          between two steps, rows live (loop.inflight_updates)
 
-One `step`: admit what the scheduler lets in (the prompts of groups starting now prefilled together,
-once per group; each admitted sample gets the prefix copied into its slot and samples its first
-token), advance every live row (one decode step on the CPU, `check_every` graph replays on the GPU),
-then free the finished rows' slots and emit the groups whose last sample finished. A row's samples
-depend only on its prompt, its seed and its own token index, never on when it joined or who shares
-the batch (the CPU engine draws from a generator per row; the GPU sampler keys its RNG by (seed, the
-row's own token index)). Backends share one small protocol (`ContinuousBatcher`): `CpuBackend`
-(the CPU engine, rollout/engine.py) and `PackedBackend` (a `rollout.packed_engine.PackedEngine`).
-
-Versions per token: the one whose weights computed the token's logits. An in-flight swap (new
-weights already in the backend's model or engine) lets live rows continue, their tokens from
-`backend.fresh_from` on under the new version (a held prefix's first token stays its group's). The
-KV is kept, not recomputed (not built): a token newer than its sample's first attends to an older
-version's KV (`stale_kv_tokens`, per sample `tokens_on_stale_kv`).
-
-Routing replay (loop.routing_replay; a backend built with record_routes=True): each sample's
-`routes`, per token the expert ids each MoE layer picked in the forward whose logits sampled it,
-[n, n MoE layers, k] uint8 (<= 256 experts, else uint16, `route_dtype`); None when not recorded."""
+One `step`: admit what the scheduler lets in (each new group's prompt prefilled once, copied into its
+samples' slots), advance every live row (one decode step on the CPU, `check_every` graph replays on
+the GPU), free finished rows, emit finished groups. A row's samples depend only on its prompt, seed
+and own token index, never on who shares the batch. Backends: `CpuBackend` (rollout/engine.py) and
+`PackedBackend` (rollout/packed_engine.py). Versions per token: the one whose weights computed the
+token's logits; after an in-flight swap live rows keep their KV (`tokens_on_stale_kv`). Routing
+replay: each sample's `routes` [n, n MoE layers, k] uint8 (uint16 past 256 experts), else None."""
 
 from __future__ import annotations
 

@@ -1,26 +1,18 @@
 """The rollout worker: prompt groups in, scored trajectory groups out, always with a verified policy.
 
-Loop (`RolloutWorker.run`; up to `rollout.max_inflight_groups` groups in flight, continuous batching):
+Loop (`RolloutWorker.run`; up to `rollout.max_inflight_groups` groups in flight):
     newest policy pointer -> `offer` it to the version swap (rollout/swap.py);
-    room for a group? -> read prompt groups (own pending entries, reclaimed ones, new ones) ->
-        dead-letter one this worker cannot run (rollout/prompt_check.py) -> start none with a policy
-        more than `max_staleness` versions behind the newest -> `submit` it to the batcher;
-    `step` the batcher -> a finished group is scored by the task's verifier -> XADD its n trajectories
-        and XACK its prompt in one transaction.
-Versions: drain-on-swap by default (every token of a group from the version that started it); with
-`loop.inflight_updates` a fetched version is installed between two decode steps and unfinished samples
-continue under it on their KV (rollout/batching.py; each trajectory's `token_versions`, its
-`policy_version` the newest, info `tokens_on_stale_kv`). `loop.routing_replay`: each trajectory
-carries its tokens' expert ids per MoE layer (`routed_experts`, from the engine). A group whose generation or scoring
-raises is dead-lettered with the error's line (groups that failed together are retried one at a time
-first); a live version computing non-finite values is refused and the groups in flight start again
-under the next. SIGTERM: no group is read any more, the ones in flight are finished and committed,
-then the worker exits. Nothing a peer serves ends the worker. Relays (rollout.relay): each version
-fetched and verified whole is served to peers (broker.relay); a fetch asks the pointer's sources in
-order (rollout/sources.py), a relay that is dead, slower than relay_timeout_s or serving other bytes
-logged, counted and passed over; only the trainer's failure reaches the swap. Engines: rollout/engine.py on the CPU,
-rollout/packed_engine.py on CUDA (updated in place per version). Metrics: rollout/metrics.py.
-"""
+    room for a group? -> read prompt groups (own pending, reclaimed, new) -> dead-letter one this
+        worker cannot run (rollout/prompt_check.py) -> none started more than `max_staleness`
+        versions behind the newest -> `submit` to the batcher (rollout/batching.py);
+    `step` the batcher -> score a finished group -> XADD its trajectories and XACK its prompt in one
+        transaction.
+A group whose generation or scoring raises is dead-lettered with the error's line; a live version
+computing non-finite values is refused and its groups start again under the next. SIGTERM: no new
+groups, the ones in flight finished and committed, then exit. Nothing a peer serves ends the worker.
+Fetches ask the pointer's sources in order (rollout/sources.py); `rollout.relay` serves each verified
+version to peers (broker/relay.py). Engines: rollout/engine.py (CPU), rollout/packed_engine.py
+(CUDA, updated in place). Metrics: rollout/metrics.py."""
 
 from __future__ import annotations
 

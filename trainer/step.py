@@ -3,20 +3,14 @@
     batch = step.recompute(groups, weights_version=v)   no grad: prox (current weights), at_version
     row = step.optimize(batch, version=v)               `minibatches` updates; the step's metrics row
 
-`prox` is the trainer's recompute under its current weights (the PPO proximal policy); `at_version`
-is each token's log-prob under the version that sampled it (the quantization part of the mismatch,
-trainer.grpo): per distinct version v of the batch's tokens, the rows holding one recomputed under
-v's retained packed tensors (trainer.versions), or `prox` itself where the weights are still v's
-(`weights_version`), each token picking its own (`versions.per_token`). Tokens whose version is not
-held (from before a restart) are marked unknown and left out of the split; tokens on KV of an older
-version (loop.inflight_updates keeps it) are reported apart (`logp_abs_diff_stale_kv`). Staleness is
-per token (trainer version - the token's version); a sample's is its oldest token's. Every forward
-takes at most trainer.microbatch_tokens padded tokens: the recompute in chunks, each update
-accumulating its gradient over chunks of its minibatch (one optimizer update per minibatch). Routing
-replay (loop.routing_replay): every forward (recompute, older versions', training) routes each
-completion token's forward to the rollout's recorded experts (`Batch.routes`, trainer.sequences.
-scatter_routes); prompt tokens keep the trainer's own routing. The pure parts
-(`staleness_stats`, `token_stats`, `lr_at`) are tested by hand (tests/unit/test_step.py).
+`prox`: the recompute under the current weights (the PPO proximal policy). `at_version`: each
+token's log-prob under the version that sampled it (the quantization part of the mismatch), from
+rows recomputed under each older version's retained packed tensors (trainer/versions.py), each token
+picking its own; tokens of a version no longer held are left out. Staleness is per token (trainer
+version - the token's); a sample's is its oldest token's. Every forward takes at most
+trainer.microbatch_tokens padded tokens (gradients accumulated over a minibatch's chunks). Routing
+replay: every forward routes completion tokens to the rollout's recorded experts (`Batch.routes`).
+The pure parts (`staleness_stats`, `token_stats`, `lr_at`) are tested by hand (tests/unit/test_step.py).
 """
 
 from __future__ import annotations
