@@ -9,21 +9,17 @@ trainer is SIGKILLed and restarted (it resumes from its checkpoint and uses no s
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+from loop_run import Loop, all_trajectories, lines, tiny_config, wait
 
-from broker.codec import Trajectory, decode_trajectory
+from broker.codec import Trajectory
 from broker.keys import Keys
-from broker.streams import DATA_FIELD, TrajectoryStream, connect, run_async
+from broker.streams import TrajectoryStream, connect, run_async
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,71 +27,16 @@ MAX_STEPS = 10  # steps left after step 3 for the injected samples to be read an
 
 
 def _config(tmp: Path, run_id: str, redis_url: str) -> Path:
-    cfg = {
-        "run_id": run_id,
-        "redis_url": redis_url,
-        "num_rollout_workers": 2,
-        "loop": {"max_staleness": 1, "seed": 3},
-        "recipe": "nvfp4_moe",
-        "model": {
-            "preset": "tiny",
-            "overrides": {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64},
-        },
-        "task": {"digits": 1},
-        "trainer": {
-            "max_steps": MAX_STEPS,
-            "groups_per_step": 2,
-            "group_size": 4,
-            "minibatches": 1,
-            "warmstart_steps": 5,
-            "warmstart_batch": 8,
-            "metrics_port": -1,
-            "checkpoint_every": 2,  # a restart redoes the steps since the last even one
-            "collect_timeout_s": 60.0,
-        },
+    return tiny_config(
+        tmp, run_id, redis_url,
+        task={"digits": 1},
+        # checkpoint_every 2: a restart redoes the steps since the last even one.
+        trainer={"max_steps": MAX_STEPS, "warmstart_steps": 5, "checkpoint_every": 2},
         # Three groups in flight per worker (continuous batching): the killed worker leaves several
         # prompts to reclaim, and every version swap drains groups in flight first.
-        "rollout": {
-            "reclaim_idle_s": 2.0,
-            "heartbeat_s": 0.5,
-            "heartbeat_ttl_s": 3.0,
-            "read_block_ms": 200,
-            "max_inflight_groups": 3,
-            "max_batch": 8,
-        },
-    }
-    path = tmp / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", *args],
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env,
-    )
-
-
-def _lines(path: Path) -> list[dict]:
-    """Complete lines only: the trainer may be writing the last one right now."""
-    complete = path.read_text().split("\n")[:-1] if path.exists() else []
-    return [json.loads(ln) for ln in complete if ln.strip()]
-
-
-def _wait(cond, what: str, timeout_s: float, procs=()) -> None:
-    """Wait for cond(); fail at once if a process died or exited (an exited trainer makes no more
-    progress), else after timeout_s (a hang detector: generous, since it costs nothing when the run
-    is healthy and three cold torch processes on a loaded 2-core box start slowly)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        for p in procs:
-            assert p.poll() is None, f"a process exited ({p.returncode}) while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.2)
+        rollout={"reclaim_idle_s": 2.0, "heartbeat_s": 0.5, "heartbeat_ttl_s": 3.0, "max_inflight_groups": 3,
+                 "max_batch": 8},
+    )  # fmt: skip
 
 
 def _inject(redis_url: str, run_id: str, fingerprint: str, version: int, tag: str) -> None:
@@ -128,73 +69,45 @@ def _inject(redis_url: str, run_id: str, fingerprint: str, version: int, tag: st
     run_async(main())
 
 
-def _all_trajectories(redis_url: str, run_id: str) -> list[Trajectory]:
-    async def main():
-        r = connect(redis_url)
-        try:
-            entries = await r.xrange(Keys(run_id=run_id).trajectories)
-        finally:
-            await r.aclose()
-        return [decode_trajectory(fields[DATA_FIELD]) for _, fields in entries]
-
-    return run_async(main())
-
-
 def test_async_loop_with_faults(tmp_path, redis_url, run_id):
-    cfg = _config(tmp_path, run_id, redis_url)
-    run_dir = tmp_path / "run"
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    trainer_args = ["trainer", "--config", str(cfg), "--run-dir", str(run_dir)]
-    trainer = _spawn(trainer_args, logs / "trainer.log")
-    workers = {w: _spawn(["rollout", "--config", str(cfg), "--worker-id", w], logs / f"{w}.log") for w in ("w0", "w1")}
-    procs = [trainer, *workers.values()]
-    try:
-        metrics = run_dir / "metrics.jsonl"
-        _wait(lambda: len(_lines(metrics)) >= 1, "the first step", 300, procs)
+    with Loop(_config(tmp_path, run_id, redis_url), tmp_path) as run:
+        workers = run.workers
+        metrics = run.run_dir / "metrics.jsonl"
+        wait(lambda: len(lines(metrics)) >= 1, "the first step", 300, [run.trainer, *workers.values()])
 
         # A dead worker: the survivor reclaims its prompts and the run goes on.
         workers["w1"].send_signal(signal.SIGKILL)
         workers["w1"].wait()
-        _wait(lambda: len(_lines(metrics)) >= 3, "step 3 with one worker", 240, [trainer, workers["w0"]])
+        wait(lambda: len(lines(metrics)) >= 3, "step 3 with one worker", 240, [run.trainer, workers["w0"]])
 
         # Bad samples: one too stale, one from another contract. Committed entries get trimmed, and
         # right after a commit none may be left: look until some are there.
         seen: list[Trajectory] = []
-        _wait(lambda: seen.extend(_all_trajectories(redis_url, run_id)) or seen, "trajectories", 240, [trainer])
+        wait(lambda: seen.extend(all_trajectories(redis_url, run_id)) or seen, "trajectories", 240, [run.trainer])
         fingerprint = seen[0].contract_fingerprint
         _inject(redis_url, run_id, fingerprint, version=1, tag="stale-injected")
-        _inject(redis_url, run_id, "f" * 64, version=_lines(metrics)[-1]["policy_version"], tag="foreign-injected")
-        _wait(
-            lambda: _lines(metrics)[-1]["dropped_fingerprint"] >= 1 and _lines(metrics)[-1]["dropped_stale"] >= 1,
+        _inject(redis_url, run_id, "f" * 64, version=lines(metrics)[-1]["policy_version"], tag="foreign-injected")
+        wait(
+            lambda: lines(metrics)[-1]["dropped_fingerprint"] >= 1 and lines(metrics)[-1]["dropped_stale"] >= 1,
             "the injected samples to be dropped",
             240,
-            [trainer, workers["w0"]],
+            [run.trainer, workers["w0"]],
         )
 
         # A crashed trainer: killed without warning, restarted on the same run folder.
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait()
-        steps_before = len(_lines(metrics))
-        trainer = _spawn(trainer_args, logs / "trainer.log")
-        assert trainer.wait(timeout=180) == 0, (logs / "trainer.log").read_text()[-3000:]
-    finally:
-        for p in [trainer, *workers.values()]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in [trainer, *workers.values()]:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        run.trainer.send_signal(signal.SIGKILL)
+        run.trainer.wait()
+        steps_before = len(lines(metrics))
+        run.restart_trainer()
+        assert run.trainer.wait(timeout=180) == 0, run.log("trainer").read_text()[-3000:]
 
-    log = (logs / "trainer.log").read_text()
+    log = run.log("trainer").read_text()
     assert "resumed from" in log
     # Versions reach the surviving worker as deltas against the one it holds (trainer.policy_deltas),
     # none refused; the restarted trainer's first version comes whole (its server knows no parent).
-    w0 = (logs / "w0.log").read_text()
+    w0 = run.log("w0").read_text()
     assert "delta against v" in w0 and "fetched it whole" not in w0, w0[-3000:]
-    rows = _lines(metrics)
+    rows = lines(metrics)
     assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1)), "each step exactly once after the restart"
     versions = [r["policy_version"] for r in rows]
     assert versions == sorted(versions) and versions[-1] > versions[0] >= 2
@@ -205,7 +118,7 @@ def test_async_loop_with_faults(tmp_path, redis_url, run_id):
     assert all(0 <= r["quantize_s"] <= r["publish_s"] for r in rows)  # the same publish's part
 
     # No sample used twice, across the restart and the dead worker's reclaimed prompts.
-    audit = _lines(run_dir / "audit.jsonl")
+    audit = lines(run.run_dir / "audit.jsonl")
     used = [g[0] for line in audit for g in line["groups"]]
     assert [a["step"] for a in audit] == list(range(1, MAX_STEPS + 1))
     assert len(used) == len(set(used)) == MAX_STEPS * 2

@@ -7,69 +7,26 @@ max_staleness versions old, and samples that did span versions."""
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
 
 import pytest
-import yaml
-from test_async_loop import _lines, _spawn, _wait  # tests/integration/test_async_loop.py
+from loop_run import Loop, lines, tiny_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MAX_STEPS, MAX_STALENESS = 10, 2
 
 
-def _config(tmp, run_id: str, redis_url: str):
-    cfg = {
-        "run_id": run_id,
-        "redis_url": redis_url,
-        "num_rollout_workers": 2,
-        "loop": {"max_staleness": MAX_STALENESS, "seed": 3, "inflight_updates": True},
-        "recipe": "nvfp4_moe",
-        "model": {
-            "preset": "tiny",
-            "overrides": {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64},
-        },
-        "task": {"digits": 9},  # up to 11 tokens per sample: versions arrive while samples decode
-        "trainer": {
-            "max_steps": MAX_STEPS,
-            "groups_per_step": 2,
-            "group_size": 4,
-            "minibatches": 1,
-            "warmstart_steps": 2,
-            "warmstart_batch": 8,
-            "metrics_port": -1,
-            "checkpoint_every": 0,
-            "collect_timeout_s": 60.0,
-            "prompts_ahead": 4,  # workers always busy: swaps find groups in flight
-        },
-        "rollout": {"read_block_ms": 200, "max_inflight_groups": 2, "max_batch": 4},
-    }
-    path = tmp / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
 def test_async_loop_with_in_flight_updates(tmp_path, redis_url, run_id):
-    cfg = _config(tmp_path, run_id, redis_url)
-    run_dir, logs = tmp_path / "run", tmp_path / "logs"
-    logs.mkdir()
-    trainer = _spawn(["trainer", "--config", str(cfg), "--run-dir", str(run_dir)], logs / "trainer.log")
-    workers = [_spawn(["rollout", "--config", str(cfg), "--worker-id", w], logs / f"{w}.log") for w in ("w0", "w1")]
-    try:
-        _wait(lambda: trainer.poll() is not None, "the trainer to finish", 600, workers)
-        assert trainer.returncode == 0, (logs / "trainer.log").read_text()[-3000:]
-    finally:
-        for p in [trainer, *workers]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in [trainer, *workers]:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    cfg = tiny_config(
+        tmp_path, run_id, redis_url,
+        loop={"max_staleness": MAX_STALENESS, "inflight_updates": True},
+        task={"digits": 9},  # up to 11 tokens per sample: versions arrive while samples decode
+        trainer={"max_steps": MAX_STEPS, "prompts_ahead": 4},  # workers always busy: swaps find groups in flight
+    )  # fmt: skip
+    with Loop(cfg, tmp_path) as run:
+        run.wait_trainer()
 
-    rows = _lines(run_dir / "metrics.jsonl")
+    rows = lines(run.run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
     # Per token: none more than max_staleness old; samples spanning versions, on KV kept from older ones.
     assert all(r["tokens_over_max_staleness_frac"] == 0.0 for r in rows)
@@ -83,14 +40,14 @@ def test_async_loop_with_in_flight_updates(tmp_path, redis_url, run_id):
     assert all("logp_abs_diff_quant" in r for r in rows)
     # The audit: every group's oldest token within max_staleness of the version it was trained at
     # (publish_every 1: the line's version minus one), its newest no newer.
-    audit = _lines(run_dir / "audit.jsonl")
+    audit = lines(run.run_dir / "audit.jsonl")
     assert [a["step"] for a in audit] == list(range(1, MAX_STEPS + 1))
     for line in audit:
         trained_at = line["version"] - 1
         for _, newest, _, oldest in line["groups"]:
             assert 1 <= oldest <= newest <= trained_at and trained_at - oldest <= MAX_STALENESS, line
     # Workers swapped with groups in flight, waiting for no drain.
-    text = "".join((logs / f"{w}.log").read_text() for w in ("w0", "w1"))
+    text = "".join(run.log(w).read_text() for w in ("w0", "w1"))
     assert "refusing v" not in text and "start again" not in text
     continued = [int(n) for n in re.findall(r"(\d+) sample\(s\) continued in flight", text)]
     assert sum(continued) > 0, "no version arrived while samples decoded"
