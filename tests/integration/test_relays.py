@@ -13,16 +13,13 @@ waiting on a relay cancelled at once by a newer pointer.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from loop_run import lines, spawn, stop, wait
 
 from broker.keys import Keys
 from broker.registry import PolicyRegistry
@@ -68,21 +65,6 @@ def relay_config(tmp: Path, run_id: str, redis_url: str, *, max_steps: int = 100
     return path
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", *args], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
-
-
-def lines(path: Path) -> list[dict]:
-    import json
-
-    complete = path.read_text().split("\n")[:-1] if path.exists() else []
-    return [json.loads(ln) for ln in complete if ln.strip()]
-
-
 def live_lines(log: Path) -> list[tuple[int, int, str]]:
     """(version, bytes, source) of each "policy vN live" line of a worker's log."""
     text = log.read_text(errors="replace") if log.exists() else ""
@@ -92,15 +74,6 @@ def live_lines(log: Path) -> list[tuple[int, int, str]]:
 def relay_address(log: Path) -> str | None:
     m = re.search(r"relay for peers on \S+ \(advertised (\S+)\)", log.read_text(errors="replace"))
     return m and m[1]
-
-
-def wait(cond, what: str, timeout_s: float, procs=()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        for p in procs:
-            assert p.poll() is None, f"a process exited ({p.returncode}) while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.2)
 
 
 def pointer_version(redis_url: str, run_id: str, secret: Path) -> int:
@@ -121,17 +94,6 @@ def assert_trained_under_live_versions(run_dir: Path, logs: Path) -> None:
     for row in lines(run_dir / "audit.jsonl"):
         for group_id, version, worker, *_ in row["groups"]:  # then the oldest token's version
             assert version in live.get(worker, ()), f"{group_id}: v{version} never live on {worker}"
-
-
-def stop(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def test_a_chain_of_relays_carries_every_version_at_one_trainer_copy_each(tmp_path, redis_url, run_id):
@@ -275,7 +237,6 @@ async def test_a_superseded_fetch_waiting_on_a_relay_is_cancelled_at_once(one_wo
     """The relay does not hold v2 (its worker has not fetched it): the fetch waits for it there, up to
     relay_timeout_s (20 s). A newer pointer cancels that wait at once, and v3 comes from the relay as
     soon as the relay holds it."""
-    import time
 
     from drive_worker import load
 
