@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -263,7 +265,6 @@ def test_ports_in_the_run_folder_a_resume_that_changes_the_lr_and_ctrl_c_in_the_
     (the old config kept, the change printed); a fixed rollout.metrics_port shared by two workers
     (w0 binds it, w1 the next), free ports for the trainer, all in ports.json and printed once;
     then Ctrl-C in the middle of a long warm start, which the trainer takes between two steps."""
-    from broker.local_redis import free_port
     from tandem import config
 
     run_dir, console = tmp_path / "run", tmp_path / "console.txt"
@@ -271,7 +272,7 @@ def test_ports_in_the_run_folder_a_resume_that_changes_the_lr_and_ctrl_c_in_the_
     run_dir.mkdir()
     before = config.dump(config.load(cfg_path))
     (run_dir / "config.yaml").write_text(before)
-    base = free_port()
+    base = _two_free_ports()
     long_warm_start = ["trainer.lr=0.01", "trainer.warmstart_steps=100000", f"rollout.metrics_port={base}"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "run", str(cfg_path), "--run-dir", str(run_dir), *long_warm_start]
@@ -322,6 +323,21 @@ def test_ports_in_the_run_folder_a_resume_that_changes_the_lr_and_ctrl_c_in_the_
     assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("*.pt"))
     for log in [console, *logs.glob("*.log")]:
         assert "Traceback" not in log.read_text(), f"{log.name}:\n{log.read_text()[-3000:]}"
+
+
+def _two_free_ports() -> int:
+    """A port P with P and P + 1 free, below the kernel's ephemeral range, where no other program's
+    port 0 or outgoing connection lands between this pick and the workers' binds."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for base in random.sample(range(20000, low - 1), 200):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no two free ports in a row below the ephemeral range")
 
 
 def _text(path: Path) -> str:
