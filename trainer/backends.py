@@ -140,7 +140,9 @@ class TorchBackend(_Backend):
 
     name = "torch"
 
-    def __init__(self, cfg: TrainerConfig, model_config: ModelConfig, recipe: Recipe, *, seed: int, exact: bool = False):
+    def __init__(
+        self, cfg: TrainerConfig, model_config: ModelConfig, recipe: Recipe, *, seed: int, exact: bool = False
+    ):
         self.cfg, self.model_config, self.recipe, self.exact = cfg, model_config, recipe, exact
         with torch.device(cfg.device):
             self.module = self.model = Transformer(model_config, seed=seed)

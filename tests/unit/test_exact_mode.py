@@ -63,7 +63,9 @@ def _compare(recipe_name: str, *, exact: bool, temperature: float) -> tuple[int,
     model = Transformer(CFG, seed=None)
     qat.install_packed(model, recipe.plan(CFG), {n: q.value for n, q in tensors.items()}, exact=exact)
     groups = _rollout(model, temperature)
-    step = GRPOStep(cfg, backend, versions, pad_id=0, temperature=temperature, device=torch.device("cpu"), max_staleness=1)
+    step = GRPOStep(
+        cfg, backend, versions, pad_id=0, temperature=temperature, device=torch.device("cpu"), max_staleness=1
+    )
     current = step.recompute(groups, weights_version=1)  # prox: the QAT forward of the master weights
     retained = step.recompute(groups, weights_version=None)  # at_version: version 1's packed tensors
     on = current.mask > 0
