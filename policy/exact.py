@@ -11,7 +11,8 @@ The orders (another implementation matches these bit for bit by doing the same o
 - mm(x [M, K], w [N, K]): acc[m, n] = tree_sum over k of fp32(x[m, k]) * fp32(w[n, k]).
 - attention(q, k, v, mask): s = tree_sum(q * k over head_dim) * scale for every key; for each query,
   its visible keys (mask True, in key order) take ranks 0..n-1; m = max over them; e = exp(s - m),
-  +0 for hidden keys; den = tree_sum over ranks of e; o = tree_sum over ranks of (e / den) * v.
+  +0 for hidden keys; den = tree_sum over ranks of e; o = tree_sum over ranks of (e / den) * v
+  (hidden keys add zeros; the sign of an all-zero sum is not part of the contract).
 - rms_norm(x) = (x * (1 / sqrt(tree_sum(x * x) / K + eps))) * w; silu(x) = x / (1 + exp(-x)).
 - softmax(x) = e / tree_sum(e), log_softmax(x) = (x - m) - log(tree_sum(e)), e = exp(x - m), m = max.
 exp and log are torch's CPU kernels, per element on the builds used (tests/unit/test_exact.py
@@ -22,6 +23,7 @@ the ordinary op's (`_ExactForward`); exactness is a property of the forward only
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +31,8 @@ from torch import Tensor
 
 __all__ = ["attention", "log_softmax", "mm", "rms_norm", "scaled_log_softmax", "silu", "softmax", "tree_sum"]
 
-_CHUNK = 1 << 22  # elements of one product tensor (bounds memory; the order does not depend on it)
+_CHUNK = 1 << 21  # elements of one product buffer (the order does not depend on it)
+_LOCAL = threading.local()
 
 
 def tree_sum(x: Tensor, dim: int = -1, *, keepdim: bool = False) -> Tensor:
@@ -49,19 +52,38 @@ def tree_sum(x: Tensor, dim: int = -1, *, keepdim: bool = False) -> Tensor:
     return x if keepdim else x.squeeze(dim)
 
 
-def _mm_rows(x: Tensor, w: Tensor) -> Tensor:
-    """[M, N] fp32 for x [M, K], w [N, K] fp32, k the leading axis of the products."""
-    prod = x.t()[:, :, None] * w.t()[:, None, :]  # [K, M, N]
-    return tree_sum(prod, 0)
+def _scratch(shape: tuple, device: torch.device) -> Tensor:
+    """An fp32 buffer of `shape`, reused by this thread (a fresh large tensor per call costs more in
+    page faults than the products it holds)."""
+    n = math.prod(shape)
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.numel() < n or buf.device != device:
+        buf = _LOCAL.buf = torch.empty(max(n, _CHUNK), dtype=torch.float32, device=device)
+    return buf[:n].view(shape)
+
+
+def _dot0(a: Tensor, b: Tensor) -> Tensor:
+    """tree_sum over dim 0 of a * b (broadcast), in place in a scratch buffer (no autograd): the same
+    bits as tree_sum(a * b, 0)."""
+    n = a.shape[0]
+    p = 1 << (n - 1).bit_length()
+    prod = _scratch((p, *torch.broadcast_shapes(a.shape, b.shape)[1:]), a.device)
+    torch.mul(a, b, out=prod[:n])
+    prod[n:].zero_()
+    while p > 1:
+        p //= 2
+        prod = prod[:p].add_(prod[p : 2 * p])
+    return prod[0].clone()
 
 
 def _mm(x: Tensor, w: Tensor) -> Tensor:
-    x, w = x.float(), w.float()
+    """[M, N] fp32 for x [M, K], w [N, K]: k the leading axis of the products, rows in chunks."""
+    xt, wt = x.float().t().contiguous(), w.float().t().contiguous()  # [K, M], [K, N]
     M, K, N = x.shape[0], x.shape[1], w.shape[0]
     rows = max(1, _CHUNK // max(1, K * N))
     if M <= rows:
-        return _mm_rows(x, w)
-    return torch.cat([_mm_rows(c, w) for c in x.split(rows)])
+        return _dot0(xt[:, :, None], wt[:, None, :])
+    return torch.cat([_dot0(xt[:, i : i + rows, None], wt[:, None, :]) for i in range(0, M, rows)])
 
 
 def mm(x: Tensor, w: Tensor) -> Tensor:
@@ -73,7 +95,8 @@ def mm(x: Tensor, w: Tensor) -> Tensor:
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """q [B, H, T, hd], k/v [B, H, S, hd] fp32, mask [B, 1, T, S] bool -> [B, H, T, hd]."""
-    s = tree_sum(q[:, :, :, None, :] * k[:, :, None, :, :]) * (1.0 / math.sqrt(q.shape[-1]))
+    qd, kd = q.permute(3, 0, 1, 2).contiguous(), k.permute(3, 0, 1, 2).contiguous()  # [hd, B, H, T|S]
+    s = _dot0(qd[..., None], kd[:, :, :, None, :]) * (1.0 / math.sqrt(q.shape[-1]))
     mask = mask.expand(-1, s.shape[1], -1, -1).contiguous()
     m = torch.where(mask, s, -torch.inf).amax(dim=-1, keepdim=True)
     e = torch.where(mask, torch.exp(s - m), 0.0)
@@ -81,9 +104,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     if not prefix:  # visible keys first, in key order: rank r at index r
         e = e.gather(-1, order)
     den = tree_sum(e, keepdim=True)
-    p = e / den
-    prod = p[..., None] * (v[:, :, None] if prefix else _gather_keys(v, order))
-    return tree_sum(torch.where((p > 0)[..., None], prod, 0.0), -2)
+    p = (e / den).permute(3, 0, 1, 2).contiguous()[..., None]  # keys first: [S, B, H, T, 1]
+    vs = v.permute(2, 0, 1, 3).contiguous()[:, :, :, None] if prefix else _gather_keys(v, order)
+    return _dot0(p, vs)
 
 
 def _ranks(mask: Tensor) -> tuple[bool, Tensor | None]:
@@ -96,10 +119,10 @@ def _ranks(mask: Tensor) -> tuple[bool, Tensor | None]:
 
 
 def _gather_keys(v: Tensor, order: Tensor) -> Tensor:
-    """v [B, H, S, hd] -> [B, H, T, S, hd]: for query t, the keys in `order[b, h, t]`."""
+    """v [B, H, S, hd] -> [S, B, H, T, hd]: for query t, the keys in `order[b, h, t]` (keys first)."""
     B, H, S, hd = v.shape
     idx = order[..., None].expand(-1, -1, -1, -1, hd)
-    return v[:, :, None].expand(B, H, order.shape[2], S, hd).gather(3, idx)
+    return v[:, :, None].expand(B, H, order.shape[2], S, hd).gather(3, idx).permute(3, 0, 1, 2, 4).contiguous()
 
 
 def _attention_chunks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
