@@ -62,28 +62,38 @@ def _scratch(shape: tuple, device: torch.device) -> Tensor:
     return buf[:n].view(shape)
 
 
-def _dot0(a: Tensor, b: Tensor) -> Tensor:
-    """tree_sum over dim 0 of a * b (broadcast), in place in a scratch buffer (no autograd): the same
-    bits as tree_sum(a * b, 0)."""
-    n = a.shape[0]
-    p = 1 << (n - 1).bit_length()
-    prod = _scratch((p, *torch.broadcast_shapes(a.shape, b.shape)[1:]), a.device)
-    torch.mul(a, b, out=prod[:n])
-    prod[n:].zero_()
+def _dot(a: Tensor, b: Tensor, dim: int = 0) -> Tensor:
+    """tree_sum over `dim` of a * b (broadcast), in place in a scratch buffer (no autograd): the same
+    bits as tree_sum(a * b, dim) whatever the dim's place in memory."""
+    shape = list(torch.broadcast_shapes(a.shape, b.shape))
+    dim = dim % len(shape)
+    n = shape[dim]
+    p = shape[dim] = 1 << (n - 1).bit_length()
+    prod = _scratch(tuple(shape), a.device)
+    torch.mul(a, b, out=prod.narrow(dim, 0, n))
+    prod.narrow(dim, n, p - n).zero_()
     while p > 1:
         p //= 2
-        prod = prod[:p].add_(prod[p : 2 * p])
-    return prod[0].clone()
+        prod = prod.narrow(dim, 0, p).add_(prod.narrow(dim, p, p))
+    return prod.squeeze(dim).clone()
 
 
 def _mm(x: Tensor, w: Tensor) -> Tensor:
-    """[M, N] fp32 for x [M, K], w [N, K]: k the leading axis of the products, rows in chunks."""
-    xt, wt = x.float().t().contiguous(), w.float().t().contiguous()  # [K, M], [K, N]
+    """[M, N] fp32 for x [M, K], w [N, K], rows in chunks. Few rows: the products [M, N, K] as the
+    operands lie; else [K, M, N] (k leading: contiguous halves), from transposed copies."""
+    x, w = x.float(), w.float()
     M, K, N = x.shape[0], x.shape[1], w.shape[0]
-    rows = max(1, _CHUNK // max(1, K * N))
-    if M <= rows:
-        return _dot0(xt[:, :, None], wt[:, None, :])
-    return torch.cat([_dot0(xt[:, i : i + rows, None], wt[:, None, :]) for i in range(0, M, rows)])
+    cols = max(1, min(N, _CHUNK // max(1, K * min(M, 16))))
+    if M < 16:
+        return torch.cat([_dot(x[:, None, :], w[j : j + cols][None], -1) for j in range(0, N, cols)], 1)
+    xt, wt = x.t().contiguous(), w.t().contiguous()  # [K, M], [K, N]
+    rows = max(1, _CHUNK // max(1, K * cols))
+    return torch.cat(
+        [
+            torch.cat([_dot(xt[:, i : i + rows, None], wt[:, None, j : j + cols]) for j in range(0, N, cols)], 1)
+            for i in range(0, M, rows)
+        ]
+    )
 
 
 def mm(x: Tensor, w: Tensor) -> Tensor:
@@ -96,7 +106,7 @@ def mm(x: Tensor, w: Tensor) -> Tensor:
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """q [B, H, T, hd], k/v [B, H, S, hd] fp32, mask [B, 1, T, S] bool -> [B, H, T, hd]."""
     qd, kd = q.permute(3, 0, 1, 2).contiguous(), k.permute(3, 0, 1, 2).contiguous()  # [hd, B, H, T|S]
-    s = _dot0(qd[..., None], kd[:, :, :, None, :]) * (1.0 / math.sqrt(q.shape[-1]))
+    s = _dot(qd[..., None], kd[:, :, :, None, :]) * (1.0 / math.sqrt(q.shape[-1]))
     mask = mask.expand(-1, s.shape[1], -1, -1).contiguous()
     m = torch.where(mask, s, -torch.inf).amax(dim=-1, keepdim=True)
     e = torch.where(mask, torch.exp(s - m), 0.0)
@@ -106,7 +116,7 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     den = tree_sum(e, keepdim=True)
     p = (e / den).permute(3, 0, 1, 2).contiguous()[..., None]  # keys first: [S, B, H, T, 1]
     vs = v.permute(2, 0, 1, 3).contiguous()[:, :, :, None] if prefix else _gather_keys(v, order)
-    return _dot0(p, vs)
+    return _dot(p, vs)
 
 
 def _ranks(mask: Tensor) -> tuple[bool, Tensor | None]:

@@ -51,6 +51,16 @@ def test_mm_row_alone_equals_the_row_in_any_batch(K, N):
     assert _rel(exact.mm(x, w), F.linear(x, w)) < 1e-5
 
 
+def test_chunking_does_not_change_the_bits(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(40, 64, generator=g), torch.randn(300, 64, generator=g)
+    q, k, v = _qkv(2, 4, 2, 11, 16)
+    mask = causal_mask(torch.ones(2, 11, dtype=torch.bool), 0)
+    whole = exact.mm(x, w), exact.attention(q, k, v, mask)
+    monkeypatch.setattr(exact, "_CHUNK", 1 << 12)  # chunks over rows, columns and queries
+    assert torch.equal(exact.mm(x, w), whole[0]) and torch.equal(exact.attention(q, k, v, mask), whole[1])
+
+
 def test_rowwise_ops_are_batch_invariant_and_close():
     g = torch.Generator().manual_seed(2)
     row, w = torch.randn(512, generator=g) * 4, torch.rand(512, generator=g) + 0.5
