@@ -85,7 +85,7 @@ def _report(args, times: dict, counts: dict) -> None:
     rec = {m: statistics.median(t[1]) for m, t in times.items()}
     print(f"model {args.model}, recipe {args.recipe}, {args.prompts} prompts x {args.samples} samples x "
           f"{args.max_new} new tokens ({n} completion tokens), {args.threads} thread(s), median of {args.repeats}")  # fmt: skip
-    print("| measure | exact off | exact on | ratio (on/off) | target | |")
+    print("| measure | exact off | exact on | slowdown (on time / off time) | target | |")
     print("|---|---|---|---|---|---|")
     engine, recompute = gen[True] / gen[False], rec[True] / rec[False]
     for name, off, on, ratio in (
