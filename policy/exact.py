@@ -9,7 +9,8 @@ The orders (another implementation matches these bit for bit by doing the same o
   vector split can reorder it, and trailing zeros (masked keys, padding) change nothing: any P >= n
   gives the same bits.
 - mm(x [M, K], w [N, K]): acc[m, n] = tree_sum over k of fp32(x[m, k]) * fp32(w[n, k]).
-- attention(q, k, v, mask): s = tree_sum(q * k over head_dim) * scale for every key; for each query,
+- attention(q, k, v, mask): s = tree_sum(q * k over head_dim) * fp32(1 / sqrt(head_dim)) for every
+  key (grouped-query kv heads repeated as SDPA's enable_gqa); for each query,
   its visible keys (mask True, in key order) take ranks 0..n-1; m = max over them; e = exp(s - m),
   +0 for hidden keys; den = tree_sum over ranks of e; o = tree_sum over ranks of (e / den) * v
   (hidden keys add zeros; the sign of an all-zero sum is not part of the contract).

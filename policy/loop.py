@@ -35,7 +35,8 @@ class AsyncConfig:
     every log-prob with `policy.exact`'s batch-invariant ops, so a token's behavior log-prob equals
     the trainer's recompute at the version that sampled it bit for bit (`logp_abs_diff_quant` 0).
     CPU only for now (rollout.device and trainer.device 'cpu', trainer.backend 'torch': there are
-    no exact GPU kernels yet); slower than the default (docs/benchmarks.md, "Exact mode")."""
+    no exact GPU kernels yet), so a worker runs the CPU engine (rollout/engine.py), never the packed
+    one; several times slower than the default (docs/benchmarks.md, "Exact mode")."""
 
     routing_replay: bool = False
     """True (MoE models): rollout routing replay (R3). Each trajectory carries, per completion token

@@ -659,7 +659,7 @@ class Transformer(nn.Module):
       tokens are appended to it (incremental decoding).
     token_logprobs(tokens, targets, attention_mask=None, temperature=1.0) -> [B, T] fp32
     load_weights({canonical name: tensor}) copies effective weights in (e.g. dequantized packed ones).
-    quant_hook: a `QuantHook` or None (plain).
+    quant_hook: a `QuantHook` or None (plain). `exact` (read-only): the hook's exact mode (policy.exact).
     routes / return_routes (forward and token_logprobs): routing replay, forced expert ids per token
       and MoE layer [B, T, n MoE layers, k] (-1 = the router's choice), and the ids used, returned.
 
