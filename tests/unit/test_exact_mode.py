@@ -25,9 +25,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18, 19, 20, 21,
 N = 3  # samples per prompt
 
 
-def _rollout(model: Transformer, temperature: float) -> list[list[Trajectory]]:
+def _rollout(model: Transformer, temperature: float, routes: bool) -> list[list[Trajectory]]:
     """The worker's CPU path: groups batched continuously (rows join and leave, the KV cache is rebuilt)."""
-    backend = CpuBackend(model, slots=5, temperature=temperature, stop={3}, pad_id=0)
+    backend = CpuBackend(model, slots=5, temperature=temperature, stop={3}, pad_id=0, record_routes=routes)
     batcher = ContinuousBatcher(backend, max_inflight_groups=2, version=1)
     results, pending = [], list(enumerate(PROMPTS))
     while pending or not batcher.idle:
@@ -43,6 +43,7 @@ def _rollout(model: Transformer, temperature: float) -> list[list[Trajectory]]:
                 completion_tokens=np.array(r.tokens[i], dtype=np.int32),
                 behavior_logprobs=np.array(r.logprobs[i], dtype=np.float32), reward=float(i % 2),
                 policy_version=1, contract_fingerprint="f" * 16, worker_id="w0", created_at=0.0,
+                routed_experts=r.routes[i] if routes else None,
             )
             for i in range(N)
         ]
@@ -50,7 +51,7 @@ def _rollout(model: Transformer, temperature: float) -> list[list[Trajectory]]:
     ]  # fmt: skip
 
 
-def _compare(recipe_name: str, *, exact: bool, temperature: float) -> tuple[int, int, int]:
+def _compare(recipe_name: str, *, exact: bool, temperature: float, routes: bool = False) -> tuple[int, int, int]:
     """-> (completion tokens, of which equal bitwise to the recompute under the current weights,
     of which equal to the recompute from the retained version). Also checks the training forward."""
     recipe = Recipe.load(recipe_name)
@@ -62,16 +63,18 @@ def _compare(recipe_name: str, *, exact: bool, temperature: float) -> tuple[int,
     versions.add(1, tensors)
     model = Transformer(CFG, seed=None)
     qat.install_packed(model, recipe.plan(CFG), {n: q.value for n, q in tensors.items()}, exact=exact)
-    groups = _rollout(model, temperature)
+    groups = _rollout(model, temperature, routes)
+    replay = (len(model.moe_layers()), CFG.top_k) if routes else None
     step = GRPOStep(
-        cfg, backend, versions, pad_id=0, temperature=temperature, device=torch.device("cpu"), max_staleness=1
-    )
+        cfg, backend, versions, pad_id=0, temperature=temperature, device=torch.device("cpu"), max_staleness=1,
+        replay_routes=replay,
+    )  # fmt: skip
     current = step.recompute(groups, weights_version=1)  # prox: the QAT forward of the master weights
     retained = step.recompute(groups, weights_version=None)  # at_version: version 1's packed tensors
     on = current.mask > 0
     behav = current.behav[on]
     train = backend.token_logprobs(
-        current.tokens, current.targets, attention_mask=current.attn, temperature=temperature
+        current.tokens, current.targets, attention_mask=current.attn, temperature=temperature, routes=current.routes
     )  # the training forward, autograd on
     assert train.requires_grad
     if exact:
@@ -83,6 +86,11 @@ def _compare(recipe_name: str, *, exact: bool, temperature: float) -> tuple[int,
 def test_exact_rollout_logprobs_equal_the_recompute_bitwise(recipe, temperature):
     tokens, equal_prox, equal_retained = _compare(recipe, exact=True, temperature=temperature)
     assert tokens >= 60  # 4 prompts x 3 samples, 6 to 12 tokens each unless a stop token came first
+    assert equal_prox == tokens and equal_retained == tokens, (tokens, equal_prox, equal_retained)
+
+
+def test_exact_mode_with_routing_replay():
+    tokens, equal_prox, equal_retained = _compare("nvfp4_moe", exact=True, temperature=1.0, routes=True)
     assert equal_prox == tokens and equal_retained == tokens, (tokens, equal_prox, equal_retained)
 
 
