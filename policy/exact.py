@@ -137,13 +137,26 @@ def _gather_keys(v: Tensor, order: Tensor) -> Tensor:
 
 
 def _attention_chunks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """_attention over chunks of batch rows and queries (each output independent of the others)."""
     B, H, T, hd = q.shape
-    S = k.shape[2]
-    rows = max(1, _CHUNK // max(1, B * H * S * hd))
+    per_query = H * k.shape[2] * hd  # products of one row's query
+    bs = max(1, min(B, _CHUNK // per_query))
+    ts = max(1, _CHUNK // (bs * per_query))
     q, k, v = q.float(), k.float(), v.float()
-    if T <= rows:
-        return _attention(q, k, v, mask)
-    return torch.cat([_attention(q[:, :, t : t + rows], k, v, mask[:, :, t : t + rows]) for t in range(0, T, rows)], 2)
+    return torch.cat(
+        [
+            torch.cat(
+                [
+                    _attention(
+                        q[b : b + bs, :, t : t + ts], k[b : b + bs], v[b : b + bs], mask[b : b + bs, :, t : t + ts]
+                    )
+                    for t in range(0, T, ts)
+                ],
+                2,
+            )
+            for b in range(0, B, bs)
+        ]
+    )
 
 
 def _attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
