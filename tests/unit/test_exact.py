@@ -138,3 +138,17 @@ def test_exact_model_decode_with_a_kv_cache_equals_the_full_forward(preset):
         trainer = model.token_logprobs(tokens, targets, attention_mask=attn)
     for b, c in enumerate(completions):
         assert torch.equal(trainer[b][mask[b] > 0], engine[b, : len(c)]), b
+
+
+def test_exact_ops_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(300, 512, generator=g) * 4, torch.randn(256, 512, generator=g)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append((exact.log_softmax(x), exact.silu(x), exact.mm(x, w), torch.exp(x)))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
