@@ -1,6 +1,7 @@
 """Exact mode end to end on the CPU: the rollout's recorded log-probs equal the trainer's recompute
-bit for bit (every completion token, counted) for bf16, int4_qat and nvfp4_moe, over prompt groups of
-mixed lengths batched continuously; with exact off they do not. Plus `loop.exact`'s config rules."""
+bit for bit (every completion token, counted) for bf16, int4_qat and nvfp4_moe (fp8_block and mxfp8
+marked slow), over prompt groups of mixed lengths batched continuously, with and without routing
+replay; with exact off they do not. Plus `loop.exact`'s config rules."""
 
 from __future__ import annotations
 
@@ -82,7 +83,16 @@ def _compare(recipe_name: str, *, exact: bool, temperature: float, routes: bool 
     return int(on.sum()), int((current.prox[on] == behav).sum()), int((retained.at_version[on] == behav).sum())
 
 
-@pytest.mark.parametrize(("recipe", "temperature"), [("bf16", 0.7), ("int4_qat", 1.0), ("nvfp4_moe", 1.0)])
+@pytest.mark.parametrize(
+    ("recipe", "temperature"),
+    [
+        ("bf16", 0.7),
+        ("int4_qat", 1.0),
+        ("nvfp4_moe", 1.0),
+        pytest.param("fp8_block", 1.0, marks=pytest.mark.slow),  # per-K-block scales
+        pytest.param("mxfp8", 1.0, marks=pytest.mark.slow),
+    ],
+)
 def test_exact_rollout_logprobs_equal_the_recompute_bitwise(recipe, temperature):
     tokens, equal_prox, equal_retained = _compare(recipe, exact=True, temperature=temperature)
     assert tokens >= 60  # 4 prompts x 3 samples, 6 to 12 tokens each unless a stop token came first
