@@ -3,7 +3,8 @@ two rollout workers as separate processes, as `tandem run` starts them. Every st
 of the mismatch is exactly 0 (each token's behavior log-prob equals the trainer's recompute under its
 version, bit for bit); at max_staleness 0 the whole mismatch and kl_k3 are exactly 0 too. (kl_k3 alone
 proves little here: in fp32, exp(d) - 1 - d is 0 for the ~1e-7 differences the default mode leaves
-on this model; logp_abs_diff is the check that fails without exact mode, measured at 6e-8..1.4e-7.)"""
+on this model; logp_abs_diff is the check that fails without exact mode: with it off, a run of this
+config at max_staleness 0 had logp_abs_diff_quant 5.7e-8..1.4e-7 per step, kl_k3 0.0.)"""
 
 from __future__ import annotations
 
