@@ -11,7 +11,8 @@ from the packed parts), and applies their scales in the same places:
 with fp32 products and sums (operands equal bit for bit; outputs up to accumulation order). A factor
 an operand does not have is 1 and is skipped. `matmul` is the reference (plain torch, any device);
 `grouped_matmul` the same product for an MoE layer's experts at once (one `torch._grouped_mm`; its
-one extra rounding: its docstring); `GroupedLinear` its straight-through autograd."""
+one extra rounding: its docstring); `GroupedLinear` its straight-through autograd. With exact=True,
+`matmul` sums each K range in `policy.exact`'s fixed order (exact mode: batch-invariant)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from policy import exact as exact_ops
 from policy.formats import Operand, operand
 
 __all__ = ["GroupedLinear", "Operand", "compute_dtype", "grouped_matmul", "grouped_mm", "matmul", "operand", "plain"]
@@ -35,8 +37,10 @@ def plain(x: Tensor) -> Operand:
     return Operand(x)
 
 
-def _acc(x: Tensor, w: Tensor) -> Tensor:
-    """fp32 [M, N] = x @ w.T with fp32 products and sums."""
+def _acc(x: Tensor, w: Tensor, exact: bool = False) -> Tensor:
+    """fp32 [M, N] = x @ w.T with fp32 products and sums (exact: `policy.exact.mm`'s order)."""
+    if exact:
+        return exact_ops.mm(x, w)
     if x.is_cuda and x.dtype == w.dtype == torch.bfloat16:
         try:
             return torch.mm(x, w.t(), out_dtype=torch.float32)
@@ -45,27 +49,30 @@ def _acc(x: Tensor, w: Tensor) -> Tensor:
     return x.to(torch.float32) @ w.to(torch.float32).t()
 
 
-def matmul(x: Operand, w: Operand, dtype: torch.dtype) -> Tensor:
+def matmul(x: Operand, w: Operand, dtype: torch.dtype, *, exact: bool = False) -> Tensor:
     """y [M, N] in `dtype` for x [M, K] and w [N, K], as the module docstring defines it. On CUDA the
-    bf16 products go to cuBLAS with an fp32 result; elsewhere the operands are upcast to fp32."""
+    bf16 products go to cuBLAS with an fp32 result; elsewhere the operands are upcast to fp32.
+    exact: every K range (the whole K, or each scale block) summed by `policy.exact.mm`."""
     xv, wv = x.values, w.values
     if xv.shape[-1] != wv.shape[-1]:
         raise ValueError(f"compute.matmul: K mismatch, x {tuple(xv.shape)} and w {tuple(wv.shape)}")
     if x.scale is None and w.scale is None and x.block_scale is None and w.block_scale is None:
+        if exact:
+            return exact_ops.mm(xv.to(dtype), wv.to(dtype)).to(dtype)
         return F.linear(xv.to(dtype), wv.to(dtype))  # no scale: the dtype's own matmul (fp32 accumulation)
     if xv.is_cuda and dtype == torch.bfloat16:
         xv, wv = xv.to(dtype), wv.to(dtype)
     with torch.autocast(xv.device.type, enabled=False):
         bx, bw = x.row_scale(xv.shape[0]), w.row_scale(wv.shape[0])
         if bx is None and bw is None:
-            acc = _acc(xv, wv)
+            acc = _acc(xv, wv, exact)
         else:
             bk = (x if bx is not None else w).block[1]
             if bx is not None and bw is not None and x.block[1] != w.block[1]:
                 raise ValueError(f"compute.matmul: K blocks differ, x {x.block} and w {w.block}")
             acc = None
             for b in range(xv.shape[1] // bk):
-                part = _acc(xv[:, b * bk : (b + 1) * bk], wv[:, b * bk : (b + 1) * bk])
+                part = _acc(xv[:, b * bk : (b + 1) * bk], wv[:, b * bk : (b + 1) * bk], exact)
                 if bx is not None and bw is not None:
                     s = bx[:, b : b + 1] * bw[:, b][None, :]
                 else:

@@ -30,6 +30,14 @@ class AsyncConfig:
     sampled it; the trainer bounds the oldest token's staleness). False: drain-on-swap, no sample
     spans two versions (the exact alternative)."""
 
+    exact: bool = False
+    """True: exact mode. The rollout engine and the trainer (recompute and training forward) compute
+    every log-prob with `policy.exact`'s batch-invariant ops, so a token's behavior log-prob equals
+    the trainer's recompute at the version that sampled it bit for bit (`logp_abs_diff_quant` 0).
+    CPU only for now (rollout.device and trainer.device 'cpu', trainer.backend 'torch': there are
+    no exact GPU kernels yet), so a worker runs the CPU engine (rollout/engine.py), never the packed
+    one; several times slower than the default (docs/benchmarks.md, "Exact mode")."""
+
     routing_replay: bool = False
     """True (MoE models): rollout routing replay (R3). Each trajectory carries, per completion token
     and MoE layer, the top-k expert ids the rollout's forward picked (`routed_experts`, uint8 for
@@ -44,9 +52,29 @@ class AsyncConfig:
             errors.append(f"max_staleness={self.max_staleness!r} (must be an int >= 0)")
         if not isinstance(self.inflight_updates, bool):
             errors.append(f"inflight_updates={self.inflight_updates!r} (must be true or false)")
+        if not isinstance(self.exact, bool):
+            errors.append(f"exact={self.exact!r} (must be true or false)")
         if not isinstance(self.routing_replay, bool):
             errors.append(f"routing_replay={self.routing_replay!r} (must be true or false)")
         if not self.temperature > 0:
             errors.append(f"temperature={self.temperature} (must be > 0: behavior log-probs need sampling)")
         if errors:
             raise ValueError("AsyncConfig: " + "; ".join(errors))
+
+
+def exact_refusal(rollout_device: str | None, trainer_device: str | None, trainer_backend: str | None) -> str | None:
+    """The one-line reason `loop.exact` cannot run with these settings (None: it can). Exact mode is
+    CPU only: no exact GPU kernels exist yet. A side that does not know the other's setting passes None."""
+    bad = []
+    if rollout_device is not None and rollout_device != "cpu":
+        bad.append(f"rollout.device={rollout_device!r}")
+    if trainer_device is not None and trainer_device != "cpu":
+        bad.append(f"trainer.device={trainer_device!r}")
+    if trainer_backend is not None and trainer_backend != "torch":
+        bad.append(f"trainer.backend={trainer_backend!r}")
+    if not bad:
+        return None
+    return (
+        f"loop.exact=true with {', '.join(bad)}: exact mode runs on the CPU only for now (rollout.device "
+        "and trainer.device 'cpu', trainer.backend 'torch'; no exact GPU kernels yet)"
+    )

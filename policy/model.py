@@ -11,7 +11,8 @@ Rules: quantization is not in this file: every matmul and non-matmul parameter g
 model's `QuantHook` (plain by default; `policy.qat` installs QAT and packed-weight hooks), which sees
 each matmul's site (the weight name without ".weight"; the activation site adds ".input"). A row's
 result does not depend on the rest of the batch (per-token routing, per-row masks, no batch
-statistics) up to last-bit float differences between batch shapes. MoE dispatch: `MoE`; routing
+statistics) up to last-bit float differences between batch shapes; in exact mode (the hook's `exact`,
+`policy.exact`) bit for bit. MoE dispatch: `MoE`; routing
 replay: `MoE.routed` takes forced expert ids per token and returns the ids it used (the forward's
 `routes` / `return_routes`). No dropout, biases, router auxiliary loss, capacity limit or sliding
 windows (why: docs/design-decisions.md)."""
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from policy import compute
+from policy import compute, exact
 from policy.fields import is_int, is_number
 from policy.hashing import sha256_json
 
@@ -314,11 +315,19 @@ class QuantHook:
         where each site's rows end, groups [M] each row's site index; y [M, N] as `linear` per row,
         in one grouped GEMM (no host sync). The MoE uses it only where `can_group` says so.
     `param(name, p)`: the effective value of a non-matmul parameter (embeddings, norm weights).
+    `exact`: the model computes in exact mode (`policy.exact`: batch-invariant matmuls, attention,
+        norms and softmaxes; the MoE loops over experts); a hook's matmuls then use `exact.mm`.
     Implementations must treat rows independently (per-row scales only): no batch statistics.
     """
 
+    def __init__(self, *, exact: bool = False):
+        self.exact = exact
+
     def linear(self, site: str, x: Tensor, weight: Tensor, x_hat: Tensor | None = None) -> Tensor:
-        return F.linear(x if x_hat is None else x_hat, weight)
+        x = x if x_hat is None else x_hat
+        if self.exact:
+            return exact.mm(x, weight).to(compute.compute_dtype(x))
+        return F.linear(x, weight)
 
     def can_group(self, sites: Sequence[str]) -> bool:
         return True
@@ -368,7 +377,7 @@ class RMSNorm(nn.Module):
         self.name = name + ".weight"
 
     def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
-        return rms_norm(x, hook.param(self.name, self.weight), self.eps)
+        return (exact.rms_norm if hook.exact else rms_norm)(x, hook.param(self.name, self.weight), self.eps)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -438,7 +447,10 @@ class Attention(nn.Module):
             k_buf[:, :, start : start + T] = k
             v_buf[:, :, start : start + T] = v
             k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        if hook.exact:
+            o = exact.attention(q, k, v, mask)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), hook)
 
 
@@ -453,7 +465,7 @@ class Expert(nn.Module):
 
     def hidden(self, x: Tensor, hook: QuantHook, x_hat: Tensor | None = None) -> Tensor:
         gate, up = self.gate_up_proj(x, hook, x_hat).split(self.ffn_dim, dim=-1)
-        return F.silu(gate) * up
+        return (exact.silu if hook.exact else F.silu)(gate) * up
 
     def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
         return self.down_proj(self.hidden(x, hook), hook)
@@ -492,6 +504,8 @@ class MoE(nn.Module):
         ]
 
     def _use_grouped(self, x: Tensor, hook: QuantHook) -> bool:
+        if hook.exact:
+            return False  # exact mode: the loop over experts, with exact.mm per expert
         grouped = self.grouped
         if grouped is None:
             grouped = x.is_cuda and compute.compute_dtype(x) == torch.bfloat16
@@ -523,14 +537,16 @@ class MoE(nn.Module):
         N, k = x.shape[0], self.top_k
         if N == 0:
             return x.clone().view(shape), torch.zeros(*shape[:-1], k, dtype=torch.long, device=x.device)
-        probs = self.gate(x, hook).float().softmax(dim=-1)
+        ex = hook.exact
+        logits = self.gate(x, hook).float()
+        probs = exact.softmax(logits) if ex else logits.softmax(dim=-1)
         weights, experts = probs.topk(k, dim=-1)
         if route is not None:
             forced = route.reshape(N, k).to(device=x.device, dtype=torch.long)
             experts = torch.where(forced[:, :1] >= 0, forced, experts)
             weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (exact.tree_sum(weights, keepdim=True) if ex else weights.sum(dim=-1, keepdim=True))
         # Dispatch: sort the N*k (token, slot) assignments by expert, run each expert once on its
         # gathered rows, scatter the results back to (token, slot) order, then sum the k slots per
         # token in slot order. A token's arithmetic depends only on its own routing. Activation
@@ -544,7 +560,8 @@ class MoE(nn.Module):
             ys = self._loop_experts(xg, flat, hook)
         y = ys.new_empty(N * k, shape[-1])  # the experts' dtype: bf16 under autocast, x's otherwise
         y[order] = ys
-        out = (y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+        out = y.view(N, k, -1) * weights.unsqueeze(-1).to(y.dtype)
+        out = exact.tree_sum(out, 1) if ex else out.sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x, hook)
         return out.view(shape), experts.view(*shape[:-1], k)
@@ -619,7 +636,8 @@ class TiedHead(nn.Module):
         return self._embed[0].weight
 
     def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
-        return F.linear(x, hook.param("model.embed_tokens.weight", self.weight))
+        w = hook.param("model.embed_tokens.weight", self.weight)
+        return exact.mm(x, w).to(x.dtype) if hook.exact else F.linear(x, w)
 
 
 class _Body(nn.Module):
@@ -641,7 +659,7 @@ class Transformer(nn.Module):
       tokens are appended to it (incremental decoding).
     token_logprobs(tokens, targets, attention_mask=None, temperature=1.0) -> [B, T] fp32
     load_weights({canonical name: tensor}) copies effective weights in (e.g. dequantized packed ones).
-    quant_hook: a `QuantHook` or None (plain).
+    quant_hook: a `QuantHook` or None (plain). `exact` (read-only): the hook's exact mode (policy.exact).
     routes / return_routes (forward and token_logprobs): routing replay, forced expert ids per token
       and MoE layer [B, T, n MoE layers, k] (-1 = the router's choice), and the ids used, returned.
 
@@ -771,6 +789,12 @@ class Transformer(nn.Module):
                 used.append(ids)
         return x, used
 
+    @property
+    def exact(self) -> bool:
+        """Exact mode (`policy.exact`): set by the hook installed (`QuantHook(exact=True)`, or
+        `policy.qat`'s with exact=True)."""
+        return bool(self.quant_hook is not None and self.quant_hook.exact)
+
     def moe_layers(self) -> list[int]:
         """The indices of the MoE layers (the routes' third axis, in this order)."""
         return [i for i in range(self.cfg.n_layers) if self.cfg.is_moe_layer(i)]
@@ -795,6 +819,9 @@ class Transformer(nn.Module):
             raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
         out = self(tokens, attention_mask=attention_mask, routes=routes, return_routes=return_routes)
         logits, used = out if return_routes else (out, None)
+        if self.exact:
+            logp = exact.scaled_log_softmax(logits, temperature).gather(-1, targets[..., None]).squeeze(-1)
+            return (logp, used) if return_routes else logp
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature

@@ -106,13 +106,13 @@ class _QATLinear(torch.autograd.Function):
     operands (x̂, Ŵ) in dequant mode (straight-through). x is [M, K]."""
 
     @staticmethod
-    def forward(ctx, x, w, x_op, w_op, hp: bool, dtype):
+    def forward(ctx, x, w, x_op, w_op, hp: bool, dtype, exact: bool = False):
         if hp:
             ctx.save_for_backward(x, w)
         else:
             ctx.ops = (x_op, w_op)
         ctx.hp, ctx.w_dtype = hp, w.dtype
-        return compute.matmul(x_op, w_op, dtype)
+        return compute.matmul(x_op, w_op, dtype, exact=exact)
 
     @staticmethod
     def backward(ctx, grad):
@@ -125,7 +125,7 @@ class _QATLinear(torch.autograd.Function):
             grad_x = grad.matmul(ws.to(grad.dtype))
         if ctx.needs_input_grad[1]:
             grad_w = grad.t().matmul(xs.to(grad.dtype)).to(ctx.w_dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -198,9 +198,10 @@ class QATHook(QuantHook):
     expert's QuantizedParam and operand are views of the stacked ones, which the grouped MoE forward
     (`grouped_linear`) multiplies in one grouped GEMM."""
 
-    def __init__(self, plan: Plan, backward: str = "hp"):
+    def __init__(self, plan: Plan, backward: str = "hp", *, exact: bool = False):
         if backward not in BACKWARD_MODES:
             raise ValueError(f"backward={backward!r}; expected one of {BACKWARD_MODES}")
+        super().__init__(exact=exact)
         self.plan = plan
         self.backward = backward
         self.act_quant = ActivationQuantizer(plan)
@@ -307,9 +308,9 @@ class QATHook(QuantHook):
         if x_op is None:
             x_op = compute.plain(x2.to(dtype))
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            y = _QATLinear.apply(x2, weight, x_op, w_op, self.backward == "hp", dtype)
+            y = _QATLinear.apply(x2, weight, x_op, w_op, self.backward == "hp", dtype, self.exact)
         else:
-            y = compute.matmul(x_op, w_op, dtype)
+            y = compute.matmul(x_op, w_op, dtype, exact=self.exact)
         return y.view(*lead, y.shape[-1])
 
     def can_group(self, sites: Sequence[str]) -> bool:
@@ -363,8 +364,8 @@ class PackedHook(QATHook):
     (`packed`: canonical name -> policy.formats object, for every parameter), whatever the model's
     parameters hold. No autograd, nothing to invalidate."""
 
-    def __init__(self, plan: Plan, packed: dict[str, object]):
-        super().__init__(plan)
+    def __init__(self, plan: Plan, packed: dict[str, object], *, exact: bool = False):
+        super().__init__(plan, exact=exact)
         missing = sorted(set(self._params) - set(packed))
         if missing:
             raise ValueError(f"PackedHook: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
@@ -378,10 +379,16 @@ class PackedHook(QATHook):
 
 
 def apply_qat(
-    model: Transformer, recipe: Recipe | Plan, backward: str = "hp", *, optimizer: torch.optim.Optimizer | None = None
+    model: Transformer,
+    recipe: Recipe | Plan,
+    backward: str = "hp",
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    exact: bool = False,
 ) -> QATHook:
-    """Install QAT on `model` (in place) and return the hook; `optimizer`'s steps refresh its cache."""
-    hook = QATHook(_as_plan(model, recipe), backward)
+    """Install QAT on `model` (in place) and return the hook; `optimizer`'s steps refresh its cache;
+    exact: the model computes in exact mode (policy.exact)."""
+    hook = QATHook(_as_plan(model, recipe), backward, exact=exact)
     for mod in model.modules():
         if isinstance(mod, MoE):
             for names, params in mod.expert_groups():
@@ -423,12 +430,16 @@ def load_packed(model: Transformer, packed: dict[str, object]) -> None:
     )
 
 
-def install_packed(model: Transformer, recipe: Recipe | Plan, packed: dict[str, object]) -> PackedHook:
+def install_packed(
+    model: Transformer, recipe: Recipe | Plan, packed: dict[str, object], *, exact: bool = False
+) -> PackedHook:
     """Rollout side: `model` computes with the published `packed` tensors (moved to its device) as
-    the Compute contract says; its parameters hold their dequantization (`load_packed`)."""
+    the Compute contract says; its parameters hold their dequantization (`load_packed`); exact: in
+    exact mode (policy.exact)."""
     load_packed(model, packed)
     device = model.lm_head.weight.device
-    hook = PackedHook(_as_plan(model, recipe), {n: kernels.to_device(q, device) for n, q in packed.items()})
+    packed = {n: kernels.to_device(q, device) for n, q in packed.items()}
+    hook = PackedHook(_as_plan(model, recipe), packed, exact=exact)
     model.quant_hook = hook
     return hook
 

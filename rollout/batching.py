@@ -314,7 +314,8 @@ class CpuBackend:
         if not bool(torch.isfinite(self.logits).all()):
             raise NonFinite("CPU engine: non-finite logits (NaN/Inf) in this batch")
         done = []
-        nxt, lp = sample(self.logits, self.temperature, self.gens if self.temperature > 0 else None)
+        gens = self.gens if self.temperature > 0 else None
+        nxt, lp = sample(self.logits, self.temperature, gens, exact=self.model.exact)
         hit = torch.isin(nxt, self.stop)
         keep = []
         for r, slot in enumerate(self.rows):

@@ -13,7 +13,9 @@ from the row's own generator over the whole vocabulary at every step: the same d
 batch, so per-row seeding is exact. Routing replay (`record_routes`): each row also records, per
 generated token, the expert ids every MoE layer picked in the forward whose logits sampled it (the
 prefill's last position for the first token, the decode step of the previous token after). Simplified: the model's forward runs as is (weights dequantized
-once per version by the worker); GPU engines use the packed-weight matmuls of `rollout.kernels`."""
+once per version by the worker); GPU engines use the packed-weight matmuls of `rollout.kernels`.
+Exact mode (`model.exact`, loop.exact): the forward's ops are `policy.exact`'s and `sample`'s
+log-probs are `exact.scaled_log_softmax`, the trainer's formula, so they equal its recompute."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from policy import exact as exact_ops
 from policy.model import KVCache, Transformer
 
 __all__ = ["Generation", "decode_one_token", "forced_logprobs", "generate", "prefill", "row_generators", "sample"]
@@ -78,13 +81,20 @@ def decode_one_token(model: Transformer, tokens: Tensor, alive: Tensor, cache: K
     return logits[:, -1].float(), ids[:, -1]
 
 
-def sample(logits: Tensor, temperature: float, gens: list | None) -> tuple[Tensor, Tensor]:
+def sample(logits: Tensor, temperature: float, gens: list | None, *, exact: bool = False) -> tuple[Tensor, Tensor]:
     """(next token [B], its log-prob [B]) from logits [B, V] fp32.
 
     temperature > 0: logp = log_softmax(logits / T), next = argmax(logp - log E_b), E_b ~ Exp(1)
     per vocabulary entry from row b's generator (Gumbel-max: next ~ Categorical(exp(logp))).
-    temperature 0: next = argmax(logits), logp = log_softmax(logits)."""
-    if temperature > 0:
+    temperature 0: next = argmax(logits), logp = log_softmax(logits). exact: log_softmax is
+    `policy.exact.scaled_log_softmax` (what the trainer's exact log-probs compute)."""
+    if exact:
+        logp = exact_ops.scaled_log_softmax(logits, temperature if temperature > 0 else 1.0)
+        nxt = logits.argmax(dim=-1)
+        if temperature > 0:
+            noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in gens])
+            nxt = (logp - noise.to(logits.device).clamp_min(1e-30).log()).argmax(dim=-1)
+    elif temperature > 0:
         logp = (logits / temperature).log_softmax(dim=-1)
         vocab = logits.shape[-1]
         noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in gens])
@@ -211,7 +221,7 @@ def _decode(model, cache: KVCache, first: tuple, max_new_tokens: int, temperatur
     stopped = torch.zeros(R, dtype=torch.bool, device=device)
     lengths = torch.zeros(R, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
-        nxt, lp = sample(logits, temperature, gens)
+        nxt, lp = sample(logits, temperature, gens, exact=model.exact)
         out_tokens[:, step] = torch.where(alive, nxt, pad_id)
         out_logp[:, step] = torch.where(alive, lp, 0.0)
         if out_routes is not None:
@@ -257,7 +267,8 @@ def forced_logprobs(
     out = torch.zeros(len(prompts), n, dtype=torch.float32, device=device)
     for t in range(n):
         alive = t < lengths
-        lp = logits.log_softmax(dim=-1).gather(-1, forced[:, t : t + 1]).squeeze(-1)
+        logp = exact_ops.scaled_log_softmax(logits, 1.0) if model.exact else logits.log_softmax(dim=-1)
+        lp = logp.gather(-1, forced[:, t : t + 1]).squeeze(-1)
         out[:, t] = torch.where(alive, lp, 0.0)
         if t < n - 1:
             logits = decode_one_token(model, forced[:, t], alive & (t + 1 < lengths), cache)

@@ -52,7 +52,7 @@ from policy import qat
 from policy.chunks import ChecksumMismatch
 from policy.contract import contract_from_recipe
 from policy.formats import NonFinite
-from policy.loop import AsyncConfig
+from policy.loop import AsyncConfig, exact_refusal
 from policy.manifest_check import check_manifest, expected_tensors
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
@@ -112,6 +112,8 @@ class RolloutWorker:
         self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.task = task
         self.recipe = recipe
+        if loop.exact and exact_refusal(cfg.device, None, None):
+            raise ValueError(exact_refusal(cfg.device, None, None))
         self.device = _device(cfg)
         self.model_config = model_config
         # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine, updated in place.
@@ -714,7 +716,7 @@ class RolloutWorker:
         """Copy a fetched version into the CPU model or the engine, a fresh one for another tensor layout
         (the previous one freed first: nothing is live if building it raises). Returns how."""
         if self.model is not None:
-            qat.install_packed(self.model, self.recipe, fetched.tensors)
+            qat.install_packed(self.model, self.recipe, fetched.tensors, exact=self.loop.exact)
             return "cpu model"
         if self.engine is not None and await asyncio.to_thread(self.engine.update, fetched.tensors):
             return "in place"

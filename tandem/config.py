@@ -26,7 +26,7 @@ import yaml
 
 from policy.configfile import check_size, parse_override, read_mapping, set_dotted
 from policy.fields import is_int, is_number
-from policy.loop import AsyncConfig
+from policy.loop import AsyncConfig, exact_refusal
 from rollout.config import RolloutConfig
 from rollout.tasks import TaskConfig
 from trainer.config import LoggingConfig, TrainerConfig
@@ -128,6 +128,8 @@ class RunConfig:
                 "loop.routing_replay=true with trainer.backend='megatron' (its MoE router takes no forced "
                 "routing here: use trainer.backend='torch')"
             )
+        if self.loop.exact and exact_refusal(self.rollout.device, self.trainer.device, self.trainer.backend):
+            errors.append(exact_refusal(self.rollout.device, self.trainer.device, self.trainer.backend))
         if errors:
             raise ValueError("RunConfig: " + "; ".join(errors))
 

@@ -32,9 +32,14 @@ from policy.recipe import Recipe
 from .config import TrainerConfig
 
 
-def make_backend(cfg: TrainerConfig, model_config: ModelConfig, recipe: Recipe, *, seed: int):
-    """The backend `cfg.backend` names, on `cfg.device`, with weights initialized from `seed`."""
-    return (MegatronBackend if cfg.backend == "megatron" else TorchBackend)(cfg, model_config, recipe, seed=seed)
+def make_backend(cfg: TrainerConfig, model_config: ModelConfig, recipe: Recipe, *, seed: int, exact: bool = False):
+    """The backend `cfg.backend` names, on `cfg.device`, with weights initialized from `seed`; exact:
+    the torch backend's QAT forward in exact mode (loop.exact; megatron has none)."""
+    if cfg.backend == "megatron":
+        if exact:
+            raise ValueError("loop.exact=true needs trainer.backend='torch' (no exact megatron forward)")
+        return MegatronBackend(cfg, model_config, recipe, seed=seed)
+    return TorchBackend(cfg, model_config, recipe, seed=seed, exact=exact)
 
 
 class _Backend:
@@ -130,12 +135,15 @@ class _Backend:
 
 
 class TorchBackend(_Backend):
-    """policy.model.Transformer with torch AdamW."""
+    """policy.model.Transformer with torch AdamW; exact: its QAT hook computes in exact mode
+    (policy.exact), for the recompute and the training forward alike."""
 
     name = "torch"
 
-    def __init__(self, cfg: TrainerConfig, model_config: ModelConfig, recipe: Recipe, *, seed: int):
-        self.cfg, self.model_config, self.recipe = cfg, model_config, recipe
+    def __init__(
+        self, cfg: TrainerConfig, model_config: ModelConfig, recipe: Recipe, *, seed: int, exact: bool = False
+    ):
+        self.cfg, self.model_config, self.recipe, self.exact = cfg, model_config, recipe, exact
         with torch.device(cfg.device):
             self.module = self.model = Transformer(model_config, seed=seed)
         self.model.activation_checkpointing = cfg.activation_checkpointing
@@ -158,7 +166,7 @@ class TorchBackend(_Backend):
         fn(self.model)
 
     def apply_qat(self) -> None:
-        self.qat_hook = qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward)
+        self.qat_hook = qat.apply_qat(self.model, self.recipe, backward=self.cfg.backward, exact=self.exact)
 
 
 class MegatronBackend(_Backend):

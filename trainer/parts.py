@@ -20,7 +20,7 @@ from broker.health import TRAINER_HEALTH, HealthServer
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.server_process import ServingProcesses
 from broker.signing import Signer, policy_token
-from policy.loop import AsyncConfig
+from policy.loop import AsyncConfig, exact_refusal
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 
@@ -99,10 +99,12 @@ def build_parts(
     if cfg.eval_every and task.evaluate is None:
         raise ValueError(f"trainer.eval_every={cfg.eval_every} but the trainer was given no evaluation")
     replay = _replayed_layers(cfg, loop, model_config)
-    backend = make_backend(cfg, model_config, recipe, seed=loop.seed)
+    if loop.exact and exact_refusal(None, cfg.device, cfg.backend):
+        raise ValueError(exact_refusal(None, cfg.device, cfg.backend))
+    backend = make_backend(cfg, model_config, recipe, seed=loop.seed, exact=loop.exact)
     contracts = Contracts.of(model_config, recipe, rollout_recipe)
     # The newest versions' packed tensors as their publish produced them (trainer.versions).
-    versions = RetainedVersions(model_config, recipe.plan(model_config), keep=loop.max_staleness)
+    versions = RetainedVersions(model_config, recipe.plan(model_config), keep=loop.max_staleness, exact=loop.exact)
     server, in_child = _policy_server(cfg, link.signer, device=device, keep=loop.max_staleness + 2, log=log)
     state = State()
     metrics = MetricsSink(

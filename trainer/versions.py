@@ -15,6 +15,7 @@ Rules:
 - A sample spanning versions (loop.inflight_updates) is recomputed under each distinct version of
   its tokens, and each token takes the one of its own version (`per_token`, pure).
 - Versions from before a restart are not held; their tokens are left out of the split.
+- exact (loop.exact): the forward runs in exact mode (policy.exact), as the trainer's own.
 Why packed versions and not fp32 snapshots, and the memory they take: docs/design-decisions.md."""
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ class RetainedVersions:
     rollouts'. With trainer.backend=megatron the objects are its hook's canonical QuantizedParams
     and this still runs policy.model's forward."""
 
-    def __init__(self, model_config: ModelConfig, plan: Plan, *, keep: int):
+    def __init__(self, model_config: ModelConfig, plan: Plan, *, keep: int, exact: bool = False):
         if keep < 0:
             raise ValueError(f"keep={keep} must be >= 0")
-        self.plan, self.keep = plan, keep
+        self.plan, self.keep, self.exact = plan, keep, exact
         self._packed: dict[int, dict[str, object]] = {}
         with torch.device("meta"):  # shapes and dtypes only: the hook supplies every value
             self.scratch = Transformer(model_config, seed=None)
@@ -110,7 +111,8 @@ class RetainedVersions:
     ) -> Tensor:  # fmt: skip
         """[B, T] fp32 log-probs of `targets` under `version` (the caller's autocast applies, as
         for the trainer's own forward); routes: replayed expert ids (policy.model.Transformer)."""
-        hook = self.scratch.quant_hook = _PackedOperands(self.plan, self._packed[version], self._groups)
+        hook = _PackedOperands(self.plan, self._packed[version], self._groups, exact=self.exact)
+        self.scratch.quant_hook = hook
         try:
             return self.scratch.token_logprobs(
                 tokens, targets, attention_mask=attention_mask, temperature=temperature, routes=routes
@@ -130,8 +132,15 @@ class _PackedOperands(qat.QATHook):
     as is and the loop over experts row by row. So every operand is built once per call, not once
     per expert and again for the stack (6+ GB for the 4B model if all were held, as PackedHook does)."""
 
-    def __init__(self, plan: Plan, packed: Mapping[str, object], groups: Iterable[tuple[list[str], list[Tensor]]]):
-        super().__init__(plan)
+    def __init__(
+        self,
+        plan: Plan,
+        packed: Mapping[str, object],
+        groups: Iterable[tuple[list[str], list[Tensor]]],
+        *,
+        exact: bool = False,
+    ):
+        super().__init__(plan, exact=exact)
         self._packed = packed
         for names, params in groups:
             self.add_group(names, params)
