@@ -112,8 +112,8 @@ class RolloutWorker:
         self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.task = task
         self.recipe = recipe
-        if loop.exact and exact_refusal(cfg.device, None, None):
-            raise ValueError(exact_refusal(cfg.device, None, None))
+        if loop.exact and (why := exact_refusal(cfg.device, None, None)):
+            raise ValueError(why)
         self.device = _device(cfg)
         self.model_config = model_config
         # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine, updated in place.

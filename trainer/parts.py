@@ -99,8 +99,8 @@ def build_parts(
     if cfg.eval_every and task.evaluate is None:
         raise ValueError(f"trainer.eval_every={cfg.eval_every} but the trainer was given no evaluation")
     replay = _replayed_layers(cfg, loop, model_config)
-    if loop.exact and exact_refusal(None, cfg.device, cfg.backend):
-        raise ValueError(exact_refusal(None, cfg.device, cfg.backend))
+    if loop.exact and (why := exact_refusal(None, cfg.device, cfg.backend)):
+        raise ValueError(why)
     backend = make_backend(cfg, model_config, recipe, seed=loop.seed, exact=loop.exact)
     contracts = Contracts.of(model_config, recipe, rollout_recipe)
     # The newest versions' packed tensors as their publish produced them (trainer.versions).
