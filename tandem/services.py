@@ -28,7 +28,7 @@ from broker.streams import run_async
 from policy.checkpoint import load_hf_into, read_config
 from policy.model import ModelConfig
 from policy.recipe import Recipe
-from rollout.evaluate import heldout_accuracy
+from rollout.evaluate import accuracy, heldout_accuracy
 from rollout.tasks import Task, make_task
 from rollout.worker import RolloutWorker
 from trainer.config import TrainerConfig
@@ -179,6 +179,7 @@ def trainer_parts(cfg: RunConfig, run_dir) -> Parts:
         max_completion_tokens=task.max_new_tokens,
         init_weights=initial_weights(cfg),
         evaluate=evaluation(cfg, task),
+        warmstart_score=warmstart_score(cfg, task),
     )
     link = RunLink(
         run_id=cfg.run_id,
@@ -208,6 +209,15 @@ def evaluation(cfg: RunConfig, task: Task):
         return None
     k, temperature, seed = cfg.trainer.eval_prompts, cfg.loop.temperature, cfg.loop.seed
     return lambda model: heldout_accuracy(model, task, k=k, temperature=temperature, seed=seed)
+
+
+def warmstart_score(cfg: RunConfig, task: Task):
+    """trainer.warmstart_until's score: the sampled accuracy on the task's first eval_prompts
+    training prompts (the RL's first prompts) at loop.temperature, or None when off."""
+    if not cfg.trainer.warmstart_until:
+        return None
+    prompts = [task.prompt(i) for i in range(cfg.trainer.eval_prompts)]
+    return lambda model: accuracy(model, task, prompts, temperature=cfg.loop.temperature, seed=cfg.loop.seed)
 
 
 def make_worker(cfg: RunConfig, worker_id: str) -> RolloutWorker:

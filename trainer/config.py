@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from broker.health import HealthConfig
 from broker.registry import MAX_FANOUT
 from broker.tls import ServerTLS
-from policy.fields import is_int
+from policy.fields import is_int, is_number
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -147,13 +147,18 @@ class TrainerConfig:
     """Examples per warm-start step."""
     warmstart_lr: float = 3e-3
     """Learning rate of the warm start."""
+    warmstart_until: float = 0.0
+    """Stop the warm start early, at the first multiple of 10 steps where the sampled accuracy on
+    the task's first `eval_prompts` training prompts (at loop.temperature, fixed seeds) is at least
+    this; 0 = off (all warmstart_steps run). RL then starts from about this accuracy whatever the seed."""
     # held-out evaluation
     eval_every: int = 0
     """Every this many steps, greedy and sampled accuracy on held-out prompts the trainer never trains
     on (task.heldout_fraction or task.heldout_path), with the trainer's current weights: metrics
     eval_greedy_accuracy and eval_sampled_accuracy. 0 = off."""
     eval_prompts: int = 32
-    """Held-out prompts per evaluation (the same ones every time)."""
+    """Prompts per evaluation, the same ones every time: held-out ones for eval_every, training ones
+    for warmstart_until."""
     # services
     grpc_host: str = "127.0.0.1"
     """Address the policy gRPC server binds (a pod binds "0.0.0.0")."""
@@ -285,9 +290,17 @@ class TrainerConfig:
         if self.eval_every < 0 or self.eval_prompts < 1:
             errors.append(f"eval_every={self.eval_every}, eval_prompts={self.eval_prompts} (want >= 0 and >= 1)")
         if self.eval_every and self.backend != "torch":
-            errors.append(f"eval_every={self.eval_every} needs backend='torch' (it generates with policy.model)")
+            errors.append(
+                f"eval_every={self.eval_every} needs backend='torch' (it generates with policy.model; 0 = off)"
+            )
         if self.warmstart_steps < 0:
             errors.append(f"warmstart_steps={self.warmstart_steps} (must be >= 0)")
+        if not is_number(self.warmstart_until, 0, 1):
+            errors.append(f"warmstart_until={self.warmstart_until!r} (an accuracy in [0, 1]; 0 = off)")
+        elif self.warmstart_until and self.backend != "torch":
+            errors.append(
+                f"warmstart_until={self.warmstart_until} needs backend='torch' (it generates with policy.model; 0 = off)"
+            )
         return errors
 
     def _serving_errors(self) -> list[str]:

@@ -54,6 +54,7 @@ class TaskHooks:
     max_completion_tokens: int = 64
     init_weights: Callable[[Transformer], None] | None = None  # used when no checkpoint of ours exists
     evaluate: Callable[[Transformer], dict] | None = None  # every `eval_every` steps; joins the metrics row
+    warmstart_score: Callable[[Transformer], float] | None = None  # trainer.warmstart_until's accuracy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +99,8 @@ def build_parts(
     accept its fingerprint, breaking the contract on purpose. writers: fed every metrics row."""
     if cfg.eval_every and task.evaluate is None:
         raise ValueError(f"trainer.eval_every={cfg.eval_every} but the trainer was given no evaluation")
+    if cfg.warmstart_until and task.warmstart_score is None:
+        raise ValueError(f"trainer.warmstart_until={cfg.warmstart_until} but the trainer was given no score")
     replay = _replayed_layers(cfg, loop, model_config)
     if loop.exact and (why := exact_refusal(None, cfg.device, cfg.backend)):
         raise ValueError(why)

@@ -307,11 +307,13 @@ class Trainer:
             backend.init_weights(task.init_weights)
             self.log(f"initial weights loaded ({time.perf_counter() - t0:.1f}s)")
         if cfg.warmstart_steps:
-            losses = await asyncio.to_thread(
+            until = (lambda: task.warmstart_score(backend.model)) if cfg.warmstart_until else None
+            await asyncio.to_thread(
                 warm_start, backend, task.warm_start_example, steps=cfg.warmstart_steps, batch=cfg.warmstart_batch,
-                lr=cfg.warmstart_lr, pad_id=task.pad_id, stop=self._stop.is_set, log=self.log,
+                lr=cfg.warmstart_lr, pad_id=task.pad_id, stop=self._stop.is_set, until=until,
+                target=cfg.warmstart_until, log=self.log,
             )  # fmt: skip
-            if len(losses) < cfg.warmstart_steps:
+            if self._stop.is_set():
                 return  # stopped: nothing saved, a restart warms up again
         self.state.version = self._weights_version = 1
         if cfg.checkpoint_every:

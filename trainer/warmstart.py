@@ -6,6 +6,10 @@ the prompts, which is where the demo's RL starts. Simplified: plain cross-entrop
 tokens only, AdamW; the example source is any callable returning (prompt, answer) token lists, so
 the trainer stays task-agnostic.
 
+Early stop: with `until` (a score of the model, e.g. held-out sampled accuracy) and `target`, the
+score is taken every CHECK_EVERY steps and the warm start ends at the first that reaches `target`,
+so RL starts from about the same accuracy whatever the seed.
+
 Learning rate: constant `lr` by default; `warmup` and `kind` give the schedule of `lr_factor`
 (bench/make_e2e_model.py: warmup + cosine, a short warmup for a random init and an annealed end).
 The trainer's RL steps use the same function (`trainer.lr_schedule`).
@@ -27,6 +31,7 @@ import torch
 from .sequences import pack
 
 Example = tuple[list[int], list[int]]
+CHECK_EVERY = 10  # steps between two scores of `until`
 
 
 def warm_start(
@@ -41,10 +46,13 @@ def warm_start(
     kind: str = "constant",
     autocast_dtype: torch.dtype | None = None,
     stop: Callable[[], bool] = lambda: False,
+    until: Callable[[], float] | None = None,
+    target: float = 0.0,
     log: Callable[[str], None] = print,
 ) -> list[float]:
     """Train `model` in place; returns the loss of every step taken: `stop()` is asked before each
-    step, and True ends the warm start there (fewer losses than `steps`)."""
+    step, and True ends the warm start there (fewer losses than `steps`); so does `until()` >=
+    `target` after every CHECK_EVERY-th step."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_factor(t, steps=steps, warmup=warmup, kind=kind))
     device = next(model.parameters()).device
@@ -67,8 +75,21 @@ def warm_start(
         losses.append(loss.item())
         if step % 50 == 0 or step == steps - 1:
             log(f"warm start step {step + 1}/{steps} loss {losses[-1]:.3f} ({time.time() - t0:.0f}s)")
+        if until is not None and (step + 1) % CHECK_EVERY == 0 and _reached(model, until, target, step + 1, log):
+            break
     model.eval()
     return losses
+
+
+def _reached(model, until: Callable[[], float], target: float, step: int, log: Callable[[str], None]) -> bool:
+    """`until()` taken in eval mode (then back to training): True when it is >= `target`, logged."""
+    model.eval()
+    score = until()
+    model.train()
+    if score < target:
+        return False
+    log(f"warm start ends after step {step}: score {score:.3f} >= {target}")
+    return True
 
 
 def lr_factor(t: int, *, steps: int, warmup: int = 0, kind: str = "constant", min_ratio: float = 0.0) -> float:

@@ -17,6 +17,7 @@ def test_demo_config_loads_and_overrides_apply():
     cfg = config.load("demo.yaml", ["trainer.max_steps=3", "loop.max_staleness=0", "model.overrides={n_layers: 2}"])
     assert cfg.trainer.max_steps == 3 and cfg.loop.max_staleness == 0 and cfg.model.overrides == {"n_layers": 2}
     assert cfg.recipe == "nvfp4_moe" and cfg.num_rollout_workers == 2
+    assert cfg.trainer.warmstart_until == 0.4 and cfg.trainer.warmstart_steps == 300
     again = config.load(None, [f"{k}={v}" for k, v in [("trainer.lr", 0.001)]])
     assert again.trainer.lr == 0.001
     assert "max_steps: 3" in config.dump(cfg)
@@ -56,6 +57,7 @@ def test_demo_config_loads_and_overrides_apply():
         ("trainer.mps_thread_percentage=101", r"mps_thread_percentage=101 \(an int in \[0, 100\]"),
         ("trainer.policy_server_process=2", r"policy_server_process=2 \(want true, false or null\)"),
         ("trainer.policy_server_processes=0", r"policy_server_processes=0 \(an int >= 1\)"),
+        ("trainer.warmstart_until=1.5", r"warmstart_until=1.5 \(an accuracy in \[0, 1\]; 0 = off\)"),
     ],
 )
 def test_bad_configs_name_the_problem(override, message):
@@ -215,10 +217,14 @@ def test_the_megatron_backend_is_refused_without_cuda(tmp_path):
     from tandem.services import make_trainer
 
     with pytest.raises(ValueError, match="backend='megatron' needs device='cuda'"):
-        config.load("configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cpu"])
+        config.load(
+            "configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cpu", "trainer.warmstart_until=0"]
+        )
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    cfg = config.load("configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cuda"])
+    cfg = config.load(
+        "configs/demo.yaml", ["trainer.backend=megatron", "trainer.device=cuda", "trainer.warmstart_until=0"]
+    )
     with pytest.raises(ValueError, match="trainer.device='cuda' but torch sees no CUDA device"):
         make_trainer(cfg, tmp_path)
 

@@ -98,3 +98,31 @@ def test_a_stop_request_ends_the_warm_start_between_steps():
     losses = warm_start(model, example, steps=1000, batch=2, lr=1e-3, pad_id=0, stop=stop, log=lines.append)
     assert len(losses) == 3 and len(asked) == 4 and lines[-1] == "warm start stopped after step 3/1000"
     assert not model.training  # left in eval mode, as after a whole warm start
+
+
+def test_the_warm_start_ends_at_the_first_check_that_reaches_the_target():
+    """`until` is taken after steps 10, 20, 30, ... in eval mode; the first score >= target ends it."""
+    task = AdditionTask(digits=1, seed=0)
+    model = Transformer(ModelConfig.preset("tiny", n_layers=1, vocab_size=max(64, task.tokenizer.vocab_size)), seed=0)
+    rng, scores, lines, forwards, taken = random.Random(0), iter([0.1, 0.39, 0.4, 0.9]), [], [], []
+    original = model.token_logprobs
+
+    def example():
+        p = task.example(rng)
+        return p.tokens, p.reference
+
+    def counted(*args, **kwargs):  # one forward per step: how many steps came before each score
+        forwards.append(1)
+        return original(*args, **kwargs)
+
+    def until() -> float:
+        taken.append((model.training, len(forwards)))
+        return next(scores)
+
+    model.token_logprobs = counted
+    losses = warm_start(
+        model, example, steps=1000, batch=2, lr=1e-3, pad_id=0, until=until, target=0.4, log=lines.append
+    )
+    assert len(losses) == 30 and taken == [(False, 10), (False, 20), (False, 30)]
+    assert lines[-1] == "warm start ends after step 30: score 0.400 >= 0.4"
+    assert not model.training
