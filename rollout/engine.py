@@ -29,7 +29,16 @@ from torch import Tensor
 from policy import exact as exact_ops
 from policy.model import KVCache, Transformer
 
-__all__ = ["Generation", "decode_one_token", "forced_logprobs", "generate", "prefill", "row_generators", "sample"]
+__all__ = [
+    "Generation",
+    "decode_one_token",
+    "forced_logprobs",
+    "generate",
+    "log_probs",
+    "prefill",
+    "row_generators",
+    "sample",
+]
 
 
 @dataclass
@@ -81,6 +90,14 @@ def decode_one_token(model: Transformer, tokens: Tensor, alive: Tensor, cache: K
     return logits[:, -1].float(), ids[:, -1]
 
 
+def log_probs(logits: Tensor, temperature: float, *, exact: bool = False) -> Tensor:
+    """log_softmax(logits / T) [B, V] (the logits as they are at temperature 0); exact:
+    `policy.exact.scaled_log_softmax`, the trainer's formula in exact mode."""
+    if exact:
+        return exact_ops.scaled_log_softmax(logits, temperature if temperature > 0 else 1.0)
+    return (logits / temperature).log_softmax(dim=-1) if temperature > 0 else logits.log_softmax(dim=-1)
+
+
 def sample(logits: Tensor, temperature: float, gens: list | None, *, exact: bool = False) -> tuple[Tensor, Tensor]:
     """(next token [B], its log-prob [B]) from logits [B, V] fp32.
 
@@ -88,19 +105,11 @@ def sample(logits: Tensor, temperature: float, gens: list | None, *, exact: bool
     per vocabulary entry from row b's generator (Gumbel-max: next ~ Categorical(exp(logp))).
     temperature 0: next = argmax(logits), logp = log_softmax(logits). exact: log_softmax is
     `policy.exact.scaled_log_softmax` (what the trainer's exact log-probs compute)."""
-    if exact:
-        logp = exact_ops.scaled_log_softmax(logits, temperature if temperature > 0 else 1.0)
-        nxt = logits.argmax(dim=-1)
-        if temperature > 0:
-            noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in gens])
-            nxt = (logp - noise.to(logits.device).clamp_min(1e-30).log()).argmax(dim=-1)
-    elif temperature > 0:
-        logp = (logits / temperature).log_softmax(dim=-1)
-        vocab = logits.shape[-1]
-        noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in gens])
+    logp = log_probs(logits, temperature, exact=exact)
+    if temperature > 0:
+        noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in gens])
         nxt = (logp - noise.to(logits.device).clamp_min(1e-30).log()).argmax(dim=-1)
     else:
-        logp = logits.log_softmax(dim=-1)
         nxt = logits.argmax(dim=-1)
     return nxt, logp.gather(-1, nxt[:, None]).squeeze(-1)
 
@@ -267,8 +276,7 @@ def forced_logprobs(
     out = torch.zeros(len(prompts), n, dtype=torch.float32, device=device)
     for t in range(n):
         alive = t < lengths
-        logp = exact_ops.scaled_log_softmax(logits, 1.0) if model.exact else logits.log_softmax(dim=-1)
-        lp = logp.gather(-1, forced[:, t : t + 1]).squeeze(-1)
+        lp = log_probs(logits, 0.0, exact=model.exact).gather(-1, forced[:, t : t + 1]).squeeze(-1)
         out[:, t] = torch.where(alive, lp, 0.0)
         if t < n - 1:
             logits = decode_one_token(model, forced[:, t], alive & (t + 1 < lengths), cache)
