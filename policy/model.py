@@ -527,20 +527,23 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, hook: QuantHook) -> Tensor:
         return self.routed(x, hook)[0]
 
-    def routed(self, x: Tensor, hook: QuantHook, route: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """-> (output like x, the expert ids used [..., k] long). `route` [..., k] (x's leading
-        shape): forced expert ids per token, -1 where the router picks (routing replay); the gate
-        weights are then the router's own softmax probabilities gathered at the forced experts
-        (renormalized over the k when norm_topk_prob), so the router stays differentiable."""
+    def routed(self, x: Tensor, hook: QuantHook, route: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """-> (output like x, the expert ids used [..., k] long, the router's own top-k ids [..., k]).
+        `route` [..., k] (x's leading shape): forced expert ids per token, -1 where the router picks
+        (routing replay); the gate weights are then the router's own softmax probabilities gathered
+        at the forced experts (renormalized over the k when norm_topk_prob), so the router stays
+        differentiable. Without `route` the two id tensors are the same."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         N, k = x.shape[0], self.top_k
         if N == 0:
-            return x.clone().view(shape), torch.zeros(*shape[:-1], k, dtype=torch.long, device=x.device)
+            none = torch.zeros(*shape[:-1], k, dtype=torch.long, device=x.device)
+            return x.clone().view(shape), none, none
         ex = hook.exact
         logits = self.gate(x, hook).float()
         probs = exact.softmax(logits) if ex else logits.softmax(dim=-1)
         weights, experts = probs.topk(k, dim=-1)
+        own = experts
         if route is not None:
             forced = route.reshape(N, k).to(device=x.device, dtype=torch.long)
             experts = torch.where(forced[:, :1] >= 0, forced, experts)
@@ -564,7 +567,7 @@ class MoE(nn.Module):
         out = exact.tree_sum(out, 1) if ex else out.sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x, hook)
-        return out.view(shape), experts.view(*shape[:-1], k)
+        return out.view(shape), experts.view(*shape[:-1], k), own.view(*shape[:-1], k)
 
     def _loop_experts(self, xg: Tensor, flat: Tensor, hook: QuantHook) -> Tensor:
         """The reference: each expert once on its gathered rows (a host sync for the counts)."""
@@ -591,12 +594,13 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, f"{p}.mlp") if cfg.is_moe_layer(i) else Expert(cfg.dim, cfg.ffn_dim, f"{p}.mlp")
 
     def forward(self, x, cos, sin, mask, hook, kv, start, route=None):
-        """-> (x, the MoE's expert ids [B, T, k], or None for a dense MLP); route: see `MoE.forward`."""
+        """-> (x, the MoE's (used, router's own) expert ids [B, T, k] each, or None for a dense MLP);
+        route: see `MoE.routed`."""
         x = x + self.self_attn(self.input_layernorm(x, hook), cos, sin, mask, hook, kv, start)
         h = self.post_attention_layernorm(x, hook)
         if isinstance(self.mlp, MoE):
-            y, ids = self.mlp.routed(h, hook, route)
-            return x + y, ids
+            y, used, own = self.mlp.routed(h, hook, route)
+            return x + y, (used, own)
         return x + self.mlp(h, hook), None
 
 
@@ -661,7 +665,8 @@ class Transformer(nn.Module):
     load_weights({canonical name: tensor}) copies effective weights in (e.g. dequantized packed ones).
     quant_hook: a `QuantHook` or None (plain). `exact` (read-only): the hook's exact mode (policy.exact).
     routes / return_routes (forward and token_logprobs): routing replay, forced expert ids per token
-      and MoE layer [B, T, n MoE layers, k] (-1 = the router's choice), and the ids used, returned.
+      and MoE layer [B, T, n MoE layers, k] (-1 = the router's choice), and the ids used, returned;
+      with router_own=True the ids returned are the router's own top-k instead (router agreement).
 
     On the meta device (`with torch.device("meta"): Transformer(cfg)`) nothing is allocated or
     initialized, which is how planning code inspects the 30B model.
@@ -724,6 +729,7 @@ class Transformer(nn.Module):
         last_only: bool = False,
         routes: Tensor | None = None,
         return_routes: bool = False,
+        router_own: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
@@ -755,7 +761,7 @@ class Transformer(nn.Module):
 
         emb = hook.param("model.embed_tokens.weight", self.model.embed_tokens.weight)
         x = F.embedding(tokens, emb)
-        x, used = self._layers(x, (cos, sin, mask, hook, cache, start), routes)
+        x, ids = self._layers(x, (cos, sin, mask, hook, cache, start), routes)
         if cache is not None:
             cache.length = S
         if last_only:
@@ -763,20 +769,24 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.model.norm(x, hook), hook)
         if not return_routes:
             return logits
-        k = self.cfg.top_k
-        ids = torch.stack(used, dim=2) if used else torch.zeros(B, T, 0, k, dtype=torch.long, device=device)
+        k, which = self.cfg.top_k, 1 if router_own else 0
+        ids = (
+            torch.stack([i[which] for i in ids], dim=2)
+            if ids
+            else torch.zeros(B, T, 0, k, dtype=torch.long, device=device)
+        )
         return logits, ids[:, -1:] if last_only else ids
 
-    def _layers(self, x: Tensor, args: tuple, routes: Tensor | None) -> tuple[Tensor, list[Tensor]]:
-        """The decoder layers on x [B, T, D] -> (x, the expert ids each MoE layer used, [B, T, k]
-        each); routes: forced ids [B, T, n MoE layers, k] (-1: the router's), or None."""
+    def _layers(self, x: Tensor, args: tuple, routes: Tensor | None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The decoder layers on x [B, T, D] -> (x, each MoE layer's (used, router's own) expert ids,
+        [B, T, k] each); routes: forced ids [B, T, n MoE layers, k] (-1: the router's), or None."""
         cos, sin, mask, hook, cache, start = args
         B, T, k = x.shape[0], x.shape[1], self.cfg.top_k
         moe = self.moe_layers()
         if routes is not None and tuple(routes.shape) != (B, T, len(moe), k):
             raise ValueError(f"routes shape {tuple(routes.shape)} != {(B, T, len(moe), k)} (B, T, MoE layers, k)")
         ckpt = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
-        used = []
+        routed = []
         for i, layer in enumerate(self.model.layers):
             route = None if routes is None or i not in moe else routes[:, :, moe.index(i)]
             if ckpt:  # non-reentrant: autocast and the hook replay as they ran
@@ -786,8 +796,8 @@ class Transformer(nn.Module):
             else:
                 x, ids = layer(x, cos, sin, mask, hook, None if cache is None else cache.layers[i], start, route)
             if ids is not None:
-                used.append(ids)
-        return x, used
+                routed.append(ids)
+        return x, routed
 
     @property
     def exact(self) -> bool:
@@ -808,16 +818,20 @@ class Transformer(nn.Module):
         temperature: float = 1.0,
         routes: Tensor | None = None,
         return_routes: bool = False,
+        router_own: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """log p(targets[b, t] | tokens[b, :t+1]) in fp32, [B, T], from logits / temperature.
 
         Positions masked out by `attention_mask` get garbage values; the caller masks them.
         routes [B, T, n MoE layers, k] long: forced expert ids (-1: the router's own), see
-        `MoE.forward`; return_routes: also return the ids every MoE layer used (same shape).
+        `MoE.routed`; return_routes: also return the ids every MoE layer used (same shape), or with
+        router_own the router's own top-k ids.
         """
         if targets.shape != tokens.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
-        out = self(tokens, attention_mask=attention_mask, routes=routes, return_routes=return_routes)
+        out = self(
+            tokens, attention_mask=attention_mask, routes=routes, return_routes=return_routes, router_own=router_own
+        )
         logits, used = out if return_routes else (out, None)
         if self.exact:
             logp = exact.scaled_log_softmax(logits, temperature).gather(-1, targets[..., None]).squeeze(-1)

@@ -3,8 +3,10 @@
 The numbers, per run, from its metrics.jsonl (n steps):
     final_reward      = mean of reward_mean over the last k = ceil(0.1 n) steps
     reward_change     = final_reward - (mean over the first k steps)
-    logp_abs_diff, logp_abs_diff_quant, logp_abs_diff_stale, kl_k3, staleness_mean = means over the steps
-                        that report them (a part no step could split is left empty, never NaN)
+    logp_abs_diff, logp_abs_diff_quant, logp_abs_diff_stale, kl_k3, staleness_mean,
+    logp_abs_diff_quant_p50, router_agree_frac, step_time_s
+                      = means over the steps that report them (a part no step could split, or router
+                        agreement without routing replay, is left empty, never NaN)
     dropped_stale_frac = dropped_stale / (dropped_stale + samples used), counts of the whole run
     grad_norm_spikes  = #{i : grad_norm_i > 5 * median(grad_norm_0 .. grad_norm_{i-1})}, i >= 3
 and, against the bf16 run with the same config otherwise (same staleness and seed, the precision keys
@@ -33,6 +35,8 @@ from .study import Study, StudyRun, command_line, commit, read_jsonl, run_state
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
 MISMATCH_KEYS = ("logp_abs_diff", "logp_abs_diff_quant", "logp_abs_diff_stale", "kl_k3")
+# Train-inference consistency and its cost (exact mode, routing replay): per-step means too.
+CONSISTENCY_KEYS = ("logp_abs_diff_quant_p50", "router_agree_frac", "step_time_s")
 # The config keys of the staleness bound and the seed (summary columns `max_staleness` and `seed`).
 STALENESS_KEY, SEED_KEY = "loop.max_staleness", "loop.seed"
 # Keys that set the precision of a run: the bf16 baseline of a run differs from it in these only.
@@ -41,6 +45,7 @@ SUMMARY_TAIL = (
     "final_reward",
     "reward_change",
     *MISMATCH_KEYS,
+    *CONSISTENCY_KEYS,
     "staleness_mean",
     "dropped_stale_frac",
     "grad_norm_spikes",
@@ -115,7 +120,7 @@ def summarize_run(run: StudyRun, run_dir: Path) -> dict:
         out.update(
             final_reward=final,
             reward_change=final - start,
-            **{k: _mean_of(r.get(k) for r in rows) for k in (*MISMATCH_KEYS, "staleness_mean")},
+            **{k: _mean_of(r.get(k) for r in rows) for k in (*MISMATCH_KEYS, *CONSISTENCY_KEYS, "staleness_mean")},
             dropped_stale_frac=dropped / max(1, dropped + used),
             grad_norm_spikes=grad_norm_spikes([r["grad_norm"] for r in rows]),
             wall_time_s=sum(a["end"] - a["start"] for a in attempts),
@@ -322,13 +327,19 @@ def _versus_staleness(study: Study, panels: dict) -> list[tuple[str, Any]]:
         ("kl_vs_staleness.png", ("kl_k3",), "KL k3 (behaviour || proximal), mean over steps", "KL"),
         ("dropped_vs_staleness.png", ("dropped_stale_frac",), "fraction of samples dropped as stale",
          "samples dropped as stale"),
+        ("router_agreement_vs_staleness.png", ("router_agree_frac",),
+         "(token, MoE layer) pairs where the trainer's router\npicks the replayed experts", "router agreement"),
     )  # fmt: skip
     out = []
     for fname, keys, ylabel, what in specs:
+        if not any(r.get(k) is not None for by_s in series.values() for rs in by_s.values() for r in rs for k in keys):
+            continue  # router agreement without routing replay: nothing to plot
         fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False, layout="constrained")
         for ax, key in zip(axes[0], keys):
             for label, by_s in series.items():
                 xs = [s for s in sorted(by_s) if any(r[key] is not None for r in by_s[s])]
+                if not xs:
+                    continue
                 ys = [_mean_of(r[key] for r in by_s[s]) for s in xs]
                 es = [statistics.pstdev([r[key] for r in by_s[s] if r[key] is not None]) for s in xs]
                 ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=label)

@@ -150,11 +150,21 @@ class TorchBackend(_Backend):
         self.optimizer = self._adamw()
 
     def token_logprobs(
-        self, tokens, targets, *, attention_mask=None, temperature: float = 1.0, routes: Tensor | None = None
-    ) -> Tensor:
+        self,
+        tokens,
+        targets,
+        *,
+        attention_mask=None,
+        temperature: float = 1.0,
+        routes: Tensor | None = None,
+        router_own: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """router_own: also return the router's own top-k ids per token and MoE layer (with `routes`
+        replayed, where they may differ from the ids used)."""
         return self.model.token_logprobs(
-            tokens, targets, attention_mask=attention_mask, temperature=temperature, routes=routes
-        )
+            tokens, targets, attention_mask=attention_mask, temperature=temperature, routes=routes,
+            return_routes=router_own, router_own=router_own,
+        )  # fmt: skip
 
     def canonical(self) -> dict[str, Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}

@@ -9,8 +9,10 @@ rows recomputed under each older version's retained packed tensors (trainer/vers
 picking its own; tokens of a version no longer held are left out. Staleness is per token (trainer
 version - the token's); a sample's is its oldest token's. Every forward takes at most
 trainer.microbatch_tokens padded tokens (gradients accumulated over a minibatch's chunks). Routing
-replay: every forward routes completion tokens to the rollout's recorded experts (`Batch.routes`).
-The pure parts (`staleness_stats`, `token_stats`, `lr_at`) are tested by hand (tests/unit/test_step.py).
+replay: every forward routes completion tokens to the rollout's recorded experts (`Batch.routes`), and
+the recompute counts how often the trainer's router would have picked the same ones (`route_agreement`).
+The pure parts (`staleness_stats`, `token_stats`, `route_agreement`, `lr_at`) are tested by hand
+(tests/unit/test_step.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Batch:
     recompute_s: float = 0.0  # seconds the recompute took (older versions' forwards included)
     at_version_s: float = 0.0  # of which the older versions' forwards (trainer.versions)
     routes: torch.Tensor | None = None  # [B, T, MoE layers, k] long: replayed expert ids (-1: the router's)
+    routing: dict | None = None  # under replay: route_agreement's counts over the step (tensors)
 
 
 class GRPOStep:
@@ -94,6 +97,16 @@ class GRPOStep:
         if self.replay_routes is not None:
             routes = scatter_routes([t.routed_experts for t in samples], mask, *self.replay_routes).to(self.device)
         rk = (lambda r: {}) if routes is None else (lambda r: {"routes": routes[r]})
+        routing = Counter()
+
+        def prox_forward(r):
+            kw = dict(attention_mask=attn[r], temperature=self.temperature)
+            if routes is None:
+                return self.backend.token_logprobs(tokens[r], targets[r], **kw)
+            logp, own = self.backend.token_logprobs(tokens[r], targets[r], routes=routes[r], router_own=True, **kw)
+            routing.update(route_agreement(own, routes[r], mask[r]))
+            return logp
+
         rows_of = {  # version -> the rows holding a token of it (on the host: no device sync)
             v: ((tv == v) & (mask > 0)).any(dim=1).nonzero().squeeze(-1).to(self.device)
             for v in sorted({int(v) for t in samples for v in np.unique(t.token_versions)})
@@ -102,9 +115,7 @@ class GRPOStep:
             t.to(self.device) for t in (tokens, targets, attn, mask, behav, rewards, adv, tv)
         )
         with torch.no_grad(), self.autocast:
-            prox = self._logprobs(lambda r: self.backend.token_logprobs(
-                tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature, **rk(r)
-            ), torch.arange(len(samples), device=self.device), tokens.shape[1])  # fmt: skip
+            prox = self._logprobs(prox_forward, torch.arange(len(samples), device=self.device), tokens.shape[1])
             self._sync()
             t1 = time.perf_counter()
             by_version, sampled = {}, split_rows(len(samples), self.cfg.mismatch_split_rows).to(self.device)
@@ -125,7 +136,7 @@ class GRPOStep:
         return Batch(
             tokens, targets, attn, mask, behav, rewards, adv, versions, prox, at_version, t0, known=known,
             token_versions=tv, token_known=token_known & on_mask, recompute_s=t2 - t0, at_version_s=t2 - t1,
-            routes=routes,
+            routes=routes, routing=dict(routing) if routes is not None else None,
         )  # fmt: skip
 
     def _sync(self) -> None:
@@ -180,6 +191,7 @@ class GRPOStep:
                 version_known=b.token_known,
                 stale_kv=stale_kv(b.token_versions, b.mask),
             ),
+            **({} if b.routing is None else routing_metrics(b.routing)),
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "clip_frac": stats["clip_frac"] / max(stats["tokens"], 1.0),
             "tis_frac": stats["tis_frac"] / max(stats["tokens"], 1.0),
@@ -198,6 +210,31 @@ def split_rows(n_rows: int, k: int) -> torch.Tensor:
     if not k or k >= n_rows:
         return torch.arange(n_rows)
     return torch.arange(0, n_rows, n_rows // k)[:k]
+
+
+def route_agreement(own: torch.Tensor, replayed: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Counts over the completion tokens (mask [B, T]) of whether the trainer's router picked the
+    replayed experts: own and replayed [B, T, MoE layers, k], compared as sets per (token, layer).
+    pairs / pairs_agree: (token, MoE layer) pairs, and those whose sets are equal; tokens /
+    tokens_agree: tokens, and those equal in every MoE layer. Tensors (summing needs no host sync)."""
+    on = mask > 0
+    same = (own.sort(dim=-1).values == replayed.sort(dim=-1).values).all(dim=-1)[on]  # [tokens, layers]
+    return {
+        "pairs": torch.tensor(same.numel()),
+        "pairs_agree": same.sum(),
+        "tokens": on.sum(),
+        "tokens_agree": same.all(dim=-1).sum(),
+    }
+
+
+def routing_metrics(counts: dict) -> dict[str, float]:
+    """router_agree_frac (of (token, MoE layer) pairs) and tokens_routed_as_rollout_frac (tokens
+    agreeing in every MoE layer) from `route_agreement`'s counts summed over a step; 1.0 for none."""
+    c = {k: float(v) for k, v in counts.items()}
+    return {
+        "router_agree_frac": c["pairs_agree"] / c["pairs"] if c.get("pairs") else 1.0,
+        "tokens_routed_as_rollout_frac": c["tokens_agree"] / c["tokens"] if c.get("tokens") else 1.0,
+    }
 
 
 def stale_kv(token_versions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

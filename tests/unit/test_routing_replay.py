@@ -240,6 +240,28 @@ def test_the_trainer_step_replays_the_routes_it_decoded():
     off, on = rows[False]["logp_abs_diff"], rows[True]["logp_abs_diff"]
     print(f"\ntrainer.step |prox - behavior| mean: {off:.3e} without replay, {on:.3e} with")
     assert on < off
+    # The perturbed router disagrees with the recorded experts somewhere, not everywhere.
+    assert "router_agree_frac" not in rows[False]
+    assert 0.5 < rows[True]["router_agree_frac"] < 1.0
+    assert rows[True]["tokens_routed_as_rollout_frac"] <= rows[True]["router_agree_frac"]
+
+
+def test_under_replay_router_own_returns_the_routers_picks():
+    rollout = Transformer(CFG, seed=1)
+    trainer = _perturbed_router(rollout, scale=0.005)
+    gen = generate(rollout, PROMPTS, n_samples=4, max_new_tokens=12, seeds=list(range(12)), record_routes=True)
+    tokens, targets, attn, mask, routes = _trainer_view(PROMPTS, gen, n_samples=4)
+    on = mask > 0
+    with torch.no_grad():
+        _, used = trainer.token_logprobs(tokens, targets, attention_mask=attn, routes=routes, return_routes=True)
+        _, own = trainer.token_logprobs(
+            tokens, targets, attention_mask=attn, routes=routes, return_routes=True, router_own=True
+        )
+        _, free_own = rollout.token_logprobs(
+            tokens, targets, attention_mask=attn, routes=routes, return_routes=True, router_own=True
+        )
+    assert torch.equal(used[on], routes[on]) and not torch.equal(own[on], routes[on])
+    assert torch.equal(free_own[on], routes[on])  # the rollout's own router picked what it recorded
 
 
 def test_the_trajectory_rule_needs_the_runs_routes():

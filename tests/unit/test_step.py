@@ -9,7 +9,7 @@ import torch
 from trainer.checkpoints import Checkpointer, checkpoints
 from trainer.config import LRSchedule, TrainerConfig
 from trainer.metrics import progress_line
-from trainer.step import lr_at, stale_kv, staleness_stats, token_stats
+from trainer.step import lr_at, route_agreement, routing_metrics, stale_kv, staleness_stats, token_stats
 from trainer.versions import per_token
 
 
@@ -119,3 +119,15 @@ def test_split_rows_spreads_k_rows_evenly_or_takes_all():
     assert split_rows(8, 2).tolist() == [0, 4]
     assert split_rows(10, 3).tolist() == [0, 3, 6]
     assert split_rows(256, 32).tolist() == list(range(0, 256, 8))
+
+
+def test_route_agreement_compares_expert_sets_per_token_and_layer_by_hand():
+    # 1 row, 3 positions (the last is a prompt/pad position), 2 MoE layers, k = 2.
+    replayed = torch.tensor([[[[1, 2], [3, 4]], [[5, 6], [7, 0]], [[1, 1], [1, 1]]]])
+    own = torch.tensor([[[[2, 1], [3, 4]], [[5, 6], [7, 2]], [[0, 3], [2, 4]]]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    c = route_agreement(own, replayed, mask)
+    # token 0: both layers equal as sets ([2, 1] is {1, 2}); token 1: layer 1 differs; token 2: masked.
+    assert {k: int(v) for k, v in c.items()} == {"pairs": 4, "pairs_agree": 3, "tokens": 2, "tokens_agree": 1}
+    assert routing_metrics(c) == {"router_agree_frac": 0.75, "tokens_routed_as_rollout_frac": 0.5}
+    assert routing_metrics({}) == {"router_agree_frac": 1.0, "tokens_routed_as_rollout_frac": 1.0}
