@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from broker.keys import check_name
 from policy.configfile import check_size, parse_override, read_mapping, set_dotted
 from policy.fields import is_int, is_number
 from policy.loop import AsyncConfig, exact_refusal
@@ -76,7 +77,7 @@ class RunConfig:
     """One run: the top-level keys and one section per component (`tandem run --explain KEY`)."""
 
     run_id: str = "demo"
-    """Names the run's Redis keys (tandem:{run_id}:...); letters, digits, '-', '_' and '.'."""
+    """Names the run's Redis keys (tandem:{run_id}:...); 1-64 letters, digits, '-', '_' and '.'."""
     redis_url: str = ""
     """redis://, rediss:// or unix:// URL; empty: `tandem run` starts a private redis-server."""
     num_rollout_workers: int = 2
@@ -112,8 +113,10 @@ class RunConfig:
 
     def __post_init__(self):
         errors = []
-        if not self.run_id or not all(c.isalnum() or c in "-_." for c in self.run_id):
-            errors.append(f"run_id={self.run_id!r} (letters, digits, '-', '_' and '.' only)")
+        try:
+            check_name("run_id", self.run_id)  # the Redis keys' rule, checked before anything starts
+        except ValueError as e:
+            errors.append(str(e))
         if not 0 <= self.num_rollout_workers <= 64:
             errors.append(f"num_rollout_workers={self.num_rollout_workers} (want 0..64)")
         if not 0 <= self.redis_outage_s <= 3600:

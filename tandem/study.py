@@ -16,6 +16,7 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -87,7 +88,7 @@ class Study:
         todo = [(grid_run_name(p), p, False) for p in points] + [(n, o, True) for n, o in self.runs.items()]
         for name, overrides, named in todo:
             cfg = _with(_with(base, self.set), overrides)
-            cfg["run_id"] = name.replace("__", ".")[:100]
+            cfg["run_id"] = study_run_id(name)
             try:
                 resolved = run_config.from_dict(cfg)
                 _check_recipes(resolved)
@@ -111,6 +112,15 @@ def command_line() -> str:
 def grid_run_name(point: dict[str, Any]) -> str:
     """`{"recipe": "bf16", "trainer.backward": "hp"}` -> `recipe-bf16__backward-hp`."""
     return "__".join(f"{k.rsplit('.', 1)[-1]}-{re.sub(r'[^A-Za-z0-9._-]', '-', str(v))}" for k, v in point.items())
+
+
+def study_run_id(name: str) -> str:
+    """A run's run_id: its name with '__' as '.', cut to 64 characters (the limit on run ids) with
+    the first 8 hex digits of the full name's SHA-256 at the end when longer, so that ids stay distinct."""
+    run_id = name.replace("__", ".")
+    if len(run_id) <= 64:
+        return run_id
+    return run_id[:55] + "-" + hashlib.sha256(run_id.encode()).hexdigest()[:8]
 
 
 def _check_recipes(cfg: run_config.RunConfig) -> None:

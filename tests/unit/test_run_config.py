@@ -34,6 +34,7 @@ def test_demo_config_loads_and_overrides_apply():
         ("max_staleness=0", "unknown config key.*max_staleness.*did you mean"),
         ("task.name=chess", "task.name='chess'"),
         ("run_id=a b", "run_id="),
+        ("run_id=" + "r" * 65, r"run_id='r+': want 1-64 characters"),  # the Redis keys' limit, before any process
         ("trainer.max_steps=ten", "trainer.max_steps: expected int"),
         ("nokey", "is not key=value"),
         # bools are ints in Python: never taken as 1 or 1.0

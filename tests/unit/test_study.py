@@ -10,7 +10,7 @@ import yaml
 
 from tandem import config as run_config
 from tandem import services
-from tandem.study import cpu_shares, grid_run_name, load_study
+from tandem.study import cpu_shares, grid_run_name, load_study, study_run_id
 from tandem.study_report import grad_norm_spikes, head_tail_means, moving_average, t_interval
 
 TINY = {"n_layers": 2, "dim": 64, "n_experts": 4, "expert_ffn_dim": 64, "shared_expert_ffn_dim": 64}
@@ -94,6 +94,18 @@ def test_shipped_studies_expand():
     assert names["int4qat-train_bf16-rollout"].alias_of is None
     assert sum(r.alias_of is None for r in ab) == 15 + 6
     assert len(load_study("study/staleness-x-precision.yaml").expand()) == 5 * 5 * 3
+    consistency = load_study("study/consistency.yaml").expand()
+    assert len(consistency) == 3 * 2 * 2 * 2 and all(len(r.config["run_id"]) <= 64 for r in consistency)
+    assert len({r.config["run_id"] for r in consistency}) == len(consistency)
+
+
+def test_a_long_run_name_gets_a_run_id_within_the_limit_and_distinct():
+    a, b = "recipe-nvfp4_moe__exact-False__routing_replay-False__max_staleness-0", "x" * 64
+    assert study_run_id("recipe-bf16__max_staleness-2") == "recipe-bf16.max_staleness-2"
+    assert study_run_id(b) == b
+    cut = study_run_id(a)
+    assert len(cut) == 64 and cut.startswith("recipe-nvfp4_moe.exact-False.routing_replay-False.max_")
+    assert cut != study_run_id(a[:-1] + "2")
 
 
 def test_grid_run_name():
