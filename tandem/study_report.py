@@ -230,6 +230,11 @@ def _log_axis(ax, values: list[float]) -> None:
         ax.set_yscale("log")
     else:
         ax.set_yscale("symlog", linthresh=min(positive) / 2)
+        if min(values) >= 0:
+            ax.set_ylim(bottom=0)  # |Δ log p| is never negative: no empty mirror half
+
+
+LEGEND_INSIDE = 6  # more series than this: one legend beside the figure instead of one per panel
 
 
 LEGEND_FONTSIZE = 9  # readable in a report at the PNGs' size
@@ -350,7 +355,10 @@ def _versus_staleness(study: Study, panels: dict) -> list[tuple[str, Any]]:
                 _log_axis(ax, [r[key] for by_s in series.values() for rs in by_s.values() for r in rs])
             ax.set_title(key)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=LEGEND_FONTSIZE)
+            if len(series) <= LEGEND_INSIDE:
+                ax.legend(fontsize=LEGEND_FONTSIZE)
+        if len(series) > LEGEND_INSIDE:
+            fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize=LEGEND_FONTSIZE)
         fig.suptitle(f"{study.name}: {what} against max_staleness, mean ± std over seeds")
         out.append((fname, fig))
     return out

@@ -316,7 +316,8 @@ def test_report_figures_have_titles_readable_legends_and_integer_ticks(tmp_path)
         for ax in fig.axes:
             if not ax.get_visible():
                 continue
-            assert all(t.get_fontsize() >= LEGEND_FONTSIZE >= 9 for t in ax.get_legend().get_texts()), name
+            legends = [ax.get_legend()] if ax.get_legend() else fig.legends  # many series: one beside the panels
+            assert legends and all(t.get_fontsize() >= LEGEND_FONTSIZE >= 9 for lg in legends for t in lg.get_texts())
             if ax.get_xlabel() in ("trainer step", "max_staleness"):  # 3 steps; staleness 0 and 1
                 lo, hi = ax.get_xlim()
                 ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
@@ -324,3 +325,27 @@ def test_report_figures_have_titles_readable_legends_and_integer_ticks(tmp_path)
     report = write_report(study, runs, out, command="tandem study s.yaml grid.loop.max_staleness=[0,1]").read_text()
     assert "stalenesses 0, 1 and 2" not in report
     assert "What ran: the grid recipe in [bf16, int4_qat] x loop.max_staleness in [0, 1]; named runs: knob." in report
+
+
+def test_a_consistency_grid_plots_router_agreement_with_one_legend_beside_many_series(tmp_path):
+    import json
+
+    from tandem.study_report import figures, summary_rows
+
+    grid = {"recipe": ["bf16", "int4_qat"], "loop.exact": [False, True], "loop.routing_replay": [False, True]}
+    study = load_study(_study(tmp_path, {"grid": grid | {"loop.max_staleness": [0, 1]}}))
+    runs, out = study.expand(), tmp_path / "out"
+    for run in runs:
+        _fake_run(out / run.name, [0.1, 0.2], quant=0.0 if run.keys["loop.exact"] else 1e-7, stale=0.01)
+        if run.keys["loop.routing_replay"]:  # the trainer writes router agreement under replay only
+            path = out / run.name / "metrics.jsonl"
+            rows = [json.loads(ln) | {"router_agree_frac": 0.9} for ln in path.read_text().splitlines()]
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = summary_rows(runs, out)
+    assert {r["router_agree_frac"] for r in rows} == {0.9, None}
+    made = dict(figures(study, runs, rows, out))
+    agree = made["router_agreement_vs_staleness.png"]
+    assert len(agree.legends) == 1 and len(agree.legends[0].get_texts()) == 4  # the replayed settings only
+    mismatch = made["mismatch_vs_staleness.png"]
+    assert len(mismatch.legends[0].get_texts()) == 8 and all(ax.get_legend() is None for ax in mismatch.axes)
+    assert mismatch.axes[0].get_ylim()[0] == 0  # |Δ log p| with exact zeros: symlog from 0, no negative half
