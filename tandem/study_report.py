@@ -234,7 +234,7 @@ def _log_axis(ax, values: list[float]) -> None:
             ax.set_ylim(bottom=0)  # |Δ log p| is never negative: no empty mirror half
 
 
-LEGEND_INSIDE = 6  # more series than this: one legend beside the figure instead of one per panel
+LEGEND_INSIDE = 6  # more series than this: one legend below the panels instead of one per panel
 
 
 LEGEND_FONTSIZE = 9  # readable in a report at the PNGs' size
@@ -339,7 +339,9 @@ def _versus_staleness(study: Study, panels: dict) -> list[tuple[str, Any]]:
     for fname, keys, ylabel, what in specs:
         if not any(r.get(k) is not None for by_s in series.values() for rs in by_s.values() for r in rs for k in keys):
             continue  # router agreement without routing replay: nothing to plot
-        fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), squeeze=False, layout="constrained")
+        below = 0.3 * math.ceil(len(series) / 3) if len(series) > LEGEND_INSIDE else 0  # the legend's rows
+        fig, axes = plt.subplots(1, len(keys), figsize=(max(11, 5.5 * len(keys)), 3.8 + below), squeeze=False,
+                                 layout="constrained")  # fmt: skip
         for ax, key in zip(axes[0], keys):
             for label, by_s in series.items():
                 xs = [s for s in sorted(by_s) if any(r[key] is not None for r in by_s[s])]
@@ -358,7 +360,8 @@ def _versus_staleness(study: Study, panels: dict) -> list[tuple[str, Any]]:
             if len(series) <= LEGEND_INSIDE:
                 ax.legend(fontsize=LEGEND_FONTSIZE)
         if len(series) > LEGEND_INSIDE:
-            fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside right upper", fontsize=LEGEND_FONTSIZE)
+            fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center", ncols=3,
+                       fontsize=LEGEND_FONTSIZE)  # fmt: skip
         fig.suptitle(f"{study.name}: {what} against max_staleness, mean ± std over seeds")
         out.append((fname, fig))
     return out

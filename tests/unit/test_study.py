@@ -316,7 +316,7 @@ def test_report_figures_have_titles_readable_legends_and_integer_ticks(tmp_path)
         for ax in fig.axes:
             if not ax.get_visible():
                 continue
-            legends = [ax.get_legend()] if ax.get_legend() else fig.legends  # many series: one beside the panels
+            legends = [ax.get_legend()] if ax.get_legend() else fig.legends  # many series: one below the panels
             assert legends and all(t.get_fontsize() >= LEGEND_FONTSIZE >= 9 for lg in legends for t in lg.get_texts())
             if ax.get_xlabel() in ("trainer step", "max_staleness"):  # 3 steps; staleness 0 and 1
                 lo, hi = ax.get_xlim()
@@ -327,7 +327,7 @@ def test_report_figures_have_titles_readable_legends_and_integer_ticks(tmp_path)
     assert "What ran: the grid recipe in [bf16, int4_qat] x loop.max_staleness in [0, 1]; named runs: knob." in report
 
 
-def test_a_consistency_grid_plots_router_agreement_with_one_legend_beside_many_series(tmp_path):
+def test_a_consistency_grid_plots_router_agreement_with_one_legend_below_many_series(tmp_path):
     import json
 
     from tandem.study_report import figures, summary_rows
