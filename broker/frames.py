@@ -17,8 +17,10 @@ stream or TP shard cut still reads it. Why: docs/design-decisions.md, "Publishin
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -121,17 +123,45 @@ def manifest_layout(manifest: manifest_pb2.Manifest) -> FrameLayout:
 # -- host buffers --------------------------------------------------------------------------------------
 
 
+def page_aligned_empty(nbytes: int) -> np.ndarray:
+    """Uninitialized bytes in pages of their own (anonymous mapping): CUDA registers whole pages."""
+    return np.frombuffer(
+        mmap.mmap(-1, max(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)), dtype=np.uint8, count=nbytes
+    )
+
+
+def _clear_cuda_error() -> None:
+    """torch.cuda.cudart() leaves a failed call's error pending: the next kernel launch raises it."""
+    for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
+        try:
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD).cudaGetLastError()  # only the copy torch loaded
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+def _unregister(address: int) -> None:
+    rc = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if rc != 0:
+        _clear_cuda_error()
+        log.warning("cudaHostUnregister(%#x) failed (cudaError %d)", address, rc)
+
+
 def page_lock(arr: np.ndarray) -> Callable[[], None]:
     """Page-lock `arr`'s memory in place (cudaHostRegister: host-to-device copies from it run at DMA
     speed); OSError naming the CUDA error if it cannot. The registration ends when the returned
     function is called or when `arr` is freed, whichever comes first: CUDA must never keep a
     registration of freed memory, or copies into memory later allocated at those addresses fail
-    ("CUDA error: invalid argument")."""
+    ("CUDA error: invalid argument"). `arr` must start on a page (`page_aligned_empty`): CUDA pins
+    whole pages, and a copy from a neighbour sharing one of them would fail the same way."""
     address = arr.ctypes.data
+    if address % mmap.PAGESIZE:
+        raise OSError(f"page_lock: the array at {address:#x} does not start on a page (use page_aligned_empty)")
     rc = int(torch.cuda.cudart().cudaHostRegister(address, arr.nbytes, 0))
     if rc != 0:
+        _clear_cuda_error()
         raise OSError(f"cudaHostRegister of {arr.nbytes} bytes failed (cudaError {rc})")
-    return weakref.finalize(arr, torch.cuda.cudart().cudaHostUnregister, address)
+    return weakref.finalize(arr, _unregister, address)
 
 
 class HostBuffer:
@@ -152,7 +182,7 @@ class HostBuffer:
             self.fd, self._mmap = ipc.shared_memory("tandem-policy-frames", max(capacity, 1))
             arr = np.frombuffer(self._mmap, dtype=np.uint8, count=capacity)
         else:
-            arr = np.empty(capacity, dtype=np.uint8)
+            arr = page_aligned_empty(capacity) if pin else np.empty(capacity, dtype=np.uint8)
         self.pinned = False
         if pin and capacity:
             try:

@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from broker import delta as dl
 from broker.delta import HeldPolicy
-from broker.frames import page_lock
+from broker.frames import page_aligned_empty, page_lock
 from broker.signing import RUN_TOKEN_HEADER
 from broker.tls import ClientTLS, TLSHandshakeError, handshake_problem
 from policy.chunks import ChecksumMismatch, chunk_checksums, chunk_count, first_chunk_indices, tensor_sha256
@@ -229,8 +229,9 @@ class ReceiveBuffers:
         return offsets, total
 
     def _allocate(self, nbytes: int) -> np.ndarray:
-        """A new slab of `nbytes` bytes (process-private memory here; shared memory in subclasses)."""
-        return np.empty(nbytes, dtype=np.uint8)
+        """A new slab of `nbytes` bytes (process-private memory here; shared memory in subclasses),
+        in pages of its own when it is to be page-locked."""
+        return page_aligned_empty(nbytes) if self.pinned else np.empty(nbytes, dtype=np.uint8)
 
     def close(self) -> None:
         """Give the slab back (unpinned first)."""

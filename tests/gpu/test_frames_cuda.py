@@ -68,6 +68,8 @@ def test_staged_parts_aliasing_a_parameter_survive_an_in_place_update():
     f = staged.run()
     got = b"".join(f.data[a:b].tobytes() for a, b in f.layout.tensors[0].data)
     assert got == want.view(torch.uint8).cpu().numpy().tobytes()
+    f.release()
+    staged.pool.close()  # unpin what this test pinned (the finalize covers a failure before here)
 
 
 def test_page_locked_memory_freed_without_unlock_leaves_no_registration():
@@ -78,7 +80,7 @@ def test_page_locked_memory_freed_without_unlock_leaves_no_registration():
     nbytes = 48 << 20  # mmap-backed: freed memory goes back, and the next allocation reuses its addresses
     src = torch.arange(nbytes, device="cuda", dtype=torch.int64).to(torch.uint8)
     for _ in range(3):
-        arr = np.empty(nbytes, dtype=np.uint8)
+        arr = frames.page_aligned_empty(nbytes)
         frames.page_lock(arr)  # the unlock dropped on purpose
         address = arr.ctypes.data
         del arr
