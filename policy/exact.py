@@ -1,6 +1,8 @@
-"""Batch-invariant operations of exact mode (`loop.exact`, CPU): each output element is computed by
-one fixed sequence of IEEE fp32 operations on its own inputs, whatever the batch size, the row's
-position in it, the sequence length, the padding or the number of threads. `policy.model` and
+"""Batch-invariant operations of exact mode (`loop.exact`): each output element is computed by one
+fixed sequence of IEEE fp32 operations on its own inputs, whatever the batch size, the row's position
+in it, the sequence length, the padding, the number of threads or the device (the same torch ops run
+on the CPU and on CUDA; exp and log are each device's own, so each side is exact within one kind of
+device). `policy.model` and
 `policy.compute` call these where the model's hook says `exact`; the default path never does.
 
 The orders (another implementation matches these bit for bit by doing the same operations):
@@ -16,8 +18,9 @@ The orders (another implementation matches these bit for bit by doing the same o
   (hidden keys add zeros; the sign of an all-zero sum is not part of the contract).
 - rms_norm(x) = (x * (1 / sqrt(tree_sum(x * x) / K + eps))) * w; silu(x) = x / (1 + exp(-x)).
 - softmax(x) = e / tree_sum(e), log_softmax(x) = (x - m) - log(tree_sum(e)), e = exp(x - m), m = max.
-exp and log are torch's CPU kernels, per element on the builds used (tests/unit/test_exact.py
-checks that a value's result does not depend on where it sits). Gradients: each op's backward is
+exp and log are torch's kernels of the device, per element on the builds used (tests/unit/test_exact.py
+checks on the CPU that a value's result does not depend on where it sits; tests/gpu/test_exact_gpu.py
+the whole rollout-against-trainer comparison on CUDA). Gradients: each op's backward is
 the ordinary op's (`_ExactForward`); exactness is a property of the forward only.
 """
 
@@ -32,7 +35,7 @@ from torch import Tensor
 
 __all__ = ["attention", "log_softmax", "mm", "rms_norm", "scaled_log_softmax", "silu", "softmax", "tree_sum"]
 
-_CHUNK = 1 << 21  # elements of one product buffer (the order does not depend on it)
+_CHUNKS = {"cpu": 1 << 21, "cuda": 1 << 26}  # elements of one product buffer (the order does not depend on it)
 _LOCAL = threading.local()
 
 
@@ -53,13 +56,18 @@ def tree_sum(x: Tensor, dim: int = -1, *, keepdim: bool = False) -> Tensor:
     return x if keepdim else x.squeeze(dim)
 
 
+def _chunk(device: torch.device) -> int:
+    """Products held at once on `device`: CUDA takes bigger buffers, to launch fewer kernels."""
+    return _CHUNKS.get(device.type, _CHUNKS["cpu"])
+
+
 def _scratch(shape: tuple, device: torch.device) -> Tensor:
     """An fp32 buffer of `shape`, reused by this thread (a fresh large tensor per call costs more in
     page faults than the products it holds)."""
     n = math.prod(shape)
     buf = getattr(_LOCAL, "buf", None)
     if buf is None or buf.numel() < n or buf.device != device:
-        buf = _LOCAL.buf = torch.empty(max(n, _CHUNK), dtype=torch.float32, device=device)
+        buf = _LOCAL.buf = torch.empty(max(n, _chunk(device)), dtype=torch.float32, device=device)
     return buf[:n].view(shape)
 
 
@@ -83,12 +91,12 @@ def _mm(x: Tensor, w: Tensor) -> Tensor:
     """[M, N] fp32 for x [M, K], w [N, K], rows in chunks. Few rows: the products [M, N, K] as the
     operands lie; else [K, M, N] (k leading: contiguous halves), from transposed copies."""
     x, w = x.float(), w.float()
-    M, K, N = x.shape[0], x.shape[1], w.shape[0]
-    cols = max(1, min(N, _CHUNK // max(1, K * min(M, 16))))
+    M, K, N, chunk = x.shape[0], x.shape[1], w.shape[0], _chunk(x.device)
+    cols = max(1, min(N, chunk // max(1, K * min(M, 16))))
     if M < 16:
         return torch.cat([_dot(x[:, None, :], w[j : j + cols][None], -1) for j in range(0, N, cols)], 1)
     xt, wt = x.t().contiguous(), w.t().contiguous()  # [K, M], [K, N]
-    rows = max(1, _CHUNK // max(1, K * cols))
+    rows = max(1, chunk // max(1, K * cols))
     return torch.cat(
         [
             torch.cat([_dot(xt[:, i : i + rows, None], wt[:, None, j : j + cols]) for j in range(0, N, cols)], 1)
@@ -139,9 +147,9 @@ def _gather_keys(v: Tensor, order: Tensor) -> Tensor:
 def _attention_chunks(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """_attention over chunks of batch rows and queries (each output independent of the others)."""
     B, H, T, hd = q.shape
-    per_query = H * k.shape[2] * hd  # products of one row's query
-    bs = max(1, min(B, _CHUNK // per_query))
-    ts = max(1, _CHUNK // (bs * per_query))
+    per_query, chunk = H * k.shape[2] * hd, _chunk(q.device)  # products of one row's query
+    bs = max(1, min(B, chunk // per_query))
+    ts = max(1, chunk // (bs * per_query))
     q, k, v = q.float(), k.float(), v.float()
     return torch.cat(
         [

@@ -34,9 +34,11 @@ class AsyncConfig:
     """True: exact mode. The rollout engine and the trainer (recompute and training forward) compute
     every log-prob with `policy.exact`'s batch-invariant ops, so a token's behavior log-prob equals
     the trainer's recompute at the version that sampled it bit for bit (`logp_abs_diff_quant` 0).
-    CPU only for now (rollout.device and trainer.device 'cpu', trainer.backend 'torch': there are
-    no exact GPU kernels yet), so a worker runs the CPU engine (rollout/engine.py), never the packed
-    one; several times slower than the default (docs/benchmarks.md, "Exact mode")."""
+    A worker then runs the model's engine (rollout/engine.py, fp32) on its device, never the packed
+    engine; the trainer needs trainer.backend 'torch' and, on CUDA, trainer.dtype 'float32'. The same
+    ops run on the CPU and on CUDA (elementwise IEEE fp32 arithmetic): several times slower than the
+    default on the CPU, far slower on a GPU, where there are no exact kernels yet (docs/benchmarks.md,
+    "Exact mode")."""
 
     routing_replay: bool = False
     """True (MoE models): rollout routing replay (R3). Each trajectory carries, per completion token
@@ -62,19 +64,17 @@ class AsyncConfig:
             raise ValueError("AsyncConfig: " + "; ".join(errors))
 
 
-def exact_refusal(rollout_device: str | None, trainer_device: str | None, trainer_backend: str | None) -> str | None:
-    """The one-line reason `loop.exact` cannot run with these settings (None: it can). Exact mode is
-    CPU only: no exact GPU kernels exist yet. A side that does not know the other's setting passes None."""
+def exact_refusal(trainer_device: str, trainer_backend: str, trainer_dtype: str) -> str | None:
+    """The one-line reason `loop.exact` cannot run with these trainer settings (None: it can). The
+    rollout side runs anywhere: its exact forward is the model's, on rollout.device, in fp32."""
     bad = []
-    if rollout_device is not None and rollout_device != "cpu":
-        bad.append(f"rollout.device={rollout_device!r}")
-    if trainer_device is not None and trainer_device != "cpu":
-        bad.append(f"trainer.device={trainer_device!r}")
-    if trainer_backend is not None and trainer_backend != "torch":
+    if trainer_backend != "torch":
         bad.append(f"trainer.backend={trainer_backend!r}")
+    if trainer_device.startswith("cuda") and trainer_dtype != "float32":
+        bad.append(f"trainer.dtype={trainer_dtype!r} on {trainer_device}")
     if not bad:
         return None
     return (
-        f"loop.exact=true with {', '.join(bad)}: exact mode runs on the CPU only for now (rollout.device "
-        "and trainer.device 'cpu', trainer.backend 'torch'; no exact GPU kernels yet)"
+        f"loop.exact=true with {', '.join(bad)}: exact mode needs trainer.backend 'torch' and, on CUDA, "
+        "trainer.dtype 'float32' (both sides compute the exact forward in fp32)"
     )

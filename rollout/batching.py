@@ -7,9 +7,9 @@
     b.swap(v', inflight=True)                          between two steps, rows live (loop.inflight_updates)
 
 One `step`: admit what the scheduler lets in (each new group's prompt prefilled once, copied into its
-samples' slots), advance every live row (one decode step on the CPU, `check_every` graph replays on
-the GPU), free finished rows, emit finished groups. A row's samples depend only on its prompt, seed
-and own token index, never on who shares the batch. Backends: `CpuBackend` (rollout/engine.py) and
+samples' slots), advance every live row (one decode step of the model, `check_every` graph replays
+of the packed engine), free finished rows, emit finished groups. A row's samples depend only on its prompt, seed
+and own token index, never on who shares the batch. Backends: `ModelBackend` (rollout/engine.py) and
 `PackedBackend` (rollout/packed_engine.py). Versions per token: the one whose weights computed the
 token's logits; after an in-flight swap live rows keep their KV (`tokens_on_stale_kv`). Routing
 replay: each sample's `routes` [n, n MoE layers, k] uint8 (uint16 past 256 experts), else None."""
@@ -30,7 +30,7 @@ from rollout.scheduler import Scheduler
 
 __all__ = [
     "ContinuousBatcher",
-    "CpuBackend",
+    "ModelBackend",
     "GroupResult",
     "PackedBackend",
     "route_dtype",
@@ -227,34 +227,37 @@ class ContinuousBatcher:
 
 
 # --------------------------------------------------------------------------------------------------
-# The CPU engine (rollout/engine.py) as a backend
+# The model's engine (rollout/engine.py) as a backend: the CPU path, and exact mode on CUDA
 
 
 @dataclass
-class _CpuPrefix:
+class _ModelPrefix:
     k: list  # per layer [Hkv, T, hd]
     v: list
     logits: Tensor  # [V] fp32
     routes: Tensor | None = None  # [n MoE layers, k]: the last prompt position's expert ids
 
 
-class CpuBackend:
-    """Continuous batching on the CPU engine: the live rows share one lockstep `KVCache` (rows advance
-    together; each row's keys are the valid columns of its row, its RoPE positions its own count).
-    Whenever rows join (admission) or leave (finish), the cache is rebuilt with exactly the live rows,
-    each row's valid keys moved to the left in order (attention reads the same keys at the same
-    positions, so results are unchanged up to float reduction order), and capacity for the longest
-    remaining continuation: the CPU never decodes dead rows. Each row samples from its own
-    `torch.Generator(seed)` (rollout/engine.py's Gumbel-max), so its draws do not depend on when it
-    joined. record_routes: each row records its tokens' expert ids (routing replay)."""
+class ModelBackend:
+    """Continuous batching on `policy.model.Transformer` through rollout/engine.py, on the model's
+    device (the CPU path, and exact mode on CUDA): the live rows share one lockstep `KVCache` (rows
+    advance together; each row's keys are the valid columns of its row, its RoPE positions its own
+    count). Whenever rows join (admission) or leave (finish), the cache is rebuilt with exactly the
+    live rows, each row's valid keys moved to the left in order (attention reads the same keys at the
+    same positions, so results are unchanged up to float reduction order; in exact mode bit for bit),
+    and capacity for the longest remaining continuation: dead rows are never decoded. Each row samples
+    from its own `torch.Generator(seed)` on the host (rollout/engine.py's Gumbel-max), so its draws do
+    not depend on when it joined or on the device. record_routes: each row records its tokens' expert
+    ids (routing replay)."""
 
     def __init__(
         self, model: Transformer, *, slots: int, temperature: float, stop: set, pad_id: int, record_routes: bool = False
     ):
         self.model, self.slots, self.temperature, self.pad_id = model, slots, float(temperature), pad_id
+        self.device = model.lm_head.weight.device
         self.record_routes = record_routes and bool(model.moe_layers())  # a dense model has none to record
         self.routes: Tensor | None = None  # [R, n MoE layers, k]: the expert ids behind each row's logits
-        self.stop = torch.tensor(sorted(stop), dtype=torch.long)
+        self.stop = torch.tensor(sorted(stop), dtype=torch.long, device=self.device)
         self.rows: list[int] = []  # slot of each cache row
         self.cache: KVCache | None = None
         self.logits: Tensor | None = None  # [R, V]: the next-token logits of each row (to sample)
@@ -272,7 +275,7 @@ class CpuBackend:
             raise ValueError(f"prompt {prompt_len} + max_new_tokens {max_new} > max_seq_len {cap}")
 
     @torch.no_grad()
-    def prefill(self, prompts: list) -> list[_CpuPrefix]:
+    def prefill(self, prompts: list) -> list[_ModelPrefix]:
         cfg = self.model.cfg
         L = max(len(p) for p in prompts)
         tokens = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
@@ -280,10 +283,12 @@ class CpuBackend:
         for b, p in enumerate(prompts):  # left padding, as rollout.engine.generate
             tokens[b, L - len(p) :] = torch.as_tensor(p, dtype=torch.long)
             mask[b, L - len(p) :] = True
-        cache = KVCache(cfg, len(prompts), L, dtype=self.model.lm_head.weight.dtype)
-        logits, ids = prefill(self.model, tokens, mask, cache, routes=True)  # ids: [B, layers, k], cheap
+        cache = KVCache(cfg, len(prompts), L, dtype=self.model.lm_head.weight.dtype, device=self.device)
+        logits, ids = prefill(
+            self.model, tokens.to(self.device), mask.to(self.device), cache, routes=True
+        )  # ids: [B, layers, k], cheap
         return [
-            _CpuPrefix(
+            _ModelPrefix(
                 [k[b, :, L - len(p) :].clone() for k, _ in cache.layers],
                 [v[b, :, L - len(p) :].clone() for _, v in cache.layers],
                 logits[b].clone(),
@@ -292,7 +297,7 @@ class CpuBackend:
             for b, p in enumerate(prompts)
         ]
 
-    def admit(self, prefix: _CpuPrefix, slots: list[int], seeds: list[int], max_new: list[int]) -> None:
+    def admit(self, prefix: _ModelPrefix, slots: list[int], seeds: list[int], max_new: list[int]) -> None:
         n = len(slots)
         for s in slots:
             self.out[s] = [[], [], False, []]
@@ -312,21 +317,22 @@ class CpuBackend:
         if not self.rows:
             return []
         if not bool(torch.isfinite(self.logits).all()):
-            raise NonFinite("CPU engine: non-finite logits (NaN/Inf) in this batch")
+            raise NonFinite("model engine: non-finite logits (NaN/Inf) in this batch")
         done = []
         gens = self.gens if self.temperature > 0 else None
         nxt, lp = sample(self.logits, self.temperature, gens, exact=self.model.exact)
-        hit = torch.isin(nxt, self.stop)
+        hit = torch.isin(nxt, self.stop).tolist()
+        tokens, logprobs = nxt.tolist(), lp.tolist()  # one copy to the host per step
         keep = []
         for r, slot in enumerate(self.rows):
             o = self.out[slot]
-            o[0].append(int(nxt[r]))
-            o[1].append(float(lp[r]))
+            o[0].append(tokens[r])
+            o[1].append(logprobs[r])
             if self.record_routes:
                 o[3].append(self.routes[r])
             self.remaining[r] -= 1
-            if bool(hit[r]) or self.remaining[r] == 0:
-                o[2] = bool(hit[r])
+            if hit[r] or self.remaining[r] == 0:
+                o[2] = hit[r]
                 done.append(slot)
             else:
                 keep.append(r)
@@ -335,11 +341,11 @@ class CpuBackend:
             self.rows = [self.rows[r] for r in keep]
             self.gens = [self.gens[r] for r in keep]
             self.remaining = [self.remaining[r] for r in keep]
-            nxt = nxt[keep]
+            nxt = nxt[torch.tensor(keep, dtype=torch.long, device=self.device)]
         if self.rows:
             if self.cache.length + 1 > self.cache.capacity:
                 self._rebuild(list(range(len(self.rows))))
-            alive = torch.ones(len(self.rows), dtype=torch.bool)
+            alive = torch.ones(len(self.rows), dtype=torch.bool, device=self.device)
             if self.record_routes:
                 self.logits, self.routes = decode_one_token(self.model, nxt, alive, self.cache, routes=True)
             else:
@@ -352,7 +358,7 @@ class CpuBackend:
         tokens, logprobs, stopped, ids = self.out[slot]
         routes = None
         if self.record_routes:
-            routes = torch.stack(ids).numpy().astype(route_dtype(self.model.cfg.n_experts))
+            routes = torch.stack(ids).cpu().numpy().astype(route_dtype(self.model.cfg.n_experts))
         return tokens, logprobs, stopped, routes
 
     def fresh_from(self, slots: list[int]) -> list[int]:
@@ -371,7 +377,7 @@ class CpuBackend:
         blocks = []  # (k per layer, v per layer, valid counts, next positions) of each row block
         longest = max([self.remaining[r] for r in keep], default=1)
         if old is not None and keep:
-            kidx = torch.tensor(keep, dtype=torch.long)
+            kidx = torch.tensor(keep, dtype=torch.long, device=self.device)
             valid = old.key_valid[kidx, : old.length]
             count = valid.sum(dim=1)
             order = (~valid).to(torch.int8).argsort(dim=1, stable=True)[:, : int(count.max())]  # valid first
@@ -384,7 +390,7 @@ class CpuBackend:
         if add is not None:
             prefix, n, max_new = add
             T = prefix.k[0].shape[1]
-            full = torch.full((n,), T, dtype=torch.long)
+            full = torch.full((n,), T, dtype=torch.long, device=self.device)
             blocks.append(
                 (
                     [k[None].expand(n, -1, -1, -1) for k in prefix.k],
@@ -400,7 +406,7 @@ class CpuBackend:
         count = torch.cat([b[2] for b in blocks])
         width = int(count.max())
         dtype = blocks[0][0][0].dtype
-        cache = KVCache(cfg, len(count), min(cfg.max_seq_len, width + longest), dtype=dtype)
+        cache = KVCache(cfg, len(count), min(cfg.max_seq_len, width + longest), dtype=dtype, device=self.device)
         r0 = 0
         for ks, vs, c, _ in blocks:
             w, r1 = ks[0].shape[2], r0 + len(c)
@@ -408,7 +414,7 @@ class CpuBackend:
                 k[r0:r1, :, :w] = ks[i]
                 v[r0:r1, :, :w] = vs[i]
             r0 = r1
-        cache.key_valid[:, :width] = torch.arange(width)[None, :] < count[:, None]
+        cache.key_valid[:, :width] = torch.arange(width, device=self.device)[None, :] < count[:, None]
         cache.next_pos = torch.cat([b[3] for b in blocks])
         cache.length = width
         self.cache = cache

@@ -52,14 +52,14 @@ from policy import qat
 from policy.chunks import ChecksumMismatch
 from policy.contract import contract_from_recipe
 from policy.formats import NonFinite
-from policy.loop import AsyncConfig, exact_refusal
+from policy.loop import AsyncConfig
 from policy.manifest_check import check_manifest, expected_tensors
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout.fetch_process import FetchProcess, FetchRequest
 from rollout.packed_engine import EngineConfig, PackedEngine, resolve_device
 
-from .batching import ContinuousBatcher, CpuBackend, GroupResult, PackedBackend, stale_kv_tokens
+from .batching import ContinuousBatcher, GroupResult, ModelBackend, PackedBackend, stale_kv_tokens
 from .config import RolloutConfig
 from .metrics import WorkerMetrics, WorkerStats
 from .prompt_check import PromptRules, check_prompt
@@ -112,12 +112,9 @@ class RolloutWorker:
         self.redis_url, self.redis_outage_s, self.signer = redis_url, redis_outage_s, signer
         self.task = task
         self.recipe = recipe
-        if loop.exact and (why := exact_refusal(cfg.device, None, None)):
-            raise ValueError(why)
         self.device = _device(cfg)
         self.model_config = model_config
-        # CPU: one model whose weights each version overwrites. CUDA: one PackedEngine, updated in place.
-        self.model = Transformer(model_config, seed=None) if self.device.type == "cpu" else None
+        self.model = _model(model_config, self.device, exact=loop.exact)
         self.engine: PackedEngine | None = None
         self.fetcher, self.host_buffers = self._receivers()
         self.fingerprint = contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
@@ -806,10 +803,19 @@ class RolloutWorker:
         eos = self.task.tokenizer.eos_id
         stop = set() if eos is None or self.cfg.ignore_stop else {eos}
         if self.engine is None:
-            return CpuBackend(
+            return ModelBackend(
                 self.model, slots=self.cfg.max_batch, stop=stop, record_routes=self.loop.routing_replay, **kw
             )
         return PackedBackend(self.engine, stop=stop, **kw)
+
+
+def _model(cfg: ModelConfig, device, *, exact: bool) -> Transformer | None:
+    """On the CPU, and in exact mode on CUDA (the exact forward is the model's): one model whose
+    weights each version overwrites. On CUDA otherwise None: the worker builds a PackedEngine."""
+    if device.type != "cpu" and not exact:
+        return None
+    with device:
+        return Transformer(cfg, seed=None)
 
 
 def _device(cfg: RolloutConfig):

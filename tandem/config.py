@@ -131,7 +131,7 @@ class RunConfig:
                 "loop.routing_replay=true with trainer.backend='megatron' (its MoE router takes no forced "
                 "routing here: use trainer.backend='torch')"
             )
-        if self.loop.exact and (why := exact_refusal(self.rollout.device, self.trainer.device, self.trainer.backend)):
+        if self.loop.exact and (why := exact_refusal(self.trainer.device, self.trainer.backend, self.trainer.dtype)):
             errors.append(why)
         if errors:
             raise ValueError("RunConfig: " + "; ".join(errors))

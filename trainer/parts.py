@@ -102,7 +102,7 @@ def build_parts(
     if cfg.warmstart_until and task.warmstart_score is None:
         raise ValueError(f"trainer.warmstart_until={cfg.warmstart_until} but the trainer was given no score")
     replay = _replayed_layers(cfg, loop, model_config)
-    if loop.exact and (why := exact_refusal(None, cfg.device, cfg.backend)):
+    if loop.exact and (why := exact_refusal(cfg.device, cfg.backend, cfg.dtype)):
         raise ValueError(why)
     backend = make_backend(cfg, model_config, recipe, seed=loop.seed, exact=loop.exact)
     contracts = Contracts.of(model_config, recipe, rollout_recipe)

@@ -17,7 +17,7 @@ from policy import qat
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
 from rollout import sampling
-from rollout.batching import ContinuousBatcher, CpuBackend, PackedBackend
+from rollout.batching import ContinuousBatcher, ModelBackend, PackedBackend
 from rollout.engine import generate
 from rollout.packed_engine import EngineConfig, PackedEngine
 
@@ -81,7 +81,7 @@ def test_cpu_engine_continuous_equals_each_group_alone(temperature):
     model = sharp(1)
     free = generate(model, [GROUPS[2][0]], max_new_tokens=6, temperature=0.0)
     eos = int(free.tokens[0, 3])  # a token the model does produce: some rows stop early
-    backend = CpuBackend(model, slots=4, temperature=temperature, stop={eos}, pad_id=0)
+    backend = ModelBackend(model, slots=4, temperature=temperature, stop={eos}, pad_id=0)
     out = run_groups(backend, GROUPS, max_inflight=3)
     assert sorted(out) == list(range(len(GROUPS)))
     stopped_early = 0
@@ -144,7 +144,7 @@ def test_sampler_counter_is_the_rows_own_token_index():
 
 def test_prefix_is_held_for_waiting_samples_and_freed_at_the_last_admission():
     model = sharp(1)
-    backend = CpuBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0)
+    backend = ModelBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0)
     b = ContinuousBatcher(backend, max_inflight_groups=2, version=1)
     b.submit("a", [1, 2, 3], [1, 2, 3, 4, 5], max_new_tokens=3)
     b.submit("b", [4, 5], [6], max_new_tokens=2)
@@ -164,18 +164,18 @@ def test_prefix_is_held_for_waiting_samples_and_freed_at_the_last_admission():
 def test_versions_swap_only_when_drained_and_every_group_carries_its_version():
     v1, v2 = sharp(1), sharp(2)
     b = ContinuousBatcher(
-        CpuBackend(v1, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=3, version=1
+        ModelBackend(v1, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=3, version=1
     )
     b.submit("a", [1, 2, 3], [1, 2, 3], max_new_tokens=6)  # 3 samples, 2 slots: one waits
     b.submit("b", [4, 5], [4], max_new_tokens=6)
     done = b.step()
     b.request_swap()
     with pytest.raises(ValueError, match="swap to v2 refused"):
-        b.swap(2, CpuBackend(v2, slots=2, temperature=1.0, stop=set(), pad_id=0))
+        b.swap(2, ModelBackend(v2, slots=2, temperature=1.0, stop=set(), pad_id=0))
     while not b.drained:
         done += b.step()
     assert [r.key for r in done] == ["a"] and done[0].version == 1  # b never started under v1
-    b.swap(2, CpuBackend(v2, slots=2, temperature=1.0, stop=set(), pad_id=0))
+    b.swap(2, ModelBackend(v2, slots=2, temperature=1.0, stop=set(), pad_id=0))
     b.submit("c", [4, 5], [4], max_new_tokens=6)
     rest = {r.key: r for r in b.run()}
     assert rest["b"].version == 2 and rest["c"].version == 2
@@ -188,7 +188,7 @@ def test_versions_swap_only_when_drained_and_every_group_carries_its_version():
 def test_capacity_errors_are_one_clear_line():
     model = sharp(1)
     b = ContinuousBatcher(
-        CpuBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=1, version=1
+        ModelBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=1, version=1
     )
     with pytest.raises(ValueError, match=r"max_seq_len"):
         b.submit("x", [1] * TINY.max_seq_len, [1], max_new_tokens=1)
@@ -209,7 +209,7 @@ def test_per_sample_budgets(engine):
     budgets, seeds, prompt = [2, 7, 4], [5, 6, 7], [1, 2, 3]
     if engine == "cpu":
         model = sharp(1)
-        backend = CpuBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0)
+        backend = ModelBackend(model, slots=2, temperature=1.0, stop=set(), pad_id=0)
         alone = [
             generate(model, [prompt], max_new_tokens=m, seeds=[s]).completions()[0] for m, s in zip(budgets, seeds)
         ]

@@ -12,7 +12,7 @@ import torch
 from policy import qat
 from policy.model import KVCache, ModelConfig, Transformer
 from policy.recipe import Recipe
-from rollout.batching import ContinuousBatcher, CpuBackend, PackedBackend, stale_kv_tokens, token_versions
+from rollout.batching import ContinuousBatcher, ModelBackend, PackedBackend, stale_kv_tokens, token_versions
 from rollout.engine import decode_one_token, forced_logprobs, generate, prefill
 from rollout.packed_engine import EngineConfig, PackedEngine
 
@@ -56,7 +56,7 @@ def test_cpu_in_flight_swap_records_each_tokens_version_and_keeps_the_kv():
     v1, v2 = sharp(1), sharp(2)
     live = sharp(1)  # the worker's one model, updated in place
     b = ContinuousBatcher(
-        CpuBackend(live, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=3, version=1
+        ModelBackend(live, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=3, version=1
     )
     b.submit("a", [1, 2, 3], [11, 12, 13], max_new_tokens=8)  # 3 samples, 2 slots: one waits on the prefix
     done = []
@@ -89,12 +89,12 @@ def test_cpu_in_flight_swap_records_each_tokens_version_and_keeps_the_kv():
 def test_an_in_flight_swap_refuses_a_new_backend_while_rows_live():
     live = sharp(1)
     b = ContinuousBatcher(
-        CpuBackend(live, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=1, version=1
+        ModelBackend(live, slots=2, temperature=1.0, stop=set(), pad_id=0), max_inflight_groups=1, version=1
     )
     b.submit("a", [1, 2], [1], max_new_tokens=4)
     b.step()
     with pytest.raises(ValueError, match="no new backend"):
-        b.swap(2, CpuBackend(sharp(2), slots=2, temperature=1.0, stop=set(), pad_id=0), inflight=True)
+        b.swap(2, ModelBackend(sharp(2), slots=2, temperature=1.0, stop=set(), pad_id=0), inflight=True)
 
 
 def _packed(seed: int):

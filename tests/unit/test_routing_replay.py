@@ -22,7 +22,7 @@ from policy import qat
 from policy.loop import AsyncConfig
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
-from rollout.batching import ContinuousBatcher, CpuBackend, PackedBackend
+from rollout.batching import ContinuousBatcher, ModelBackend, PackedBackend
 from rollout.engine import generate
 from rollout.packed_engine import EngineConfig, PackedEngine
 from trainer.backends import make_backend
@@ -168,7 +168,7 @@ def test_the_batchers_carry_each_samples_routes(kind):
     ref, eng = _engine("int4_qat", max_batch=4)
     groups = [(g, p, [10 * g + i for i in range(3)]) for g, p in enumerate(PROMPTS)]
     if kind == "cpu":
-        backend = CpuBackend(ref, slots=4, temperature=1.0, stop=set(), pad_id=0, record_routes=True)
+        backend = ModelBackend(ref, slots=4, temperature=1.0, stop=set(), pad_id=0, record_routes=True)
     else:
         backend = PackedBackend(eng, temperature=1.0, stop=set(), pad_id=0, check_every=2)
     out = _run(backend, groups)
@@ -188,10 +188,10 @@ def test_the_batchers_carry_each_samples_routes(kind):
 def test_without_replay_or_without_moe_layers_nothing_is_recorded():
     model = Transformer(CFG, seed=1)
     assert generate(model, PROMPTS, max_new_tokens=3, seeds=[1, 2, 3]).routes is None
-    out = _run(CpuBackend(model, slots=4, temperature=1.0, stop=set(), pad_id=0), [(0, PROMPTS[0], [1, 2])])
+    out = _run(ModelBackend(model, slots=4, temperature=1.0, stop=set(), pad_id=0), [(0, PROMPTS[0], [1, 2])])
     assert out[0].routes == [None, None]
     dense = Transformer(ModelConfig.preset("tiny-dense", n_layers=2), seed=1)
-    backend = CpuBackend(dense, slots=4, temperature=1.0, stop=set(), pad_id=0, record_routes=True)
+    backend = ModelBackend(dense, slots=4, temperature=1.0, stop=set(), pad_id=0, record_routes=True)
     assert _run(backend, [(0, PROMPTS[0], [1, 2])])[0].routes == [None, None]
 
 
