@@ -97,3 +97,25 @@ def test_page_locked_memory_freed_without_unlock_leaves_no_registration():
     gc.collect()
     torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).copy_(src)
     torch.cuda.synchronize()
+
+
+def test_host_memory_beside_a_live_registration_copies_to_the_gpu():
+    """CUDA pins whole pages: a page-locked buffer lies in pages of its own, so small host tensors
+    allocated while it is registered never share a page with it and copy as pageable memory."""
+    buf = frames.HostBuffer(1_048_632, pin=True)  # an odd size, not a whole number of pages
+    assert buf.pinned and buf.array.ctypes.data % 4096 == 0
+    for n in (64, 512, 3000, 8000) * 25:
+        t = torch.full((n,), 3, dtype=torch.uint8)
+        assert int(t.cuda().sum()) == 3 * n
+    buf.close()
+
+
+def test_a_failed_registration_leaves_no_error_for_the_next_kernel():
+    """cudaHostRegister of memory already registered fails; the runtime keeps that error as its last
+    one, which the next kernel launch anywhere would raise unless page_lock clears it."""
+    arr = frames.page_aligned_empty(8192)
+    unlock = frames.page_lock(arr)
+    with pytest.raises(OSError, match="cudaHostRegister of 8192 bytes failed"):
+        frames.page_lock(arr)
+    assert float(torch.ones(4, device="cuda").mul_(2).sum()) == 8.0
+    unlock()
