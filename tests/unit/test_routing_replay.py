@@ -69,6 +69,10 @@ def test_the_trainer_forward_uses_the_rollouts_experts_for_every_completion_toke
     logp, used = model.token_logprobs(tokens, targets, attention_mask=attn, routes=routes, return_routes=True)
     assert used.shape == (*tokens.shape, LAYERS, K)
     assert torch.equal(used[on], routes[on])  # every completion token, every MoE layer, every slot
+    _, own = model.token_logprobs(
+        tokens, targets, attention_mask=attn, routes=routes, return_routes=True, router_own=True
+    )
+    assert torch.equal(own[on], routes[on])  # the same router picks what it recorded: agreement 1
     # Same weights: the replayed forward is the rollout's forward, log-probs within fp32 rounding.
     behav = torch.cat([gen.logprobs[r, :n] for r, n in enumerate(gen.lengths.tolist())])
     torch.testing.assert_close(logp[on], behav, rtol=1e-5, atol=1e-5)
@@ -89,6 +93,11 @@ def test_a_perturbed_router_flips_routing_without_replay_but_not_with_it():
     flipped = (used_free[on].sort(dim=-1).values != routes[on].sort(dim=-1).values).any(dim=-1)  # [tokens, layers]
     assert int(flipped.sum()) > 0, "the perturbation flipped no routing: the test checks nothing"
     assert torch.equal(used_replay[on], routes[on])
+    with torch.no_grad():
+        _, own = trainer.token_logprobs(
+            tokens, targets, attention_mask=attn, routes=routes, return_routes=True, router_own=True
+        )
+    assert not torch.equal(own[on], routes[on])  # router_own: the perturbed router's picks, not the replayed ids
     diff_free = (free[on] - behav).abs()
     diff_replay = (replay[on] - behav).abs()
     print(
@@ -244,24 +253,6 @@ def test_the_trainer_step_replays_the_routes_it_decoded():
     assert "router_agree_frac" not in rows[False]
     assert 0.5 < rows[True]["router_agree_frac"] < 1.0
     assert rows[True]["tokens_routed_as_rollout_frac"] <= rows[True]["router_agree_frac"]
-
-
-def test_under_replay_router_own_returns_the_routers_picks():
-    rollout = Transformer(CFG, seed=1)
-    trainer = _perturbed_router(rollout, scale=0.005)
-    gen = generate(rollout, PROMPTS, n_samples=4, max_new_tokens=12, seeds=list(range(12)), record_routes=True)
-    tokens, targets, attn, mask, routes = _trainer_view(PROMPTS, gen, n_samples=4)
-    on = mask > 0
-    with torch.no_grad():
-        _, used = trainer.token_logprobs(tokens, targets, attention_mask=attn, routes=routes, return_routes=True)
-        _, own = trainer.token_logprobs(
-            tokens, targets, attention_mask=attn, routes=routes, return_routes=True, router_own=True
-        )
-        _, free_own = rollout.token_logprobs(
-            tokens, targets, attention_mask=attn, routes=routes, return_routes=True, router_own=True
-        )
-    assert torch.equal(used[on], routes[on]) and not torch.equal(own[on], routes[on])
-    assert torch.equal(free_own[on], routes[on])  # the rollout's own router picked what it recorded
 
 
 def test_the_trajectory_rule_needs_the_runs_routes():
