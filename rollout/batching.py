@@ -7,9 +7,9 @@
     b.swap(v', inflight=True)                          between two steps, rows live (loop.inflight_updates)
 
 One `step`: admit what the scheduler lets in (each new group's prompt prefilled once, copied into its
-samples' slots), advance every live row (one decode step of the model, `check_every` graph replays
-of the packed engine), free finished rows, emit finished groups. A row's samples depend only on its prompt, seed
-and own token index, never on who shares the batch. Backends: `ModelBackend` (rollout/engine.py) and
+samples' slots), advance every live row (one decode step of the model, `check_every` graph replays of
+the packed engine), free finished rows, emit finished groups. A row's samples depend only on its
+prompt, seed and own token index, never on who shares the batch. Backends: `ModelBackend` (rollout/engine.py) and
 `PackedBackend` (rollout/packed_engine.py). Versions per token: the one whose weights computed the
 token's logits; after an in-flight swap live rows keep their KV (`tokens_on_stale_kv`). Routing
 replay: each sample's `routes` [n, n MoE layers, k] uint8 (uint16 past 256 experts), else None."""
