@@ -22,6 +22,8 @@ the first fetches), from `metrics.jsonl`, the workers' logs and the launcher-sid
                  utilization: the share of each sample period with any kernel running)
   warm start     the model's own evaluation after its warm start (model.json, bench/make_e2e_model.py:
                  reward and fraction ending in <eos>, sampled and greedy)
+  traces         where the run has traces/<worker>-trace-summary.json (rollout.trace, E2E_TRACE_AFTER_S):
+                 per worker, its traced steps' wall time, device busy time and top kernels
 """
 
 from __future__ import annotations
@@ -269,6 +271,27 @@ def table(reports: list[dict], sync: dict | None) -> str:
     return "\n".join(lines)
 
 
+def traces(runs: list[Path]) -> str:
+    """One row per traced worker (rollout/tracing.py's summary); "" when no run has traces."""
+    rows = []
+    for run in runs:
+        for f in sorted((run / "traces").glob("*-trace-summary.json")):
+            t = json.loads(f.read_text())
+            top = "; ".join(f"{k['name'][:40]} {k['ms_per_step']:.2f}" for k in t["top_kernels"][:3])
+            rows.append(
+                f"| {run.name} | {t['worker']} | {t['steps']} | {t['step_wall_ms_median']:.1f} | "
+                f"{t['device_busy_ms_per_step']:.1f} ({t['device_busy_frac']:.0%}) | {top or '—'} | "
+                f"{t['affinity']['process']} |"
+            )
+    if not rows:
+        return ""
+    head = (
+        "| run | worker | steps | wall ms/step (median) | device busy ms/step | top kernels (ms/step) | CPUs |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    return "\n".join(["\nTraced steps of each worker (rollout.trace):\n", head, *rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
@@ -283,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     reports = [summarize(r, skip=args.skip) for r in args.runs]
     sync = next((r for r in reports if r["run"] == args.sync), None)
     print(table(reports, sync))
+    if traced := traces(args.runs):
+        print(traced)
     seen = []  # the runs share one model folder: its evaluation once
     for r in reports:
         ev = r.get("warmstart_eval")

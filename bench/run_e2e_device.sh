@@ -12,6 +12,8 @@
 #   RUNS="async megatron" bash bench/run_e2e_device.sh
 #   E2E_SMALL=1 bash bench/run_e2e_device.sh         # CPU dry run of the same path: tiny model, 3 steps
 #   E2E_MPS=0 bash bench/run_e2e_device.sh           # no NVIDIA MPS daemon (default: one if the machine has it)
+#   E2E_TRACE_AFTER_S=120 bash bench/run_e2e_device.sh   # each worker profiles 20 steps 120 s in (rollout.trace):
+#                                                    # <run>/traces/<worker>-trace.json and -trace-summary.json
 #
 # MPS (E2E_MPS, default auto): without it the trainer's and the workers' CUDA contexts time-slice the
 # GPU (one context's kernels at a time), and a worker's stream of small decode kernels costs the
@@ -162,6 +164,9 @@ for run in $RUNS; do
   # run goes into $side until the run is over, then into the run folder.
   side=$E2E_DIR/$run.side
   rm -rf "$dir" "$side" && mkdir -p "$side"
+  if [ -n "${E2E_TRACE_AFTER_S:-}" ]; then
+    extra+=(rollout.trace.dir="$side/traces" rollout.trace.after_s="$E2E_TRACE_AFTER_S")
+  fi
   samplers=()
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 200 |

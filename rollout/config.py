@@ -16,6 +16,26 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
 
 
 @dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+    """A torch.profiler recording of the worker's generation (rollout/tracing.py)."""
+
+    dir: str = ""
+    """Folder for <worker>-trace.json (chrome://tracing, Perfetto) and <worker>-trace-summary.json
+    (time per step, device busy time, top kernels and CPU ops, CPU affinity of every thread); "" = off."""
+    after_s: float = 60.0
+    """Seconds after the worker starts before the recording (past engine builds and graph captures)."""
+    steps: int = 20
+    """Batcher steps recorded (one decode step each on the CPU, `check_every` graph replays on CUDA)."""
+
+    def __post_init__(self):
+        if not isinstance(self.dir, str) or not is_number(self.after_s, 0, 86400) or not is_int(self.steps, 1, 10000):
+            raise ValueError(
+                f"TraceConfig: dir={self.dir!r}, after_s={self.after_s!r}, steps={self.steps!r} "
+                "(want a folder or '', 0..86400 seconds, 1..10000 steps)"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """The `rollout:` section: one rollout worker."""
 
@@ -58,6 +78,8 @@ class RolloutConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     """grpc.health.v1 for Kubernetes probes: SERVING once a verified policy is loaded, NOT_SERVING
     before and while draining."""
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    """A profile of the generation loop once, `after_s` seconds in (off while `dir` is "")."""
     metrics_port: int = 0
     """Prometheus metrics of this worker: 0 = a free port, -1 = off, else that port (bound on metrics_host)."""
     metrics_host: str = "127.0.0.1"

@@ -66,6 +66,7 @@ from .prompt_check import PromptRules, check_prompt
 from .sources import fetch_sources
 from .swap import Pending, VersionSwap, why
 from .tasks import Task
+from .tracing import StepTracer
 
 __all__ = ["Finished", "RolloutWorker", "prompt_stream_config", "why"]
 
@@ -138,6 +139,7 @@ class RolloutWorker:
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
         self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH, host=cfg.health.host)
         self.stats = WorkerStats()
+        self.tracer = StepTracer(cfg.trace, worker_id, self.device, log)
         self.metrics = WorkerMetrics(cfg.metrics_port, cfg.metrics_host, self.metric_values)
         self.relay: Relay | None = None  # started in run() where rollout.relay is on
         self.relay_address = ""  # what peers dial (rollout.relay_advertise, else the bound address)
@@ -441,7 +443,9 @@ class RolloutWorker:
         """One batcher step: the groups it finished, out of `inflight`, scored. Raises what generating
         raised (`run` handles it: `_generate`)."""
         out = []
-        for result in self.batcher.step():
+        with self.tracer.step():
+            results = self.batcher.step()
+        for result in results:
             rec, group, t0 = self.inflight.pop(result.key)
             self._isolate.discard(group.group_id)
             try:

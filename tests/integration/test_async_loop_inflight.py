@@ -2,10 +2,12 @@
 redis-server, the trainer and two rollout workers as separate processes, as `tandem run` starts them.
 Workers install each version between two decode steps, so samples span versions; the trainer
 bounds the oldest token of each sample: its audit and metrics show no token more than
-max_staleness versions old, and samples that did span versions."""
+max_staleness versions old, and samples that did span versions. The workers also profile a few of
+their steps while the trainer steps (rollout.trace) and write the trace and its summary."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -22,6 +24,7 @@ def test_async_loop_with_in_flight_updates(tmp_path, redis_url, run_id):
         loop={"max_staleness": MAX_STALENESS, "inflight_updates": True},
         task={"digits": 9},  # up to 11 tokens per sample: versions arrive while samples decode
         trainer={"max_steps": MAX_STEPS, "prompts_ahead": 4},  # workers always busy: swaps find groups in flight
+        rollout={"trace": {"dir": str(tmp_path / "traces"), "after_s": 0.0, "steps": 3}},
     )  # fmt: skip
     with Loop(cfg, tmp_path) as run:
         run.wait_trainer()
@@ -53,3 +56,9 @@ def test_async_loop_with_in_flight_updates(tmp_path, redis_url, run_id):
     assert sum(continued) > 0, "no version arrived while samples decoded"
     drain = [float(w) for w in re.findall(r"drain_wait (\d+\.\d+)s", text)]
     assert len(drain) >= MAX_STEPS and max(drain) < 1.0, drain
+    # Each worker profiled 3 of its steps: a Chrome trace and a summary with its threads' affinity.
+    for w in ("w0", "w1"):
+        summary = json.loads((tmp_path / "traces" / f"{w}-trace-summary.json").read_text())
+        assert summary["steps"] == 3 and summary["step_wall_ms_median"] > 0 and summary["top_cpu_ops"]
+        assert summary["affinity"]["threads"] and (tmp_path / "traces" / f"{w}-trace.json").stat().st_size > 0
+        assert f"{w}: traced 3 steps" in run.log(w).read_text()
