@@ -1,4 +1,5 @@
-"""The rollout engine: sampling continuations from the policy model with a KV cache (CPU reference).
+"""The rollout engine: sampling continuations from the policy model with a KV cache (the CPU reference,
+and exact mode's engine on CUDA: it runs on the model's device).
 
 `generate(model, prompts, *, n_samples, max_new_tokens, ...) -> Generation` is the API every engine
 implements (this CPU one, and `rollout.packed_engine` beside it); its docstring defines it.
@@ -12,8 +13,9 @@ Sampling is Gumbel-max with per-row exponential noise, argmax(logp - log E) with
 from the row's own generator over the whole vocabulary at every step: the same draw whatever the
 batch, so per-row seeding is exact. Routing replay (`record_routes`): each row also records, per
 generated token, the expert ids every MoE layer picked in the forward whose logits sampled it (the
-prefill's last position for the first token, the decode step of the previous token after). Simplified: the model's forward runs as is (weights dequantized
-once per version by the worker); GPU engines use the packed-weight matmuls of `rollout.kernels`.
+prefill's last position for the first token, the decode step of the previous token after).
+Simplified: the model's forward runs as is (weights dequantized once per version by the worker); the
+packed engine uses the packed-weight matmuls of `rollout.kernels`.
 Exact mode (`model.exact`, loop.exact): the forward's ops are `policy.exact`'s and `sample`'s
 log-probs are `exact.scaled_log_softmax`, the trainer's formula, so they equal its recompute."""
 
