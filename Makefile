@@ -24,9 +24,10 @@ redis:
 demo: venv redis
 	$(BIN)/tandem run configs/demo.yaml
 
-# Tests run with one BLAS thread: torch's default two stall under load on a shared machine.
+# Tests run with one BLAS thread: torch's default two stall under load on a shared machine. Two
+# pytest workers (pytest-xdist): most of the suite waits on the processes and servers it starts.
 test: venv redis lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2
 
 lint: venv
 	$(BIN)/ruff check .
