@@ -679,6 +679,7 @@ class RolloutWorker:
         False (logged, counted; groups resume under the live version) when that raised."""
         job, self._job = self._job, None
         fetched, fetched_at, source = job.task.result()
+        self._count_fetch(fetched)  # before the version is live: a scrape never sees it live with its bytes uncounted
         t0 = time.perf_counter()
         try:
             how = await self._load(fetched)
@@ -736,6 +737,15 @@ class RolloutWorker:
             raise
         return "fresh engine"
 
+    def _count_fetch(self, fetched: FetchedPolicy) -> None:
+        """A fetched version's bytes and delta counts (loaded or not)."""
+        st = fetched.stats
+        self.stats.policy_fetch_bytes += st.bytes
+        self.stats.policy_delta_fetches += st.delta_parent > 0
+        self.stats.policy_deltas_refused += st.delta_refused
+        if st.delta_refused:
+            self.log(f"{self.worker_id}: v{fetched.version}: {st.delta_refusal}; fetched it whole")
+
     def _went_live(self, pending: Pending, fetched: FetchedPolicy, parts: dict, previous, how: str) -> None:
         """Metrics and the "live" line (bench/e2e_report.py reads it) of a version just live."""
         st, pointer, took_s = fetched.stats, pending.pointer, time.monotonic() - pending.seen
@@ -743,11 +753,6 @@ class RolloutWorker:
         after_publish = time.time() - pointer.published_at if pointer.published_at else None  # None: not said
         self.stats.swap_part_seconds = parts
         self.metrics.observe_fetch(st.seconds + parts["h2d"])
-        self.stats.policy_fetch_bytes += st.bytes
-        self.stats.policy_delta_fetches += st.delta_parent > 0
-        self.stats.policy_deltas_refused += st.delta_refused
-        if st.delta_refused:
-            self.log(f"{self.worker_id}: v{fetched.version}: {st.delta_refusal}; fetched it whole")
         if after_publish is not None:
             self.stats.publish_to_live_seconds = after_publish
         self.health.set_serving(not self.stop.is_set())
