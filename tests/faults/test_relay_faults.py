@@ -170,6 +170,12 @@ class RogueRelay:
         self.offered += self.relay.offer(fetched.manifest, data)
 
 
+def _refused(run: Run, rogue: RogueRelay) -> list[str]:
+    """w1's log lines refusing the rogue relay's bytes (one per version)."""
+    log = run.log_tail("w1", 10_000_000)
+    return re.findall(rf"relay {re.escape(rogue.relay.address)} failed for v\d+: ChecksumMismatch.*not asked", log)
+
+
 def test_a_relay_serving_flipped_bytes_is_refused_and_fallen_back_from(tmp_path, redis_url, run_id):
     """A rogue relay at the head of the chain (w0 < w1 < w2): w1 (fetching in a child process) asks it
     first, w2 asks w1 first. Its bytes fail their chunk checksums: refused, counted, that relay not
@@ -183,6 +189,8 @@ def test_a_relay_serving_flipped_bytes_is_refused_and_fallen_back_from(tmp_path,
         run.start_worker("w1", *RELAY, "rollout.fetch_process=true", "rollout.fetch_processes=1")  # in a child
         run.start_worker("w2", *RELAY)
         wait_for(lambda: rogue.offered >= 3, "the rogue relay serving three versions", run)
+        # Three versions w1 asked the rogue for (under load w1 may skip a version a newer one superseded).
+        wait_for(lambda: len(_refused(run, rogue)) >= 3, "w1 refusing the rogue's bytes three times", run)
         step = run.steps()
         until_trained_by(run, "w1", step)
         until_trained_by(run, "w2", step)
@@ -192,10 +200,9 @@ def test_a_relay_serving_flipped_bytes_is_refused_and_fallen_back_from(tmp_path,
         run.close()
         rogue.close()
     assert pointer.relays[0] == ("w0", rogue.relay.address)
-    # w1 asks the rogue first, every version: refused by its chunk checksums in w1's fetch child.
+    # w1 asks the rogue first, every version it fetches: refused by its chunk checksums in w1's fetch child.
     log = run.log_tail("w1", 10_000_000)
-    refused = re.findall(rf"relay {re.escape(rogue.relay.address)} failed for v\d+: ChecksumMismatch.*not asked", log)
-    assert len(refused) >= 3, log[-3000:]
+    assert len(_refused(run, rogue)) >= 3, log[-3000:]
     assert re.search(r"policy_sources_distrusted|relay fallback", log)
     for w in ("w1", "w2"):  # nothing from the rogue went live (w2 is served by w1 first)
         assert live_lines(run, w) and all(s != rogue.relay.address for _, s in live_lines(run, w)), w
