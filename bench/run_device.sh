@@ -5,6 +5,7 @@
 #     BENCH_ARGS=--tune bash bench/run_device.sh   # also search matmul configs first
 #     ENGINE_BENCH=1 bash bench/run_device.sh       # also the rollout engine (bench/bench_engine.py)
 #     TRAINER_BENCH=1 bash bench/run_device.sh      # also the trainer step and publish (bench_trainer/bench_publish)
+#     EXACT_BENCH=1 bash bench/run_device.sh        # also exact mode's cost on CUDA (bench_exact.py --device cuda)
 # Logs and bench.json land in $OUT (default /tmp/tandem-bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,11 @@ if [ "${TRAINER_BENCH:-0}" = 1 ]; then  # the trainer step and publish (bench_tr
   timeout "${TRAINER_TIMEOUT:-300}" python3 bench/bench_trainer.py ${TRAINER_ARGS:-} 2>&1 | tee "$OUT/trainer.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   timeout "${PUBLISH_TIMEOUT:-200}" python3 bench/bench_publish.py ${PUBLISH_ARGS:---bytes 8e9} 2>&1 | tee "$OUT/publish.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${EXACT_BENCH:-0}" = 1 ]; then  # exact mode on CUDA against the default (bench_exact.py)
+  # shellcheck disable=SC2086
+  timeout "${EXACT_TIMEOUT:-300}" python3 bench/bench_exact.py --device cuda ${EXACT_ARGS:-} 2>&1 | tee "$OUT/exact.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

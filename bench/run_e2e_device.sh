@@ -4,8 +4,10 @@
 # the same synchronously (loop.max_staleness=0) and with the bf16 recipe; one report.
 # RUNS names the runs (default "async sync bf16"): async, sync, bf16, megatron (the async run
 # with trainer.backend=megatron: the megatron-core GPTModel trainer, CUDA only) and async_sm (the
-# async run with the trainer's kernels held to E2E_TRAINER_SM percent of the SMs, default 70, under MPS)
-# and inflight (the async run with loop.inflight_updates=true: versions swap between decode steps).
+# async run with the trainer's kernels held to E2E_TRAINER_SM percent of the SMs, default 70, under MPS),
+# async_low (the async run with the trainer below the workers in MPS's scheduling:
+# trainer.mps_client_priority=1) and inflight (the async run with loop.inflight_updates=true:
+# versions swap between decode steps). E2E_ARGS: more overrides for every run.
 #
 #   bash bench/run_e2e_device.sh                     # on the GPU machine, from the repository root
 #   RUNS="async sync" STEPS=12 bash bench/run_e2e_device.sh
@@ -55,7 +57,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-420}   # seconds per run at most
 BUDGET_S=${BUDGET_S:-0}           # > 0: the whole script's seconds; runs are cut (SIGINT) to end within it
 T0=$(date +%s)
 for run in $RUNS; do
-  case $run in async|sync|bf16|megatron|async_sm|inflight) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm, inflight)" >&2; exit 2 ;; esac
+  case $run in async|sync|bf16|megatron|async_sm|async_low|inflight) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm, async_low, inflight)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT" "$E2E_DIR"
 CONFIG=${E2E_CONFIG:-configs/gpu-h200.yaml}  # configs/gpu-h200-long.yaml: ~1,024-token completions
@@ -148,8 +150,11 @@ for run in $RUNS; do
     bf16) extra=(recipe=bf16) ;;
     megatron) extra=(trainer.backend=megatron) ;;
     async_sm) extra=(trainer.mps_thread_percentage="${E2E_TRAINER_SM:-70}") ;;
+    async_low) extra=(trainer.mps_client_priority=1) ;;
     inflight) extra=(loop.inflight_updates=true) ;;
   esac
+  # shellcheck disable=SC2206
+  extra+=(${E2E_ARGS:-})
   if [ "$run" = megatron ] && [ "${E2E_SMALL:-0}" = 1 ]; then
     echo "=== megatron: skipped (E2E_SMALL runs on the CPU; the megatron backend needs CUDA)"; continue
   fi

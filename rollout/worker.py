@@ -10,60 +10,42 @@ Loop (`RolloutWorker.run`; up to `rollout.max_inflight_groups` groups in flight)
 A group whose generation or scoring raises is dead-lettered with the error's line; a live version
 computing non-finite values is refused and its groups start again under the next. SIGTERM: no new
 groups, the ones in flight finished and committed, then exit. Nothing a peer serves ends the worker.
-Fetches ask the pointer's sources in order (rollout/sources.py); `rollout.relay` serves each verified
-version to peers (broker/relay.py). Engines: rollout/engine.py (CPU), rollout/packed_engine.py
+Fetches ask the pointer's sources in order and `rollout.relay` serves each verified version to peers
+(rollout/fetching.py). Engines: rollout/engine.py (CPU), rollout/packed_engine.py
 (CUDA, updated in place). Metrics: rollout/metrics.py."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import signal
-import threading
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from broker.codec import PromptGroup, Trajectory, sample_id_for
-from broker.delta import HeldPolicy
 from broker.health import ROLLOUT_HEALTH, HealthServer
 from broker.keys import Keys
-from broker.policy_client import (
-    FetchCancel,
-    FetchCancelled,
-    FetchedPolicy,
-    PolicyClient,
-    PolicyClientConfig,
-    ReceiveBuffers,
-    check_reachable,
-)
-from broker.policy_server import PolicyServerConfig
+from broker.policy_client import FetchCancel, FetchCancelled, FetchedPolicy
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
-from broker.relay import Relay
-from broker.signing import Signer, policy_token
+from broker.signing import Signer
 from broker.streams import PromptQueue, StreamConfig, connect
-from broker.tls import ServerTLS
-from policy import manifest as mf
 from policy import qat
-from policy.chunks import ChecksumMismatch
 from policy.contract import contract_from_recipe
 from policy.formats import NonFinite
 from policy.loop import AsyncConfig
-from policy.manifest_check import check_manifest, expected_tensors
+from policy.manifest_check import expected_tensors
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
-from rollout.fetch_process import FetchProcess, FetchRequest
 from rollout.packed_engine import EngineConfig, PackedEngine, resolve_device
 
 from .batching import ContinuousBatcher, GroupResult, ModelBackend, PackedBackend, stale_kv_tokens
 from .config import RolloutConfig
+from .fetching import PolicyFetcher
 from .metrics import WorkerMetrics, WorkerStats
 from .prompt_check import PromptRules, check_prompt
-from .sources import fetch_sources
 from .swap import Pending, VersionSwap, why
 from .tasks import Task
 from .tracing import StepTracer
@@ -117,15 +99,23 @@ class RolloutWorker:
         self.model_config = model_config
         self.model = _model(model_config, self.device, exact=loop.exact)
         self.engine: PackedEngine | None = None
-        self.fetcher, self.host_buffers = self._receivers()
         self.fingerprint = contract_from_recipe(model_config=model_config, recipe=recipe).fingerprint()
         self.swap = VersionSwap(
             fingerprint=self.fingerprint, policy_address=cfg.policy_address, inflight=loop.inflight_updates
         )
         self._job: _FetchJob | None = None
-        self._held: HeldPolicy | None = None  # the last version fetched here, to fetch the next against (a delta)
-        # What a loadable manifest declares: checked before anything is allocated.
-        self.expected = expected_tensors(recipe.plan(model_config))
+        self.stats = WorkerStats()
+        self.fetching = PolicyFetcher(
+            cfg,
+            worker_id=worker_id,
+            fingerprint=self.fingerprint,
+            expected=expected_tensors(recipe.plan(model_config)),  # what a loadable manifest declares
+            cuda=self.device.type == "cuda",
+            swap=self.swap,
+            stats=self.stats,
+            signer=signer,
+            log=lambda line: self.log(line),  # the worker's log, whatever it is set to later
+        )
         self.batcher: ContinuousBatcher | None = None  # made at the first version, swapped per version
         self.inflight: dict = {}  # group_id -> (prompt record or None, its PromptGroup, start time)
         self.prompt_rules = self._prompt_rules(group_size)
@@ -138,35 +128,8 @@ class RolloutWorker:
         self.stop = asyncio.Event()
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
         self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH, host=cfg.health.host)
-        self.stats = WorkerStats()
         self.tracer = StepTracer(cfg.trace, worker_id, self.device, log)
         self.metrics = WorkerMetrics(cfg.metrics_port, cfg.metrics_host, self.metric_values)
-        self.relay: Relay | None = None  # started in run() where rollout.relay is on
-        self.relay_address = ""  # what peers dial (rollout.relay_advertise, else the bound address)
-        self._relay_lock = threading.Lock()  # the fetch thread counts, the metrics thread reads
-        # Peers' relays are checked against the worker certificate's name (rollout.relay_server_name).
-        self._relay_tls = cfg.tls
-        if cfg.tls.enabled and cfg.relay_server_name:
-            self._relay_tls = dataclasses.replace(cfg.tls, server_name=cfg.relay_server_name)
-        if cfg.tls.enabled:  # missing TLS files: fail at start, not at every fetch
-            PolicyClientConfig(address="tls-files-check:1", tls=cfg.tls)
-
-    def _receivers(self) -> tuple[FetchProcess | None, ReceiveBuffers | None]:
-        """The fetch child process (rollout.fetch_process; CUDA's default) and where versions are received.
-        On CUDA page-locked memory kept across versions (the engine copies out of it at the swap); on the
-        CPU fresh memory per version (the model's packed tensors alias the fetched bytes, so the next fetch
-        must not overwrite them). With a child, its shared slab, reused likewise."""
-        cuda = self.device.type == "cuda"
-        in_child = cuda if self.cfg.fetch_process is None else self.cfg.fetch_process
-        if in_child:
-            fetcher = FetchProcess(
-                pinned=cuda,
-                reuse=cuda,
-                processes=self.cfg.fetch_processes,
-                log=lambda line: self.log(f"{self.worker_id}: {line}"),
-            )
-            return fetcher, fetcher.buffers
-        return None, ReceiveBuffers(pinned=True) if cuda else None
 
     def _prompt_rules(self, group_size: int | None) -> PromptRules:
         """What a prompt group must satisfy before it reaches the engine (rollout.prompt_check), with
@@ -187,8 +150,11 @@ class RolloutWorker:
         return self.swap.live
 
     def metric_values(self) -> dict:
-        """Every number rollout/metrics.py exports (called from the metrics endpoint's thread)."""
+        """Every number rollout/metrics.py exports (called from the metrics endpoint's thread). The live
+        version is read first: a version's bytes are counted before it goes live, so a scrape that
+        sees it live also sees them."""
         s, w = self.stats, self.swap
+        live = w.live or 0
         return {
             "groups": s.groups,
             "generated_tokens": s.generated_tokens,
@@ -202,9 +168,9 @@ class RolloutWorker:
             "inflight_swaps": s.inflight_swaps,
             "policy_relay_fetches": s.policy_relay_fetches,
             "policy_relay_fallbacks": s.policy_relay_fallbacks,
-            "relay_sent_bytes": self.relay.server.stats()["bytes_sent"] if self.relay is not None else 0,
+            "relay_sent_bytes": self.fetching.relay_sent_bytes(),
             "relay_versions_offered": s.relay_versions_offered,
-            "policy_version": w.live or 0,
+            "policy_version": live,
             "generated_tokens_per_second": s.generated_tokens_per_second,
             "policy_staleness": s.policy_staleness,
             "publish_to_live_seconds": s.publish_to_live_seconds,
@@ -267,7 +233,7 @@ class RolloutWorker:
         if self.metrics.port is not None:
             self.log(f"{self.worker_id}: metrics (Prometheus) on port {self.metrics.port}")
         if self.cfg.relay:
-            self._start_relay()
+            self.fetching.start_relay()
         self.redis = connect(self.redis_url, outage_s=self.redis_outage_s, log=self.log)
         registry = PolicyRegistry(self.redis, self.keys, signer=self.signer)
         queue = PromptQueue(
@@ -286,44 +252,15 @@ class RolloutWorker:
                 "refused_versions": len(self.swap.refused_versions),
                 "refused_prompts": sum(self.stats.prompts_refused.values()),
                 "distrusted_sources": len(self.swap.distrusted),
-                **({"relay": self.relay_address} if self.relay_address else {}),
+                **({"relay": self.fetching.relay_address} if self.fetching.relay_address else {}),
             },
         )
         return registry, queue, asyncio.create_task(beats)
 
-    def _start_relay(self) -> None:
-        """This worker's relay for its peers: the trainer's server code with its limits, the run token
-        (only authenticated peers are served where there is one), and with rollout.tls the worker's
-        own certificate, peers' client certificates signed by tls.ca required."""
-        if not self.cfg.relay_advertise and self.cfg.relay_host in ("0.0.0.0", "::", "[::]"):
-            # (checked here, not in RolloutConfig: the trainer's pod loads the same config without it)
-            raise ValueError(
-                f"rollout.relay_host={self.cfg.relay_host!r} is no address to dial: set rollout.relay_advertise"
-            )
-        tls = self.cfg.tls
-        token = policy_token(self.signer)
-        self.relay = Relay(
-            PolicyServerConfig(
-                host=self.cfg.relay_host,
-                port=self.cfg.relay_port,
-                keep_versions=2,  # the newest and its parent: a peer holding the parent gets a delta
-                tls=ServerTLS(cert=tls.cert, key=tls.key, client_ca=tls.ca) if tls.enabled else ServerTLS(),
-                run_token=token,
-                serve_unauthenticated=not token,
-                deltas=True,
-            )
-        )
-        port = self.relay.start()
-        self.relay_address = self.cfg.relay_advertise or f"{self.cfg.relay_host}:{port}"
-        self.log(f"{self.worker_id}: relay for peers on {self.cfg.relay_host}:{port} (advertised {self.relay_address})")
-
     async def _close(self, beats: asyncio.Task) -> None:
         self.stop.set()
         await self._cancel_fetch()
-        if self.fetcher is not None:
-            self.fetcher.close()
-        if self.relay is not None:
-            self.relay.stop()
+        self.fetching.close()
         await beats
         await self.redis.aclose()
         self.health.stop()
@@ -552,7 +489,7 @@ class RolloutWorker:
 
     def _start_fetch(self, pointer: PolicyPointer, ticket: int) -> None:
         cancel = FetchCancel()
-        task = asyncio.create_task(asyncio.to_thread(self._fetch, pointer, cancel))
+        task = asyncio.create_task(asyncio.to_thread(self.fetching.fetch, pointer, cancel))
         task.add_done_callback(
             lambda t: self.swap.fetch_done(ticket, FetchCancelled() if t.cancelled() else t.exception())
         )
@@ -564,115 +501,6 @@ class RolloutWorker:
         if job is not None:
             job.cancel.cancel()
             await asyncio.wait({job.task})
-
-    def _fetch(self, pointer: PolicyPointer, cancel: FetchCancel) -> tuple[FetchedPolicy, float, str]:
-        """The fetch thread: the verified version (bytes in `host_buffers` on CUDA), fetched by the
-        child processes (`fetcher`) or here, from the first of its sources (rollout/sources.py) that
-        serves it; a relay's failure is counted and the next source asked, the trainer's is raised.
-        A version fetched whole is offered to this worker's relay."""
-        sources = fetch_sources(
-            pointer,
-            self.worker_id,
-            policy_address=self.cfg.policy_address,
-            distrusted=self.swap.distrusted,
-            own_address=self.relay_address,
-        )
-        held = self._held
-        for source in sources[:-1]:
-            if cancel.is_set():
-                raise FetchCancelled(f"version {pointer.version}: fetch cancelled")
-            try:
-                fetched = self._from_relay(source, pointer, cancel, held)
-            except FetchCancelled:
-                raise
-            except Exception as e:  # dead, slow, other bytes: the next source
-                self._relay_failed(pointer, source, e)
-                held = None if self.host_buffers is not None else held  # the attempt wrote over it
-                continue
-            return self._fetched(fetched, source, relayed=True)
-        fetched = self._fetch_from(
-            sources[-1], pointer, cancel, held, timeout_s=self.cfg.fetch_timeout_s, tls=self.cfg.tls
-        )
-        return self._fetched(fetched, sources[-1], relayed=False)
-
-    def _from_relay(self, source: str, pointer: PolicyPointer, cancel: FetchCancel, held) -> FetchedPolicy:
-        """`pointer`'s version from a relay within relay_timeout_s, waiting while the relay does not
-        hold it yet (NOT_FOUND, or UNAVAILABLE before its first version: it is fetching it itself)."""
-        deadline = time.monotonic() + self.cfg.relay_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return self._fetch_from(source, pointer, cancel, held, timeout_s=max(0.05, left), tls=self._relay_tls)
-            except grpc.RpcError as e:
-                code = e.code() if callable(getattr(e, "code", None)) else None
-                if code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE) or left < 0.1:
-                    raise
-            if cancel.is_set():
-                raise FetchCancelled(f"version {pointer.version}: fetch cancelled")
-            time.sleep(0.05)
-
-    def _fetch_from(self, address: str, pointer: PolicyPointer, cancel: FetchCancel, held, *, timeout_s: float, tls):
-        request = FetchRequest(
-            address=address,
-            fingerprint=self.fingerprint,
-            version=pointer.version,
-            digest=pointer.content_digest,
-            fetch_timeout_s=timeout_s,
-            call_timeout_s=min(10.0, timeout_s),  # GetManifest: within a relay's deadline too
-            streams=self.cfg.fetch_streams,
-            tls=tls,
-            run_token=policy_token(self.signer),
-        )
-        # A server gone from this address (a restarted trainer, a dead relay) fails here at once,
-        # so the next source (or pointer) is tried within a loop, not after the fetch's deadline.
-        check_reachable(address)
-        if self.fetcher is not None:
-            return self.fetcher.fetch(request, check=self._check_manifest, cancel=cancel)
-        if self.host_buffers is not None:
-            self._held = None  # the fetch writes over it
-        with PolicyClient(request.client_config()) as client:
-            return client.fetch(
-                pointer.version,
-                digest=pointer.content_digest,
-                check=self._check_manifest,
-                buffers=self.host_buffers,
-                cancel=cancel,
-                parent=held,
-            )
-
-    def _fetched(self, fetched: FetchedPolicy, source: str, *, relayed: bool) -> tuple[FetchedPolicy, float, str]:
-        """A verified fetch: kept as the next delta's parent, offered to the relay, counted."""
-        at = time.perf_counter()
-        if self.fetcher is None:
-            self._held = fetched.held()
-        if relayed:
-            with self._relay_lock:
-                self.stats.policy_relay_fetches += 1
-        if self.relay is not None and fetched.held() is not None:  # whole tensors (tp_size 1)
-            try:  # copied into the relay's own buffers: the next fetch reuses these
-                if self.relay.offer(fetched.manifest, fetched.data):
-                    with self._relay_lock:
-                        self.stats.relay_versions_offered += 1
-            except Exception as e:  # the relay is a service to peers: never this worker's failure
-                self.log(f"{self.worker_id}: relaying v{fetched.version} failed: {why(e)}")
-        return fetched, at, source
-
-    def _relay_failed(self, pointer: PolicyPointer, source: str, e: Exception) -> None:
-        """One line and a count per relay passed over; bytes failing the signed digest distrust it
-        for this version (rollout/sources.py leaves it out of the retries)."""
-        wrong = isinstance(e, (mf.DigestMismatch, ChecksumMismatch)) and bool(pointer.content_digest)
-        if wrong:
-            self.swap.distrust(pointer, source)
-        with self._relay_lock:
-            self.stats.policy_relay_fallbacks += 1
-            n = self.stats.policy_relay_fallbacks
-        self.log(
-            f"{self.worker_id}: relay {source} failed for v{pointer.version}: {why(e)}"
-            f"{' (other bytes than signed: not asked for it again)' if wrong else ''}; next source (#{n} relay fallback)"
-        )
-
-    def _check_manifest(self, manifest) -> None:
-        check_manifest(manifest, self.expected, max_total_bytes=self.cfg.max_policy_bytes)
 
     async def _install(self) -> bool:
         """Swap the fetched version in: copied into the engine (or the CPU model), then the batcher.

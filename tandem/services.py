@@ -144,6 +144,8 @@ def setup_trainer_process(cfg: TrainerConfig, *, seed: int) -> torch.device:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if cfg.mps_thread_percentage:  # read when the CUDA context is created (the first kernel)
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cfg.mps_thread_percentage)
+    if cfg.mps_client_priority:
+        os.environ["CUDA_MPS_CLIENT_PRIORITY"] = str(cfg.mps_client_priority)
     if cfg.memory_fraction:  # processes sharing one GPU (configs/gpu-h200.yaml)
         torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device.index or 0)
     return device

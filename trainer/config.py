@@ -118,6 +118,10 @@ class TrainerConfig:
     daemon): the share of the SMs the trainer's kernels may occupy, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
     set before the trainer's CUDA context exists, so that rollout workers' small decode kernels do
     not queue behind its GEMMs. 0 = no limit; without an MPS daemon it has no effect."""
+    mps_client_priority: int = 0
+    """Under NVIDIA MPS: the trainer's scheduling priority among the GPU's clients,
+    CUDA_MPS_CLIENT_PRIORITY set before its CUDA context exists: 0 normal, 1 below normal (the
+    workers' decode kernels go first when both wait). Without an MPS daemon it has no effect."""
     backend: str = "torch"
     """Trainer model implementation: "torch" (policy.model.Transformer) or "megatron" (a megatron-core
     GPTModel of the same architecture, trainer/megatron_backend.py; needs device "cuda" and the
@@ -314,6 +318,8 @@ class TrainerConfig:
                 errors.append(f"grpc_advertise={self.grpc_advertise!r} needs a fixed grpc_port (it is 0: a free port)")
         if not is_int(self.mps_thread_percentage, 0, 100):
             errors.append(f"mps_thread_percentage={self.mps_thread_percentage!r} (an int in [0, 100]; 0 = no limit)")
+        if not is_int(self.mps_client_priority, 0, 1):
+            errors.append(f"mps_client_priority={self.mps_client_priority!r} (0 normal or 1 below normal)")
         if self.policy_server_process is not None and not isinstance(self.policy_server_process, bool):
             errors.append(f"policy_server_process={self.policy_server_process!r} (want true, false or null)")
         if not is_int(self.policy_server_processes, 1):

@@ -49,12 +49,12 @@ def test_worker_serves_a_published_version_from_packed_bytes_on_cuda():
         pointer = PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)
         assert asyncio.run(load(worker, pointer)), logs
         first = worker.engine
-        assert worker.host_buffers.pinned and worker.host_buffers.allocations == 1
+        assert worker.fetching.buffers.pinned and worker.fetching.buffers.allocations == 1
         server.publish(packed)  # version 2: the model's weights, checked against its QAT recompute below
         pointer = PolicyPointer(version=2, address=server.address, contract_fingerprint=worker.fingerprint)
         assert asyncio.run(load(worker, pointer)), logs
     eng = worker.engine
-    assert eng is first and worker.host_buffers.allocations == 1  # copied into the live engine, same host slab
+    assert eng is first and worker.fetching.buffers.allocations == 1  # copied into the live engine, same host slab
     assert "(in place," in logs[-1] and "h2d" in logs[-1], logs[-1]
     assert worker.version == 2 and eng is not None and eng.device.type == "cuda"
     assert any(L.experts.kernel is not None for L in eng.layers)  # the routed experts stay packed

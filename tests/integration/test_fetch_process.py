@@ -148,7 +148,7 @@ async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
     before = slab_handles()
     worker = make_worker(with_fetch_process(True), "w0")
     worker.log = logs.append
-    assert worker.fetcher is not None
+    assert worker.fetching.process is not None
     with PolicyServer(PolicyServerConfig(keep_versions=4)) as server:
         for v in (1, 2):
             server.publish(build(v))
@@ -173,13 +173,13 @@ async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
             while not proxy.stalled_connections:
                 assert time.monotonic() < deadline and not worker.swap.fetched, logs
                 await asyncio.sleep(0.05)
-            child = worker.fetcher.pid
+            child = worker.fetching.process.pid
             os.kill(child, signal.SIGKILL)
             await worker.wait_fetch(120)
             assert not await worker.offer(pointer(2, proxy.address))
             assert worker.version == 1 and not worker.batcher.draining  # kept v1, groups start again
             restarted = [ln for ln in logs if f"fetch process {child} exited" in ln and "started a new one" in ln]
-            assert len(restarted) == 1 and worker.fetcher.pid != child, logs
+            assert len(restarted) == 1 and worker.fetching.process.pid != child, logs
             assert any("fetching v2" in ln and "failed, will retry" in ln for ln in logs), logs
             finished = []
             while not finished:  # the group started under v1 finishes under v1
@@ -190,14 +190,14 @@ async def test_fetch_child_killed_mid_fetch_is_replaced_and_nothing_is_lost():
             assert await load(worker, pointer(2)) and worker.version == 2
             fresh = make_worker(with_fetch_process(False), "w1")
             fresh.log = lambda _: None
-            assert fresh.fetcher is None and await load(fresh, pointer(2))
+            assert fresh.fetching.process is None and await load(fresh, pointer(2))
             for a, b in zip(rollout_group(worker, group), rollout_group(fresh, group)):
                 assert a.policy_version == b.policy_version == 2
                 assert np.array_equal(a.completion_tokens, b.completion_tokens)
                 assert np.array_equal(a.behavior_logprobs, b.behavior_logprobs)
         finally:
             proxy.close()
-            worker.fetcher.close()
+            worker.fetching.process.close()
     # No descriptor but the mappings' own, and at most the live version's slab still mapped (the
     # CPU model's weights alias it; the earlier versions' slabs are gone).
     fds, maps = own_slab_handles(before)

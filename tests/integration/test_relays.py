@@ -211,8 +211,7 @@ def one_worker(request):
         )  # fmt: skip
 
     yield worker, logs, pointer, server, relay
-    if worker.fetcher is not None:
-        worker.fetcher.close()
+    worker.fetching.close()
     relay.stop()
     server.stop()
 

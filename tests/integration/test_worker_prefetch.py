@@ -57,8 +57,7 @@ async def test_prefetch_while_draining_supersede_and_retry(free_port, fetch_proc
     try:
         await _prefetch_scenario(worker, logs, free_port)
     finally:
-        if worker.fetcher is not None:
-            worker.fetcher.close()
+        worker.fetching.close()
     assert not any("fetch process" in ln for ln in logs)  # the child, when there is one, never died
 
 

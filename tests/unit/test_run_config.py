@@ -56,6 +56,7 @@ def test_demo_config_loads_and_overrides_apply():
         ("rollout.fetch_processes=0", r"fetch_processes=0 \(need an int in \[1, 16\]\)"),
         ("rollout.fetch_processes=true", r"rollout.fetch_processes: expected int"),
         ("trainer.mps_thread_percentage=101", r"mps_thread_percentage=101 \(an int in \[0, 100\]"),
+        ("trainer.mps_client_priority=2", r"mps_client_priority=2 \(0 normal or 1 below normal\)"),
         ("trainer.policy_server_process=2", r"policy_server_process=2 \(want true, false or null\)"),
         ("trainer.policy_server_processes=0", r"policy_server_processes=0 \(an int >= 1\)"),
         ("trainer.warmstart_until=1.5", r"warmstart_until=1.5 \(an accuracy in \[0, 1\]; 0 = off\)"),
