@@ -6,7 +6,8 @@
 # with trainer.backend=megatron: the megatron-core GPTModel trainer, CUDA only) and async_sm (the
 # async run with the trainer's kernels held to E2E_TRAINER_SM percent of the SMs, default 70, under MPS),
 # async_low (the async run with the trainer below the workers in MPS's scheduling:
-# trainer.mps_client_priority=1) and inflight (the async run with loop.inflight_updates=true:
+# trainer.mps_client_priority=1), async_hi (the workers' generation on a high-priority CUDA stream:
+# rollout.decode_priority=high) and inflight (the async run with loop.inflight_updates=true:
 # versions swap between decode steps). E2E_ARGS: more overrides for every run.
 #
 #   bash bench/run_e2e_device.sh                     # on the GPU machine, from the repository root
@@ -57,7 +58,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-420}   # seconds per run at most
 BUDGET_S=${BUDGET_S:-0}           # > 0: the whole script's seconds; runs are cut (SIGINT) to end within it
 T0=$(date +%s)
 for run in $RUNS; do
-  case $run in async|sync|bf16|megatron|async_sm|async_low|inflight) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm, async_low, inflight)" >&2; exit 2 ;; esac
+  case $run in async|sync|bf16|megatron|async_sm|async_low|async_hi|inflight) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm, async_low, async_hi, inflight)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT" "$E2E_DIR"
 CONFIG=${E2E_CONFIG:-configs/gpu-h200.yaml}  # configs/gpu-h200-long.yaml: ~1,024-token completions
@@ -151,6 +152,7 @@ for run in $RUNS; do
     megatron) extra=(trainer.backend=megatron) ;;
     async_sm) extra=(trainer.mps_thread_percentage="${E2E_TRAINER_SM:-70}") ;;
     async_low) extra=(trainer.mps_client_priority=1) ;;
+    async_hi) extra=(rollout.decode_priority=high) ;;
     inflight) extra=(loop.inflight_updates=true) ;;
   esac
   # shellcheck disable=SC2206

@@ -91,6 +91,10 @@ class RolloutConfig:
     memory_fraction: float = 0.0
     """cuda only: the share of the GPU's memory this worker may allocate (torch's caching allocator,
     `torch.cuda.set_per_process_memory_fraction`), for processes sharing one GPU; 0 = no cap."""
+    decode_priority: str = "normal"
+    """cuda only: "high" runs generation on a stream of high CUDA priority (the block scheduler
+    prefers its kernels over waiting ones of normal streams: this worker's weight copies, a process
+    sharing the GPU through MPS); "normal" on the default stream."""
     max_batch: int = 64
     """KV slots: rows decoded at once (cuda: the engine's batch and its largest graph bucket); a
     group with more samples than this runs them as slots free up."""
@@ -161,6 +165,8 @@ class RolloutConfig:
             errors.append(f"memory_fraction={self.memory_fraction} (want 0 < f <= 1, or 0 = no cap)")
         if self.max_batch < 1 or self.kv_capacity < 2:
             errors.append(f"max_batch={self.max_batch}, kv_capacity={self.kv_capacity} (need >= 1 and >= 2)")
+        if self.decode_priority not in ("normal", "high"):
+            errors.append(f"decode_priority={self.decode_priority!r} (want normal or high)")
         if not isinstance(self.ignore_stop, bool):
             errors.append(f"ignore_stop={self.ignore_stop!r} (want true or false)")
         if self.policy_address and not _is_host_port(self.policy_address):

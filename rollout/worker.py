@@ -17,6 +17,7 @@ Fetches ask the pointer's sources in order and `rollout.relay` serves each verif
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 import zlib
@@ -50,7 +51,7 @@ from .swap import Pending, VersionSwap, why
 from .tasks import Task
 from .tracing import StepTracer
 
-__all__ = ["Finished", "RolloutWorker", "prompt_stream_config", "why"]
+__all__ = ["Finished", "RolloutWorker", "decode_stream", "prompt_stream_config", "why"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class RolloutWorker:
         # NOT_SERVING until a verified policy is loaded, and again from SIGTERM on (draining).
         self.health = HealthServer(port=cfg.health.port, service=ROLLOUT_HEALTH, host=cfg.health.host)
         self.tracer = StepTracer(cfg.trace, worker_id, self.device, log)
+        self._decode_stream = decode_stream(cfg, self.device)
         self.metrics = WorkerMetrics(cfg.metrics_port, cfg.metrics_host, self.metric_values)
 
     def _prompt_rules(self, group_size: int | None) -> PromptRules:
@@ -380,7 +382,7 @@ class RolloutWorker:
         """One batcher step: the groups it finished, out of `inflight`, scored. Raises what generating
         raised (`run` handles it: `_generate`)."""
         out = []
-        with self.tracer.step():
+        with self.tracer.step(), self._decode_stream():
             results = self.batcher.step()
         for result in results:
             rec, group, t0 = self.inflight.pop(result.key)
@@ -663,6 +665,19 @@ def _device(cfg: RolloutConfig):
 
         torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, device.index or 0)
     return device
+
+
+def decode_stream(cfg: RolloutConfig, device) -> Callable[[], contextlib.AbstractContextManager]:
+    """What a batcher step runs under: with rollout.decode_priority "high" on CUDA, one stream of high
+    priority, kept for the worker's life (every step's kernels and host reads on it, in order); else
+    the current stream. The engine's other work (building it, copying a version in) ends with a device
+    synchronize, so it is ordered with the steps either way."""
+    if device.type != "cuda" or cfg.decode_priority != "high":
+        return contextlib.nullcontext
+    import torch
+
+    stream = torch.cuda.Stream(device, priority=-1)  # -1: high on every torch and GPU
+    return lambda: torch.cuda.stream(stream)
 
 
 def prompt_stream_config(cfg: RolloutConfig) -> StreamConfig:

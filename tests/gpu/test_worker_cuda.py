@@ -129,3 +129,36 @@ def test_in_flight_updates_on_cuda_install_between_decode_chunks():
         assert t.token_versions.tolist() == [1] * min(n, 9) + [2] * max(0, n - 9)
         assert t.policy_version == t.token_versions[-1] and t.info["tokens_on_stale_kv"] == max(0, n - 9)
     assert any(len(t.completion_tokens) > 9 for t in trajs), [len(t.completion_tokens) for t in trajs]
+
+
+def test_a_high_priority_decode_stream_generates_the_same_samples():
+    """rollout.decode_priority=high moves a step's kernels and reads to another stream: the same
+    kernels, seeds and order, so the same tokens and log-probs, bit for bit."""
+    runs = {}
+    for priority in ("normal", "high"):
+        cfg = config.load(
+            "configs/demo.yaml", ["rollout.device=cuda", "rollout.max_batch=4", f"rollout.decode_priority={priority}"]
+        )
+        task, model_config, recipe = services.task_and_model(cfg)
+        worker = services.make_worker(cfg, f"gpu-{priority}")
+        tensors = quantize_params(dict(Transformer(model_config, seed=0).named_parameters()), recipe.plan(model_config))
+        contract = contract_from_recipe(model_config=model_config, recipe=recipe)
+        logs: list[str] = []
+        worker.log = logs.append
+        with PolicyServer(PolicyServerConfig(port=0)) as server:
+            server.publish(mf.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors))
+            pointer = PolicyPointer(version=1, address=server.address, contract_fingerprint=worker.fingerprint)
+            assert asyncio.run(load(worker, pointer)), logs
+        p = task.prompt(0)
+        group = PromptGroup(
+            prompt_id="p0",
+            group_id="g0",
+            prompt_tokens=np.asarray(p.tokens, dtype=np.int32),
+            n_samples=8,
+            task=p.fields,
+        )
+        runs[priority] = rollout_group(worker, group)
+        worker.fetching.close()
+    for a, b in zip(runs["normal"], runs["high"], strict=True):
+        assert np.array_equal(a.completion_tokens, b.completion_tokens)
+        assert np.array_equal(a.behavior_logprobs, b.behavior_logprobs)

@@ -50,6 +50,7 @@ def test_demo_config_loads_and_overrides_apply():
         ("trainer.checkpoint_every=-1", r"checkpoint_every=-1 \(must be >= 0; 0 = never\)"),
         ("trainer.memory_fraction=1.5", r"memory_fraction=1.5 \(want 0 < f <= 1, or 0 = no cap\)"),
         ("rollout.memory_fraction=-0.1", r"memory_fraction=-0.1"),
+        ("rollout.decode_priority=urgent", r"decode_priority='urgent' \(want normal or high\)"),
         ("trainer.device=gpu", r"device='gpu' \(cpu, cuda or cuda:N\)"),
         ("rollout.metrics_port=70000", "metrics_port=70000"),
         ("rollout.fetch_process=1", r"fetch_process"),
