@@ -76,62 +76,18 @@ else
   DEVICE_ARGS=()
 fi
 
-# --- redis-server and redis-py ------------------------------------------------------------------
-if ! command -v redis-server >/dev/null 2>&1; then
-  root=/tmp/tandem-redis-root
-  mkdir -p "$root/bin"
-  for f in "$E2E_PKGS"/*.deb; do dpkg -x "$f" "$root" || exit 1; done
-  # A wrapper keeps LD_LIBRARY_PATH out of every other process; argv[0] must end in redis-server
-  # (Debian's redis-server is a link to redis-check-rdb, which acts on the name it is called by).
-  printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/usr/lib/x86_64-linux-gnu exec %s/usr/bin/redis-server "$@"\n' \
-    "$root" "$root" > "$root/bin/redis-server"
-  chmod +x "$root/bin/redis-server"
-  export PATH=$root/bin:$PATH
-fi
-redis-server --version || { echo "run_e2e_device: redis-server does not run" >&2; exit 1; }
-if ! "$PYTHON" -c "import redis" 2>/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$E2E_PKGS"/redis-*.whl || exit 1
-  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site
-fi
-if [[ " $RUNS " == *" megatron "* ]] && [ "${E2E_SMALL:-0}" != 1 ] && ! "$PYTHON" -c "import megatron.core" 2>/dev/null; then
-  whl=$(ls "$E2E_PKGS"/megatron_core-*.whl .whl/megatron_core-*.whl 2>/dev/null | head -1)
-  [ -n "$whl" ] || { echo "run_e2e_device: RUNS has megatron but megatron-core is missing (no megatron_core-*.whl in $E2E_PKGS or .whl/)" >&2; exit 2; }
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$whl" || exit 1
-  case ":${PYTHONPATH:-}:" in *:/tmp/tandem-site:*) ;; *) export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site ;; esac
-fi
-if ! "$PYTHON" -c "import zstandard" 2>/dev/null; then  # delta versions (broker/delta.py)
-  whl=$(ls "$E2E_PKGS"/zstandard-*.whl .whl/zstandard-*.whl 2>/dev/null | head -1)
-  [ -n "$whl" ] || { echo "run_e2e_device: zstandard is missing (no zstandard-*.whl in $E2E_PKGS or .whl/)" >&2; exit 2; }
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/tandem-site "$whl" || exit 1
-  case ":${PYTHONPATH:-}:" in *:/tmp/tandem-site:*) ;; *) export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/tandem-site ;; esac
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-"$PYTHON" -c "import grpc, google.protobuf, torch, redis; print('torch', torch.__version__, 'grpcio', grpc.__version__, \
-'protobuf', google.protobuf.__version__, 'redis-py', redis.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/versions.txt"
-command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/versions.txt"
+# --- packages: redis-server, redis-py, zstandard, megatron-core (bench/device_env.sh) ---------------
+TAG=run_e2e_device
+# shellcheck source=bench/device_env.sh
+. bench/device_env.sh
+if [[ " $RUNS " == *" megatron "* ]] && [ "${E2E_SMALL:-0}" != 1 ]; then device_packages megatron; else device_packages; fi
 
 # --- the model ------------------------------------------------------------------------------------
 "$PYTHON" bench/make_e2e_model.py --config "$CONFIG" --out "$MODEL" "${MAKE_ARGS[@]}" 2>&1 | tee "$OUT/make_model.log"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 
-# --- NVIDIA MPS -----------------------------------------------------------------------------------
-E2E_MPS=${E2E_MPS:-auto}
-mps=off
-if [ "$E2E_MPS" != 0 ] && [ "${E2E_SMALL:-0}" != 1 ]; then
-  if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
-    export CUDA_MPS_PIPE_DIRECTORY=$E2E_DIR/mps-pipe CUDA_MPS_LOG_DIRECTORY=$E2E_DIR/mps-log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    if nvidia-cuda-mps-control -d && "$PYTHON" -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
-      mps=on
-      trap 'echo quit | nvidia-cuda-mps-control' EXIT
-    else
-      echo quit | nvidia-cuda-mps-control 2>/dev/null
-      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    fi
-  fi
-  if [ "$mps" = off ] && [ "$E2E_MPS" = 1 ]; then echo "run_e2e_device: E2E_MPS=1 but no MPS daemon runs here" >&2; exit 1; fi
-fi
-echo "mps: $mps" | tee -a "$OUT/versions.txt"
+# --- NVIDIA MPS (E2E_MPS: auto, 1 or 0; never for the CPU dry run) ---------------------------------
+if [ "${E2E_SMALL:-0}" = 1 ]; then device_mps 0; else device_mps "${E2E_MPS:-auto}"; fi
 
 # --- the runs -------------------------------------------------------------------------------------
 gpu_procs() {  # memory per process every 2 s, by role (trainer / --worker-id wN), until killed

@@ -180,6 +180,7 @@ SKIPPED_BY_DESIGN = {
     "pip install -e '.[gpu]'": "installs packages (Triton); the extra is checked in pyproject.toml",
     "python3 bench/make_e2e_model.py --config configs/gpu-h200.yaml": "writes a 4.36B-parameter fixture for the GPU",
     "bash bench/run_e2e_device.sh": "GPU runs on the device machine",
+    "bash bench/run_study_device.sh": "a study on the device machine; its config expands in test_study.py",
 }
 
 # Backticked dotted names that are no config keys.

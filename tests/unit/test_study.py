@@ -97,6 +97,11 @@ def test_shipped_studies_expand():
     consistency = load_study("study/consistency.yaml").expand()
     assert len(consistency) == 3 * 2 * 2 * 2 and all(len(r.config["run_id"]) <= 64 for r in consistency)
     assert len({r.config["run_id"] for r in consistency}) == len(consistency)
+    gpu = load_study("study/consistency-gpu.yaml").expand()
+    assert [r.keys for r in gpu] == [r.keys for r in consistency]  # the CPU study's grid, on CUDA
+    for r in gpu:  # each a valid run config, exact mode's fp32 trainer included
+        cfg = run_config.from_dict(r.config)
+        assert (cfg.trainer.device, cfg.rollout.device, cfg.trainer.dtype) == ("cuda", "cuda", "float32")
 
 
 def test_a_long_run_name_gets_a_run_id_within_the_limit_and_distinct():
