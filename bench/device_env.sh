@@ -1,6 +1,11 @@
-# Sourced by bench/run_e2e_device.sh and bench/run_study_device.sh: what a `tandem run` needs on a
-# machine without internet (the H200 image), from Debian packages and wheels in $E2E_PKGS or .whl/,
-# and a private NVIDIA MPS daemon. Uses $PYTHON, $E2E_PKGS, $E2E_DIR, $OUT; messages start with $TAG.
+# Sourced by bench/run_e2e_device.sh and bench/run_study_device.sh from the repository root, first:
+# what a `tandem run` needs on a machine without internet (the H200 image), from Debian packages and
+# wheels in $E2E_PKGS or .whl/, and a private NVIDIA MPS daemon. Sets the defaults below; the
+# functions also use $OUT, and their messages start with $TAG.
+export PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+E2E_DIR=${E2E_DIR:-/tmp/tandem-e2e}
+E2E_PKGS=${E2E_PKGS:-../.extra18}
 
 _install() {  # module $1 importable, else the wheel $2-*.whl of $E2E_PKGS or .whl/ installed into
   # /tmp/tandem-site (on PYTHONPATH once); exit 2 naming it when there is none

@@ -48,11 +48,10 @@
 # back only a few files, hence the archives.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-PYTHON=${PYTHON:-python3}
+TAG=run_e2e_device
+# shellcheck source=bench/device_env.sh
+. bench/device_env.sh  # PYTHON, E2E_DIR, E2E_PKGS; device_packages, device_mps
 OUT=${OUT:-/tmp/tandem-e2e-out}
-E2E_DIR=${E2E_DIR:-/tmp/tandem-e2e}
-E2E_PKGS=${E2E_PKGS:-../.extra18}
 RUNS=${RUNS:-async sync bf16}
 RUN_TIMEOUT=${RUN_TIMEOUT:-420}   # seconds per run at most
 BUDGET_S=${BUDGET_S:-0}           # > 0: the whole script's seconds; runs are cut (SIGINT) to end within it
@@ -77,9 +76,6 @@ else
 fi
 
 # --- packages: redis-server, redis-py, zstandard, megatron-core (bench/device_env.sh) ---------------
-TAG=run_e2e_device
-# shellcheck source=bench/device_env.sh
-. bench/device_env.sh
 if [[ " $RUNS " == *" megatron "* ]] && [ "${E2E_SMALL:-0}" != 1 ]; then device_packages megatron; else device_packages; fi
 
 # --- the model ------------------------------------------------------------------------------------

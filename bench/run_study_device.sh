@@ -7,17 +7,13 @@
 #   STUDY=configs/study/consistency-gpu.yaml JOBS=4 STUDY_ARGS="trainer.max_steps=20" bash bench/run_study_device.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-PYTHON=${PYTHON:-python3}
-OUT=${OUT:-/tmp/tandem-study-out}
-E2E_DIR=${E2E_DIR:-/tmp/tandem-e2e}
-E2E_PKGS=${E2E_PKGS:-../.extra18}
-STUDY=${STUDY:-configs/study/consistency-gpu.yaml}
-[ -f "$STUDY" ] || { echo "run_study_device: no study config $STUDY" >&2; exit 2; }
-mkdir -p "$OUT" "$E2E_DIR"
 TAG=run_study_device
 # shellcheck source=bench/device_env.sh
-. bench/device_env.sh
+. bench/device_env.sh  # PYTHON, E2E_DIR, E2E_PKGS; device_packages, device_mps
+OUT=${OUT:-/tmp/tandem-study-out}
+STUDY=${STUDY:-configs/study/consistency-gpu.yaml}
+[ -f "$STUDY" ] || { echo "$TAG: no study config $STUDY" >&2; exit 2; }
+mkdir -p "$OUT" "$E2E_DIR"
 device_packages
 device_mps "${E2E_MPS:-auto}"
 # shellcheck disable=SC2086
