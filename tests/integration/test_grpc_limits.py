@@ -157,7 +157,6 @@ def test_a_slow_reader_cut_by_the_deadline_resumes_and_completes(packed):
         server.publish(packed)
         with _SlowReader(PolicyClientConfig(address=server.address, max_attempts=64)) as client:
             fetched = client.fetch(1)  # every byte verified against the manifest
-        print(f"\nslow reader: {fetched.stats.resumed_streams} resumed streams in {fetched.stats.seconds:.1f} s")
         assert fetched.stats.resumed_streams >= 1
         assert server.stats()["fetch_deadline_exceeded"] >= 1
 
