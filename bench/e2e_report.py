@@ -185,6 +185,14 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
         "logp_abs_diff_quant": _mean([r.get("logp_abs_diff_quant") for r in steady]),
         "logp_abs_diff_quant_p50": _mean([r.get("logp_abs_diff_quant_p50") for r in steady]),
         "logp_abs_diff_stale": _mean([r.get("logp_abs_diff_stale") for r in steady]),
+        # per-token versions (loop.inflight_updates): staleness by token, and what ran on older KV
+        "token_staleness_mean": _mean([r.get("token_staleness_mean") for r in steady]),
+        "tokens_over_max_staleness_frac_max": max(
+            (r.get("tokens_over_max_staleness_frac", 0.0) for r in rows), default=None
+        ),
+        "samples_multi_version": _mean([r.get("samples_multi_version") for r in steady]),
+        "tokens_on_stale_kv": _mean([r.get("tokens_on_stale_kv") for r in steady]),
+        "logp_abs_diff_stale_kv": _mean([r.get("logp_abs_diff_stale_kv") for r in steady]),
         "reward_mean": _mean([r["reward_mean"] for r in rows]),
         "completion_tokens_per_step": _mean([r["completion_tokens"] for r in steady]),
         "benchmark_ignore_stop": any(r.get("benchmark_ignore_stop") for r in rows),
