@@ -5,13 +5,18 @@ and the swap into the engine in place vs building a fresh one, each against a sa
     python3 bench/bench_swap.py --small            # CPU box: the `small` preset cut to 2 layers, 8 experts
     python3 bench/bench_swap.py --streams 1,2,4,8 --repeats 2 --json out.json
     python3 bench/bench_swap.py --streams 1 --processes 1,2,4,6 --fetch-only   # the worker's fetch children
+    python3 bench/bench_swap.py --streams 1 --processes 2 --fetch-only --delta-noise 1e-3   # deltas in them
 
 A spawned child plays the trainer (random init, quantized with the recipe, published, served on
 127.0.0.1); this process plays a worker. fetch: `PolicyClient.fetch` (fully verified) into one
 `ReceiveBuffers` slab per `--streams` value (baseline: a host memcpy of the same bytes). fetch in
 processes: `FetchProcess` with N children into one shared slab per `--processes` value, with the CPU
 cores the server and the children used (~1.0 for the server = its event loop is the bound);
-`--two-workers` then runs two such fetchers at once. swap: a fresh `PackedEngine` + graph capture,
+`--two-workers` then runs two such fetchers at once. `--delta-noise X`: the trainer also publishes
+version 2, the same model with every weight scaled by (1 + X * N(0, 1)) (deltas on); each fetcher
+then fetches versions 1, 1, 2, 1, 2: the second whole into the warm slab (the baseline), 2 as a
+delta against the 1 its slab holds (the first time paying the server's delta build), 1 whole (no
+delta of an older version is served). swap: a fresh `PackedEngine` + graph capture,
 twice (the first pays compilation), against `PackedEngine.update` (baseline: one host-to-device copy
 of the slab). First fetches are reported apart, then medians of `--repeats`."""
 
@@ -38,9 +43,10 @@ def model_config(args):
     return ModelConfig.preset(args.preset, **over)
 
 
-def quantized_version(args):
-    """A random-init model (seed 0) quantized with the recipe (QAT's cache on CUDA, what a trainer
-    publishes): (its quantized tensors by name, the contract)."""
+def quantized_version(args, noise: float = 0.0):
+    """A random-init model (seed 0), each weight scaled by (1 + noise * N(0, 1)) when `noise`,
+    quantized with the recipe (QAT's cache on CUDA, what a trainer publishes): (its quantized
+    tensors by name, the contract)."""
     import torch
 
     from policy import qat
@@ -52,6 +58,11 @@ def quantized_version(args):
     cfg, recipe = model_config(args), Recipe.load(args.recipe)
     with torch.device(args.device):
         model = Transformer(cfg, seed=0)
+    if noise:
+        g = torch.Generator(args.device).manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + noise * torch.randn(p.shape, device=p.device, generator=g))
     if args.device == "cuda":
         tensors = qat.apply_qat(model, recipe).quantized_params(model)
     else:
@@ -59,13 +70,14 @@ def quantized_version(args):
     return tensors, contract_from_recipe(model_config=cfg, recipe=recipe)
 
 
-def build_version(args):
-    """Version 1 (`quantized_version`) as a PackedPolicy; and build_manifest's seconds."""
+def build_version(args, version: int = 1):
+    """Version 1 (`quantized_version`), or 2 (its weights moved by --delta-noise), as a PackedPolicy;
+    and build_manifest's seconds."""
     from policy import manifest as M
 
-    tensors, contract = quantized_version(args)
+    tensors, contract = quantized_version(args, noise=args.delta_noise if version == 2 else 0.0)
     t0 = time.perf_counter()
-    packed = M.build_manifest(version=1, parent_version=None, contract=contract, tensors=tensors)
+    packed = M.build_manifest(version=version, parent_version=version - 1 or None, contract=contract, tensors=tensors)
     return packed, time.perf_counter() - t0
 
 
@@ -74,9 +86,11 @@ def _serve(args, out, stop) -> None:
     from broker.policy_server import PolicyServer, PolicyServerConfig
 
     packed, build_s = build_version(args)
-    server = PolicyServer(PolicyServerConfig(max_streams_per_connection=16))
+    server = PolicyServer(PolicyServerConfig(max_streams_per_connection=16, deltas=args.delta_noise > 0))
     port = server.start()
     server.publish(packed)
+    if args.delta_noise:
+        server.publish(build_version(args, 2)[0])
     out.put(
         {
             "port": port,
@@ -106,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", default="1,2,4", help="fetch children per FetchProcess ('' = skip)")
     ap.add_argument("--two-workers", action="store_true", help="two FetchProcesses at once, with the fastest N")
     ap.add_argument("--fetch-only", action="store_true", help="skip the engine build and update")
+    ap.add_argument("--delta-noise", type=float, default=0.0, help="> 0: deltas in the fetch children (docstring)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--kv", type=int, default=256)
@@ -280,6 +295,10 @@ def fetch_in_processes(args, processes: list[int], fingerprint: str, address: st
 
     request = FetchRequest(address=address, fingerprint=fingerprint, version=1, fetch_timeout_s=300.0)
     out: dict = {}
+    if args.delta_noise:
+        for n in processes:
+            out[n] = deltas_in_processes(n, request, server_pid, cuda, gb)
+        return out
     for n in processes:
         fetcher = FetchProcess(pinned=cuda, reuse=True, processes=n, log=print)
         try:
@@ -337,6 +356,42 @@ def fetch_in_processes(args, processes: list[int], fingerprint: str, address: st
             flush=True,
         )
     return out
+
+
+def deltas_in_processes(n: int, request, server_pid: int, cuda: bool, gb: float) -> dict:
+    """--delta-noise: versions 1, 1, 2, 1, 2 (see the docstring), each fetch's figures."""
+    import dataclasses
+
+    from rollout.fetch_process import FetchProcess
+
+    fetcher = FetchProcess(pinned=cuda, reuse=True, processes=n, log=print)
+    rows = []
+    try:
+        for version in (1, 1, 2, 1, 2):
+            pids = fetcher.pids or []
+            srv0, kids0, t0 = cpu_s([server_pid]), cpu_s(pids), time.perf_counter()
+            f = fetcher.fetch(dataclasses.replace(request, version=version))
+            s = time.perf_counter() - t0
+            st = f.stats
+            rows.append(dict(version=version, s=s, receive_s=st.receive_s, verify_s=st.verify_s, bytes=st.bytes,
+                             delta_parent=st.delta_parent, server_cores=(cpu_s([server_pid]) - srv0) / s,
+                             children_cores=(cpu_s(pids) - kids0) / s if pids else None))  # fmt: skip
+            f = None  # its tensors alias the slab
+    finally:
+        fetcher.close()
+    built = set()
+    for r in rows:
+        label = "whole" if not r["delta_parent"] else f"delta against v{r['delta_parent']}"
+        if r["delta_parent"] and r["version"] not in built:
+            built.add(r["version"])
+            label += " (the server builds it)"
+        print(
+            f"{n} process(es), v{r['version']} {label}: {r['s']:.2f} s (receive {r['receive_s']:.2f}, verify tail "
+            f"{r['verify_s']:.2f}), {r['bytes'] / 1e6:.1f} MB on the wire ({100 * r['bytes'] / (gb * 1e9):.2f}%); server {r['server_cores']:.2f} cores, children "
+            f"{r['children_cores'] or 0:.2f} cores",
+            flush=True,
+        )
+    return {"rows": rows}
 
 
 if __name__ == "__main__":

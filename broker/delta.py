@@ -21,7 +21,7 @@ zstd (de)compression and numpy's XOR release the GIL: callers encode or decode t
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,16 +87,26 @@ def encode(new, parent, *, level: int = LEVEL, piece: int = PIECE) -> bytes | No
 
 def encode_frame(new, parent, *, level: int = LEVEL, piece: int = PIECE) -> tuple[bytes, bool]:
     """One zstd frame of `new` XOR `parent` (equal sizes; the frame records its content size) and
-    whether any byte differs. XOR-ed and compressed `piece` bytes at a time: no buffer of the
-    tensor's size, each piece compressed while in cache."""
+    whether any byte differs, XOR-ed and compressed `piece` bytes at a time (`encode_pieces`)."""
     new, parent = as_bytes(new), as_bytes(parent)
     if new.nbytes != parent.nbytes:
         raise DeltaError(f"XOR of {new.nbytes} and {parent.nbytes} bytes")
-    n, buf = new.nbytes, _piece_buffer(min(piece, max(1, new.nbytes)))
-    stream, parts, changed = _compressor(level).compressobj(size=n), [], False
-    for a in range(0, n, piece):
-        x = buf[: min(n, a + piece) - a]
-        np.bitwise_xor(new[a : a + len(x)], parent[a : a + len(x)], out=x)
+    bounds = [(a, min(new.nbytes, a + piece)) for a in range(0, new.nbytes, piece)]
+    return encode_pieces([new[a:b] for a, b in bounds], [parent[a:b] for a, b in bounds], level=level)
+
+
+def encode_pieces(new: Sequence, parent: Sequence, *, level: int = LEVEL) -> tuple[bytes, bool]:
+    """One zstd frame of the concatenation of new[i] XOR parent[i] (buffers of pairwise equal sizes,
+    e.g. a tensor's chunks as the server holds them) and whether any byte differs. Each piece is
+    XOR-ed into a scratch buffer and compressed while in cache: no buffer of the frame's size."""
+    new, parent = [as_bytes(x) for x in new], [as_bytes(x) for x in parent]
+    if [x.nbytes for x in new] != [x.nbytes for x in parent]:
+        raise DeltaError(f"XOR of {sum(x.nbytes for x in new)} and {sum(x.nbytes for x in parent)} bytes in pieces")
+    buf = _piece_buffer(max([x.nbytes for x in new], default=1))
+    stream, parts, changed = _compressor(level).compressobj(size=sum(x.nbytes for x in new)), [], False
+    for a, b in zip(new, parent):
+        x = buf[: a.nbytes]
+        np.bitwise_xor(a, b, out=x)
         changed = changed or bool(x.any())
         parts.append(stream.compress(x))
     parts.append(stream.flush())

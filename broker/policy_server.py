@@ -194,6 +194,11 @@ class _Layout:
         a, b = self.ranges[name]
         return b"".join(self.payloads[a:b])
 
+    def chunk_payloads(self, name: str, first: int, count: int) -> list[memoryview]:
+        """The tensor's chunks [first, first + count) (fewer at its end), no copy."""
+        a, b = self.ranges[name]
+        return self.payloads[a + first : min(b, a + first + count)]
+
 
 class _Version:
     """One published policy: immutable once built (the shard cache only grows, on the loop thread).
@@ -304,10 +309,10 @@ def build_delta(v: _Version, parent: _Version, parent_digest: bytes, *, threads:
         (n, a) for n in sorted(changed, key=lambda n: -v.entries[n].nbytes) for a in range(0, v.entries[n].nbytes, step)
     ]
 
-    def encode(piece: tuple[str, int]) -> bytes:
+    def encode(piece: tuple[str, int]) -> bytes:  # one frame: whole chunks (step is), read in place
         name, a = piece
-        new, old = v.full.tensor_bytes(name), parent.full.tensor_bytes(name)
-        return dl.encode_frame(new[a : a + step], old[a : a + step])[0]
+        new, old = (x.full.chunk_payloads(name, a // cb, step // cb) for x in (v, parent))
+        return dl.encode_pieces(new, old)[0]
 
     workers = threads or min(16, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="policy-delta") as pool:
