@@ -47,6 +47,20 @@ def test_decode_in_place_over_the_parent():
     assert np.array_equal(parent, new)
 
 
+def test_a_frame_from_pieces_is_the_frame_of_their_concatenation():
+    parent, new = b(*range(10)), b(*range(10))
+    new[7] = 0xFF
+    cuts = [(0, 4), (4, 8), (8, 10)]  # chunks as the server holds them: the last shorter
+    frame, changed = dl.encode_pieces([new[x:y] for x, y in cuts], [parent[x:y] for x, y in cuts])
+    assert changed and zstandard.ZstdDecompressor().decompress(frame) == bytes(dl.xor(new, parent))
+    out = np.empty(10, dtype=np.uint8)
+    dl.decode("t", frame, parent, out)
+    assert out.tolist() == new.tolist()
+    assert dl.encode_pieces([parent[:4]], [parent[:4].copy()])[1] is False
+    with pytest.raises(dl.DeltaError, match="XOR of 4 and 3 bytes in pieces"):
+        dl.encode_pieces([new[:4]], [parent[:3]])
+
+
 def test_a_corrupt_or_mis_sized_payload_is_refused_or_decodes_to_other_bytes():
     parent, new = b(*range(64)), b(*range(64))
     new[10] = 200
