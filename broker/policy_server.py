@@ -470,6 +470,7 @@ class PolicyServer:
             "streams": 0,
             "unauthenticated_streams": 0,
             "delta_streams": 0,
+            "deltas_built": 0,
         }
         self._published = 0  # versions installed (every delta_full_every-th is served full only)
         self._peer_streams: dict[str, int] = {}  # unauthenticated client address -> streams it holds
@@ -642,12 +643,15 @@ class PolicyServer:
             v.full_only = self._published % self.config.delta_full_every == 0
             self._published += 1
             first = self._latest == 0
+            previous = self._versions.get(self._latest)
             self._latest = v.version
             self._versions[v.version] = v
             while len(self._versions) > self.config.keep_versions:
                 _, old = self._versions.popitem(last=False)
                 old.evicted = True
                 self._maybe_release(old)
+        if self.config.deltas and not v.full_only and previous is not None and not previous.evicted:
+            self._start_delta(v, previous)  # against the version the workers hold, before they ask
         if first:
             await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -720,6 +724,12 @@ class PolicyServer:
             "tandem_policy_delta_streams_total",
             "FetchTensors streams served as a delta against a version the client holds (streams)",
             s["delta_streams"],
+        )
+        yield (
+            "counter",
+            "tandem_policy_deltas_built_total",
+            "delta versions built (XOR + zstd against a parent), at publish or when first asked for (deltas)",
+            s["deltas_built"],
         )
 
     # -- handlers -----------------------------------------------------------------------------
@@ -970,7 +980,8 @@ class PolicyServer:
 
     async def _delta_for(self, v: _Version, held) -> _Delta | None:
         """v's delta against the newest version in `held` that this server holds with the same
-        manifest digest (built on first request, in a worker thread; cached), or None: serve full.
+        manifest digest (built in a worker thread when first asked for, or at publish against the
+        version published before it; cached), or None: serve full.
 
         A delta is XOR + zstd per changed tensor (broker/delta.py), framed like a version, cached per
         version for at most `keep_versions` parents, and served only when its payload is smaller than
@@ -991,12 +1002,7 @@ class PolicyServer:
             parent = self._versions[max(known)] if known else None
         if parent is None:
             return None
-        fut = v.deltas.get(parent.version)
-        if fut is None:
-            fut = asyncio.wrap_future(self._executor.submit(self._build_delta, v, parent))
-            v.deltas[parent.version] = fut
-            while len(v.deltas) > self.config.keep_versions:
-                v.deltas.popitem(last=False)
+        fut = v.deltas.get(parent.version) or self._start_delta(v, parent)
         try:
             return await asyncio.shield(fut)
         except _Abort:  # evicted before the build started
@@ -1007,12 +1013,24 @@ class PolicyServer:
             log.exception("building the delta of version %d against %d failed", v.version, parent.version)
             return None
 
+    def _start_delta(self, v: _Version, parent: _Version) -> asyncio.Future:
+        """Build v's delta against `parent` in the worker thread (on the loop thread), cached in v.deltas."""
+        fut = asyncio.wrap_future(self._executor.submit(self._build_delta, v, parent))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: nobody may ask for it
+        v.deltas[parent.version] = fut
+        while len(v.deltas) > self.config.keep_versions:
+            v.deltas.popitem(last=False)
+        return fut
+
     def _build_delta(self, v: _Version, parent: _Version) -> _Delta | None:
         self._hold(v)
         try:
             self._hold(parent)
             try:
-                return build_delta(v, parent, self._digests[parent.version])
+                d = build_delta(v, parent, self._digests[parent.version])
+                with self._lock:
+                    self._counters["deltas_built"] += d is not None
+                return d
             finally:
                 self._unhold(parent)
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import grpc
 import numpy as np
@@ -132,6 +133,21 @@ def test_delta_when_the_parent_is_held_full_when_not(versions):
         assert v2.manifest.contract_fingerprint == FP
         assert c.fetch(2).stats.delta_parent == 0  # nothing held: full
         assert s.stats()["delta_streams"] == 1
+
+
+def test_the_delta_against_the_previous_version_is_built_at_publish(versions):
+    # delta_full_every=2: publish 1 (v1) and 3 (v3) are full only, v2 gets its delta against v1 at once
+    with serve(versions[1], versions[2], versions[3], delta_full_every=2) as s:
+        deadline = time.monotonic() + 30
+        while s.stats()["deltas_built"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # none more comes
+        assert s.stats()["deltas_built"] == 1 and s.stats()["fetch_streams"] == 0
+        with client(s) as c:
+            v2 = c.fetch(2, parent=c.fetch(1).held())
+        assert v2.stats.delta_parent == 1
+        assert_bytes_of(v2, versions[2])
+        assert s.stats()["deltas_built"] == 1  # served from the build at publish
 
 
 def test_a_large_tensors_delta_travels_as_frames_rebuilt_apart(versions, monkeypatch):
