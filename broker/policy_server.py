@@ -11,7 +11,8 @@ Rules:
   one line; one above `max_receive_message_bytes` gets gRPC's RESOURCE_EXHAUSTED. Health
   (grpc.health.v1) is NOT_SERVING until the first publish.
 - Streams are admitted by `admit` and ended when stalled or past their deadline (PolicyServer).
-- A request naming versions the client holds may be answered with a delta (`_delta_for`).
+- A request naming versions the client holds may be answered with a delta (`_delta_for`); a
+  version's delta against the version published before it is built when it is published.
 Why: docs/design-decisions.md, "Publishing".
 """
 
