@@ -5,7 +5,7 @@ and the swap into the engine in place vs building a fresh one, each against a sa
     python3 bench/bench_swap.py --small            # CPU box: the `small` preset cut to 2 layers, 8 experts
     python3 bench/bench_swap.py --streams 1,2,4,8 --repeats 2 --json out.json
     python3 bench/bench_swap.py --streams 1 --processes 1,2,4,6 --fetch-only   # the worker's fetch children
-    python3 bench/bench_swap.py --streams 1 --processes 2 --fetch-only --delta-noise 1e-3   # deltas in them
+    python3 bench/bench_swap.py --streams 1 --processes 2 --fetch-only --delta-noise 1e-4   # deltas in them
 
 A spawned child plays the trainer (random init, quantized with the recipe, published, served on
 127.0.0.1); this process plays a worker. fetch: `PolicyClient.fetch` (fully verified) into one
@@ -13,11 +13,11 @@ A spawned child plays the trainer (random init, quantized with the recipe, publi
 processes: `FetchProcess` with N children into one shared slab per `--processes` value, with the CPU
 cores the server and the children used (~1.0 for the server = its event loop is the bound);
 `--two-workers` then runs two such fetchers at once. `--delta-noise X`: the trainer also publishes
-version 2, the same model with every weight scaled by (1 + X * N(0, 1)) (deltas on); each fetcher
-then fetches versions 1, 1, 2, 1, 2: the second whole into the warm slab (the baseline), 2 as a
-delta against the 1 its slab holds, 1 whole (no delta of an older version is served); the server
-builds v2's delta against v1 when v2 is published (timed there, before any fetch). swap: a fresh `PackedEngine` + graph capture,
-twice (the first pays compilation), against `PackedEngine.update` (baseline: one host-to-device copy
+version 2, the same model with every weight scaled by (1 + X * N(0, 1)) (deltas on), and times the
+delta's build that its publish starts; each fetcher then fetches versions 1, 1, 2, 1, 2: the second
+whole into the warm slab (the baseline), 2 as a delta against the 1 its slab holds, 1 whole (no
+delta of an older version is served). swap: a fresh `PackedEngine` + graph capture, twice (the
+first pays compilation), against `PackedEngine.update` (baseline: one host-to-device copy
 of the slab). First fetches are reported apart, then medians of `--repeats`."""
 
 from __future__ import annotations
@@ -394,8 +394,8 @@ def deltas_in_processes(n: int, request, server_pid: int, cuda: bool, gb: float)
         label = "whole" if not r["delta_parent"] else f"delta against v{r['delta_parent']}"
         print(
             f"{n} process(es), v{r['version']} {label}: {r['s']:.2f} s (receive {r['receive_s']:.2f}, verify tail "
-            f"{r['verify_s']:.2f}), {r['bytes'] / 1e6:.1f} MB on the wire ({100 * r['bytes'] / (gb * 1e9):.2f}%); server {r['server_cores']:.2f} cores, children "
-            f"{r['children_cores'] or 0:.2f} cores",
+            f"{r['verify_s']:.2f}), {r['bytes'] / 1e6:.1f} MB on the wire ({100 * r['bytes'] / (gb * 1e9):.2f}%); "
+            f"server {r['server_cores']:.2f} cores, children {r['children_cores'] or 0:.2f} cores",
             flush=True,
         )
     return {"rows": rows}
