@@ -621,6 +621,7 @@ class RolloutWorker:
     def _build_engine(self, tensors: dict) -> PackedEngine:
         import torch
 
+        t0 = time.perf_counter()
         engine = PackedEngine(
             self.model_config,
             self.recipe.plan(self.model_config),
@@ -632,8 +633,15 @@ class RolloutWorker:
                 record_routes=self.loop.routing_replay,
             ),
         )
+        torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
         engine.capture()
         torch.cuda.synchronize(self.device)
+        self.log(
+            f"{self.worker_id}: fresh engine in {time.perf_counter() - t0:.1f}s: weights and KV cache "
+            f"{t1 - t0:.1f}s, glue compiled and decode graphs captured for {len(engine.ecfg.buckets())} "
+            f"batch sizes {time.perf_counter() - t1:.1f}s"
+        )
         return engine
 
     def _backend(self):
