@@ -637,10 +637,10 @@ class RolloutWorker:
         t1 = time.perf_counter()
         engine.capture()
         torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
         self.log(
-            f"{self.worker_id}: fresh engine in {time.perf_counter() - t0:.1f}s: weights and KV cache "
-            f"{t1 - t0:.1f}s, glue compiled and decode graphs captured for {len(engine.ecfg.buckets())} "
-            f"batch sizes {time.perf_counter() - t1:.1f}s"
+            f"{self.worker_id}: fresh engine in {t2 - t0:.1f}s: weights and KV cache {t1 - t0:.1f}s, glue "
+            f"compiled and decode graphs captured for {len(engine.ecfg.buckets())} batch sizes {t2 - t1:.1f}s"
         )
         return engine
 
