@@ -178,7 +178,8 @@ class PackedEngine:
         """Serve another version of the same layout from now on, in place: each piece (the
         embedding + head, then one layer at a time) is built from `tensors` as `__init__` would
         and copied into this engine's device buffers, then dropped, so at most one piece of the new
-        version sits on the device beside the old weights. The KV cache, the captured graphs and
+        version sits on the device beside the old weights; routed experts are loaded in place, one
+        expert at a time (`ExpertWeights.load`). The KV cache, the captured graphs and
         the compiled glue keep their addresses and stay valid: nothing is reallocated or
         recaptured. Rows in flight (loop.inflight_updates) continue on their KV under the new
         weights; draining on swap, none is, and the next `begin` / `prefill` starts from clean state.
@@ -191,7 +192,7 @@ class PackedEngine:
             return False
         copy_into(self.top, self._loader.top(tensors), "the embedding / head")
         for i, L in enumerate(self.layers):
-            copy_into(L, self._loader.layer(i, tensors), f"layer {i}")
+            copy_into(L, self._loader.layer(i, tensors, experts=L.experts), f"layer {i}")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return True

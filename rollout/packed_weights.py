@@ -129,6 +129,24 @@ class ExpertWeights:
                 del self.op_gu, self.op_dn
         self.n_experts = len(gate_up)
         self.ffn, self.dim = gate_up[0].shape[0] // 2, down[0].shape[0]
+        self.device = device
+
+    @torch.no_grad()
+    def load(self, gate_up: list, down: list) -> None:
+        """Overwrite these experts with another version's of the same layout, one expert at a time, so
+        the device never holds a second copy of the layer's experts (`PackedEngine.update`). Each
+        expert's bytes are those `__init__` would have stacked."""
+        dev = self.device
+        for e, (gu, dn) in enumerate(zip(gate_up, down, strict=True)):
+            if self.kernel is not None:
+                _copy_expert(self.gu, e, RK.pack(PK.to_device(gu, dev)))
+                _copy_expert(self.dn, e, RK.pack(PK.to_device(dn, dev)))
+            elif self.plain:  # copy_ rounds to the engine's dtype as .to(dtype) does
+                self.w_gu[e].copy_(PK.formats.operand(PK.to_device(gu, dev)).values)
+                self.w_dn[e].copy_(PK.formats.operand(PK.to_device(dn, dev)).values)
+            else:
+                copy_into(self.op_gu[e], PK.formats.operand(PK.to_device(gu, dev)), f"expert {e}")
+                copy_into(self.op_dn[e], PK.formats.operand(PK.to_device(dn, dev)), f"expert {e}")
 
     def __call__(self, x: Tensor, ids: Tensor, weights: Tensor, ops) -> Tensor:
         """x [N, D], ids / weights [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x) in x.dtype."""
@@ -261,8 +279,9 @@ class WeightLoader:
             lm_head = self.linear(tensors, "lm_head")
         return TopWeights(embed=embed, norm=norm, lm_head=lm_head)
 
-    def layer(self, i: int, tensors: dict) -> LayerWeights:
-        """Layer i's weights on the device, in the layout the decode step reads."""
+    def layer(self, i: int, tensors: dict, experts: ExpertWeights | None = None) -> LayerWeights:
+        """Layer i's weights on the device, in the layout the decode step reads. With `experts` (layer
+        i's of an engine being updated), the routed experts are loaded into those in place."""
         p = f"model.layers.{i}"
         norms = {
             "ln1": self.dense(tensors, f"{p}.input_layernorm.weight"),
@@ -273,23 +292,28 @@ class WeightLoader:
         q, k, v, o = (self.linear(tensors, f"{p}.self_attn.{n}_proj") for n in "qkvo")
         fused = all(x.weight is not None and x.act is None for x in (q, k, v))  # one matmul for q, k, v
         qkv = torch.cat([q.weight, k.weight, v.weight]) if fused else None
-        return LayerWeights(**norms, q=q, k=k, v=v, o=o, qkv=qkv, **self._mlp(i, tensors))
+        return LayerWeights(**norms, q=q, k=k, v=v, o=o, qkv=qkv, **self._mlp(i, tensors, experts))
 
-    def _mlp(self, i: int, tensors: dict) -> dict:
+    def _mlp(self, i: int, tensors: dict, experts: ExpertWeights | None) -> dict:
         """Layer i's MLP fields of LayerWeights: `dense`, or `gate`, `experts` and `shared`."""
         p = f"model.layers.{i}.mlp"
         if not self.cfg.is_moe_layer(i):  # a dense SwiGLU MLP (Qwen3 dense, mlp_only_layers)
             return {"dense": (self.linear(tensors, f"{p}.gate_up_proj"), self.linear(tensors, f"{p}.down_proj"))}
         gate = self.linear(tensors, f"{p}.gate")
         E = range(self.cfg.n_experts)
-        experts = ExpertWeights(
-            [tensors[f"{p}.experts.{e}.gate_up_proj.weight"] for e in E],
-            [tensors[f"{p}.experts.{e}.down_proj.weight"] for e in E],
-            self.act(f"{p}.experts.0.gate_up_proj.input"),
-            self.act(f"{p}.experts.0.down_proj.input"),
-            self.device,
-            self.dtype,
-        )
+        gate_up = [tensors[f"{p}.experts.{e}.gate_up_proj.weight"] for e in E]
+        down = [tensors[f"{p}.experts.{e}.down_proj.weight"] for e in E]
+        if experts is not None:
+            experts.load(gate_up, down)
+        else:
+            experts = ExpertWeights(
+                gate_up,
+                down,
+                self.act(f"{p}.experts.0.gate_up_proj.input"),
+                self.act(f"{p}.experts.0.down_proj.input"),
+                self.device,
+                self.dtype,
+            )
         shared = None
         if self.cfg.has_shared_expert:
             s = f"{p}.shared_expert"
@@ -329,6 +353,14 @@ def _leaves(obj, out: list) -> list:
     elif isinstance(obj, (LinearWeight, ExpertWeights, ActQuant)):
         _leaves(vars(obj), out)
     return out
+
+
+def _copy_expert(stack: RK.PackedLinear, e: int, one: RK.PackedLinear) -> None:
+    """Expert e of a `RK.pack_experts` stack <- one expert's `RK.pack`."""
+    stack.codes[e].copy_(one.codes)
+    stack.scales[e].copy_(one.scales)
+    if stack.global_scale is not None:
+        stack.global_scale[e : e + 1].copy_(one.global_scale.reshape(1))
 
 
 def copy_into(dst, src, what: str) -> None:
