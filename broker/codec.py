@@ -7,9 +7,9 @@ fixed dtype each (token ids int32, log-probs float32, token versions uint32, exp
 <= 256 experts else uint16), checked for dtype and byte count before a zero-copy `np.frombuffer`;
 decoded arrays are read-only views. Nothing is ever unpickled.
 Limits: a message over `max_message_bytes` is refused before unpacking; msgpack's limits bound every
-string, binary, array and map; ext types, unknown keys and unknown schemas are refused. Schema 3 is
-written; schema 1 (no `token_versions`: every token at `policy_version`) and 2 (no `routed_experts`)
-are read. Every decode failure raises `CodecError` (a ValueError) naming the field.
+string, binary, array and map; ext types, unknown keys and unknown schemas are refused. Schema 4 is
+written; schema 1 (no `token_versions`: every token at `policy_version`), 2 (no `routed_experts`) and
+3 (prompt groups without `min_version`: any) are read. Every decode failure raises `CodecError` (a ValueError) naming the field.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from policy.fields import is_int
 
-SCHEMA_VERSION = 3  # what encode writes; decode accepts _SCHEMAS
+SCHEMA_VERSION = 4  # what encode writes; decode accepts _SCHEMAS
 _UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -221,6 +221,8 @@ class PromptGroup:
     prompt_id: the dataset item (the same prompt may be scheduled again in a later epoch);
     group_id: run-unique id of this scheduling of it, and the prefix of its sample ids.
     task: what the reward function needs (e.g. {"kind": "arith", "answer": "42"}).
+    min_version: the oldest policy version a rollout may start the group under (0: any). The trainer
+    sets it when it feeds the group (trainer.feeding.min_start_version).
     """
 
     prompt_id: str
@@ -229,6 +231,7 @@ class PromptGroup:
     n_samples: int
     task: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
+    min_version: int = 0
 
     def __post_init__(self) -> None:
         _str("prompt_id", self.prompt_id, _UNBOUNDED.max_id_chars)
@@ -237,6 +240,7 @@ class PromptGroup:
         object.__setattr__(self, "n_samples", _int("n_samples", self.n_samples, 1, _MAX_GROUP_SIZE))
         object.__setattr__(self, "task", _small_dict("task", self.task, _UNBOUNDED))
         object.__setattr__(self, "created_at", _float("created_at", self.created_at))
+        object.__setattr__(self, "min_version", _int("min_version", self.min_version, 0, _UINT32_MAX))
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -314,11 +318,12 @@ _TRAJECTORY_FIELDS_V1 = (
 )
 _TRAJECTORY_FIELDS_V2 = (*_TRAJECTORY_FIELDS_V1, "token_versions")
 _TRAJECTORY_FIELDS = (*_TRAJECTORY_FIELDS_V2, "routed_experts")
-_PROMPT_FIELDS = ("prompt_id", "group_id", "prompt_tokens", "n_samples", "task", "created_at")
+_PROMPT_FIELDS_V1 = ("prompt_id", "group_id", "prompt_tokens", "n_samples", "task", "created_at")
+_PROMPT_FIELDS = (*_PROMPT_FIELDS_V1, "min_version")
 # kind -> schema -> its fields (encode writes SCHEMA_VERSION's).
 _SCHEMAS = {
-    "trajectory": {1: _TRAJECTORY_FIELDS_V1, 2: _TRAJECTORY_FIELDS_V2, 3: _TRAJECTORY_FIELDS},
-    "prompt_group": {1: _PROMPT_FIELDS, 2: _PROMPT_FIELDS, 3: _PROMPT_FIELDS},
+    "trajectory": {1: _TRAJECTORY_FIELDS_V1, 2: _TRAJECTORY_FIELDS_V2, 3: _TRAJECTORY_FIELDS, 4: _TRAJECTORY_FIELDS},
+    "prompt_group": {1: _PROMPT_FIELDS_V1, 2: _PROMPT_FIELDS_V1, 3: _PROMPT_FIELDS_V1, 4: _PROMPT_FIELDS},
 }
 _ARRAYS = {"prompt_tokens": "<i4", "completion_tokens": "<i4", "behavior_logprobs": "<f4", "token_versions": "<u4"}
 _DICTS = ("info", "task")

@@ -3,8 +3,9 @@
 Loop (`RolloutWorker.run`; up to `rollout.max_inflight_groups` groups in flight):
     newest policy pointer -> `offer` it to the version swap (rollout/swap.py);
     room for a group? -> read prompt groups (own pending, reclaimed, new) -> dead-letter one this
-        worker cannot run (rollout/prompt_check.py) -> none started more than `max_staleness`
-        versions behind the newest -> `submit` to the batcher (rollout/batching.py);
+        worker cannot run (rollout/prompt_check.py) -> none started under a version older than its
+        `min_version` or more than `max_staleness` behind the newest -> `submit` to the batcher
+        (rollout/batching.py);
     `step` the batcher -> score a finished group -> XADD its trajectories and XACK its prompt in one
         transaction.
 A group whose generation or scoring raises is dead-lettered with the error's line; a live version
@@ -292,8 +293,9 @@ class RolloutWorker:
 
     async def _start_groups(self, queue: PromptQueue, registry: PolicyRegistry, carried: list) -> None:
         """Submit carried records while there is room: one this worker cannot run is dead-lettered. Never
-        start a group with a policy already more than max_staleness behind the newest; if the newest cannot
-        be live now (or the groups in flight must drain first), keep the records and retry (re-reading the
+        start a group under a version older than its `min_version` (the trainer would drop it as stale;
+        trainer.feeding rule 4) or more than max_staleness behind the newest; if the newest cannot be
+        live now (or the groups in flight must drain first), keep the records and retry (re-reading the
         pointer: a restarted trainer publishes a new address)."""
         while carried and self.version is not None and len(self.inflight) < self._inflight_limit(carried):
             reason = self._refusal(carried[0].group)
@@ -301,12 +303,13 @@ class RolloutWorker:
                 await self._refuse(queue, carried.pop(0), "invalid", reason)
                 continue
             latest = await registry.latest()
-            stale = latest is not None and latest.version - self.version > self.max_staleness
-            if stale and not await self.offer(latest):
-                await queue.keep_alive(carried)  # still ours: no other janitor claims them
-                if not self.inflight:
-                    await self.wait_fetch(0.5)
-                break
+            if self._too_old_for(carried[0].group, latest):
+                live = latest is not None and await self.offer(latest)
+                if not live or self._too_old_for(carried[0].group, latest):
+                    await queue.keep_alive(carried)  # still ours: no other janitor claims them
+                    if not self.inflight:
+                        await self.wait_fetch(0.5)
+                    break
             if latest is not None:
                 self.stats.policy_staleness = latest.version - self.version
             rec = carried.pop(0)
@@ -314,6 +317,12 @@ class RolloutWorker:
                 self.submit(rec.group, rec)
             except ValueError as e:  # the backend's own fit check (prompt_check should say first)
                 await self._refuse(queue, rec, "invalid", why(e))
+
+    def _too_old_for(self, group: PromptGroup, latest: PolicyPointer | None) -> bool:
+        """Whether the live version may not start `group`: older than its min_version, or more than
+        max_staleness behind the newest."""
+        stale = latest is not None and latest.version - self.version > self.max_staleness
+        return stale or self.version < group.min_version
 
     async def _keep_alive(self, queue: PromptQueue, records: list) -> None:
         """Tell Redis these records are still ours, every reclaim_idle_s / 4."""

@@ -37,13 +37,16 @@ class PromptFeeder:
         *,
         target: int,
         group_size: int,
+        max_staleness: int,
         on_lost: Callable[[], Awaitable[None]],
         log: Callable[[str], None] = print,
     ):
-        """target: the groups to keep queued; on_lost: called after Redis lost its data (rule 2)."""
+        """target: the groups to keep queued; max_staleness: loop.max_staleness (each group's
+        min_version, trainer.feeding rule 4); on_lost: called after Redis lost its data (rule 2)."""
         self.redis, self.keys, self.prompts, self.stream = redis, keys, prompts, stream
         self.ledger, self.collector, self.state = ledger, collector, ledger.state
-        self.target, self.group_size, self.on_lost, self.log = target, group_size, on_lost, log
+        self.target, self.group_size, self.max_staleness = target, group_size, max_staleness
+        self.on_lost, self.log = on_lost, log
         self._seq_key = keys.prefix + "prompt_seq"  # Redis's copy of State.prompt_seq: gone = Redis lost data
         self._nonce_key = keys.prefix + "trainer_nonce"  # this incarnation's mark: no retried write restores it
         self._nonce = secrets.token_hex(16)
@@ -75,9 +78,12 @@ class PromptFeeder:
         )
         want = self.target - queued
         if want > 0:
-            await self.prompts.add(self.ledger.feed(want))
+            await self.prompts.add(self.ledger.feed(want, min_version=self._min_version()))
             await self.redis.set(self._seq_key, self.state.prompt_seq)
             self.ledger.overflow(20 * self.target + 100)
+
+    def _min_version(self) -> int:
+        return feeding.min_start_version(self.state.version, max_staleness=self.max_staleness)
 
     async def _refeed(self, why: str) -> None:
         """A new nonce (a later loss is seen again), every outstanding group fed again (also those whose
@@ -86,7 +92,7 @@ class PromptFeeder:
         self._nonce = secrets.token_hex(16)
         await self.redis.set(self._nonce_key, self._nonce)
         self._lost_ids = {*self.collector.uncommitted_ids(), *self.collector.held_ids()}
-        groups = self.ledger.outstanding_groups()
+        groups = self.ledger.outstanding_groups(min_version=self._min_version())
         await self.prompts.add(groups)
         await self.redis.set(self._seq_key, self.state.prompt_seq)
         self.state.refed += len(groups)

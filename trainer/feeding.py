@@ -3,6 +3,7 @@ groups are queued (no Redis, no clock, no I/O; the trainer reads the inputs, tes
 
     redis_lost(nonce_seen, seq_seen, *, nonce, prompt_seq) -> why | None
     queued_groups(prompt_backlog, trajectory_backlog, *, consumed, group_size, outstanding) -> int
+    min_start_version(version, *, max_staleness) -> int
 
 1. Redis lost data when its copy of this trainer's incarnation nonce is not `nonce`, or its copy
    of the prompt sequence position is not `prompt_seq` (once anything was fed). The trainer then
@@ -13,6 +14,12 @@ groups are queued (no Redis, no clock, no I/O; the trainer reads the inputs, tes
 3. Where Redis has no such group (None: it lost it and no consumer made it again yet), its count
    says nothing and an empty Redis must not read as room: every group fed and not settled
    (`outstanding`) counts as queued. The trainer feeds `queued_groups(...)` up to its bound.
+4. A group fed while the trainer is at version P (its newest, perhaps still publishing in the
+   background) is trained by version P + max(0, max_staleness - 1): the bound above keeps at most
+   max(1, max_staleness) steps of groups queued, trained first in, first out. It carries
+   `min_version` = P - min(1, max_staleness), the oldest version a rollout may start it under, so its
+   oldest token is at most max_staleness old when trained. Without it a worker still on the version
+   announced before P, or an older one, would generate a group only for it to be dropped as stale.
 """
 
 from __future__ import annotations
@@ -40,3 +47,8 @@ def queued_groups(
     if prompt_backlog is None or trajectory_backlog is None:
         return outstanding
     return prompt_backlog + max(0, trajectory_backlog - consumed) // group_size
+
+
+def min_start_version(version: int, *, max_staleness: int) -> int:
+    """Rule 4: the `min_version` of a group fed while the trainer is at `version`."""
+    return max(0, version - min(1, max_staleness))

@@ -1,8 +1,9 @@
 """Which prompt groups the trainer fed and has not settled yet, as a small pure class (no Redis, no
 clock, no I/O) over the State's `prompt_seq`, `outstanding` and `dropped_unaudited`.
 
-1. `feed(n)` makes prompts prompt_seq .. prompt_seq + n - 1 (prompt i is `make_prompt(i)`, a pure
-   function of i) and holds them outstanding: group_id -> prompt index.
+1. `feed(n, min_version=m)` makes prompts prompt_seq .. prompt_seq + n - 1 (prompt i is
+   `make_prompt(i)`, a pure function of i, with `min_version` m) and holds them outstanding:
+   group_id -> prompt index.
 2. `settle(group_id, dropped=...)`: the group was used or dropped; it is no longer outstanding, is
    remembered as settled (the newest `remember` groups), and, if dropped, listed in
    `dropped_unaudited` for the next audit line. A group is settled at most once.
@@ -16,6 +17,7 @@ clock, no I/O) over the State's `prompt_seq`, `outstanding` and `dropped_unaudit
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -28,17 +30,20 @@ class PromptLedger:
         self._tokens: dict[str, Any] = {}  # group_id -> prompt tokens, of outstanding groups
         self._settled: dict[str, None] = {}  # recently settled group ids, oldest first
 
-    def feed(self, n: int) -> list:
-        """Rule 1: the next `n` prompt groups, now outstanding."""
+    def feed(self, n: int, *, min_version: int = 0) -> list:
+        """Rule 1: the next `n` prompt groups, now outstanding, each with `min_version`."""
         first = self.state.prompt_seq
-        groups = [self.make_prompt(i) for i in range(first, first + n)]
+        groups = [dataclasses.replace(self.make_prompt(i), min_version=min_version) for i in range(first, first + n)]
         self.state.outstanding.update((g.group_id, i) for i, g in zip(range(first, first + n), groups))
         self.state.prompt_seq = first + n
         return groups
 
-    def outstanding_groups(self) -> list:
-        """Every outstanding group's prompt, in the order they were fed."""
-        return [self.make_prompt(i) for i in sorted(self.state.outstanding.values())]
+    def outstanding_groups(self, *, min_version: int = 0) -> list:
+        """Every outstanding group's prompt, in the order they were fed, each with `min_version`."""
+        return [
+            dataclasses.replace(self.make_prompt(i), min_version=min_version)
+            for i in sorted(self.state.outstanding.values())
+        ]
 
     def adopt(self, seq: int) -> None:
         """Rule 4."""
@@ -80,5 +85,5 @@ class PromptLedger:
 
 
 def prompt_key(g) -> tuple:
-    """What makes a prompt group the one fed (everything but when it was made)."""
+    """What makes a prompt group the one fed (everything but when it was made: `created_at`, `min_version`)."""
     return g.group_id, g.prompt_id, g.n_samples, g.task, g.prompt_tokens.tobytes()

@@ -102,7 +102,7 @@ class Trainer:
         )  # fmt: skip
         self.feeder = PromptFeeder(
             self.redis, keys, prompts, stream, self.ledger, self.collector,
-            target=cfg.queued_groups(max_staleness), group_size=cfg.group_size,
+            target=cfg.queued_groups(max_staleness), group_size=cfg.group_size, max_staleness=max_staleness,
             on_lost=self.parts.publishing.point_registry, log=self.log,
         )  # fmt: skip
         await prompts.setup()

@@ -36,12 +36,13 @@ def _feeder(r, keys, state: State, lost: list, lines: list) -> PromptFeeder:
         lost.append(1)
 
     return PromptFeeder(
-        r, keys, prompts, stream, ledger, collector, target=3, group_size=2, on_lost=on_lost, log=lines.append
-    )
+        r, keys, prompts, stream, ledger, collector, target=3, group_size=2, max_staleness=2,
+        on_lost=on_lost, log=lines.append,
+    )  # fmt: skip
 
 
 async def test_feeding_to_the_bound_and_again_after_redis_lost_everything(redis_url, run_id):
-    keys, state, lost, lines = Keys(run_id=run_id), State(), [], []
+    keys, state, lost, lines = Keys(run_id=run_id), State(version=5), [], []
     async with connect(redis_url) as r:
         feeder = _feeder(r, keys, state, lost, lines)
         await feeder.prompts.setup()
@@ -54,17 +55,22 @@ async def test_feeding_to_the_bound_and_again_after_redis_lost_everything(redis_
         # A worker takes one and dead-letters it (a prompt it cannot run): settled as dropped.
         worker = PromptQueue(r, keys, consumer="w0")
         [taken] = await worker.read(count=1, block_ms=10)
+        assert taken.group.min_version == 4  # fed at version 5, max_staleness 2: start under 4 or later
         await worker.dead_letter(taken, "cannot run")
         await feeder.settle_dead_lettered()
         assert state.prompts_dead_lettered == 1 and state.dropped_unaudited == [taken.group.group_id]
         assert taken.group.group_id not in state.outstanding
         await feeder.feed()  # room for one more
         assert state.prompt_seq == 4 and len(state.outstanding) == 3
-        # Redis loses the run's keys: the next feed notices (the nonce is gone) and feeds the outstanding again.
+        # Redis loses the run's keys: the next feed notices (the nonce is gone) and feeds the outstanding
+        # again, each with the min_version of now.
         await r.delete(*[k async for k in r.scan_iter(keys.prefix + "*")])
+        state.version = 8
         await feeder.feed()
         assert state.refed == 3 and lost == [1] and state.prompt_seq == 4
         assert await r.xlen(keys.prompts) == 3
+        await worker.setup()
+        assert {p.group.min_version for p in await worker.read(count=3, block_ms=10)} == {7}
         assert any(line.startswith("Redis lost its data (this trainer's nonce is gone)") for line in lines)
 
 

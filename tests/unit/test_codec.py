@@ -367,7 +367,7 @@ def test_a_schema_1_trajectory_decodes_with_every_token_at_its_policy_version():
     with pytest.raises(CodecError) as e:  # schema 1 never had the field
         decode_trajectory(repack(encode_trajectory(make_traj(n_completion=4)), schema=1, routed_experts=_DELETE))
     assert e.value.field == "token_versions"
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
 
 
 @pytest.mark.parametrize(
@@ -481,3 +481,19 @@ def test_the_trajectory_signature_covers_routed_experts():
     b = encode_trajectory(make_traj(n_completion=3, routed_experts=r2))
     assert signer.verify(TRAJECTORY, a, signer.sign(TRAJECTORY, a))
     assert not signer.verify(TRAJECTORY, b, signer.sign(TRAJECTORY, a))
+
+
+# ------------------------------------------------------------------ min_version (schema 4)
+
+
+def test_prompt_groups_carry_min_version_and_schema_3_ones_decode_without_it():
+    assert decode_prompt_group(encode_prompt_group(make_prompt(min_version=7))).min_version == 7
+    old = repack(encode_prompt_group(make_prompt(min_version=7)), schema=3, min_version=_DELETE)
+    assert decode_prompt_group(old).min_version == 0  # any version may start it
+    with pytest.raises(CodecError) as e:  # schema 3 never had the field
+        decode_prompt_group(repack(encode_prompt_group(make_prompt()), schema=3))
+    assert e.value.field == "min_version"
+    for bad in (-1, 2**32, "3", True):
+        with pytest.raises(CodecError) as e:
+            decode_prompt_group(repack(encode_prompt_group(make_prompt()), min_version=bad))
+        assert e.value.field == "min_version"

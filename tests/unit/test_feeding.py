@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.feeding import queued_groups, redis_lost
+from trainer.feeding import min_start_version, queued_groups, redis_lost
 
 N = "a1b2"
 
@@ -26,3 +26,12 @@ def test_queued_groups_counts_redis_where_it_has_the_groups_and_what_was_fed_whe
     assert queued_groups(None, 10, consumed=0, group_size=4, outstanding=7) == 7
     assert queued_groups(4, None, consumed=0, group_size=4, outstanding=7) == 7
     assert queued_groups(None, None, consumed=0, group_size=4, outstanding=0) == 0
+
+
+def test_a_group_may_start_one_version_below_the_trainers_and_none_below_when_synchronous():
+    # Fed at version 10 and trained by version 10 + max(0, S - 1): started no earlier than the min
+    # version, its oldest token is at most S old then.
+    for s, want in [(0, 10), (1, 9), (2, 9), (5, 9)]:
+        got = min_start_version(10, max_staleness=s)
+        assert got == want and 10 + max(0, s - 1) - got <= s
+    assert min_start_version(0, max_staleness=2) == 0  # never below 0
