@@ -9,7 +9,8 @@ decoded arrays are read-only views. Nothing is ever unpickled.
 Limits: a message over `max_message_bytes` is refused before unpacking; msgpack's limits bound every
 string, binary, array and map; ext types, unknown keys and unknown schemas are refused. Schema 4 is
 written; schema 1 (no `token_versions`: every token at `policy_version`), 2 (no `routed_experts`) and
-3 (prompt groups without `min_version`: any) are read. Every decode failure raises `CodecError` (a ValueError) naming the field.
+3 (prompt groups without `min_version`: any) are read. Every decode failure raises `CodecError` (a
+ValueError) naming the field.
 """
 
 from __future__ import annotations
