@@ -176,11 +176,11 @@ class PackedEngine:
     @torch.no_grad()
     def update(self, tensors: dict) -> bool:
         """Serve another version of the same layout from now on, in place: each piece (the
-        embedding + head, then one layer at a time) is built from `tensors` as `__init__` would
-        and copied into this engine's device buffers, then dropped, so at most one piece of the new
-        version sits on the device beside the old weights; routed experts are loaded in place, one
-        expert at a time (`ExpertWeights.load`). The KV cache, the captured graphs and
-        the compiled glue keep their addresses and stay valid: nothing is reallocated or
+        embedding, the final norm, the head, then one layer at a time) is built from `tensors` as
+        `__init__` would and copied into this engine's device buffers, then dropped, so at most one
+        piece of the new version sits on the device beside the old weights; a layer's routed experts
+        are loaded in place, one expert at a time (`ExpertWeights.load`). The KV cache, the captured
+        graphs and the compiled glue keep their addresses and stay valid: nothing is reallocated or
         recaptured. Rows in flight (loop.inflight_updates) continue on their KV under the new
         weights; draining on swap, none is, and the next `begin` / `prefill` starts from clean state.
 
@@ -190,7 +190,9 @@ class PackedEngine:
         device copy), which this overwrites."""
         if layout_of(tensors) != self._layout:
             return False
-        copy_into(self.top, self._loader.top(tensors), "the embedding / head")
+        for name, field in self._loader.top_fields(tensors):
+            copy_into(getattr(self.top, name), field, f"the {name}")
+            del field  # before the next one is built
         for i, L in enumerate(self.layers):
             copy_into(L, self._loader.layer(i, tensors, experts=L.experts), f"layer {i}")
         if self.device.type == "cuda":

@@ -271,13 +271,16 @@ class WeightLoader:
 
     def top(self, tensors: dict) -> TopWeights:
         """The embedding, the final norm and the LM head, on the device."""
-        embed = self.dense(tensors, "model.embed_tokens.weight")
-        norm = self.dense(tensors, "model.norm.weight")
+        return TopWeights(**dict(self.top_fields(tensors)))
+
+    def top_fields(self, tensors: dict):
+        """`top`'s fields one at a time, (name, value): an update holds one of them at once."""
+        yield "embed", self.dense(tensors, "model.embed_tokens.weight")
+        yield "norm", self.dense(tensors, "model.norm.weight")
         if self.cfg.tie_word_embeddings:  # logits = x @ embed_tokens.weight.T, as policy.model.TiedHead
-            lm_head = LinearWeight(tensors["model.embed_tokens.weight"], None, self.device, self.dtype)
+            yield "lm_head", LinearWeight(tensors["model.embed_tokens.weight"], None, self.device, self.dtype)
         else:
-            lm_head = self.linear(tensors, "lm_head")
-        return TopWeights(embed=embed, norm=norm, lm_head=lm_head)
+            yield "lm_head", self.linear(tensors, "lm_head")
 
     def layer(self, i: int, tensors: dict, experts: ExpertWeights | None = None) -> LayerWeights:
         """Layer i's weights on the device, in the layout the decode step reads. With `experts` (layer
