@@ -22,9 +22,11 @@ def test_async_loop_with_in_flight_updates(tmp_path, redis_url, run_id):
     cfg = tiny_config(
         tmp_path, run_id, redis_url,
         loop={"max_staleness": MAX_STALENESS, "inflight_updates": True},
-        task={"digits": 9},  # up to 11 tokens per sample: versions arrive while samples decode
-        trainer={"max_steps": MAX_STEPS, "prompts_ahead": 4},  # workers always busy: swaps find groups in flight
-        rollout={"trace": {"dir": str(tmp_path / "traces"), "after_s": 0.0, "steps": 3}},
+        task={"digits": 9},
+        trainer={"max_steps": MAX_STEPS},
+        # Samples long enough for versions to arrive while they decode: 11 tokens each (the stop token
+        # ignored), one sample at a time per worker.
+        rollout={"max_batch": 1, "ignore_stop": True, "trace": {"dir": str(tmp_path / "traces"), "after_s": 0.0, "steps": 3}},
     )  # fmt: skip
     with Loop(cfg, tmp_path) as run:
         run.wait_trainer()
