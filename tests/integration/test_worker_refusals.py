@@ -1,7 +1,9 @@
 """A rollout worker's loop (`RolloutWorker.run`, the CPU engine) on a real Redis and a real gRPC
 PolicyServer: a prompt group it cannot run (rollout.prompt_check) or whose scoring raises (a user's
 task without `check_fields` whose verifier raises on the fields it got) is dead-lettered alone, with
-its reason, counted in Prometheus and the heartbeat, and the worker goes on with the next prompt."""
+its reason, counted in Prometheus and the heartbeat, and the worker goes on with the next prompt. A
+group is never started under a version older than its `min_version` (trainer.feeding rule 4): the
+worker keeps it, and those behind it, until it can start it under the first version at or above it."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from broker.codec import PromptGroup
+from broker.codec import PromptGroup, decode_trajectory
 from broker.keys import Keys
 from broker.policy_server import PolicyServer, PolicyServerConfig
 from broker.registry import Heartbeats, PolicyPointer, PolicyRegistry
 from broker.signing import Signer
-from broker.streams import PromptQueue, connect, read_deadletter
+from broker.streams import DATA_FIELD, PromptQueue, connect, read_deadletter
 from policy import manifest as mf
 from policy.contract import contract_from_recipe
 from policy.formats.params import quantize_params
@@ -120,3 +122,72 @@ async def _beats(r, keys: Keys) -> dict:
 
 def _refused_in_heartbeat(beats: dict, n: int) -> bool:
     return beats.get("w0", {}).get("info", {}).get("refused_prompts") == n
+
+
+async def _oldest_versions(r, keys: Keys) -> dict[str, int]:
+    """group id -> the oldest token version over its samples in the trajectories stream."""
+    out: dict[str, int] = {}
+    for _, fields in await r.xrange(keys.trajectories):
+        t = decode_trajectory(fields[DATA_FIELD])
+        out[t.group_id] = min(out.get(t.group_id, t.oldest_version), t.oldest_version)
+    return out
+
+
+async def _wait_for(predicate, running, logs, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert not running.done(), (running, logs[-5:])
+        assert time.monotonic() < deadline, logs[-10:]
+        await asyncio.sleep(0.1)
+
+
+async def test_a_group_waits_for_its_min_version(redis_url, run_id):
+    _, model_config, recipe = task_and_model(CFG)
+    cfg = dataclasses.replace(CFG.rollout, metrics_port=0, heartbeat_s=0.2, heartbeat_ttl_s=5.0, read_block_ms=50)
+    worker = RolloutWorker(
+        cfg, run_id=run_id, redis_url=redis_url, worker_id="w0", model_config=model_config, recipe=recipe,
+        loop=CFG.loop, task=AdditionTask(digits=1), group_size=2, signer=SIGNER, log=(logs := []).append,
+    )  # fmt: skip
+    keys = Keys(run_id=run_id)
+    contract = contract_from_recipe(model_config=model_config, recipe=recipe)
+
+    def build(version: int) -> mf.PackedPolicy:
+        model = Transformer(model_config, seed=version)
+        tensors = quantize_params(dict(model.named_parameters()), recipe.plan(model_config))
+        return mf.build_manifest(version=version, parent_version=None, contract=contract, tensors=tensors)
+
+    with PolicyServer(PolicyServerConfig()) as server:
+        async with connect(redis_url) as r:
+            registry = PolicyRegistry(r, keys, signer=SIGNER)
+
+            async def announce(version: int) -> None:
+                m = build(version)
+                server.publish(m)
+                digest = mf.manifest_digest(m.manifest).hex()
+                await registry.publish(
+                    PolicyPointer(
+                        version=version, address=server.address, contract_fingerprint=worker.fingerprint,
+                        content_digest=digest,
+                    )
+                )  # fmt: skip
+
+            await announce(1)
+            await PromptQueue(r, keys, signer=SIGNER).add(
+                [_group("now"), _group("later", min_version=2), _group("after")]
+            )
+            running = asyncio.create_task(worker.run())
+            try:
+                await _wait_for(lambda: _has(r, keys, "now"), running, logs)
+                await asyncio.sleep(1.0)  # time enough for "later" to start, were it allowed
+                assert set(await _oldest_versions(r, keys)) == {"now"}  # "after" waits behind "later"
+                await announce(2)
+                await _wait_for(lambda: _has(r, keys, "after"), running, logs)
+                oldest = await _oldest_versions(r, keys)
+            finally:
+                worker.request_stop()
+                assert await asyncio.wait_for(running, 30) == 0
+    assert oldest == {"now": 1, "later": 2, "after": 2}
+
+
+async def _has(r, keys: Keys, group_id: str) -> bool:
+    return group_id in await _oldest_versions(r, keys)
