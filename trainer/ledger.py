@@ -33,17 +33,17 @@ class PromptLedger:
     def feed(self, n: int, *, min_version: int = 0) -> list:
         """Rule 1: the next `n` prompt groups, now outstanding, each with `min_version`."""
         first = self.state.prompt_seq
-        groups = [dataclasses.replace(self.make_prompt(i), min_version=min_version) for i in range(first, first + n)]
+        groups = [self._prompt(i, min_version) for i in range(first, first + n)]
         self.state.outstanding.update((g.group_id, i) for i, g in zip(range(first, first + n), groups))
         self.state.prompt_seq = first + n
         return groups
 
     def outstanding_groups(self, *, min_version: int = 0) -> list:
         """Every outstanding group's prompt, in the order they were fed, each with `min_version`."""
-        return [
-            dataclasses.replace(self.make_prompt(i), min_version=min_version)
-            for i in sorted(self.state.outstanding.values())
-        ]
+        return [self._prompt(i, min_version) for i in sorted(self.state.outstanding.values())]
+
+    def _prompt(self, index: int, min_version: int):
+        return dataclasses.replace(self.make_prompt(index), min_version=min_version)
 
     def adopt(self, seq: int) -> None:
         """Rule 4."""
