@@ -199,13 +199,13 @@ class PolicyFetcher:
             )
 
     def _fetched(self, fetched: FetchedPolicy, source: str, *, relayed: bool) -> tuple[FetchedPolicy, float, str]:
-        """A verified fetch: kept as the next delta's parent, offered to the relay, counted."""
+        """A verified fetch: counted (installed or not: a version fetched and then passed over for a
+        newer one is still the next one's delta parent), kept as the next delta's parent, offered to
+        the relay."""
         at = time.perf_counter()
+        self._count(fetched, relayed)
         if self.process is None:
             self._held = fetched.held()
-        if relayed:
-            with self._lock:
-                self.stats.policy_relay_fetches += 1
         if self.relay is not None and fetched.held() is not None:  # whole tensors (tp_size 1)
             try:  # copied into the relay's own buffers: the next fetch reuses these
                 if self.relay.offer(fetched.manifest, fetched.data):
@@ -214,6 +214,16 @@ class PolicyFetcher:
             except Exception as e:  # the relay is a service to peers: never this worker's failure
                 self.log(f"{self.worker_id}: relaying v{fetched.version} failed: {why(e)}")
         return fetched, at, source
+
+    def _count(self, fetched: FetchedPolicy, relayed: bool) -> None:
+        st = fetched.stats
+        with self._lock:
+            self.stats.policy_fetch_bytes += st.bytes
+            self.stats.policy_delta_fetches += st.delta_parent > 0
+            self.stats.policy_deltas_refused += st.delta_refused
+            self.stats.policy_relay_fetches += relayed
+        if st.delta_refused:
+            self.log(f"{self.worker_id}: v{fetched.version}: {st.delta_refusal}; fetched it whole")
 
     def _relay_failed(self, pointer: PolicyPointer, source: str, e: Exception) -> None:
         """One line and a count per relay passed over; bytes failing the signed digest distrust it

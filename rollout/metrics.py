@@ -21,7 +21,10 @@ from broker.metrics import MetricsEndpoint
 COUNTERS = {
     "groups": ("tandem_rollout_groups_total", "prompt groups generated and committed (groups)"),
     "generated_tokens": ("tandem_rollout_generated_tokens_total", "completion tokens generated (tokens)"),
-    "policy_fetch_bytes": ("tandem_rollout_policy_fetch_bytes_total", "policy tensor bytes fetched over gRPC (bytes)"),
+    "policy_fetch_bytes": (
+        "tandem_rollout_policy_fetch_bytes_total",
+        "policy tensor bytes of every verified fetch over gRPC, installed or passed over for a newer version (bytes)",
+    ),
     "policy_delta_fetches": (
         "tandem_rollout_policy_delta_fetches_total",
         "versions rebuilt from a delta against the version held before (broker/delta.py) (versions)",

@@ -154,8 +154,8 @@ class RolloutWorker:
 
     def metric_values(self) -> dict:
         """Every number rollout/metrics.py exports (called from the metrics endpoint's thread). The live
-        version is read first: a version's bytes are counted before it goes live, so a scrape that
-        sees it live also sees them."""
+        version is read first: a version's bytes are counted when its fetch ends, before it goes live,
+        so a scrape that sees it live also sees them."""
         s, w = self.stats, self.swap
         live = w.live or 0
         return {
@@ -518,7 +518,6 @@ class RolloutWorker:
         False (logged, counted; groups resume under the live version) when that raised."""
         job, self._job = self._job, None
         fetched, fetched_at, source = job.task.result()
-        self._count_fetch(fetched)  # before the version is live: a scrape never sees it live with its bytes uncounted
         t0 = time.perf_counter()
         try:
             how = await self._load(fetched)
@@ -575,15 +574,6 @@ class RolloutWorker:
             self.swap.unload()  # the old engine is gone: serve nothing until a version loads
             raise
         return "fresh engine"
-
-    def _count_fetch(self, fetched: FetchedPolicy) -> None:
-        """A fetched version's bytes and delta counts (loaded or not)."""
-        st = fetched.stats
-        self.stats.policy_fetch_bytes += st.bytes
-        self.stats.policy_delta_fetches += st.delta_parent > 0
-        self.stats.policy_deltas_refused += st.delta_refused
-        if st.delta_refused:
-            self.log(f"{self.worker_id}: v{fetched.version}: {st.delta_refusal}; fetched it whole")
 
     def _went_live(self, pending: Pending, fetched: FetchedPolicy, parts: dict, previous, how: str) -> None:
         """Metrics and the "live" line (bench/e2e_report.py reads it) of a version just live."""

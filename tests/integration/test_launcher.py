@@ -148,7 +148,8 @@ def test_live_run_metrics_ctrl_c_and_resume(tmp_path):
                 proc,
                 console,
             )
-            assert _value(wf, "tandem_rollout_policy_fetch_bytes", "tandem_rollout_policy_fetch_bytes_total") > 0
+            fetched = _value(wf, "tandem_rollout_policy_fetch_bytes", "tandem_rollout_policy_fetch_bytes_total")
+            assert fetched > 0, (logs / f"rollout-{w}.log").read_text()[-3000:]
             for name in ("groups", "generated_tokens", "versions_refused"):
                 assert wf[f"tandem_rollout_{name}"].type == "counter"
             for name in ("generated_tokens_per_second", "policy_staleness"):

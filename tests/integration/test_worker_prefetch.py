@@ -1,8 +1,9 @@
 """The worker fetches a newer version in the background while its groups decode: the
 swap waits for both the drain and the fetch, a newer pointer supersedes a fetch in progress, a
 failed fetch keeps the current version (groups start again) and is retried, the "live" line and the
-metrics split the swap. Real gRPC PolicyServer on loopback, the CPU engine (no Redis: the loop's
-public methods are driven directly: tests/drive_worker.py)."""
+metrics split the swap, a version's bytes are counted when its fetch ends. Real gRPC PolicyServer
+on loopback, the CPU engine (no Redis: the loop's public methods are driven directly:
+tests/drive_worker.py)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,8 @@ async def _prefetch_scenario(worker, logs: list[str], free_port) -> None:
             return PolicyPointer(version=v, address=address, contract_fingerprint=worker.fingerprint)
 
         assert await load(worker, pointer(1)) and worker.version == 1
+        v1_bytes = metric(worker, "tandem_rollout_policy_fetch_bytes_total")
+        assert v1_bytes > 0
         p = worker.task.prompt(0)
         prompt = np.asarray(p.tokens, dtype=np.int32)
         group = PromptGroup(prompt_id="p0", group_id="g0", prompt_tokens=prompt, n_samples=2, task=p.fields)
@@ -85,6 +88,8 @@ async def _prefetch_scenario(worker, logs: list[str], free_port) -> None:
         assert worker.swap.pending.pointer.version == 3 and "v3 announced while" in logs[-1] and "v2" in logs[-1]
         await worker.wait_fetch(120)
         assert worker.swap.fetched
+        # A version's bytes are counted when its fetch ends (a fetched version may never go live).
+        assert metric(worker, "tandem_rollout_policy_fetch_bytes_total") > v1_bytes
         assert not await worker.offer(pointer(3))  # fetched, but a group is in flight
         assert worker.version == 1
         finished = []
