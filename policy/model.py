@@ -662,6 +662,7 @@ class Transformer(nn.Module):
       positions count real tokens only and padded keys are never attended to. With `cache`, the
       tokens are appended to it (incremental decoding).
     token_logprobs(tokens, targets, attention_mask=None, temperature=1.0) -> [B, T] fp32
+    token_logprobs_by_layer(tokens, targets, chunks, ...): the same per chunk of rows, layer by layer
     load_weights({canonical name: tensor}) copies effective weights in (e.g. dequantized packed ones).
     quant_hook: a `QuantHook` or None (plain). `exact` (read-only): the hook's exact mode (policy.exact).
     routes / return_routes (forward and token_logprobs): routing replay, forced expert ids per token
@@ -731,10 +732,31 @@ class Transformer(nn.Module):
         return_routes: bool = False,
         router_own: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        hook = self.quant_hook or _PLAIN
+        x, args = self._inputs(tokens, attention_mask, cache, hook)
+        x, ids = self._layers(x, args, routes)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        if last_only:
+            x = x[:, -1:]
+        logits = self._head(x, hook)
+        if not return_routes:
+            return logits
+        B, T = tokens.shape
+        k, which = self.cfg.top_k, 1 if router_own else 0
+        ids = (
+            torch.stack([i[which] for i in ids], dim=2)
+            if ids
+            else torch.zeros(B, T, 0, k, dtype=torch.long, device=tokens.device)
+        )
+        return logits, ids[:, -1:] if last_only else ids
+
+    def _inputs(self, tokens: Tensor, attention_mask: Tensor | None, cache: KVCache | None, hook: QuantHook):
+        """The embedded tokens and the layers' arguments (cos, sin, mask, hook, cache, start); with
+        `cache`, its positions and key mask advanced past the tokens (its length is the caller's)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
-        hook = self.quant_hook or _PLAIN
         device = tokens.device
         valid = (
             torch.ones(B, T, dtype=torch.bool, device=device)
@@ -754,28 +776,14 @@ class Transformer(nn.Module):
             cache.key_valid[:, start : start + T] = valid
             cache.next_pos += valid.sum(dim=1)
             key_valid = cache.key_valid[:, : start + T]
-        S = start + T
         mask = causal_mask(key_valid, start)  # [B, 1, T, S]
         angles = positions.float()[..., None] * rope_inv_freq(self.cfg, device)  # [B, T, hd/2]
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
-
         emb = hook.param("model.embed_tokens.weight", self.model.embed_tokens.weight)
-        x = F.embedding(tokens, emb)
-        x, ids = self._layers(x, (cos, sin, mask, hook, cache, start), routes)
-        if cache is not None:
-            cache.length = S
-        if last_only:
-            x = x[:, -1:]
-        logits = self.lm_head(self.model.norm(x, hook), hook)
-        if not return_routes:
-            return logits
-        k, which = self.cfg.top_k, 1 if router_own else 0
-        ids = (
-            torch.stack([i[which] for i in ids], dim=2)
-            if ids
-            else torch.zeros(B, T, 0, k, dtype=torch.long, device=device)
-        )
-        return logits, ids[:, -1:] if last_only else ids
+        return F.embedding(tokens, emb), (cos, sin, mask, hook, cache, start)
+
+    def _head(self, x: Tensor, hook: QuantHook) -> Tensor:
+        return self.lm_head(self.model.norm(x, hook), hook)
 
     def _layers(self, x: Tensor, args: tuple, routes: Tensor | None) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The decoder layers on x [B, T, D] -> (x, each MoE layer's (used, router's own) expert ids,
@@ -833,11 +841,47 @@ class Transformer(nn.Module):
             tokens, attention_mask=attention_mask, routes=routes, return_routes=return_routes, router_own=router_own
         )
         logits, used = out if return_routes else (out, None)
+        logp = self._target_logprobs(logits, targets, temperature)
+        return (logp, used) if return_routes else logp
+
+    @torch.no_grad()
+    def token_logprobs_by_layer(
+        self,
+        tokens: Tensor,
+        targets: Tensor,
+        chunks: Sequence[Tensor],
+        *,
+        attention_mask: Tensor | None = None,
+        temperature: float = 1.0,
+        routes: Tensor | None = None,
+    ) -> Tensor:
+        """`token_logprobs` of rows `r` for each row-index tensor r of `chunks`, concatenated in
+        that order: the same values bit for bit (every chunk runs the same ops as a call of its
+        own), computed layer by layer, each layer on every chunk before the next layer starts. A
+        hook that builds a weight's operand at its first use and keeps only the current layer's
+        (trainer.versions) builds each once per call, not once per chunk. No autograd, no cache;
+        holds the hidden states of every chunk."""
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} != tokens shape {tuple(tokens.shape)}")
+        moe, (B, T), k = self.moe_layers(), tokens.shape, self.cfg.top_k
+        if routes is not None and tuple(routes.shape) != (B, T, len(moe), k):
+            raise ValueError(f"routes shape {tuple(routes.shape)} != {(B, T, len(moe), k)} (B, T, MoE layers, k)")
+        hook = self.quant_hook or _PLAIN
+        mask = attention_mask if attention_mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+        xs, inputs = map(list, zip(*(self._inputs(tokens[r], mask[r], None, hook) for r in chunks)))
+        for i, layer in enumerate(self.model.layers):
+            for c, (r, (cos, sin, m, _, _, start)) in enumerate(zip(chunks, inputs)):
+                route = None if routes is None or i not in moe else routes[r][:, :, moe.index(i)]
+                xs[c] = layer(xs[c], cos, sin, m, hook, None, start, route)[0]
+        return torch.cat(
+            [self._target_logprobs(self._head(x, hook), targets[r], temperature) for x, r in zip(xs, chunks)]
+        )
+
+    def _target_logprobs(self, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+        """[B, T] fp32 log-probs of `targets` from logits / temperature (exact mode: policy.exact's)."""
         if self.exact:
-            logp = exact.scaled_log_softmax(logits, temperature).gather(-1, targets[..., None]).squeeze(-1)
-            return (logp, used) if return_routes else logp
+            return exact.scaled_log_softmax(logits, temperature).gather(-1, targets[..., None]).squeeze(-1)
         logits = logits.float()
         if temperature != 1.0:
             logits = logits / temperature
-        logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)
-        return (logp, used) if return_routes else logp
+        return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(dim=-1)

@@ -5,8 +5,8 @@
 
 `prox`: the recompute under the current weights (the PPO proximal policy). `at_version`: each
 token's log-prob under the version that sampled it (the quantization part of the mismatch), from
-rows recomputed under each older version's retained packed tensors (trainer/versions.py), each token
-picking its own; tokens of a version no longer held are left out. Staleness is per token (trainer
+rows recomputed under each older version's retained packed tensors (trainer/versions.py: its chunks
+layer by layer, each weight's operand built once), each token picking its own; tokens of a version no longer held are left out. Staleness is per token (trainer
 version - the token's); a sample's is its oldest token's. Every forward takes at most
 trainer.microbatch_tokens padded tokens (gradients accumulated over a minibatch's chunks). Routing
 replay: every forward routes completion tokens to the rollout's recorded experts (`Batch.routes`), and
@@ -96,7 +96,6 @@ class GRPOStep:
         routes = None
         if self.replay_routes is not None:
             routes = scatter_routes([t.routed_experts for t in samples], mask, *self.replay_routes).to(self.device)
-        rk = (lambda r: {}) if routes is None else (lambda r: {"routes": routes[r]})
         routing = Counter()
 
         def prox_forward(r):
@@ -125,9 +124,10 @@ class GRPOStep:
                     continue
                 rows = rows[torch.isin(rows, sampled)]  # an older version's forward: the sampled rows only
                 if len(rows) and v in self.versions:
-                    by_version[v] = (rows, self._logprobs(lambda r, v=v: self.versions.token_logprobs(
-                        v, tokens[r], targets[r], attention_mask=attn[r], temperature=self.temperature, **rk(r)
-                    ), rows, tokens.shape[1]))  # fmt: skip
+                    by_version[v] = (rows, self.versions.token_logprobs(
+                        v, tokens, targets, chunks=self._chunks(rows, tokens.shape[1]), attention_mask=attn,
+                        temperature=self.temperature, routes=routes,
+                    ))  # fmt: skip
             at_version, token_known = per_token(tv, by_version, prox)
         self._sync()
         t2 = time.perf_counter()

@@ -2,7 +2,7 @@
 
     versions = RetainedVersions(model_config, plan, keep=max_staleness)
     versions.add(v, backend.quantized_params())    # at each publish: references, no copy
-    versions.token_logprobs(v, tokens, targets, attention_mask=attn, temperature=T)
+    versions.token_logprobs(v, tokens, targets, chunks=row_chunks, attention_mask=attn, temperature=T)
     per_token(token_versions, by_version, fallback) -> (log-probs, known)   each token under its own version
 
 Rules:
@@ -10,8 +10,10 @@ Rules:
   which the cache replaces after each optimizer step), on the trainer's device; parts that share
   storage with a live parameter are cloned. `add(v)` releases every version below v - keep.
 - `token_logprobs(v, ...)` equals, bit for bit, the QAT forward (training recipe, the Compute
-  contract's operands) of version v's master weights: a meta-device scratch model whose hook builds
-  each operand when its matmul runs (an MoE projection's experts together) and drops it after.
+  contract's operands) of version v's master weights, chunk by chunk: a meta-device scratch model
+  whose hook builds each operand when its matmul first runs (an MoE projection's experts together)
+  and keeps only the current layer's; the chunks go through each layer before the next
+  (`Transformer.token_logprobs_by_layer`), so each operand is built once per call, not per chunk.
 - A sample spanning versions (loop.inflight_updates) is recomputed under each distinct version of
   its tokens, and each token takes the one of its own version (`per_token`, pure).
 - Versions from before a restart are not held; their tokens are left out of the split.
@@ -21,7 +23,7 @@ Why packed versions and not fp32 snapshots, and the memory they take: docs/desig
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -65,9 +67,10 @@ class RetainedVersions:
 
     Memory: per retained version, the bytes of its packed parts (`nbytes`); the newest version's
     objects are shared with the QAT cache until the next optimizer step. Transient, during
-    `token_logprobs`: one weight's operand at a time, or one MoE projection's experts' (their packed
+    `token_logprobs`: one layer's weight operands at a time (an MoE projection's experts' packed
     parts concatenated along rows and one `formats.operand` call, `qat.stacked_operands`, whose
-    [E, N, K] operand the grouped GEMM takes as is), plus the fp32 dequantized embedding and norms.
+    [E, N, K] operand the grouped GEMM takes as is; 1.2 GB for a Qwen3-30B-A3B layer's 128 bf16
+    experts), the fp32 dequantized embedding and norms, and every chunk's hidden states.
     Under the rollout_recipe ablation the trainer keeps the training recipe's objects, not the
     rollouts'. With trainer.backend=megatron the objects are its hook's canonical QuantizedParams
     and this still runs policy.model's forward."""
@@ -106,16 +109,20 @@ class RetainedVersions:
 
     @torch.no_grad()
     def token_logprobs(
-        self, version: int, tokens: Tensor, targets: Tensor, *, attention_mask: Tensor | None = None,
-        temperature: float = 1.0, routes: Tensor | None = None,
+        self, version: int, tokens: Tensor, targets: Tensor, *, chunks: Sequence[Tensor] | None = None,
+        attention_mask: Tensor | None = None, temperature: float = 1.0, routes: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
         """[B, T] fp32 log-probs of `targets` under `version` (the caller's autocast applies, as
-        for the trainer's own forward); routes: replayed expert ids (policy.model.Transformer)."""
+        for the trainer's own forward), rows in the order of `chunks` (row-index tensors, each run
+        as one forward's batch; all rows in one by default); routes: replayed expert ids
+        (policy.model.Transformer)."""
+        if chunks is None:
+            chunks = [torch.arange(tokens.shape[0], device=tokens.device)]
         hook = _PackedOperands(self.plan, self._packed[version], self._groups, exact=self.exact)
         self.scratch.quant_hook = hook
         try:
-            return self.scratch.token_logprobs(
-                tokens, targets, attention_mask=attention_mask, temperature=temperature, routes=routes
+            return self.scratch.token_logprobs_by_layer(
+                tokens, targets, chunks, attention_mask=attention_mask, temperature=temperature, routes=routes
             )
         finally:
             self.scratch.quant_hook = None
@@ -125,12 +132,14 @@ class RetainedVersions:
 
 class _PackedOperands(qat.QATHook):
     """policy.qat.PackedHook's forward (QATHook's code, the operands from a version's quantized
-    objects), each operand built when its matmul asks for it and dropped after: the forward holds one
-    weight's operand at a time, or one MoE projection's: its experts' objects are concatenated into
-    one stacked object and their operands built in one `formats.operand` call
+    objects), each operand built when its matmul first asks for it and kept until a weight of
+    another layer is asked for (the embedding, final norm and LM head count as one more layer): the
+    forward holds one layer's operands at a time. An MoE projection's experts' objects are
+    concatenated into one stacked object and their operands built in one `formats.operand` call
     (`qat.stacked_operands`, what the QAT cache's stacked refill does), which the grouped GEMM takes
-    as is and the loop over experts row by row. So every operand is built once per call, not once
-    per expert and again for the stack (6+ GB for the 4B model if all were held, as PackedHook does)."""
+    as is and the loop over experts row by row. So under a layer-by-layer forward every operand is
+    built once per call, not once per chunk, per expert and again for the stack (6+ GB for the 4B
+    model if all were held, as PackedHook does)."""
 
     def __init__(
         self,
@@ -145,12 +154,16 @@ class _PackedOperands(qat.QATHook):
         for names, params in groups:
             self.add_group(names, params)
         self.builds = 0  # formats.operand calls for weights (one per weight, or one per expert group)
+        self._layer = ""  # the layer whose operands the cache holds
 
     def _entry(self, name: str, p: Tensor) -> tuple[int, object, formats.Operand]:
         hit = self._cache.get(name)
         if hit is not None:
             return hit
-        self._cache.clear()  # the previous weight's or group's operands: one at a time
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "top"
+        if layer != self._layer:  # the previous layer's operands: one layer at a time
+            self._cache.clear()
+            self._layer = layer
         g = self._groups.get(name)
         if g is None:
             self.builds += 1

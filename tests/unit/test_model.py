@@ -1,4 +1,5 @@
-"""policy.model: config, canonical names, MoE dispatch, KV-cache decoding, batch-invariant forward."""
+"""policy.model: config, canonical names, MoE dispatch, KV-cache decoding, batch-invariant forward,
+the layer-by-layer forward over chunks of rows."""
 
 from __future__ import annotations
 
@@ -202,6 +203,40 @@ def test_token_logprobs_matches_log_softmax(model):
         ref = (model(toks) / 0.7).log_softmax(-1).gather(-1, tgt[..., None]).squeeze(-1)
     torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
     assert lp.dtype == torch.float32 and lp.shape == (2, 9)
+
+
+@pytest.mark.parametrize("mode", ["plain", "qat", "exact"])
+def test_token_logprobs_by_layer_equals_one_call_per_chunk_bitwise(mode):
+    """Layer by layer over chunks of rows (chunks out of order, padded rows, forced routes with
+    some -1) gives each chunk exactly what a token_logprobs call of its own gives."""
+    from policy import qat
+    from policy.recipe import Recipe
+
+    cfg = ModelConfig.preset("tiny", n_layers=3, n_experts=4, top_k=2, mlp_only_layers=[1], ffn_dim=64)
+    m = Transformer(cfg, seed=2)
+    if mode != "plain":
+        qat.apply_qat(m, Recipe.load("nvfp4_moe"), exact=mode == "exact")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, cfg.vocab_size, (5, 7), generator=g)
+    targets = tokens.roll(-1, dims=1)
+    attn = torch.ones(5, 7, dtype=torch.bool)
+    attn[1, :2] = attn[4, -3:] = False
+    first = torch.randint(0, cfg.n_experts, (5, 7, 2), generator=g)
+    second = (first + torch.randint(1, cfg.n_experts, (5, 7, 2), generator=g)) % cfg.n_experts  # distinct
+    routes = torch.stack([first, second], dim=-1)
+    routes[torch.rand(5, 7, 2, generator=g) < 0.3] = -1  # these tokens take the router's own experts
+    chunks = [torch.tensor([3, 0]), torch.tensor([4]), torch.tensor([1, 2])]
+    got = m.token_logprobs_by_layer(tokens, targets, chunks, attention_mask=attn, temperature=0.7, routes=routes)
+    with torch.no_grad():
+        want = torch.cat(
+            [
+                m.token_logprobs(tokens[r], targets[r], attention_mask=attn[r], temperature=0.7, routes=routes[r])
+                for r in chunks
+            ]
+        )
+    assert got.shape == (5, 7) and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match=r"routes shape \(5, 7, 3, 2\) != \(5, 7, 2, 2\)"):
+        m.token_logprobs_by_layer(tokens, targets, chunks, routes=torch.zeros(5, 7, 3, 2, dtype=torch.long))
 
 
 def test_kv_cache_decoding_equals_full_forward(model):

@@ -93,7 +93,8 @@ def test_at_version_takes_the_grouped_gemm_where_the_qat_forward_does_with_opera
 ):
     """The retained path runs each MoE projection as one grouped GEMM on one stacked operand built
     from the version's packed parts in one formats.operand call (not one per expert, then a stack):
-    the weight operands it builds per call are one per non-expert weight plus one per projection."""
+    the weight operands it builds per call are one per non-expert weight plus one per projection,
+    however many chunks the rows come in."""
     recipe = Recipe.load(recipe_name)
     model = _grouped(Transformer(CFG, seed=3), True)
     hook = qat.apply_qat(model, recipe)
@@ -118,6 +119,13 @@ def test_at_version_takes_the_grouped_gemm_where_the_qat_forward_does_with_opera
     experts = sum(".experts." in n for n, _ in model.named_parameters())
     expected = sum(1 for _ in model.parameters()) - experts + 2 * moe_layers
     assert versions.last_builds == len(builds) - 2 * qat_builds == expected  # + the same activations
+    # In chunks (as the trainer's microbatches): layer by layer, so still each operand built once.
+    chunks = [torch.tensor([2]), torch.tensor([0, 1])]
+    got = versions.token_logprobs(1, tokens, targets, chunks=chunks, attention_mask=attn)
+    with torch.no_grad():
+        want = torch.cat([model.token_logprobs(tokens[r], targets[r], attention_mask=attn[r]) for r in chunks])
+    assert torch.equal(qat.bits(got), qat.bits(want))
+    assert versions.last_builds == expected
 
 
 def test_versions_beyond_keep_are_released_and_bytes_are_the_packed_parts():
