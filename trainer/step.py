@@ -5,12 +5,13 @@
 
 `prox`: the recompute under the current weights (the PPO proximal policy). `at_version`: each
 token's log-prob under the version that sampled it (the quantization part of the mismatch), from
-rows recomputed under each older version's retained packed tensors (trainer/versions.py: its chunks
-layer by layer, each weight's operand built once), each token picking its own; tokens of a version no longer held are left out. Staleness is per token (trainer
-version - the token's); a sample's is its oldest token's. Every forward takes at most
-trainer.microbatch_tokens padded tokens (gradients accumulated over a minibatch's chunks). Routing
-replay: every forward routes completion tokens to the rollout's recorded experts (`Batch.routes`), and
-the recompute counts how often the trainer's router would have picked the same ones (`route_agreement`).
+rows recomputed under each older version's retained packed tensors (trainer/versions.py: their
+chunks layer by layer, each weight's operand built once), each token picking its own; tokens of a
+version no longer held are left out. Staleness is per token (trainer version - the token's); a
+sample's is its oldest token's. Every forward takes at most trainer.microbatch_tokens padded tokens
+(gradients accumulated over a minibatch's chunks). Routing replay: every forward routes completion
+tokens to the rollout's recorded experts (`Batch.routes`), and the recompute counts how often the
+trainer's router would have picked the same ones (`route_agreement`).
 The pure parts (`staleness_stats`, `token_stats`, `route_agreement`, `lr_at`) are tested by hand
 (tests/unit/test_step.py).
 """

@@ -112,10 +112,10 @@ class RetainedVersions:
         self, version: int, tokens: Tensor, targets: Tensor, *, chunks: Sequence[Tensor] | None = None,
         attention_mask: Tensor | None = None, temperature: float = 1.0, routes: Tensor | None = None,
     ) -> Tensor:  # fmt: skip
-        """[B, T] fp32 log-probs of `targets` under `version` (the caller's autocast applies, as
-        for the trainer's own forward), rows in the order of `chunks` (row-index tensors, each run
-        as one forward's batch; all rows in one by default); routes: replayed expert ids
-        (policy.model.Transformer)."""
+        """[R, T] fp32 log-probs of `targets` under `version` for the rows of `chunks` (row-index
+        tensors, each run as one forward's batch; R rows in all, in their order; every row in one
+        chunk by default). The caller's autocast applies, as for the trainer's own forward; routes:
+        replayed expert ids (policy.model.Transformer)."""
         if chunks is None:
             chunks = [torch.arange(tokens.shape[0], device=tokens.device)]
         hook = _PackedOperands(self.plan, self._packed[version], self._groups, exact=self.exact)
