@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo: the device has no install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from policy import qat
-from policy.model import ModelConfig, Transformer
-from policy.recipe import Recipe
-from trainer.versions import RetainedVersions
+import torch  # noqa: E402
+from bench_publish import timed  # noqa: E402
+
+from policy import qat  # noqa: E402
+from policy.model import ModelConfig, Transformer  # noqa: E402
+from policy.recipe import Recipe  # noqa: E402
+from trainer.versions import RetainedVersions  # noqa: E402
 
 
 def _versions(cfg: ModelConfig, recipe: Recipe, device: str) -> RetainedVersions:
@@ -33,15 +38,6 @@ def _versions(cfg: ModelConfig, recipe: Recipe, device: str) -> RetainedVersions
     versions = RetainedVersions(cfg, hook.plan, keep=1)
     versions.add(1, hook.quantized_params(master), live=list(master.parameters()))
     return versions
-
-
-def _timed(fn, device: str) -> tuple[torch.Tensor, float]:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -63,6 +59,7 @@ def main() -> None:
     tokens = torch.randint(3, cfg.vocab_size, (args.rows, args.row_len), generator=g).to(args.device)
     targets, attn = tokens.roll(-1, dims=1), torch.ones_like(tokens, dtype=torch.bool)
     chunks = torch.arange(args.rows, device=args.device).split(max(1, args.microbatch_tokens // args.row_len))
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda" else torch.autocast("cpu", enabled=False)
     )
@@ -82,9 +79,9 @@ def main() -> None:
     builds: dict[str, int] = {}
     with autocast:
         for i in range(args.repeats + 1):  # the first round warms up, untimed
-            a, ta = _timed(per_chunk, args.device)
+            a, ta = timed(sync, per_chunk)
             builds["per_chunk"] = versions.last_builds * len(chunks)
-            b, tb = _timed(by_layer, args.device)
+            b, tb = timed(sync, by_layer)
             builds["by_layer"] = versions.last_builds
             if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
                 raise SystemExit("[bench_versions] the two ways disagree: not bit for bit")
