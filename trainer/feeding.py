@@ -18,8 +18,9 @@ groups are queued (no Redis, no clock, no I/O; the trainer reads the inputs, tes
    background) is trained by version P + max(0, max_staleness - 1): the bound above keeps at most
    max(1, max_staleness) steps of groups queued (the default `trainer.prompts_ahead`), trained first
    in, first out. It carries `min_version` = P - min(1, max_staleness), the oldest version a rollout
-   may start it under, so its oldest token is at most max_staleness old when trained. Without it a worker still on the version
-   announced before P, or an older one, would generate a group only for it to be dropped as stale.
+   may start it under, so its oldest token is at most max_staleness old when trained. Without it a
+   worker still on the version announced before P, or an older one, would generate a group only for
+   it to be dropped as stale.
 """
 
 from __future__ import annotations
