@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"make_e2e_model: --override {item!r} is not FIELD=INT", file=sys.stderr)
             return 2
         fields[key] = int(value)
+    # The run's max_seq_len (the one field a run may set beside a checkpoint), so the evaluation fits
+    # the run's task.max_new_tokens.
+    if "max_seq_len" in cfg.model.overrides:
+        fields.setdefault("max_seq_len", int(cfg.model.overrides["max_seq_len"]))
     model_config = ModelConfig.preset(args.preset, n_layers=args.layers, **fields)
     task = make_task(cfg.task, seed=cfg.loop.seed)
     if task.tokenizer.vocab_size > model_config.vocab_size:
