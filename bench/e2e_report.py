@@ -15,7 +15,8 @@ the first fetches), from `metrics.jsonl`, the workers' logs and the launcher-sid
                  overlap there, so each is measured alone) when it has the same recipe and trainer
                  backend, else of the run itself (e.g. the `megatron` run: trainer.backend=megatron)
   publish->live  per version: the slowest worker's time from the pointer (published_at) to live;
-                 median and max; plus the trainer's publish_s before the pointer exists
+                 median and max; plus the trainer's publish_s before the pointer exists and
+                 publish_announce_wait_s between the version being servable and the pointer
   tok/s          completion tokens per generating second, per worker (what the engine does while
                  it has a group) and per wall second (throughput, waits included)
   GPU idle       (1 - mean utilization.gpu / 100) x wall/step over the steady window (NVML's
@@ -163,6 +164,7 @@ def summarize(run: Path, *, skip: int, groups_per_step: int | None = None) -> di
         "quantize_s": _mean([r.get("quantize_s") for r in win]),
         "publish_blocked_s": _mean([r.get("publish_blocked_s") for r in steady]),
         "publish_bg_s": _mean([r.get("publish_bg_s") for r in steady]),
+        "publish_announce_wait_s": _mean([r.get("publish_announce_wait_s") for r in steady]),
         "retained_bytes_max": max((r.get("retained_bytes", 0) for r in rows), default=None),
         "collect_s": _mean([r.get("collect_s") for r in win]),
         "rollout_per_step_s": rollout_per_step,

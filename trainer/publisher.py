@@ -7,8 +7,9 @@
 Rules: `prepare` (a thread: frame the version into a pooled host buffer and install it in the
 PolicyServer, broker.frames) runs while the trainer's next step computes; `announce` (a coroutine on
 the trainer's event loop: point `policy:latest` at the version) runs only after `prepare` returned,
-so the pointer never names a version that is not servable. `idle()` waits for the publish in flight
-and returns how long it waited. A failed prepare or announce is logged when it happens and raised
+so the pointer never names a version that is not servable; `announce_wait_s` is how long a servable
+version waited for the event loop (the trainer steps on a thread of its own, so about zero). `idle()`
+waits for the publish in flight and returns how long it waited. A failed prepare or announce is logged when it happens and raised
 as PublishError by the next `idle()` (at the latest before the next publish and at shutdown).
 The caller keeps the published tensors valid while `prepare` runs (broker.frames.stage clones parts
 aliasing live parameters; QAT's cache replaces its parts at each optimizer step, never in place)."""
@@ -25,9 +26,7 @@ class PublishError(RuntimeError):
 
 
 class Publisher:
-    """The rules of the module docstring. The trainer's event loop is busy during a step's torch work,
-    so the announce lands at the step's next await (collecting trajectories), right after `prepare`
-    finishes. The trainer logs `idle()`'s wait plus its own staging of the version as
+    """The rules of the module docstring. The trainer logs `idle()`'s wait plus its own staging of the version as
     `publish_blocked_s`; on a PublishError it exits non-zero, and its restart republishes the
     checkpoint's version."""
 
@@ -36,6 +35,7 @@ class Publisher:
         self._task: asyncio.Task | None = None
         self._version: int | None = None
         self.published = 0  # versions announced
+        self.announce_wait_s = 0.0  # the last announce: seconds from `prepare` returning to its start
 
     @property
     def in_flight(self) -> int | None:
@@ -51,7 +51,8 @@ class Publisher:
 
     async def _run(self, version: int, prepare: Callable[[], None], announce: Callable[[], Awaitable[None]]) -> None:
         try:
-            await asyncio.to_thread(prepare)
+            ready = await asyncio.to_thread(_timed, prepare)
+            self.announce_wait_s = time.perf_counter() - ready
             await announce()
         except Exception as e:
             self.log(f"publishing version {version} failed: {type(e).__name__}: {e}")
@@ -75,3 +76,9 @@ class Publisher:
         except Exception as e:
             raise PublishError(f"publishing policy version {version} failed: {type(e).__name__}: {e}") from e
         return time.perf_counter() - t0
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    """Run `fn`; the perf_counter when it returned (read on its own thread)."""
+    fn()
+    return time.perf_counter()

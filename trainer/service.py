@@ -35,6 +35,7 @@ from .ledger import PromptLedger
 from .metrics import eta_s, progress_line
 from .parts import Parts
 from .step import lr_at
+from .step_thread import StepThread
 from .warmstart import warm_start
 
 # The trainer is the only consumer of the trajectories: its own restarts (not poison: trainer.validation
@@ -56,6 +57,7 @@ class Trainer:
         self._resumed_from: int | None = None  # the checkpoint step this process resumed from
         self._publish_s = 0.0  # the last publish's seconds on the training thread
         self._step_ends: collections.deque[float] = collections.deque(maxlen=11)  # for the ETA: 10 steps
+        self._steps = StepThread(parts.step.device)  # GRPO steps off the event loop (trainer.step_thread)
 
     def request_stop(self) -> None:
         self.parts.health.set_serving(False)
@@ -74,7 +76,7 @@ class Trainer:
                 groups = await self.collector.collect(feed=self.feeder.feed, stop=self._stop)
                 if groups is None:  # stop requested while collecting
                     break
-                row = self._train(groups, collect_s=time.perf_counter() - t_collect)
+                row = await self._steps.run(self._train, groups, collect_s=time.perf_counter() - t_collect)
                 row.update(await self._publish_if_due())
                 self._record(row, groups)
                 if not self.cfg.checkpoint_every or self._due(self.cfg.checkpoint_every):
@@ -152,6 +154,7 @@ class Trainer:
         return 0
 
     async def _close(self) -> None:
+        self._steps.close()
         await self.parts.publishing.close()  # its thread writes into our buffers and server
         self.parts.health.stop()
         self.parts.metrics.close()
@@ -215,7 +218,8 @@ class Trainer:
 
     async def _publish_if_due(self) -> dict:
         """Publish the step's version if one is due: the row's publish_blocked_s (what the step waited
-        for the previous publish) and publish_bg_s (the previous publish's background seconds)."""
+        for the previous publish), publish_bg_s (the previous publish's background seconds) and
+        publish_announce_wait_s (how long that version, once servable, waited to be announced)."""
         if not self._due(self.cfg.publish_every):
             return {"publish_blocked_s": 0.0}
         t_publish = time.perf_counter()
@@ -225,7 +229,12 @@ class Trainer:
             # prompt is fed before the workers can fetch it.
             await self.parts.publishing.idle()
         self._publish_s = time.perf_counter() - t_publish
-        return {"publish_blocked_s": blocked, "publish_bg_s": self.parts.publishing.background_s}
+        publishing = self.parts.publishing
+        return {
+            "publish_blocked_s": blocked,
+            "publish_bg_s": publishing.background_s,
+            "publish_announce_wait_s": publishing.publisher.announce_wait_s,
+        }
 
     async def _publish(self) -> float:
         """Start publishing the current version (it is safe before the checkpoint: a restart from an

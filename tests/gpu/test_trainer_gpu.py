@@ -54,6 +54,44 @@ def test_gpu_qat_publishes_the_cpu_reference_bytes_and_refreshes_per_step(recipe
     assert _manifest(model, recipe, after) == _manifest(model, recipe, quantize_params(moved, recipe.plan(CFG)))
 
 
+@pytest.mark.parametrize("recipe_name", ["nvfp4_moe", "int4_qat"])
+def test_a_qat_step_on_the_step_thread_equals_one_on_the_main_thread(recipe_name):
+    """The trainer's steps run on a thread of their own (trainer.step_thread): there, the QAT forward
+    (the CUDA quantizers, Triton kernels) gives the main thread's log-probs bit for bit, and the
+    optimizer step the same weights (to the backward's atomics)."""
+    import asyncio
+
+    from trainer.step_thread import StepThread
+
+    recipe = Recipe.load(recipe_name)
+
+    def step():
+        with torch.device("cuda"):
+            model = Transformer(CFG, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        qat.apply_qat(model, recipe, optimizer=opt)
+        gen = torch.Generator("cuda").manual_seed(0)
+        tokens = torch.randint(0, CFG.vocab_size, (4, 32), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logp = model.token_logprobs(tokens[:, :-1], tokens[:, 1:])
+        (-logp.mean()).backward()
+        opt.step()
+        return logp.detach(), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    async def on_the_step_thread():
+        steps = StepThread(torch.device("cuda"))
+        try:
+            return await steps.run(step)
+        finally:
+            steps.close()
+
+    logp, weights = step()
+    logp_t, weights_t = asyncio.run(on_the_step_thread())
+    assert torch.equal(logp, logp_t)
+    for name, w in weights.items():
+        torch.testing.assert_close(weights_t[name], w, msg=name)
+
+
 # ---- the trainer's backends (trainer/backends.py) on the GPU: torch and megatron-core
 
 

@@ -52,7 +52,15 @@ def test_run_e2e_script_small_on_cpu(tmp_path):
     assert "Traced steps of each worker" in (tmp_path / "out" / "report.md").read_text()
     assert not any("run.secret" in n or "/redis" in n for n in names)  # no secret, no AOF in the archive
     row = json.loads((tmp_path / "runs" / "async" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert {"collect_s", "publish_s", "quantize_s", "publish_blocked_s", "publish_bg_s", "recompute_s"} <= set(row)
+    assert {
+        "collect_s",
+        "publish_s",
+        "quantize_s",
+        "publish_blocked_s",
+        "publish_bg_s",
+        "publish_announce_wait_s",
+        "recompute_s",
+    } <= set(row)
     # older versions are held as their packed tensors, at most max_staleness + 1 of them
     assert 1 <= row["retained_versions"] <= 3 and row["retained_bytes"] > 0
     # the warm start teaches the task: sampled completions end with <eos> and some are rewarded

@@ -46,6 +46,24 @@ def test_the_step_continues_while_prepare_runs_and_announce_follows_it():
     assert events == ["prepare start", "next step", "prepare done", "announce"]
 
 
+def test_announce_wait_counts_the_time_a_servable_version_waits_for_the_event_loop():
+    prepared = threading.Event()
+
+    async def announce():
+        pass
+
+    async def main():
+        p = Publisher(log=lambda _: None)
+        p.start(1, prepared.set, announce)
+        await asyncio.sleep(0)
+        assert prepared.wait(30)
+        time.sleep(0.3)  # the loop's thread busy (a step computed on it): the announce cannot start
+        await p.idle()
+        return p.announce_wait_s
+
+    assert run(main()) >= 0.25
+
+
 def test_a_second_start_without_idle_is_refused():
     async def main():
         p = Publisher(log=lambda _: None)
