@@ -308,8 +308,8 @@ class Trainer:
         self.log(f"resumed from {path}: step {self.state.step}, version {self.state.version}")
 
     async def _warm_start(self) -> None:
-        """Initial weights, then `warmstart_steps` supervised steps (on a thread, so that the event loop
-        takes a stop request between them), version 1 checkpointed, QAT installed."""
+        """Initial weights, then `warmstart_steps` supervised steps (on the step thread, so that the event
+        loop takes a stop request between them), version 1 checkpointed, QAT installed."""
         backend, task, cfg = self.parts.backend, self.parts.task, self.cfg
         t0 = time.perf_counter()
         if task.init_weights is not None:
@@ -317,7 +317,7 @@ class Trainer:
             self.log(f"initial weights loaded ({time.perf_counter() - t0:.1f}s)")
         if cfg.warmstart_steps:
             until = (lambda: task.warmstart_score(backend.model)) if cfg.warmstart_until else None
-            await asyncio.to_thread(
+            await self._steps.run(
                 warm_start, backend, task.warm_start_example, steps=cfg.warmstart_steps, batch=cfg.warmstart_batch,
                 lr=cfg.warmstart_lr, pad_id=task.pad_id, stop=self._stop.is_set, until=until,
                 target=cfg.warmstart_until, log=self.log,
