@@ -9,8 +9,9 @@ PolicyServer, broker.frames) runs while the trainer's next step computes; `annou
 the trainer's event loop: point `policy:latest` at the version) runs only after `prepare` returned,
 so the pointer never names a version that is not servable; `announce_wait_s` is how long a servable
 version waited for the event loop (the trainer steps on a thread of its own, so about zero). `idle()`
-waits for the publish in flight and returns how long it waited. A failed prepare or announce is logged when it happens and raised
-as PublishError by the next `idle()` (at the latest before the next publish and at shutdown).
+waits for the publish in flight and returns how long it waited. A failed prepare or announce is
+logged when it happens and raised as PublishError by the next `idle()` (at the latest before the
+next publish and at shutdown).
 The caller keeps the published tensors valid while `prepare` runs (broker.frames.stage clones parts
 aliasing live parameters; QAT's cache replaces its parts at each optimizer step, never in place)."""
 
@@ -26,9 +27,9 @@ class PublishError(RuntimeError):
 
 
 class Publisher:
-    """The rules of the module docstring. The trainer logs `idle()`'s wait plus its own staging of the version as
-    `publish_blocked_s`; on a PublishError it exits non-zero, and its restart republishes the
-    checkpoint's version."""
+    """The rules of the module docstring. The trainer logs `idle()`'s wait plus its own staging of
+    the version as `publish_blocked_s`; on a PublishError it exits non-zero, and its restart
+    republishes the checkpoint's version."""
 
     def __init__(self, *, log: Callable[[str], None] = print):
         self.log = log
