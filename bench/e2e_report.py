@@ -23,8 +23,9 @@ the first fetches), from `metrics.jsonl`, the workers' logs and the launcher-sid
                  utilization: the share of each sample period with any kernel running)
   warm start     the model's own evaluation after its warm start (model.json, bench/make_e2e_model.py:
                  reward and fraction ending in <eos>, sampled and greedy)
-  traces         where the run has traces/<worker>-trace-summary.json (rollout.trace, E2E_TRACE_AFTER_S):
-                 per worker, its traced steps' wall time, device busy time and top kernels
+  traces         where the run has traces/<name>-trace-summary.json (rollout.trace and trainer.trace,
+                 E2E_TRACE_AFTER_S): per worker and for the trainer, its traced steps' wall time,
+                 device busy time and top kernels
 """
 
 from __future__ import annotations
@@ -282,24 +283,24 @@ def table(reports: list[dict], sync: dict | None) -> str:
 
 
 def traces(runs: list[Path]) -> str:
-    """One row per traced worker (rollout/tracing.py's summary); "" when no run has traces."""
+    """One row per traced service (policy/tracing.py's summary); "" when no run has traces."""
     rows = []
     for run in runs:
         for f in sorted((run / "traces").glob("*-trace-summary.json")):
             t = json.loads(f.read_text())
             top = "; ".join(f"{k['name'][:40]} {k['ms_per_step']:.2f}" for k in t["top_kernels"][:3])
             rows.append(
-                f"| {run.name} | {t['worker']} | {t['steps']} | {t['step_wall_ms_median']:.1f} | "
+                f"| {run.name} | {t['name']} | {t['steps']} | {t['step_wall_ms_median']:.1f} | "
                 f"{t['device_busy_ms_per_step']:.1f} ({t['device_busy_frac']:.0%}) | {top or '—'} | "
                 f"{t['affinity']['process']} |"
             )
     if not rows:
         return ""
     head = (
-        "| run | worker | steps | wall ms/step (median) | device busy ms/step | top kernels (ms/step) | CPUs |\n"
+        "| run | service | steps | wall ms/step (median) | device busy ms/step | top kernels (ms/step) | CPUs |\n"
         "|---|---|---|---|---|---|---|"
     )
-    return "\n".join(["\nTraced steps of each worker (rollout.trace):\n", head, *rows])
+    return "\n".join(["\nTraced steps of each service (rollout.trace, trainer.trace):\n", head, *rows])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,10 @@
 #   RUNS="async megatron" bash bench/run_e2e_device.sh
 #   E2E_SMALL=1 bash bench/run_e2e_device.sh         # CPU dry run of the same path: tiny model, 3 steps
 #   E2E_MPS=0 bash bench/run_e2e_device.sh           # no NVIDIA MPS daemon (default: one if the machine has it)
-#   E2E_TRACE_AFTER_S=120 bash bench/run_e2e_device.sh   # each worker profiles 20 steps 120 s in (rollout.trace):
-#                                                    # <run>/traces/<worker>-trace.json and -trace-summary.json
+#   E2E_TRACE_AFTER_S=120 bash bench/run_e2e_device.sh   # each worker profiles 20 steps 120 s in (rollout.trace),
+#                                                    # the trainer its next step (trainer.trace):
+#                                                    # <run>/traces/<name>-trace.json and -trace-summary.json
+#                                                    # (the trainer's trace.json, ~1M events, stays out of the archive)
 #
 # MPS (E2E_MPS, default auto): without it the trainer's and the workers' CUDA contexts time-slice the
 # GPU (one context's kernels at a time), and a worker's stream of small decode kernels costs the
@@ -124,7 +126,8 @@ for run in $RUNS; do
   side=$E2E_DIR/$run.side
   rm -rf "$dir" "$side" && mkdir -p "$side"
   if [ -n "${E2E_TRACE_AFTER_S:-}" ]; then
-    extra+=(rollout.trace.dir="$side/traces" rollout.trace.after_s="$E2E_TRACE_AFTER_S")
+    extra+=(rollout.trace.dir="$side/traces" rollout.trace.after_s="$E2E_TRACE_AFTER_S"
+            trainer.trace.dir="$side/traces" trainer.trace.after_s="$E2E_TRACE_AFTER_S" trainer.trace.steps=1)
   fi
   samplers=()
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -147,7 +150,8 @@ for run in $RUNS; do
   if [ "$rc" = 124 ] && [ "$steps" -gt 0 ]; then echo "=== $run: cut at its time limit"; elif [ "$rc" != 0 ]; then status=1; fi
   cp "$MODEL/tandem_e2e.json" "$dir/model.json"
   # shellcheck disable=SC2086
-  tar -czf "$OUT/$run.tar.gz" -C "$E2E_DIR" --exclude=redis --exclude=checkpoints --exclude=run.secret "$run"
+  tar -czf "$OUT/$run.tar.gz" -C "$E2E_DIR" --exclude=redis --exclude=checkpoints --exclude=run.secret \
+    --exclude=trainer-trace.json "$run"
 done
 
 # --- report ---------------------------------------------------------------------------------------

@@ -11,28 +11,9 @@ from dataclasses import dataclass, field
 from broker.health import HealthConfig
 from broker.tls import ClientTLS
 from policy.fields import is_int, is_number
+from policy.tracing import TraceConfig
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TraceConfig:
-    """A torch.profiler recording of the worker's generation (rollout/tracing.py)."""
-
-    dir: str = ""
-    """Folder for <worker>-trace.json (chrome://tracing, Perfetto) and <worker>-trace-summary.json
-    (time per step, device busy time, top kernels and CPU ops, CPU affinity of every thread); "" = off."""
-    after_s: float = 60.0
-    """Seconds after the worker starts before the recording (past engine builds and graph captures)."""
-    steps: int = 20
-    """Batcher steps recorded (one decode step each on the CPU, `check_every` graph replays on CUDA)."""
-
-    def __post_init__(self):
-        if not isinstance(self.dir, str) or not is_number(self.after_s, 0, 86400) or not is_int(self.steps, 1, 10000):
-            raise ValueError(
-                f"TraceConfig: dir={self.dir!r}, after_s={self.after_s!r}, steps={self.steps!r} "
-                "(want a folder or '', 0..86400 seconds, 1..10000 steps)"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)

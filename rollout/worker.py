@@ -41,6 +41,7 @@ from policy.loop import AsyncConfig
 from policy.manifest_check import expected_tensors
 from policy.model import ModelConfig, Transformer
 from policy.recipe import Recipe
+from policy.tracing import StepTracer
 from rollout.packed_engine import EngineConfig, PackedEngine, resolve_device
 
 from .batching import ContinuousBatcher, GroupResult, ModelBackend, PackedBackend, stale_kv_tokens
@@ -50,7 +51,6 @@ from .metrics import WorkerMetrics, WorkerStats
 from .prompt_check import PromptRules, check_prompt
 from .swap import Pending, VersionSwap, why
 from .tasks import Task
-from .tracing import StepTracer
 
 __all__ = ["Finished", "RolloutWorker", "decode_stream", "prompt_stream_config", "why"]
 

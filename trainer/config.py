@@ -11,6 +11,7 @@ from broker.health import HealthConfig
 from broker.registry import MAX_FANOUT
 from broker.tls import ServerTLS
 from policy.fields import is_int, is_number
+from policy.tracing import TraceConfig
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -177,6 +178,10 @@ class TrainerConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     """grpc.health.v1 for Kubernetes probes (plaintext: kubelet's gRPC probe cannot speak TLS):
     SERVING once a policy is published."""
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    """A torch.profiler recording of GRPO steps (policy/tracing.py): trainer-trace.json and
+    trainer-trace-summary.json in `trace.dir` (a GRPO step launches far more kernels than a decode
+    step: `trace.steps` 1 or 2)."""
     metrics_port: int = 0
     """Prometheus metrics port; 0 = a free port, -1 = off, else that port (bound on metrics_host)."""
     metrics_host: str = "127.0.0.1"

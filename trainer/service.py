@@ -26,6 +26,7 @@ from broker.codec import Trajectory
 from broker.keys import Keys
 from broker.registry import PolicyRegistry
 from broker.streams import PromptQueue, StreamConfig, TrajectoryStream, connect
+from policy.tracing import StepTracer
 
 from .checkpoints import truncate_jsonl
 from .collector import Collector
@@ -58,6 +59,7 @@ class Trainer:
         self._publish_s = 0.0  # the last publish's seconds on the training thread
         self._step_ends: collections.deque[float] = collections.deque(maxlen=11)  # for the ETA: 10 steps
         self._steps = StepThread(parts.step.device)  # GRPO steps off the event loop (trainer.step_thread)
+        self._tracer = StepTracer(cfg.trace, "trainer", parts.step.device, log)  # trainer.trace: off by default
 
     def request_stop(self) -> None:
         self.parts.health.set_serving(False)
@@ -180,9 +182,10 @@ class Trainer:
         parts, state = self.parts, self.state
         lr = lr_at(self.cfg, state.step)
         parts.backend.set_lr(lr)
-        row = parts.step.optimize(
-            parts.step.recompute(groups, weights_version=self._weights_version), version=state.version
-        )
+        with self._tracer.step():
+            row = parts.step.optimize(
+                parts.step.recompute(groups, weights_version=self._weights_version), version=state.version
+            )
         row.update(
             dropped_stale=state.dropped_stale,
             dropped_fingerprint=state.dropped_fingerprint,

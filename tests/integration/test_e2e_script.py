@@ -1,7 +1,7 @@
 """bench/run_e2e_device.sh end to end on the CPU (E2E_SMALL=1): the GPU run's launch path with a tiny
 model. It writes the Hugging Face folder, runs `tandem run configs/gpu-h200.yaml` (real redis-server,
 trainer and 2 rollout worker processes, gRPC on loopback) and reports; this checks that every
-figure docs/benchmarks.md quotes from the H200 run is produced, the workers' traces included."""
+figure docs/benchmarks.md quotes from the H200 run is produced, the workers' and the trainer's traces included."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_run_e2e_script_small_on_cpu(tmp_path):
         "OUT": str(tmp_path / "out"),
         "PYTHON": sys.executable,
         "PYTHONPATH": str(REPO),
-        "E2E_TRACE_AFTER_S": "0",  # each worker profiles its first steps (rollout.trace)
+        "E2E_TRACE_AFTER_S": "0",  # each worker profiles its first steps, the trainer its first one
     }
     proc = subprocess.run(
         ["bash", "bench/run_e2e_device.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
@@ -49,7 +49,8 @@ def test_run_e2e_script_small_on_cpu(tmp_path):
         names = set(tar.getnames())
     assert {"async/metrics.jsonl", "async/logs/trainer.log", "async/reward.png", "async/model.json"} <= names
     assert {"async/traces/w0-trace-summary.json", "async/traces/w1-trace.json"} <= names
-    assert "Traced steps of each worker" in (tmp_path / "out" / "report.md").read_text()
+    assert "async/traces/trainer-trace-summary.json" in names and "async/traces/trainer-trace.json" not in names
+    assert "Traced steps of each service" in (tmp_path / "out" / "report.md").read_text()
     assert not any("run.secret" in n or "/redis" in n for n in names)  # no secret, no AOF in the archive
     row = json.loads((tmp_path / "runs" / "async" / "metrics.jsonl").read_text().splitlines()[-1])
     assert {

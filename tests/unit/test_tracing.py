@@ -1,4 +1,4 @@
-"""rollout.tracing: the summary of a recording and the affinity list by hand; a StepTracer on the CPU
+"""policy.tracing: the summary of a recording and the affinity list by hand; a StepTracer on the CPU
 records the steps it was asked for after its delay, writes the trace and the summary, and reports a
 folder it cannot write in one line instead of raising."""
 
@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from rollout.config import RolloutConfig, TraceConfig
-from rollout.tracing import StepTracer, _cpu_list, summarize, thread_affinity
+from policy.tracing import StepTracer, TraceConfig, _cpu_list, summarize, thread_affinity
+from rollout.config import RolloutConfig
 
 
 def test_summarize_by_hand():
@@ -48,7 +48,7 @@ def test_a_tracer_records_its_steps_then_writes_once(tmp_path):
         with tracer.step():
             x = torch.tanh(x @ x)
     summary = json.loads((tmp_path / "t" / "w0-trace-summary.json").read_text())
-    assert summary["steps"] == 2 and summary["worker"] == "w0" and summary["affinity"]["threads"]
+    assert summary["steps"] == 2 and summary["name"] == "w0" and summary["affinity"]["threads"]
     assert any("mm" in op["name"] for op in summary["top_cpu_ops"])
     assert json.loads((tmp_path / "t" / "w0-trace.json").read_text())["traceEvents"]
     assert len(logged) == 1 and logged[0].startswith("w0: traced 2 steps")

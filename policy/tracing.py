@@ -1,16 +1,17 @@
-"""A profile of a worker's generation (`rollout.trace`): what its decode loop spends time on while
-the rest of the machine (a trainer stepping on the same GPU, fetch children, Redis) runs beside it.
+"""A profile of a service's steps (`rollout.trace`, `trainer.trace`): what a worker's decode loop or
+the trainer's GRPO step spends time on while the rest of the machine (the other services on the same
+GPU, fetch children, Redis) runs beside it.
 
-    tracer = StepTracer(cfg.trace, worker_id, device, log)
-    with tracer.step():          # around each batcher step of the worker
+    tracer = StepTracer(cfg.trace, name, device, log)   # name: the worker's id or "trainer"
+    with tracer.step():          # around each step, on the thread that runs it
         ...
 
 Rules: off while `trace.dir` is "". The first step that starts `after_s` seconds or more after the
 tracer was made starts a torch.profiler recording (CPU, and CUDA on a CUDA device); after `steps`
-steps it stops and writes DIR/<worker>-trace.json (chrome://tracing or Perfetto) and
-DIR/<worker>-trace-summary.json (`summarize`: wall time and device busy time per step, the top
+steps it stops and writes DIR/<name>-trace.json (chrome://tracing or Perfetto) and
+DIR/<name>-trace-summary.json (`summarize`: wall time and device busy time per step, the top
 kernels and CPU ops, the CPU affinity of the process and of each of its threads), then says so in
-one line. Once per process; a failure to write is one logged line, never the worker's end.
+one line. Once per process; a failure to write is one logged line, never the service's end.
 """
 
 from __future__ import annotations
@@ -21,11 +22,35 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import TraceConfig
+from .fields import is_int, is_number
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+    """A torch.profiler recording of a service's steps (policy/tracing.py)."""
+
+    dir: str = ""
+    """Folder for <name>-trace.json (chrome://tracing, Perfetto) and <name>-trace-summary.json (time
+    per step, device busy time, top kernels and CPU ops, CPU affinity of every thread), <name> the
+    worker's id or "trainer"; "" = off."""
+    after_s: float = 60.0
+    """Seconds after the service starts before the recording (past engine builds, graph captures, compiles)."""
+    steps: int = 20
+    """Steps recorded: a worker's batcher steps (one decode step each on the CPU, `check_every` graph
+    replays on CUDA), the trainer's GRPO steps (each launches far more kernels: 1 or 2)."""
+
+    def __post_init__(self):
+        if not isinstance(self.dir, str) or not is_number(self.after_s, 0, 86400) or not is_int(self.steps, 1, 10000):
+            raise ValueError(
+                f"TraceConfig: dir={self.dir!r}, after_s={self.after_s!r}, steps={self.steps!r} "
+                "(want a folder or '', 0..86400 seconds, 1..10000 steps)"
+            )
+
 
 TOP = 12  # kernels and CPU ops listed in the summary
 
@@ -76,8 +101,8 @@ def _cpu_list(cpus: set[int]) -> str:
 
 
 class StepTracer:
-    def __init__(self, cfg: TraceConfig, worker_id: str, device: torch.device, log: Callable[[str], None]):
-        self.cfg, self.worker_id, self.device, self.log = cfg, worker_id, device, log
+    def __init__(self, cfg: TraceConfig, name: str, device: torch.device, log: Callable[[str], None]):
+        self.cfg, self.name, self.device, self.log = cfg, name, device, log
         self.made = time.monotonic()
         self.done = not cfg.dir
         self.prof = None
@@ -112,16 +137,16 @@ class StepTracer:
             {"name": e.key, "device_us": e.self_device_time_total, "cpu_us": e.self_cpu_time_total, "count": e.count}
             for e in self.prof.key_averages()
         ]
-        summary = summarize(rows, self.walls) | {"worker": self.worker_id, "affinity": thread_affinity()}
+        summary = summarize(rows, self.walls) | {"name": self.name, "affinity": thread_affinity()}
         out = Path(self.cfg.dir)
         try:
             out.mkdir(parents=True, exist_ok=True)
-            self.prof.export_chrome_trace(str(out / f"{self.worker_id}-trace.json"))
-            (out / f"{self.worker_id}-trace-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            self.prof.export_chrome_trace(str(out / f"{self.name}-trace.json"))
+            (out / f"{self.name}-trace-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         except OSError as e:
-            self.log(f"{self.worker_id}: trace not written: {e}")
+            self.log(f"{self.name}: trace not written: {e}")
             return
         self.log(
-            f"{self.worker_id}: traced {summary['steps']} steps: {summary['step_wall_ms_median']:.1f} ms per step "
-            f"(median), device busy {summary['device_busy_frac']:.0%}; {out}/{self.worker_id}-trace*.json"
+            f"{self.name}: traced {summary['steps']} steps: {summary['step_wall_ms_median']:.1f} ms per step "
+            f"(median), device busy {summary['device_busy_frac']:.0%}; {out}/{self.name}-trace*.json"
         )
