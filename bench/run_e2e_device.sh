@@ -18,7 +18,7 @@
 #   E2E_TRACE_AFTER_S=120 bash bench/run_e2e_device.sh   # each worker profiles 20 steps 120 s in (rollout.trace),
 #                                                    # the trainer its next step (trainer.trace):
 #                                                    # <run>/traces/<name>-trace.json and -trace-summary.json
-#                                                    # (the trainer's trace.json, ~1M events, stays out of the archive)
+#                                                    # (the trainer's trace.json, large, stays out of the archive)
 #
 # MPS (E2E_MPS, default auto): without it the trainer's and the workers' CUDA contexts time-slice the
 # GPU (one context's kernels at a time), and a worker's stream of small decode kernels costs the
