@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+from targets import kernel_targets  # bench/targets.py, beside this script
 
 import policy.kernels as K
 import rollout.kernels as RK
@@ -396,6 +397,9 @@ def main() -> int:
         if args.tune:
             line("MOE_CONFIGS = " + repr(dict(mt.MOE_CONFIGS)))
         RESULTS["moe_configs"] = {f"{n}x{k}": list(c) for (n, k), c in mt.MOE_CONFIGS.items()}
+    line("targets (bench/targets.py):")
+    for t in kernel_targets(RESULTS):
+        line(t)
     line(f"total bench time {time.time() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
