@@ -4,7 +4,8 @@
 # the same synchronously (loop.max_staleness=0) and with the bf16 recipe; one report.
 # RUNS names the runs (default "async sync bf16"): async, sync, bf16, megatron (the async run
 # with trainer.backend=megatron: the megatron-core GPTModel trainer, CUDA only) and async_sm (the
-# async run with the trainer's kernels held to E2E_TRAINER_SM percent of the SMs, default 70, under MPS),
+# async run with the trainer's kernels held to E2E_TRAINER_SM percent of the SMs, default 70, under MPS;
+# async_sm30, async_sm50, ...: that percentage),
 # async_low (the async run with the trainer below the workers in MPS's scheduling:
 # trainer.mps_client_priority=1), async_hi (the workers' generation on a high-priority CUDA stream:
 # rollout.decode_priority=high) and inflight (the async run with loop.inflight_updates=true:
@@ -59,7 +60,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-420}   # seconds per run at most
 BUDGET_S=${BUDGET_S:-0}           # > 0: the whole script's seconds; runs are cut (SIGINT) to end within it
 T0=$(date +%s)
 for run in $RUNS; do
-  case $run in async|sync|bf16|megatron|async_sm|async_low|async_hi|inflight) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm, async_low, async_hi, inflight)" >&2; exit 2 ;; esac
+  case $run in async|sync|bf16|megatron|async_sm|async_sm[1-9]|async_sm[1-9][0-9]|async_sm100|async_low|async_hi|inflight) ;; *) echo "run_e2e_device: unknown run $run in RUNS (async, sync, bf16, megatron, async_sm, async_smNN, async_low, async_hi, inflight)" >&2; exit 2 ;; esac
 done
 mkdir -p "$OUT" "$E2E_DIR"
 CONFIG=${E2E_CONFIG:-configs/gpu-h200.yaml}  # configs/gpu-h200-long.yaml: ~1,024-token completions
@@ -105,6 +106,7 @@ for run in $RUNS; do
     bf16) extra=(recipe=bf16) ;;
     megatron) extra=(trainer.backend=megatron) ;;
     async_sm) extra=(trainer.mps_thread_percentage="${E2E_TRAINER_SM:-70}") ;;
+    async_sm*) extra=(trainer.mps_thread_percentage="${run#async_sm}") ;;
     async_low) extra=(trainer.mps_client_priority=1) ;;
     async_hi) extra=(rollout.decode_priority=high) ;;
     inflight) extra=(loop.inflight_updates=true) ;;

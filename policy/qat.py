@@ -7,7 +7,7 @@ parameters use dequantize(quantize(p)). Backward is the straight-through estimat
 original operands x, W) or `dequant` (the forward's x̂, Ŵ); non-matmul parameters pass straight.
 Rollout: `quantize_weights(model, recipe)` gives the packed tensors a trainer publishes, and
 `install_packed(model, recipe, packed)` makes a model compute with them (`PackedHook`: QATHook's
-code, operands from the packed objects). Both sides build operands with `policy.formats.operand`
+code, operands from the packed objects). Both sides build operands with `policy.kernels.operand`
 from the same quantized objects, so for version v every matmul's operands are bitwise equal.
 Operands are cached per parameter and refilled once per optimizer step; MoE projections' experts are
 refilled together in one stacked call (`hook.add_group`). `probe_mismatch` compares BF16, QAT and
@@ -66,7 +66,7 @@ class ActivationQuantizer:
     leaves the site unquantized (no autograd).
 
     `site_name` is an activation site ("...down_proj.input"); x is [rows, K] with row-local scales,
-    so each token's result depends only on that token. The operand is `policy.formats.operand` of
+    so each token's result depends only on that token. The operand is `policy.kernels.operand` of
     `policy.kernels.quantize` (the Triton quantizers on CUDA, the reference elsewhere: same bytes).
     """
 
@@ -79,7 +79,7 @@ class ActivationQuantizer:
             return None
         with torch.no_grad():  # no NaN/Inf check (a host sync per call): a non-finite input shows in the loss
             x2 = x.detach().reshape(-1, x.shape[-1])
-            return formats.operand(kernels.quantize(spec[0], x2, check_finite=False, **spec[1]))
+            return kernels.operand(kernels.quantize(spec[0], x2, check_finite=False, **spec[1]))
 
     def quantize_rows(self, names: Sequence[str], x: Tensor, counts: Sequence[int]) -> Operand | _Chunks | None:
         """x [sum(counts), K], chunk i (counts[i] rows) feeding site names[i] -> the operand of all
@@ -154,9 +154,9 @@ def _rows_op(op: Operand, i: int, n: int) -> Operand:
 
 def stacked_operands(flat, n: int) -> tuple[list[Operand], Operand | None]:
     """The operands of the n tensors stacked along rows in one quantized object `flat`
-    (`kernels.quantize_stacked`'s): one `formats.operand` call, each tensor's operand a view of its
+    (`kernels.quantize_stacked`'s): one `kernels.operand` call, each tensor's operand a view of its
     rows, and the [n, N, K] operand of all of them for the grouped GEMM (None with block scales)."""
-    op = formats.operand(flat)
+    op = kernels.operand(flat)
     ops = [_rows_op(op, i, n) for i in range(n)]
     if op.block_scale is not None:
         return ops, None
@@ -243,7 +243,7 @@ class QATHook(QuantHook):
             flat, qs = kernels.quantize_stacked(spec.format, stacked, check_finite=False, **kw)
             del stacked
             if flat is None:
-                ops, stacked_op = [formats.operand(q) for q in qs], None
+                ops, stacked_op = [kernels.operand(q) for q in qs], None
             else:
                 ops, stacked_op = stacked_operands(flat, len(qs))
         entries = []
@@ -264,7 +264,7 @@ class QATHook(QuantHook):
             # No NaN/Inf check here (a host sync per weight, every step): the trainer checks the
             # master weights once per publish (trainer.backends), a NaN forward shows in the loss.
             q = quantize_param(p, self._params[name].format, check_finite=False, **self._params[name].kwargs)
-            hit = self._cache[name] = (p._version, q, formats.operand(q.value))
+            hit = self._cache[name] = (p._version, q, kernels.operand(q.value))
         return hit
 
     def operand(self, name: str, p: Tensor) -> Operand:
@@ -369,7 +369,7 @@ class PackedHook(QATHook):
         missing = sorted(set(self._params) - set(packed))
         if missing:
             raise ValueError(f"PackedHook: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        self._cache = {n: (-1, q, formats.operand(q)) for n, q in packed.items()}
+        self._cache = {n: (-1, q, kernels.operand(q)) for n, q in packed.items()}
 
     def invalidate(self, *_: object) -> None:
         self._dense.clear()

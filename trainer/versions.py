@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from policy import formats, qat
+from policy import formats, kernels, qat
 from policy.formats.params import QuantizedParam
 from policy.model import ModelConfig, MoE, Transformer
 from policy.recipe import Plan
@@ -68,7 +68,7 @@ class RetainedVersions:
     Memory: per retained version, the bytes of its packed parts (`nbytes`); the newest version's
     objects are shared with the QAT cache until the next optimizer step. Transient, during
     `token_logprobs`: one layer's weight operands at a time (an MoE projection's experts' packed
-    parts concatenated along rows and one `formats.operand` call, `qat.stacked_operands`, whose
+    parts concatenated along rows and one `kernels.operand` call, `qat.stacked_operands`, whose
     [E, N, K] operand the grouped GEMM takes as is; 1.2 GB for a Qwen3-30B-A3B layer's 128 bf16
     experts), the fp32 dequantized embedding and norms, and every chunk's hidden states.
     Under the rollout_recipe ablation the trainer keeps the training recipe's objects, not the
@@ -83,7 +83,7 @@ class RetainedVersions:
         with torch.device("meta"):  # shapes and dtypes only: the hook supplies every value
             self.scratch = Transformer(model_config, seed=None)
         self._groups = [g for m in self.scratch.modules() if isinstance(m, MoE) for g in m.expert_groups()]
-        self.last_builds = 0  # weight operand builds (formats.operand calls) of the last token_logprobs
+        self.last_builds = 0  # weight operand builds (kernels.operand calls) of the last token_logprobs
 
     def __contains__(self, version: int) -> bool:
         return version in self._packed
@@ -135,7 +135,7 @@ class _PackedOperands(qat.QATHook):
     objects), each operand built when its matmul first asks for it and kept until a weight of
     another layer is asked for (the embedding, final norm and LM head count as one more layer): the
     forward holds one layer's operands at a time. An MoE projection's experts' objects are
-    concatenated into one stacked object and their operands built in one `formats.operand` call
+    concatenated into one stacked object and their operands built in one `kernels.operand` call
     (`qat.stacked_operands`, what the QAT cache's stacked refill does), which the grouped GEMM takes
     as is and the loop over experts row by row. So under a layer-by-layer forward every operand is
     built once per call, not once per chunk, per expert and again for the stack (6+ GB for the 4B
@@ -153,7 +153,7 @@ class _PackedOperands(qat.QATHook):
         self._packed = packed
         for names, params in groups:
             self.add_group(names, params)
-        self.builds = 0  # formats.operand calls for weights (one per weight, or one per expert group)
+        self.builds = 0  # kernels.operand calls for weights (one per weight, or one per expert group)
         self._layer = ""  # the layer whose operands the cache holds
 
     def _entry(self, name: str, p: Tensor) -> tuple[int, object, formats.Operand]:
@@ -168,7 +168,7 @@ class _PackedOperands(qat.QATHook):
         if g is None:
             self.builds += 1
             q = self._packed[name]
-            hit = self._cache[name] = (-1, q, formats.operand(q))
+            hit = self._cache[name] = (-1, q, kernels.operand(q))
             return hit
         qs = [self._packed[n] for n in g.names]
         self.builds += 1

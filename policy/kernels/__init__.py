@@ -8,6 +8,8 @@ the Triton quantizers in `quant_triton` run; everywhere else the CPU reference i
     quantize(fmt, x, **kw)          -> the format's quantized object (NVFP4Tensor, ...)
     quantize_stacked(fmt, x, **kw)  -> x [E, M, K]: each x[e] quantized as its own tensor, in one
                                        call (an MoE layer's experts); the same bytes as E calls
+    operand(q)                      -> the Compute contract's operand (`formats.operand(q)`, the
+                                       same bytes), nvfp4 and int4 values in one Triton pass on CUDA
     dequantize(q) / fake_quant(...) -> fp32 / x.dtype, via the reference (device-agnostic torch)
     backend(x)                      -> "triton" or "reference" for x's device
 
@@ -197,6 +199,19 @@ def _rows_of(flat, i: int, n: int, shape: tuple[int, int]):
     return dataclasses.replace(flat, shape=shape, **parts)
 
 
+def operand(q) -> formats.Operand:
+    """`formats.operand(q)`, bit for bit; nvfp4 and int4 values from one Triton kernel on CUDA (the
+    reference builds them with a chain of elementwise torch ops, each a pass over memory)."""
+    fmt = _format_name(q)
+    if fmt not in ("nvfp4", "int4") or backend(q.codes) != "triton":
+        return formats.operand(q)
+    from . import quant_triton as qt
+
+    if fmt == "nvfp4":
+        return formats.Operand(qt.nvfp4_operand(q.codes, q.block_scales), scale=q.global_scale)
+    return formats.Operand(qt.int4_operand(q.codes, q.scales, q.group_size))
+
+
 def dequantize(q) -> torch.Tensor:
     """fp32 [M, K], by the reference formula (plain torch: runs on the tensors' device)."""
     return _module_of(q).dequantize(q)
@@ -218,6 +233,7 @@ __all__ = [
     "backend",
     "dequantize",
     "fake_quant",
+    "operand",
     "quantize",
     "quantize_stacked",
     "to_device",

@@ -1,7 +1,8 @@
 """Triton quantization kernels that reproduce `policy.formats` byte for byte on CUDA.
 
 One kernel per format (nvfp4, mxfp8, int4, fp8_block) plus a tensor-wide amax reduction for nvfp4's
-tensor scope. The order of operations is DESIGN.md's contract, literally (one proven shortcut: int4
+tensor scope, and the weight operands of nvfp4 and int4 (`nvfp4_operand`, `int4_operand`: the bf16
+values the QAT forward multiplies, one pass instead of the reference's chain of torch ops). The order of operations is DESIGN.md's contract, literally (one proven shortcut: int4
 on 16-bit inputs, `_int4_codes`); what makes the bytes equal to the CPU reference is the lowering:
 - inputs are read as raw bits; absolute values, block maxima and sign tests run on integer bits, so
   no flush-to-zero can change them;
@@ -464,6 +465,44 @@ def _fp8_block_kernel(
     tl.store(sinv_ptr + g.to(tl.int64) * (K // BK) + pid_c, sinv, mask=g < nrb)
 
 
+# --------------------------------------------------------------------------- operands
+# The Compute contract's weight operands (`policy.formats.<fmt>.operand`'s values) in one pass:
+# codes and scales in, bf16 out. Every product is exact in fp32 (nvfp4: e2m1 x sf has at most 6
+# significant bits; int4: q x s at most 11), so the one rounding is the store's cast to bf16 (exact
+# for nvfp4), as in the reference: equal bytes whatever the order of operations.
+
+
+@triton.jit
+def _e2m1_f32(c):
+    """fp32 value of E2M1 codes 0..15 (int32): the e1 e0 m bits as fp16 exponent/mantissa bits
+    11..9 and the sign as bit 15 give value * 2^-14 (exact), as `nvfp4.e2m1_value`."""
+    h = ((c & 7) << 9) | ((c & 8) << 12)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _nvfp4_operand_kernel(codes_ptr, sf_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
+    """BLOCK code bytes per program (byte p = elements 2p, 2p + 1 of the flat tensor, both in
+    16-block p // 8: K / 2 bytes per row is a multiple of 8, so the flat index works across rows)."""
+    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = p < n_bytes
+    c = tl.load(codes_ptr + p, mask=mask, other=0).to(tl.int32)
+    sf = tl.load(sf_ptr + p // 8, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    v = tl.join(_e2m1_f32(c & 0xF) * sf, _e2m1_f32(c >> 4) * sf).to(tl.bfloat16)  # [BLOCK, 2]
+    e = 2 * p[:, None] + tl.arange(0, 2)[None, :]
+    tl.store(out_ptr + e, v, mask=mask[:, None])
+
+
+@triton.jit
+def _int4_operand_kernel(codes_ptr, scales_ptr, out_ptr, numel, G: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK elements per program; element e's scale is group e // G (K is a multiple of G)."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = e < numel
+    q = tl.load(codes_ptr + e, mask=mask, other=0).to(tl.float32)
+    s = tl.load(scales_ptr + e // G, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + e, (q * s).to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -630,6 +669,31 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int], e4m3_sw: bool = 
         num_warps=warps,
     )
     return codes, sinv, status
+
+
+def nvfp4_operand(codes: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, K] = e2m1 x sf from codes uint8 [M, K/2] and block scales E4M3 [M, K/16]."""
+    m, k = codes.shape[0], 2 * codes.shape[1]
+    out = torch.empty(m, k, dtype=torch.bfloat16, device=codes.device)
+    n = codes.numel()
+    if n:
+        block = 2048
+        _nvfp4_operand_kernel[(triton.cdiv(n, block),)](
+            codes.contiguous(), block_scales.contiguous().view(torch.uint8), out, n, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+def int4_operand(codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """bf16 [M, K] = bf16(q x s) from codes int8 [M, K] and scales bf16 [M, K/group_size]."""
+    out = torch.empty(codes.shape, dtype=torch.bfloat16, device=codes.device)
+    n = codes.numel()
+    if n:
+        block = 4096
+        _int4_operand_kernel[(triton.cdiv(n, block),)](
+            codes.contiguous(), scales.contiguous(), out, n, G=group_size, BLOCK=block, num_warps=4
+        )
+    return out
 
 
 def kernel_supports(fmt: str, x: torch.Tensor, kw: dict) -> bool:

@@ -180,6 +180,30 @@ def test_backend_is_triton_on_cuda():
     assert K.backend(torch.zeros(1, device=DEV)) == "triton"
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+def test_operand_kernels_equal_the_reference_operand(fmt):
+    """kernels.operand on CUDA (one Triton pass) == formats.operand on the CPU, bit for bit:
+    edge rows (every code, subnormal block scales, zero blocks), random shapes, an [E*N, K] stack."""
+    cases = [edge_inputs(256, torch.float32, seed=3)] + [
+        random_inputs(m, k, torch.float32, m) for m, k in [(1, 16), (7, 384), (130, 4096)]
+    ]
+    cases.append(random_inputs(8 * 96, 512, torch.bfloat16, 5))  # 8 experts' rows, as a stacked refill
+    for x in cases:
+        for kw in CASES[fmt]:
+            if x.shape[1] % kw.get("group_size", 16):
+                continue
+            q = formats.get(fmt).quantize(x, **kw)
+            ref = formats.operand(q)
+            got = K.operand(K.to_device(q, DEV))
+            assert got.values.dtype == torch.bfloat16 and got.values.shape == ref.values.shape
+            assert torch.equal(_bytes(got.values), _bytes(ref.values)), f"{fmt} {kw} {tuple(x.shape)}"
+            assert (got.scale is None) == (ref.scale is None)
+            if ref.scale is not None:
+                assert torch.equal(_bytes(got.scale), _bytes(ref.scale))
+    empty = formats.get(fmt).quantize(torch.zeros(0, 64), **CASES[fmt][0])
+    assert K.operand(K.to_device(empty, DEV)).values.shape == (0, 64)
+
+
 # --------------------------------------------------------------------------- matmul
 
 
