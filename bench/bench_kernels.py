@@ -28,6 +28,7 @@ from targets import kernel_targets  # bench/targets.py, beside this script
 
 import policy.kernels as K
 import rollout.kernels as RK
+from policy import formats
 from policy.kernels import quant_triton as qt
 from rollout.kernels import matmul_triton as mt
 
@@ -116,12 +117,39 @@ def bench_quant(m: int, k: int) -> None:
         )
     if TUNE_QUANT:
         tune_quant(x, nbytes_row=cases[0][2], copy_gbs=copy_gbs)
+    bench_operands(x, copy_gbs)
     # Per-token activation quantization at decode sizes: latency, not bandwidth.
     for mm in (1, 16, 64):
         xa = torch.randn(mm, 2048, device="cuda", dtype=torch.bfloat16)
         t = bench(lambda: qt.nvfp4_quantize(xa, "row"))
         line(f"nvfp4 row [{mm}, 2048] latency: {t:.1f} us")
         RESULTS["quant"].append({"kernel": "nvfp4 row latency", "shape": [mm, 2048], "us": t})
+
+
+def bench_operands(x: torch.Tensor, copy_gbs: float) -> None:
+    """The QAT cache's weight operands (codes + scales -> bf16 values): the Triton pass
+    (`kernels.operand`) against the reference's torch ops (`formats.operand`), same input."""
+    n = x.numel()
+    for name, q, nbytes in [
+        ("nvfp4 operand", K.quantize("nvfp4", x, scope="tensor"), n // 2 + n // 16 + 2 * n),
+        ("int4 g32 operand", K.quantize("int4", x, group_size=32), n + 2 * n // 32 + 2 * n),
+    ]:
+        t_ref = bench(lambda q=q: formats.operand(q))
+        t = bench(lambda q=q: K.operand(q))
+        gbs = nbytes / t / 1e3
+        line(
+            f"{name:30s} {t:8.1f} {gbs:7.0f} {100 * gbs / copy_gbs:6.1f}%   torch ops {t_ref:.1f} us: {t_ref / t:.3f}x"
+        )
+        RESULTS["quant"].append(
+            {
+                "kernel": name,
+                "shape": list(x.shape),
+                "us": t,
+                "gbs": gbs,
+                "pct_copy": 100 * gbs / copy_gbs,
+                "torch_us": t_ref,
+            }
+        )
 
 
 TUNE_QUANT = False

@@ -32,6 +32,8 @@ def test_cpu_tensors_use_the_reference():
         got = K.quantize(fmt, x, **KWARGS[fmt])
         assert _same(got, formats.get(fmt).quantize(x, **KWARGS[fmt])), fmt
         assert torch.equal(K.fake_quant(fmt, x, **KWARGS[fmt]), formats.get(fmt).fake_quant(x, **KWARGS[fmt]))
+        ref, op = formats.operand(got), K.operand(got)
+        assert torch.equal(op.values.view(torch.uint8), ref.values.view(torch.uint8)), fmt
 
 
 def test_dispatch_errors_name_the_problem():
