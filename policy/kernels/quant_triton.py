@@ -2,8 +2,9 @@
 
 One kernel per format (nvfp4, mxfp8, int4, fp8_block) plus a tensor-wide amax reduction for nvfp4's
 tensor scope, and the weight operands of nvfp4 and int4 (`nvfp4_operand`, `int4_operand`: the bf16
-values the QAT forward multiplies, one pass instead of the reference's chain of torch ops). The order of operations is DESIGN.md's contract, literally (one proven shortcut: int4
-on 16-bit inputs, `_int4_codes`); what makes the bytes equal to the CPU reference is the lowering:
+values the QAT forward multiplies, one pass instead of the reference's chain of torch ops). The
+order of operations is DESIGN.md's contract, literally (one proven shortcut: int4 on 16-bit inputs,
+`_int4_codes`); what makes the bytes equal to the CPU reference is the lowering:
 - inputs are read as raw bits; absolute values, block maxima and sign tests run on integer bits, so
   no flush-to-zero can change them;
 - every fp32 multiply, fma and divide that feeds a stored byte is inline PTX `mul.rn.f32` /
