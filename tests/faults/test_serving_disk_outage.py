@@ -82,7 +82,7 @@ def test_a_full_disk_during_checkpoints_keeps_the_previous_one_and_training_goes
     (SIGTERM) while the disk is full, the trainer says that its final checkpoint was not written and
     exits 1; the resume (with a stale temporary file of a killed trainer in the folder) starts from
     the newest checkpoint and the run is exactly-once."""
-    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=200, checkpoint_every=1))
+    run = Run(tmp_path, config(tmp_path, run_id, redis_server.url, max_steps=10_000, checkpoint_every=1))
     ckpts = run.run_dir / "checkpoints"
     with _tmpfs(ckpts, "4m"):
         try:
