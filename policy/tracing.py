@@ -12,6 +12,12 @@ steps it stops and writes DIR/<name>-trace.json (chrome://tracing or Perfetto) a
 DIR/<name>-trace-summary.json (`summarize`: wall time and device busy time per step, the top
 kernels and CPU ops, the CPU affinity of the process and of each of its threads), then says so in
 one line. Once per process; a failure to write is one logged line, never the service's end.
+
+The summary is read back from the exported trace file (`rows_from_trace`), not from torch's own
+tables: those build a Python object and a tree node per event, minutes for one GRPO step of a
+long workload (a million events). kineto prints "External init callback must run in same thread
+as registerClient" once when a recording starts off the main thread (the trainer's step thread):
+harmless, the recording is whole.
 """
 
 from __future__ import annotations
@@ -53,30 +59,79 @@ class TraceConfig:
 
 
 TOP = 12  # kernels and CPU ops listed in the summary
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace categories of work on the device
+CPU_EVENTS = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")  # ... of work on a host thread
 
 
-def summarize(rows: list[dict], step_walls: list[float]) -> dict:
+def summarize(rows: list[dict], step_walls: list[float], busy_us: float) -> dict:
     """The summary of a recording. rows: one per distinct op or kernel, {"name", "device_us" (its own
     time on the device, summed), "cpu_us" (its own CPU time, summed), "count"}; step_walls: each
-    recorded step's wall seconds. Per step: wall (median and mean) and device busy time (the sum of
-    every kernel's own time over the steps, divided by their number: overlapping kernels count twice)."""
+    recorded step's wall seconds; busy_us: the time at least one device event ran. Per step: wall
+    (median and mean), device busy time (busy_us over the steps) and kernel time (every kernel's own
+    time summed: kernels overlapping on several streams count twice)."""
     n = max(1, len(step_walls))
-    device_us = sum(r["device_us"] for r in rows)
     kernels = sorted((r for r in rows if r["device_us"] > 0), key=lambda r: -r["device_us"])[:TOP]
     cpu = sorted((r for r in rows if r["cpu_us"] > 0), key=lambda r: -r["cpu_us"])[:TOP]
     wall_ms = statistics.fmean(step_walls) * 1e3 if step_walls else 0.0
-    busy_ms = device_us / 1e3 / n
+    busy_ms = busy_us / 1e3 / n
     return {
         "steps": len(step_walls),
         "step_wall_ms_median": statistics.median(step_walls) * 1e3 if step_walls else 0.0,
         "step_wall_ms_mean": wall_ms,
         "device_busy_ms_per_step": busy_ms,
         "device_busy_frac": busy_ms / wall_ms if wall_ms else 0.0,
+        "kernel_ms_per_step": sum(r["device_us"] for r in rows) / 1e3 / n,
         "top_kernels": [
             {"name": r["name"], "ms_per_step": r["device_us"] / 1e3 / n, "count": r["count"]} for r in kernels
         ],
         "top_cpu_ops": [{"name": r["name"], "ms_per_step": r["cpu_us"] / 1e3 / n, "count": r["count"]} for r in cpu],
     }
+
+
+def rows_from_trace(events: list[dict]) -> tuple[list[dict], float]:
+    """`summarize`'s rows and busy time from a chrome trace's events (complete events, ph "X": ts and
+    dur in µs; others are skipped). A device event (DEVICE_EVENTS) counts its duration; a CPU event
+    (CPU_EVENTS) its self time: its duration less that of the CPU events it encloses on its thread
+    (pid, tid). Busy time: the union of the device events' intervals."""
+    rows: dict[str, dict] = {}
+    device: list[dict] = []
+    threads: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENTS:
+            device.append(e)
+        elif e.get("ph") == "X" and e.get("cat") in CPU_EVENTS:
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    timed = [(e, "device_us", e["dur"]) for e in device]
+    timed += [(e, "cpu_us", us) for evs in threads.values() for e, us in _self_times(evs)]
+    for e, key, us in timed:
+        row = rows.setdefault(e["name"], {"name": e["name"], "device_us": 0.0, "cpu_us": 0.0, "count": 0})
+        row[key] += us
+        row["count"] += 1
+    return list(rows.values()), _union_us([(e["ts"], e["ts"] + e["dur"]) for e in device])
+
+
+def _self_times(events: list[dict]) -> list[tuple[dict, float]]:
+    """(event, self µs) for one thread's events, nested by time: its duration less its children's."""
+    events = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
+    children = [0.0] * len(events)
+    open_: list[int] = []  # the events enclosing the current one, innermost last
+    for i, e in enumerate(events):
+        while open_ and events[open_[-1]]["ts"] + events[open_[-1]]["dur"] <= e["ts"]:
+            open_.pop()
+        if open_:
+            children[open_[-1]] += e["dur"]
+        open_.append(i)
+    return [(e, max(0.0, e["dur"] - c)) for e, c in zip(events, children)]
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def thread_affinity() -> dict:
@@ -133,18 +188,17 @@ class StepTracer:
     def _finish(self) -> None:
         self.prof.__exit__(None, None, None)
         self.done = True
-        rows = [
-            {"name": e.key, "device_us": e.self_device_time_total, "cpu_us": e.self_cpu_time_total, "count": e.count}
-            for e in self.prof.key_averages()
-        ]
-        summary = summarize(rows, self.walls) | {"name": self.name, "affinity": thread_affinity()}
         out = Path(self.cfg.dir)
+        trace = out / f"{self.name}-trace.json"
         try:
             out.mkdir(parents=True, exist_ok=True)
-            self.prof.export_chrome_trace(str(out / f"{self.name}-trace.json"))
+            self.prof.export_chrome_trace(str(trace))
+            self.prof = None  # the recording, in memory: the file has it now
+            rows, busy_us = rows_from_trace(json.loads(trace.read_text())["traceEvents"])
+            summary = summarize(rows, self.walls, busy_us) | {"name": self.name, "affinity": thread_affinity()}
             (out / f"{self.name}-trace-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        except OSError as e:
-            self.log(f"{self.name}: trace not written: {e}")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.log(f"{self.name}: trace not written: {type(e).__name__}: {e}")
             return
         self.log(
             f"{self.name}: traced {summary['steps']} steps: {summary['step_wall_ms_median']:.1f} ms per step "
