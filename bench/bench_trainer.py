@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                 from torch.profiler import ProfilerActivity, profile
 
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                if backend.qat_hook is not None:  # the refill timed above filled the cache: a step refills it
+                    backend.qat_hook.invalidate()
                 with profile(activities=acts) as prof:
                     step()
                     sync()
