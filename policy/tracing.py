@@ -16,8 +16,8 @@ one line. Once per process; a failure to write is one logged line, never the ser
 The summary is read back from the exported trace file (`rows_from_trace`), not from torch's own
 tables: those build a Python object and a tree node per event, more than 45 s for one traced GRPO
 step of the long workload on the H200. kineto prints "External init callback must run in same thread
-as registerClient" once when a recording starts off the main thread (the trainer's step thread):
-harmless, the recording is whole.
+as registerClient" once when a recording starts off the main thread (the trainer's step thread);
+the recording goes on (the traced step ran on the H200 after it).
 """
 
 from __future__ import annotations
@@ -97,9 +97,11 @@ def rows_from_trace(events: list[dict]) -> tuple[list[dict], float]:
     device: list[dict] = []
     threads: dict[tuple, list[dict]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENTS:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in DEVICE_EVENTS:
             device.append(e)
-        elif e.get("ph") == "X" and e.get("cat") in CPU_EVENTS:
+        elif e.get("cat") in CPU_EVENTS:
             threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     timed = [(e, "device_us", e["dur"]) for e in device]
     timed += [(e, "cpu_us", us) for evs in threads.values() for e, us in _self_times(evs)]
