@@ -2,7 +2,8 @@
 
 Prints, for each kernel:
 - quantization: achieved GB/s (bytes read once + written once) and its ratio to a
-  device-to-device copy of the same input measured in this run, on 64M-element inputs;
+  device-to-device copy of the same input measured in this run, on 64M-element inputs; the QAT
+  cache refill of one MoE projection (128 fp32 experts read in place vs stacked first);
 - decode matmul: time and speedup against torch bf16 `F.linear` at M = 1, 4, 16, 64 tokens on
   4096x4096 and 8192x8192, and a Qwen3-30B-A3B MoE layer (128 experts, top-8, D=2048, F=768:
   gate_up 2048 -> 2x768 and down 768 -> 2048) against a torch bf16 loop over the routed
@@ -32,7 +33,7 @@ from policy import formats
 from policy.kernels import quant_triton as qt
 from rollout.kernels import matmul_triton as mt
 
-RESULTS: dict = {"quant": [], "matmul": [], "moe": [], "tune": []}
+RESULTS: dict = {"quant": [], "refill": [], "matmul": [], "moe": [], "tune": []}
 
 
 _FLUSH: torch.Tensor | None = None
@@ -118,6 +119,7 @@ def bench_quant(m: int, k: int) -> None:
     if TUNE_QUANT:
         tune_quant(x, nbytes_row=cases[0][2], copy_gbs=copy_gbs)
     bench_operands(x, copy_gbs)
+    bench_refill(copy_gbs)
     # Per-token activation quantization at decode sizes: latency, not bandwidth.
     for mm in (1, 16, 64):
         xa = torch.randn(mm, 2048, device="cuda", dtype=torch.bfloat16)
@@ -150,6 +152,42 @@ def bench_operands(x: torch.Tensor, copy_gbs: float) -> None:
                 "torch_us": t_ref,
             }
         )
+
+
+def bench_refill(copy_gbs: float, experts: int = 128, shape: tuple[int, int] = (1536, 2048)) -> None:
+    """The QAT cache refill of one MoE projection (Qwen3-30B-A3B's gate_up: 128 fp32 masters, each
+    its own allocation as the trainer's parameters are): quantize the 128 experts in one call and
+    build their operands (policy.qat.QATHook._refill), reading the masters where they are, against
+    stacking them into one tensor first (the same call on the stack, plus the stacking copy)."""
+    from policy.qat import stacked_operands
+
+    masters = [torch.randn(shape, device="cuda") for _ in range(experts)]
+    n = experts * shape[0] * shape[1]
+    for fmt, kw, out_bytes in [
+        ("nvfp4", {"scope": "tensor"}, n // 2 + n // 16 + 2 * n),
+        ("int4", {"group_size": 32}, n + 2 * n // 32 + 2 * n),
+    ]:
+        reads = 8 * n if fmt == "nvfp4" else 4 * n  # nvfp4 tensor scope reads the masters twice (amax)
+
+        def in_place(fmt=fmt, kw=kw):
+            return stacked_operands(K.quantize_stacked(fmt, masters, check_finite=False, **kw)[0], experts)
+
+        def stacked(fmt=fmt, kw=kw):
+            x = torch.stack(masters)
+            return stacked_operands(K.quantize_stacked(fmt, x, check_finite=False, **kw)[0], experts)
+
+        t_new, t_old = bench(in_place, rep=10), bench(stacked, rep=10)
+        t_q = bench(lambda fmt=fmt, kw=kw: K.quantize_stacked(fmt, masters, check_finite=False, **kw), rep=10)
+        ideal = (reads + out_bytes - 2 * n) / copy_gbs / 1e3  # the quantize's bytes + the operand's, at copy speed
+        line(
+            f"refill {fmt} {experts} x {shape[0]}x{shape[1]} fp32: in place {t_new / 1e3:.3f} ms (quantize"
+            f" {t_q / 1e3:.3f}), stacked first {t_old / 1e3:.3f} ms: {t_old / t_new:.3f}x; the bytes at copy"
+            f" speed {ideal / 1e3:.3f} ms ({100 * ideal / t_new:.1f}%)"
+        )
+        RESULTS["refill"].append(
+            {"format": fmt, "experts": experts, "shape": list(shape), "in_place_us": t_new, "quantize_us": t_q,
+             "stacked_us": t_old, "ideal_us": ideal}
+        )  # fmt: skip
 
 
 TUNE_QUANT = False

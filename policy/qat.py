@@ -140,16 +140,9 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
-def _rows_op(op: Operand, i: int, n: int) -> Operand:
-    """Operand i of n stacked along rows in `op` (values, scale and block_scale rows split n ways)."""
-
-    def part(t: Tensor | None) -> Tensor | None:
-        if t is None:
-            return None
-        r = t.shape[0] // n
-        return t[i * r : (i + 1) * r]
-
-    return Operand(part(op.values), scale=part(op.scale), block_scale=part(op.block_scale), block=op.block)
+def _split_rows(t: Tensor | None, n: int) -> Sequence[Tensor | None]:
+    """t's rows in n equal blocks (views), or n Nones."""
+    return [None] * n if t is None else t.split(t.shape[0] // n)
 
 
 def stacked_operands(flat, n: int) -> tuple[list[Operand], Operand | None]:
@@ -157,7 +150,8 @@ def stacked_operands(flat, n: int) -> tuple[list[Operand], Operand | None]:
     (`kernels.quantize_stacked`'s): one `kernels.operand` call, each tensor's operand a view of its
     rows, and the [n, N, K] operand of all of them for the grouped GEMM (None with block scales)."""
     op = kernels.operand(flat)
-    ops = [_rows_op(op, i, n) for i in range(n)]
+    parts = zip(_split_rows(op.values, n), _split_rows(op.scale, n), _split_rows(op.block_scale, n))
+    ops = [Operand(v, scale=s, block_scale=b, block=op.block) for v, s, b in parts]
     if op.block_scale is not None:
         return ops, None
     scale = None if op.scale is None else op.scale.view(n, -1)
@@ -193,10 +187,10 @@ class QATHook(QuantHook):
     (in-place edits outside the optimizer). A fused optimizer does not bump that counter, so a
     trainer that steps an optimizer it did not register must call `invalidate()` itself. The cache
     is one copy of the operands plus the packed parts; `quantized_params(model)` hands those parts
-    to the publish. Expert groups (`add_group`) are stacked into one [E, N, K] tensor, quantized in
-    one call (`policy.kernels.quantize_stacked`: the same bytes as one call per expert), and each
-    expert's QuantizedParam and operand are views of the stacked ones, which the grouped MoE forward
-    (`grouped_linear`) multiplies in one grouped GEMM."""
+    to the publish. Expert groups (`add_group`) are quantized in one call (`policy.kernels.
+    quantize_stacked`: the same bytes as one call per expert; on CUDA it reads the masters where
+    they are), and each expert's QuantizedParam and operand are views of one stacked result, which
+    the grouped MoE forward (`grouped_linear`) multiplies in one grouped GEMM."""
 
     def __init__(self, plan: Plan, backward: str = "hp", *, exact: bool = False):
         if backward not in BACKWARD_MODES:
@@ -238,10 +232,8 @@ class QATHook(QuantHook):
     def _refill(self, g: _Group) -> None:
         spec = self._params[g.names[0]]
         with torch.no_grad():
-            stacked = torch.stack([p.detach() for p in g.params])
             kw = from_parts_kwargs(spec.format, spec.kwargs)
-            flat, qs = kernels.quantize_stacked(spec.format, stacked, check_finite=False, **kw)
-            del stacked
+            flat, qs = kernels.quantize_stacked(spec.format, [p.detach() for p in g.params], check_finite=False, **kw)
             if flat is None:
                 ops, stacked_op = [kernels.operand(q) for q in qs], None
             else:

@@ -6,8 +6,9 @@ the Triton quantizers in `quant_triton` run; everywhere else the CPU reference i
 (`tandem-rl[gpu]`); nothing here imports it until a CUDA tensor asks for it.
 
     quantize(fmt, x, **kw)          -> the format's quantized object (NVFP4Tensor, ...)
-    quantize_stacked(fmt, x, **kw)  -> x [E, M, K]: each x[e] quantized as its own tensor, in one
-                                       call (an MoE layer's experts); the same bytes as E calls
+    quantize_stacked(fmt, xs, **kw) -> E same-shape tensors (a list or [E, M, K]), each quantized as
+                                       its own tensor in one call (an MoE layer's experts); the same
+                                       bytes as E calls
     operand(q)                      -> the Compute contract's operand (`formats.operand(q)`, the
                                        same bytes), nvfp4 and int4 values in one Triton pass on CUDA
     dequantize(q) / fake_quant(...) -> fp32 / x.dtype, via the reference (device-agnostic torch)
@@ -26,6 +27,7 @@ import functools
 import torch
 
 from policy import formats
+from policy.formats import bf16 as _bf16
 from policy.formats import fp8_block as _fp8_block
 from policy.formats import int4 as _int4
 from policy.formats import mxfp8 as _mxfp8
@@ -138,30 +140,87 @@ def quantize(fmt: str, x: torch.Tensor, *, check_finite: bool = True, **kw):
     return out
 
 
-def quantize_stacked(fmt: str, x: torch.Tensor, *, check_finite: bool = True, **kw):
-    """Quantize each of the E tensors x[e] of x [E, M, K] on its own (as `quantize(fmt, x[e], **kw)`,
-    bit for bit) in one call -> (flat, [q_0, ..., q_{E-1}]).
+def quantize_stacked(fmt: str, xs, *, check_finite: bool = True, **kw):
+    """Quantize each of E tensors [M, K] of one shape and dtype on its own (as `quantize(fmt, xs[e],
+    **kw)`, bit for bit) in one call -> (flat, [q_0, ..., q_{E-1}]). xs: a list of them (an MoE
+    projection's experts, each its own parameter) or an [E, M, K] tensor.
 
     `flat` is one object over the E * M rows whose parts hold every q_e's, stacked along rows
     (q_e's parts are views of them): nvfp4 tensor scope has a global_scale [E], one per tensor;
-    every other case is `quantize` of the flat [E * M, K] tensor, because its scales are row-local
-    (per row, per row group, per 1 x 16/32 block; fp8_block when its block rows divide M).
-    nvfp4 tensor scope runs one Triton launch pair on CUDA (per-tensor amax, then the codes); on the
-    CPU, the reference with each tensor's amax given per row, the same arithmetic as tensor scope.
-    Shapes that fit none of these (fp8_block with M not a multiple of its block rows, M = 0) are
-    quantized tensor by tensor; `flat` is then None."""
-    if x.dim() != 3:
-        raise ValueError(f"quantize_stacked: expected an [E, M, K] tensor, got shape {tuple(x.shape)}")
-    e, m, k = x.shape
+    every other case is `quantize` of the rows stacked, because its scales are row-local (per row,
+    per row group, per 1 x 16/32 block; fp8_block when its block rows divide M).
+    On CUDA, nvfp4 (per-tensor amax, then the codes: one launch each) and int4 read a list where it
+    lies, through a table of its tensors' addresses: no stacked copy of the inputs is made; bf16
+    without the finite check is cast by the stacking copy itself. Other formats, and the CPU, stack
+    first (nvfp4 tensor scope on the CPU: the reference with each tensor's amax given per row, the
+    same arithmetic as tensor scope). Shapes that fit none of these (fp8_block with M not a
+    multiple of its block rows, M = 0) are quantized tensor by tensor; `flat` is then None."""
+    stacked = xs.reshape(-1, xs.shape[-1]) if isinstance(xs, torch.Tensor) and xs.dim() == 3 else None
+    xs = _same_shape(xs)
+    e, (m, k) = len(xs), xs[0].shape
     kw = dict(kw)
     if m == 0 or (fmt == "fp8_block" and m % tuple(kw.get("block", _fp8_block.WEIGHT_BLOCK))[0]):
-        return None, [quantize(fmt, x[i], check_finite=check_finite, **kw) for i in range(e)]
-    flat_x = x.reshape(e * m, k)
-    if fmt == "nvfp4" and kw.get("scope", "tensor") == "tensor":
-        flat = _nvfp4_stacked(flat_x, e, check_finite)
+        return None, [quantize(fmt, x, check_finite=check_finite, **kw) for x in xs]
+    flat = _quantize_in_place(fmt, xs, check_finite, kw)
+    if flat is None and fmt == "bf16" and not check_finite:  # the cast is the stacking copy
+        _check(fmt, xs[0], 1)
+        values = xs[0].new_empty(e * m, k, dtype=torch.bfloat16)
+        flat = _bf16.BF16Tensor(torch.cat([x.detach() for x in xs], out=values), (e * m, k))
+    if flat is None:
+        flat_x = stacked if stacked is not None else torch.cat(xs)
+        if fmt == "nvfp4" and kw.get("scope", "tensor") == "tensor":
+            flat = _nvfp4_stacked(flat_x, e, check_finite)
+        else:
+            flat = quantize(fmt, flat_x, check_finite=check_finite, **kw)
+    return flat, _rows_of(flat, e, (m, k))
+
+
+def _same_shape(xs) -> list[torch.Tensor]:
+    """xs as a list of 2-D tensors of one shape, dtype and device, or ValueError."""
+    if isinstance(xs, torch.Tensor):
+        if xs.dim() != 3:
+            raise ValueError(f"quantize_stacked: expected an [E, M, K] tensor, got shape {tuple(xs.shape)}")
+        return list(xs.unbind(0))
+    xs = list(xs)
+    if not xs or any(not isinstance(x, torch.Tensor) for x in xs):
+        raise ValueError("quantize_stacked: expected a non-empty list of tensors")
+    first = xs[0]
+    for x in xs:
+        if x.dim() != 2 or x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(
+                f"quantize_stacked: expected 2-D tensors of one shape, dtype and device; got {tuple(x.shape)} "
+                f"{x.dtype} on {x.device} beside {tuple(first.shape)} {first.dtype} on {first.device}"
+            )
+    return xs
+
+
+def _quantize_in_place(fmt: str, xs: list[torch.Tensor], check_finite: bool, kw: dict):
+    """The flat object of `quantize_stacked` from the Triton kernels reading each tensor where it
+    is (nvfp4, int4 on CUDA; each tensor contiguous and 16-byte aligned), or None."""
+    x0 = xs[0]
+    if fmt not in ("nvfp4", "int4") or x0.device.type != "cuda" or backend(x0) != "triton":
+        return None
+    from . import quant_triton as qt
+
+    if not qt.kernel_supports(fmt, x0, kw) or any(not x.is_contiguous() or x.data_ptr() % 16 for x in xs):
+        return None
+    xs = [x.detach() for x in xs]
+    shape = (len(xs) * x0.shape[0], x0.shape[1])
+    if fmt == "nvfp4":
+        scope = kw.get("scope", "tensor")
+        if scope not in _nvfp4.SCOPES:
+            raise ValueError(f"nvfp4.quantize: scope must be one of {_nvfp4.SCOPES}, got {scope!r}")
+        _check(fmt, x0, _nvfp4.BLOCK)
+        codes, sf, gs, status = qt.nvfp4_quantize(xs, scope)
+        out = _nvfp4.NVFP4Tensor(codes, sf, gs, shape, scope)
     else:
-        flat = quantize(fmt, flat_x, check_finite=check_finite, **kw)
-    return flat, [_rows_of(flat, i, e, (m, k)) for i in range(e)]
+        g = kw.get("group_size", _int4.DEFAULT_GROUP)
+        _check(fmt, x0, g)
+        codes, scales, status = qt.int4_quantize(xs, g)
+        out = _int4.INT4Tensor(codes, scales, g, shape)
+    if check_finite:
+        _raise_if_nonfinite(fmt, status)
+    return out
 
 
 def _nvfp4_stacked(x: torch.Tensor, groups: int, check_finite: bool):
@@ -187,16 +246,15 @@ def _nvfp4_stacked(x: torch.Tensor, groups: int, check_finite: bool):
     return to_device(flat, x.device)
 
 
-def _rows_of(flat, i: int, n: int, shape: tuple[int, int]):
-    """Tensor i of n stacked in `flat`: every part's rows i * (rows / n) ... (i + 1) * (rows / n)
-    (codes and scales per row, per block row, or per tensor: a global_scale [n])."""
-    parts = {}
-    for f in dataclasses.fields(flat):
-        t = getattr(flat, f.name)
-        if isinstance(t, torch.Tensor):
-            r = t.shape[0] // n
-            parts[f.name] = t[i * r : (i + 1) * r]
-    return dataclasses.replace(flat, shape=shape, **parts)
+def _rows_of(flat, n: int, shape: tuple[int, int]) -> list:
+    """The n tensors stacked in `flat`: tensor i's parts are rows i * (rows / n) ... (i + 1) * (rows / n)
+    of flat's (codes and scales per row, per block row, or per tensor: a global_scale [n]); one
+    split per part (a refill makes these views for every expert of every layer)."""
+    fields = {f.name: getattr(flat, f.name) for f in dataclasses.fields(flat)}
+    names = [name for name, v in fields.items() if isinstance(v, torch.Tensor)]
+    pieces = [fields.pop(name).split(getattr(flat, name).shape[0] // n) for name in names]
+    fields["shape"] = shape
+    return [type(flat)(**fields, **dict(zip(names, ps))) for ps in zip(*pieces)]
 
 
 def operand(q) -> formats.Operand:

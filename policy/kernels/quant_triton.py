@@ -126,21 +126,43 @@ def _e2m1_code_biased(a, x_bits):
 
 
 @triton.jit
-def _amax_bits_kernel(x_ptr, status_ptr, numel, IN_KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """status[g] = max(status[g], max |bits| of group g): the amax of each of the tensors stacked in
-    x, `numel` elements each (g = program_id(1); one group: the tensor amax). Non-finite shows as
+def _tensor_base(x_ptr, table_ptr, g, stride, TABLE: tl.constexpr, ELEM_BYTES: tl.constexpr):
+    """Pointer to tensor g of the group: x_ptr + table[g] bytes (TABLE: each tensor its own
+    allocation, 16-byte aligned), else x_ptr + g * stride elements (the tensors stacked in x)."""
+    if TABLE:
+        return x_ptr + tl.multiple_of(tl.load(table_ptr + g) // ELEM_BYTES, 16 // ELEM_BYTES)
+    return x_ptr + g.to(tl.int64) * stride
+
+
+@triton.jit
+def _rows_at(x_ptr, table_ptr, r64, first_row, group_rows, TABLE: tl.constexpr):
+    """(pointer, row index from it) of rows r64 of the input (int32 words). TABLE: rows of the tensor
+    holding first_row (rows first_row ... stay in it), from that tensor's own pointer."""
+    if TABLE:
+        g = first_row // group_rows
+        return _tensor_base(x_ptr, table_ptr, g, 0, TABLE, 4), r64 - g * group_rows
+    return x_ptr, r64
+
+
+@triton.jit
+def _amax_bits_kernel(
+    x_ptr, table_ptr, status_ptr, numel, IN_KIND: tl.constexpr, BLOCK: tl.constexpr, TABLE: tl.constexpr
+):
+    """status[g] = max(status[g], max |bits| of tensor g): the amax of each tensor of a group of
+    `numel` elements each (g = program_id(1); one tensor: the tensor amax). Non-finite shows as
     >= 0x7F800000.
 
     A grid of a few programs per SM strides over the tensor, so only a few hundred atomics hit
     the one status word (same-address atomics serialize in L2)."""
-    pid = tl.program_id(0)
-    base = tl.program_id(1).to(tl.int64) * numel
+    g = tl.program_id(1)
+    xp = _tensor_base(x_ptr, table_ptr, g, numel, TABLE, 4 if IN_KIND == 2 else 2)
+    first = tl.program_id(0).to(tl.int64) * BLOCK
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(pid.to(tl.int64) * BLOCK, numel, step):
-        offs = start + tl.arange(0, BLOCK)
-        acc = tl.maximum(acc, _load_bits(x_ptr, base + offs, offs < numel, IN_KIND) & 0x7FFFFFFF)
-    tl.atomic_max(status_ptr + tl.program_id(1), tl.max(acc, axis=0))
+    for start in range(0, numel, step):
+        offs = first + start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, _load_bits(xp, offs, offs < numel, IN_KIND) & 0x7FFFFFFF)
+    tl.atomic_max(status_ptr + g, tl.max(acc, axis=0))
 
 
 @triton.jit
@@ -152,16 +174,18 @@ def _flag_nonfinite(status_ptr, max_bits):
 
 
 @triton.jit
-def _load_pairs(x_ptr, pair, mask, IN_KIND: tl.constexpr):
-    """fp32 bit patterns (int32) of elements 2p and 2p + 1 for pair indices p; masked: +0.
+def _load_pairs(x_ptr, first, mask, N: tl.constexpr, IN_KIND: tl.constexpr):
+    """fp32 bit patterns (int32) of elements 2p and 2p + 1 for the N pairs p = first ... first + N - 1
+    of each [R, C, 1] entry of `first` -> (even, odd), each [R, C, N]; masked: +0.
 
-    bf16 and fp16 pairs are one int32 word (x_ptr is the int32 view), so a thread's 16-byte
-    vector load brings 8 elements and keeps them packed until they are used."""
-    if IN_KIND == 2:  # fp32 passed as int32
-        even = tl.load(x_ptr + 2 * pair, mask=mask, other=0)
-        odd = tl.load(x_ptr + 2 * pair + 1, mask=mask, other=0)
+    x_ptr is the input's int32 view: a bf16 or fp16 pair is one word, an fp32 pair two. Either way
+    a thread reads consecutive words, so its loads are 16-byte vectors (bf16: 8 elements kept
+    packed until they are used)."""
+    if IN_KIND == 2:  # fp32: 2N consecutive words, split into even and odd elements
+        w = tl.load(x_ptr + (2 * first + tl.arange(0, 2 * N)[None, None, :]), mask=mask, other=0)
+        even, odd = tl.split(tl.reshape(w, [w.shape[0], w.shape[1], N, 2]))
     else:
-        w = tl.load(x_ptr + pair, mask=mask, other=0)
+        w = tl.load(x_ptr + (first + tl.arange(0, N)[None, None, :]), mask=mask, other=0)
         if IN_KIND == 0:  # bf16 -> fp32 is a 16-bit shift
             even = w << 16
             odd = w & -65536
@@ -194,6 +218,7 @@ def _nvfp4_codes(x_bits, enc):
 @triton.jit
 def _nvfp4_kernel(
     x_ptr,
+    table_ptr,
     codes_ptr,
     sf_ptr,
     gs_ptr,
@@ -210,6 +235,7 @@ def _nvfp4_kernel(
     CHUNK: tl.constexpr,
     SINGLE: tl.constexpr,
     E4M3_SW: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     """ROWS rows per program; CHUNK 16-element blocks per step along K. SINGLE: the program's
     blocks are one chunk, loaded before anything else (so the loads overlap the scale math).
@@ -220,9 +246,11 @@ def _nvfp4_kernel(
     Row scope: one program owns whole rows (the row amax needs all of it first). Tensor scope:
     the amax is already known, so the grid also splits K (program_id(1) = chunk), and it walks
     the tensor from the end: the amax pass read the end last, so the first programs find it
-    in L2. Tensor scope over stacked tensors: row r belongs to tensor r // group_rows, whose amax
-    is amax_ptr[r // group_rows] and whose global scale goes to gs_ptr[r // group_rows] (one
-    tensor: group_rows = M)."""
+    in L2. A group of tensors (M = their rows, `group_rows` each): row r belongs to tensor
+    r // group_rows, whose amax is amax_ptr[r // group_rows] and whose global scale goes to
+    gs_ptr[r // group_rows] in tensor scope (one tensor: group_rows = M). TABLE: the tensors are
+    read where they are (`_tensor_base`), so a program's rows never straddle two of them
+    (ROWS divides group_rows); outputs are one flat [M, ...] tensor either way."""
     pid = tl.program_id(0)
     pid_c = tl.program_id(1)
     if not ROW_SCOPE:
@@ -234,16 +262,16 @@ def _nvfp4_kernel(
     r64 = r.to(tl.int64)
     nblocks = K // 16
     b = tl.arange(0, CHUNK)
-    j = tl.arange(0, 4)
+    xp, xr = _rows_at(x_ptr, table_ptr, r64, pid * ROWS, group_rows, TABLE)
     # Row strides in words are arguments (x: K/2 pairs, codes: K/8 words) so that the launcher's
     # divisible-by-16 specialization shows the pair loads are 16-byte aligned and vectorizes them.
-    row_pairs = r64[:, None, None] * x_row_words + j[None, None, :]  # pair of element 2j, block 0
+    row_pairs = xr[:, None, None] * x_row_words  # the row's first pair in xp
 
     if SINGLE:
         blk0 = c_first + b
         m3 = rmask[:, None, None] & (blk0 < nblocks)[None, :, None]
-        lo_e0, lo_o0 = _load_pairs(x_ptr, row_pairs + blk0[None, :, None] * 8, m3, IN_KIND)
-        hi_e0, hi_o0 = _load_pairs(x_ptr, row_pairs + blk0[None, :, None] * 8 + 4, m3, IN_KIND)
+        lo_e0, lo_o0 = _load_pairs(xp, row_pairs + blk0[None, :, None] * 8, m3, 4, IN_KIND)
+        hi_e0, hi_o0 = _load_pairs(xp, row_pairs + blk0[None, :, None] * 8 + 4, m3, 4, IN_KIND)
         bmax0 = _block_absmax(lo_e0, lo_o0, hi_e0, hi_o0)  # [ROWS, CHUNK]
 
     if ROW_SCOPE:
@@ -254,8 +282,8 @@ def _nvfp4_kernel(
             for c in range(0, nblocks, CHUNK):
                 blk = c + b
                 m3 = rmask[:, None, None] & (blk < nblocks)[None, :, None]
-                a0, a1 = _load_pairs(x_ptr, row_pairs + blk[None, :, None] * 8, m3, IN_KIND)
-                a2, a3 = _load_pairs(x_ptr, row_pairs + blk[None, :, None] * 8 + 4, m3, IN_KIND)
+                a0, a1 = _load_pairs(xp, row_pairs + blk[None, :, None] * 8, m3, 4, IN_KIND)
+                a2, a3 = _load_pairs(xp, row_pairs + blk[None, :, None] * 8 + 4, m3, 4, IN_KIND)
                 amax_bits = tl.maximum(amax_bits, tl.max(_block_absmax(a0, a1, a2, a3), axis=1))
         _flag_nonfinite(status_ptr, amax_bits)
     else:
@@ -275,7 +303,7 @@ def _nvfp4_kernel(
         c_start = c_first
         c_end = c_start + CHUNK
 
-    shift = (8 * j)[None, None, :]
+    shift = (8 * tl.arange(0, 4))[None, None, :]
     for c in range(c_start, c_end, CHUNK):
         blk = c + b
         bmask = rmask[:, None] & (blk < nblocks)[None, :]
@@ -283,8 +311,8 @@ def _nvfp4_kernel(
             lo_e, lo_o, hi_e, hi_o, bmax = lo_e0, lo_o0, hi_e0, hi_o0, bmax0
         else:
             m3 = bmask[:, :, None]
-            lo_e, lo_o = _load_pairs(x_ptr, row_pairs + blk[None, :, None] * 8, m3, IN_KIND)
-            hi_e, hi_o = _load_pairs(x_ptr, row_pairs + blk[None, :, None] * 8 + 4, m3, IN_KIND)
+            lo_e, lo_o = _load_pairs(xp, row_pairs + blk[None, :, None] * 8, m3, 4, IN_KIND)
+            hi_e, hi_o = _load_pairs(xp, row_pairs + blk[None, :, None] * 8 + 4, m3, 4, IN_KIND)
             bmax = _block_absmax(lo_e, lo_o, hi_e, hi_o)
         t = tl.minimum(_mul_rn(_as_f32(bmax), tl.broadcast_to(kk[:, None], [ROWS, CHUNK])), 448.0)
         sf8 = _e4m3(t, E4M3_SW)
@@ -388,29 +416,33 @@ def _int4_codes(x_bits, s, r, IN_KIND: tl.constexpr):
 @triton.jit
 def _int4_kernel(
     x_ptr,
+    table_ptr,
     codes_ptr,
     scales_ptr,
     status_ptr,
     M,
     K,
     x_row_words,
+    group_rows,
     IN_KIND: tl.constexpr,
     G: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     """CHUNK groups of ROWS rows per program; a group is read as G/2 element pairs (16-bit
-    inputs: one word each) and its codes are written as G/2 int16 words (two int8 codes)."""
+    inputs: one word each) and its codes are written as G/2 int16 words (two int8 codes).
+    TABLE: the rows of a group of tensors read where they are, as `_nvfp4_kernel`."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * ROWS + tl.arange(0, ROWS)
     r64 = r.to(tl.int64)
     ngroups = K // G
     grp = pid_c * CHUNK + tl.arange(0, CHUNK)
-    p = tl.arange(0, G // 2)
     gmask = (r < M)[:, None] & (grp < ngroups)[None, :]
-    pairs = r64[:, None, None] * x_row_words + (grp[None, :, None] * (G // 2) + p[None, None, :])
-    even, odd = _load_pairs(x_ptr, pairs, gmask[:, :, None], IN_KIND)
+    xp, xr = _rows_at(x_ptr, table_ptr, r64, pid_r * ROWS, group_rows, TABLE)
+    first = (xr[:, None] * x_row_words + grp[None, :] * (G // 2))[:, :, None]
+    even, odd = _load_pairs(xp, first, gmask[:, :, None], G // 2, IN_KIND)
     gmax = tl.max(tl.maximum(even & 0x7FFFFFFF, odd & 0x7FFFFFFF), axis=2)
     _flag_nonfinite(status_ptr, gmax)
 
@@ -420,8 +452,8 @@ def _int4_kernel(
     sf3 = sf[:, :, None]
     r3 = _rcp_rn(sf)[:, :, None]
     q = (_int4_codes(even, sf3, r3, IN_KIND) & 0xFF) | (_int4_codes(odd, sf3, r3, IN_KIND) << 8)
-    # codes_ptr is the int16 view of the int8 codes (same row stride as the input's pairs):
-    # word p = elements 2p (low byte), 2p + 1.
+    # codes_ptr is the int16 view of the int8 codes: word p = elements 2p (low byte), 2p + 1.
+    pairs = (r64[:, None] * x_row_words + grp[None, :] * (G // 2))[:, :, None] + tl.arange(0, G // 2)[None, None, :]
     tl.store(codes_ptr + pairs, q.to(tl.int16), mask=gmask[:, :, None])
     tl.store(scales_ptr + r64[:, None] * ngroups + grp[None, :], s16, mask=gmask)
 
@@ -524,12 +556,38 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=None, groups: int = 1):
+def _group(x, groups: int):
+    """(x0, table, M, K, group_rows) of a quantizer's input x: an [M, K] tensor holding `groups`
+    tensors stacked along rows (x0 = x, table None), or a list of same-shape [M / len, K]
+    contiguous tensors, each 16-byte aligned (the caller checks), read where they are: x0 = the
+    first, table = int64 byte offsets of each from it, on the device."""
+    if isinstance(x, torch.Tensor):
+        return x, None, x.shape[0], x.shape[1], x.shape[0] // groups
+    x0 = x[0]
+    table = _offsets_table(tuple(t.data_ptr() - x0.data_ptr() for t in x), x0.device)
+    return x0, table, len(x) * x0.shape[0], x0.shape[1], x0.shape[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets_table(offsets: tuple[int, ...], device) -> torch.Tensor:
+    """The offsets on the device, made once per set of addresses (a parameter group's stay put
+    from step to step), so a refill copies nothing from the host (and can run in a CUDA graph)."""
+    return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+
+def _rows_dividing(rows: int, group_rows: int) -> int:
+    """The largest power of two <= rows that divides group_rows (a program stays in one tensor)."""
+    return min(rows, group_rows & -group_rows)
+
+
+def nvfp4_quantize(x, scope: str, e4m3_sw: bool = False, config=None, groups: int = 1):
     """-> (codes uint8 [M, K/2], block_scales fp8 [M, K/16], global_scale fp32, status int32 [1]).
 
-    groups > 1 (tensor scope): x is that many tensors of M / groups rows stacked, each quantized as
-    its own tensor (its own amax and global scale: global_scale is [groups]), in one launch."""
-    m, k = x.shape
+    x: an [M, K] tensor; groups > 1 (tensor scope): that many tensors of M / groups rows stacked,
+    each quantized as its own tensor (its own amax and global scale: global_scale is [groups]), in
+    one launch. Or a list of same-shape tensors (`_group`): the same, without stacking them first."""
+    x, table, m, k, group_rows = _group(x, groups)
+    groups = m // group_rows
     nblocks = k // 16
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
     sf = torch.empty(m, nblocks, dtype=torch.float8_e4m3fn, device=x.device)
@@ -537,15 +595,21 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
     status = _status(x.device)
     amax = status if groups == 1 else torch.zeros(groups, dtype=torch.int32, device=x.device)
     kind = _IN_KIND[x.dtype]
+    tab = x if table is None else table  # a placeholder pointer where there is no table
     if scope == "tensor":
         block = 4096
-        per_group = x.numel() // groups
+        per_group = group_rows * k
         grid = min(triton.cdiv(per_group, block), max(1, 4 * _sm_count(x.device) // groups))
-        _amax_bits_kernel[(grid, groups)](_bits_view(x), amax, per_group, IN_KIND=kind, BLOCK=block, num_warps=8)
+        _amax_bits_kernel[(grid, groups)](
+            _bits_view(x), tab, amax, per_group, IN_KIND=kind, BLOCK=block, TABLE=table is not None, num_warps=8
+        )
     chunk, rows, single, warps = config or _nvfp4_config(m, nblocks, scope)
+    if table is not None:
+        rows = _rows_dividing(rows, group_rows)
     grid = (triton.cdiv(m, rows), 1 if scope == "row" else triton.cdiv(nblocks, chunk))
     _nvfp4_kernel[grid](  # x as int32 words: element pairs for 16-bit inputs, elements for fp32
         x.view(torch.int32),
+        tab,
         codes.view(torch.int32),
         sf.view(torch.uint8),
         gs,
@@ -555,13 +619,14 @@ def nvfp4_quantize(x: torch.Tensor, scope: str, e4m3_sw: bool = False, config=No
         k,
         k // 2,
         k // 8,
-        m // groups,
+        group_rows,
         IN_KIND=kind,
         ROW_SCOPE=scope == "row",
         ROWS=rows,
         CHUNK=chunk,
         SINGLE=single,
         E4M3_SW=e4m3_sw,
+        TABLE=table is not None,
         num_warps=warps,
     )
     if groups > 1:  # non-finite input shows in some tensor's amax
@@ -617,9 +682,10 @@ def mxfp8_quantize(x: torch.Tensor, e4m3_sw: bool = False, config=None):
     return codes, scales, status
 
 
-def int4_quantize(x: torch.Tensor, group_size: int, config=None):
-    """config: (elements per program, num_warps)."""
-    m, k = x.shape
+def int4_quantize(x, group_size: int, config=None):
+    """config: (elements per program, num_warps). x: an [M, K] tensor or a list of same-shape
+    tensors quantized as their concatenation along rows, without making it (`_group`)."""
+    x, table, m, k, group_rows = _group(x, 1)
     ngroups = k // group_size
     codes = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scales = torch.empty(m, ngroups, dtype=torch.bfloat16, device=x.device)
@@ -628,19 +694,24 @@ def int4_quantize(x: torch.Tensor, group_size: int, config=None):
     per_prog = max(1, elems // group_size)
     chunk = min(_pow2_at_least(ngroups), per_prog)
     rows = max(1, per_prog // chunk)
+    if table is not None:
+        rows = _rows_dividing(rows, group_rows)
     grid = (triton.cdiv(m, rows), triton.cdiv(ngroups, chunk))
     _int4_kernel[grid](
         x.view(torch.int32),
+        x if table is None else table,
         codes.view(torch.int16),
         scales,
         status,
         m,
         k,
         k // 2,
+        group_rows,
         IN_KIND=_IN_KIND[x.dtype],
         G=group_size,
         ROWS=rows,
         CHUNK=chunk,
+        TABLE=table is not None,
         num_warps=warps,
     )
     return codes, scales, status

@@ -39,11 +39,15 @@ def _experts(e: int, m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
      ("fp8_block", {"block": (128, 128)}), ("bf16", {})],
 )  # fmt: skip
 @pytest.mark.parametrize(("m", "k"), [(256, 2048), (2048, 768), (5, 64)])
-def test_quantize_stacked_cuda_equals_the_cpu_reference(fmt, kw, dtype, m, k):
+@pytest.mark.parametrize("layout", ["stacked", "separate"])
+def test_quantize_stacked_cuda_equals_the_cpu_reference(fmt, kw, dtype, m, k, layout):
+    """`separate`: each expert its own allocation, as QAT's parameters (nvfp4 and int4 read them
+    where they are, through a table of addresses)."""
     if fmt == "fp8_block" and k % 128:
         pytest.skip("K not a multiple of the block")
     x = _experts(8, m, k, dtype)
-    flat, qs = kernels.quantize_stacked(fmt, x, check_finite=False, **kw)
+    xs = x if layout == "stacked" else [t.clone() for t in x]
+    flat, qs = kernels.quantize_stacked(fmt, xs, check_finite=False, **kw)
     for e, q in enumerate(qs):
         ref = formats.get(fmt).quantize(x[e].cpu(), **kw)
         for part, t in ref.parts().items():
@@ -53,11 +57,24 @@ def test_quantize_stacked_cuda_equals_the_cpu_reference(fmt, kw, dtype, m, k):
         assert torch.equal(bits(formats.operand(q).values.cpu()), bits(formats.operand(ref).values))
 
 
-def test_quantize_stacked_cuda_flags_non_finite():
+@pytest.mark.parametrize(("fmt", "layout"), [("nvfp4", "stacked"), ("nvfp4", "separate"), ("int4", "separate")])
+def test_quantize_stacked_cuda_flags_non_finite(fmt, layout):
     x = _experts(4, 64, 128, torch.bfloat16)
     x[2, 5, 7] = float("inf")
     with pytest.raises(ValueError, match="non-finite"):
-        kernels.quantize_stacked("nvfp4", x)
+        kernels.quantize_stacked(fmt, x if layout == "stacked" else [t.clone() for t in x])
+
+
+def test_quantize_stacked_cuda_reads_a_list_in_place_or_stacks_it():
+    """A list of non-contiguous tensors (transposed views) is stacked first: the same bytes."""
+    x = _experts(4, 128, 256, torch.float32)
+    views = [t.t().contiguous().t() for t in x]  # same values, column-major
+    assert not views[0].is_contiguous()
+    for fmt, kw in (("nvfp4", {"scope": "tensor"}), ("int4", {"group_size": 32})):
+        a, _ = kernels.quantize_stacked(fmt, views, **kw)
+        b, _ = kernels.quantize_stacked(fmt, [t.clone() for t in x], **kw)
+        for part, t in b.parts().items():
+            assert torch.equal(bits(a.parts()[part]), bits(t)), (fmt, part)
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

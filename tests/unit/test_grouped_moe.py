@@ -57,9 +57,25 @@ def test_quantize_stacked_equals_each_tensor_alone(fmt, kw, dtype):
         assert len(ptrs) == 1
 
 
+@pytest.mark.parametrize(("fmt", "kw"), CASES)
+def test_quantize_stacked_takes_a_list_of_tensors_as_their_stack(fmt, kw):
+    x = _experts(torch.float32)
+    listed, _ = kernels.quantize_stacked(fmt, [t.clone() for t in x], check_finite=False, **kw)
+    stacked, _ = kernels.quantize_stacked(fmt, x, check_finite=False, **kw)
+    if stacked is None:
+        assert listed is None
+        return
+    for part, t in stacked.parts().items():
+        assert torch.equal(bits(listed.parts()[part]), bits(t)), (fmt, kw, part)
+
+
 def test_quantize_stacked_rejects_bad_input():
     with pytest.raises(ValueError, match=r"\[E, M, K\]"):
         kernels.quantize_stacked("int4", torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        kernels.quantize_stacked("int4", [torch.zeros(4, 32), torch.zeros(4, 64)])
+    with pytest.raises(ValueError, match="non-empty list"):
+        kernels.quantize_stacked("int4", [])
     x = torch.zeros(2, 4, 32)
     x[1, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
