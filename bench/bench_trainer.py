@@ -30,6 +30,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from targets import trainer_targets  # noqa: E402  (bench/targets.py, beside this script)
 
 
+def _python_profile(step, sync, backend) -> None:
+    """Where one more step (cache emptied first) spends its host time: cProfile's top functions by
+    own time (a QAT step the GPU waits for shows here, not in the kernel table)."""
+    import cProfile
+    import pstats
+
+    if backend.qat_hook is not None:
+        backend.qat_hook.invalidate()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    sync()
+    prof.disable()
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -45,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="torch", help="torch and/or megatron (CUDA, megatron-core)")
     parser.add_argument("--ckpt", action="store_true", help="trainer.activation_checkpointing")
     parser.add_argument("--no-publish", action="store_true", help="time the steps only")
-    parser.add_argument("--profile", default="", help="recipes to profile one step of (torch.profiler table)")
+    parser.add_argument(
+        "--profile", default="", help="recipes to profile one step of (torch.profiler table, then cProfile's)"
+    )
     parser.add_argument("--publish-steps", type=int, default=3, help="steps with a background publish after each")
     parser.add_argument("--moe", choices=("auto", "grouped", "loop"), default="auto", help="MoE expert dispatch")
     args = parser.parse_args(argv)
@@ -123,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                     step()
                     sync()
                 key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-                print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=50), flush=True)
+                print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=50), flush=True)
+                _python_profile(step, sync, backend)
             overlap = None
             if not args.no_publish:
                 published, overlap = _publish(args, backend, cfg, recipe, step, sync, step_s)

@@ -506,9 +506,10 @@ def _fp8_block_kernel(
 
 
 @triton.jit
-def _e2m1_f32(c):
+def e2m1_f32(c):
     """fp32 value of E2M1 codes 0..15 (int32): the e1 e0 m bits as fp16 exponent/mantissa bits
-    11..9 and the sign as bit 15 give value * 2^-14 (exact), as `nvfp4.e2m1_value`."""
+    11..9 and the sign as bit 15 give value * 2^-14 (exact), as `nvfp4.e2m1_value`. (Also the
+    decode matmul's plain-op cross-check, rollout.kernels.matmul_triton.)"""
     h = ((c & 7) << 9) | ((c & 8) << 12)
     return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
@@ -521,7 +522,7 @@ def _nvfp4_operand_kernel(codes_ptr, sf_ptr, out_ptr, n_bytes, BLOCK: tl.constex
     mask = p < n_bytes
     c = tl.load(codes_ptr + p, mask=mask, other=0).to(tl.int32)
     sf = tl.load(sf_ptr + p // 8, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    v = tl.join(_e2m1_f32(c & 0xF) * sf, _e2m1_f32(c >> 4) * sf).to(tl.bfloat16)  # [BLOCK, 2]
+    v = tl.join(e2m1_f32(c & 0xF) * sf, e2m1_f32(c >> 4) * sf).to(tl.bfloat16)  # [BLOCK, 2]
     e = 2 * p[:, None] + tl.arange(0, 2)[None, :]
     tl.store(out_ptr + e, v, mask=mask[:, None])
 

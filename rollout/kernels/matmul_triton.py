@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from policy.kernels.quant_triton import e2m1_f32
+
 from .routing import BLOCK_M, moe_align
 
 FMT_NVFP4 = 0
@@ -112,12 +114,9 @@ def _plain_pair(q, j: tl.constexpr, f, FMT: tl.constexpr):
     """USE_ASM=False: the same bf16 values as the PTX, with ordinary Triton ops (cross-check)."""
     c_lo = (q >> (4 * j)) & 0xF
     c_hi = (q >> (4 * j + 16)) & 0xF
-    if FMT == 0:
-        # E2M1 value via the fp16 bit trick (exact), times sf * 2^-7 (f holds sf as fp32).
-        v_lo = (((c_lo & 7) << 9) | ((c_lo & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        v_hi = (((c_hi & 7) << 9) | ((c_hi & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        lo = (v_lo * 16384.0 * (f * 0.0078125)).to(tl.bfloat16)
-        hi = (v_hi * 16384.0 * (f * 0.0078125)).to(tl.bfloat16)
+    if FMT == 0:  # the E2M1 value (exact) times sf * 2^-7 (f holds sf as fp32)
+        lo = (e2m1_f32(c_lo) * (f * 0.0078125)).to(tl.bfloat16)
+        hi = (e2m1_f32(c_hi) * (f * 0.0078125)).to(tl.bfloat16)
     else:
         lo = ((c_lo - 8).to(tl.float32) * f).to(tl.bfloat16)
         hi = ((c_hi - 8).to(tl.float32) * f).to(tl.bfloat16)
