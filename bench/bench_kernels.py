@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from targets import kernel_targets  # bench/targets.py, beside this script
 
 import policy.kernels as K
@@ -159,8 +160,6 @@ def bench_refill(copy_gbs: float, experts: int = 128, shape: tuple[int, int] = (
     its own allocation as the trainer's parameters are): quantize the 128 experts in one call and
     build their operands (policy.qat.QATHook._refill), reading the masters where they are, against
     stacking them into one tensor first (the same call on the stack, plus the stacking copy)."""
-    from policy.qat import stacked_operands
-
     masters = [torch.randn(shape, device="cuda") for _ in range(experts)]
     n = experts * shape[0] * shape[1]
     for fmt, kw, out_bytes in [
@@ -170,14 +169,13 @@ def bench_refill(copy_gbs: float, experts: int = 128, shape: tuple[int, int] = (
         reads = 8 * n if fmt == "nvfp4" else 4 * n  # nvfp4 tensor scope reads the masters twice (amax)
 
         def in_place(fmt=fmt, kw=kw):
-            return stacked_operands(K.quantize_stacked(fmt, masters, check_finite=False, **kw)[0], experts)
+            return K.operand(K.quantize_group(fmt, masters, check_finite=False, **kw))
 
         def stacked(fmt=fmt, kw=kw):
-            x = torch.stack(masters)
-            return stacked_operands(K.quantize_stacked(fmt, x, check_finite=False, **kw)[0], experts)
+            return K.operand(K.quantize_group(fmt, torch.stack(masters), check_finite=False, **kw))
 
         t_new, t_old = bench(in_place, rep=10), bench(stacked, rep=10)
-        t_q = bench(lambda fmt=fmt, kw=kw: K.quantize_stacked(fmt, masters, check_finite=False, **kw), rep=10)
+        t_q = bench(lambda fmt=fmt, kw=kw: K.quantize_group(fmt, masters, check_finite=False, **kw), rep=10)
         ideal = (reads + out_bytes - 2 * n) / copy_gbs / 1e3  # the quantize's bytes + the operand's, at copy speed
         line(
             f"refill {fmt} {experts} x {shape[0]}x{shape[1]} fp32: in place {t_new / 1e3:.3f} ms (quantize"
@@ -226,6 +224,36 @@ def tune_quant(x, nbytes_row: int, copy_gbs: float) -> None:
 
 
 # --------------------------------------------------------------------------- dense matmul
+
+
+@triton.jit
+def _stream_kernel(w_ptr, s_ptr, out_ptr, K8, KS, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """The decode matmul's weight reads alone: same grid, tiles, split of K and loads of the packed
+    words [N, K/8] and scales [N, K/16 bytes or K/G bf16 as KS words], xor-folded (no dequant, no
+    dot). Its time is the floor the kernel's memory pattern allows."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(2)
+    n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    per = tl.cdiv(K8 // (BK // 8), SPLIT) * (BK // 8)
+    acc = tl.zeros([BN, BK // 8], dtype=tl.int32)
+    acc_s = tl.zeros([BN, BK // 64], dtype=tl.int32)
+    for k0 in range(pid_s * per, tl.minimum(K8, (pid_s + 1) * per), BK // 8):
+        acc ^= tl.load(w_ptr + n[:, None] * K8 + k0 + tl.arange(0, BK // 8)[None, :])
+        ks = k0 * KS // K8
+        acc_s ^= tl.load(s_ptr + n[:, None] * KS + ks + tl.arange(0, BK // 64)[None, :])
+    tl.store(out_ptr + pid_n * SPLIT + pid_s, tl.xor_sum(tl.xor_sum(acc, 1), 0) ^ tl.xor_sum(tl.xor_sum(acc_s, 1), 0))
+
+
+def stream_floor(w: RK.PackedLinear) -> float:
+    """Microseconds of `_stream_kernel` for w's packed weights under the decode matmul's config."""
+    fid = mt.FMT_NVFP4 if w.fmt == "nvfp4" else mt.FMT_INT4
+    n, k8 = w.codes.shape
+    bn, bk, warps, stages, split = mt.pick_config(n, 8 * k8, fid, w.group_size)[:5]
+    scales = mt._scale_view(w.scales).contiguous().view(torch.int32)  # 4 bytes of scales per word
+    out = torch.empty(triton.cdiv(n, bn) * split, dtype=torch.int32, device="cuda")
+    grid = (triton.cdiv(n, bn), 1, split)
+    return bench(lambda: _stream_kernel[grid](w.codes, scales, out, k8, scales.shape[1], BN=bn, BK=bk, SPLIT=split,
+                                              num_warps=warps, num_stages=stages))  # fmt: skip
 
 
 def make_weights(n: int, k: int):
@@ -327,6 +355,13 @@ def bench_dense(shapes, ms=(1, 4, 16, 64)) -> None:
                     "config": list(mt.pick_config(n, k, 0, 32)),
                 }
             )
+            if m == ms[0]:
+                floors = {fmt: stream_floor(ws[fmt]) for fmt in ("nvfp4", "int4")}
+                line(
+                    "  the weight reads alone (same grid and loads, no dequant or dot): "
+                    + ", ".join(f"{fmt} {t:.1f} us ({t_bf / t:.2f}x bf16)" for fmt, t in floors.items())
+                )
+                RESULTS["matmul"][-1]["read_floor_us"] = floors
             if m == ms[0]:  # fresh inputs: the kernel must still match the reference dequant + matmul
                 ref = x.float() @ K.dequantize(RK.unpack(ws["nvfp4"])).T
                 err = float((RK.qmatmul(x, ws["nvfp4"]).float() - ref).norm() / ref.norm())

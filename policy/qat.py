@@ -150,12 +150,21 @@ def stacked_operands(flat, n: int) -> tuple[list[Operand], Operand | None]:
     (`kernels.quantize_stacked`'s): one `kernels.operand` call, each tensor's operand a view of its
     rows, and the [n, N, K] operand of all of them for the grouped GEMM (None with block scales)."""
     op = kernels.operand(flat)
+    return _split_operand(op, n), _grouped_operand(op, n)
+
+
+def _split_operand(op: Operand, n: int) -> list[Operand]:
+    """The operands of the n tensors stacked along rows in `op`, as views of its rows."""
     parts = zip(_split_rows(op.values, n), _split_rows(op.scale, n), _split_rows(op.block_scale, n))
-    ops = [Operand(v, scale=s, block_scale=b, block=op.block) for v, s, b in parts]
+    return [Operand(v, scale=s, block_scale=b, block=op.block) for v, s, b in parts]
+
+
+def _grouped_operand(op: Operand, n: int) -> Operand | None:
+    """The [n, N, K] operand of the n tensors stacked along rows in `op` (None with block scales)."""
     if op.block_scale is not None:
-        return ops, None
+        return None
     scale = None if op.scale is None else op.scale.view(n, -1)
-    return ops, Operand(op.values.view(n, -1, op.values.shape[-1]), scale=scale)
+    return Operand(op.values.view(n, -1, op.values.shape[-1]), scale=scale)
 
 
 def _stack_operands(ops: Sequence[Operand]) -> Operand:
@@ -168,12 +177,45 @@ def _stack_operands(ops: Sequence[Operand]) -> Operand:
 
 class _Group:
     """Parameters quantized together (one MoE projection's experts): their names and parameters, and
-    the last refill's cache entries with the stacked operand they are rows of."""
+    what the last refill made of them: the parameters' autograd versions and device then, the
+    [E, N, K] operand of all of them for the grouped GEMM (`stacked`; None with block scales), and
+    each one's (quantized object, operand), views of the stacked result made when first asked for
+    (the grouped forward never asks: a refill makes no per-expert objects)."""
 
     def __init__(self, names: Sequence[str], params: Sequence[Tensor]):
         self.names, self.params = tuple(names), tuple(params)
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.stacked: tuple[tuple, Operand | None] | None = None
+        self.clear()
+
+    def clear(self) -> None:
+        self.versions: tuple[int, ...] | None = None
+        self.device: torch.device | None = None
+        self.stacked: Operand | None = None
+        self._flat = self._op = None
+        self._experts: list[tuple[object, Operand]] | None = None
+
+    def fill(self, flat, op: Operand | None, experts: list | None = None) -> None:
+        """The refill's result: `flat` (all rows) and its operand `op`, or per-expert `experts`."""
+        self.versions = tuple(p._version for p in self.params)
+        self.device = self.params[0].device
+        self._flat, self._op, self._experts = flat, op, experts
+        self.stacked = None if op is None else _grouped_operand(op, len(self.names))
+
+    def fresh(self, i: int | None = None) -> bool:
+        """Whether the refill still holds parameter i's value (every parameter's, for None)."""
+        if self.versions is None or self.device != self.params[0].device:
+            return False
+        if i is not None:
+            return self.versions[i] == self.params[i]._version
+        return all(v == p._version for v, p in zip(self.versions, self.params))
+
+    def expert(self, i: int) -> tuple[object, Operand]:
+        """(quantized object, operand) of parameter i, views of the refill's."""
+        if self._experts is None:
+            n = len(self.names)
+            qs = kernels.rows_of(self._flat, n, tuple(self.params[0].shape))
+            self._experts = list(zip(qs, _split_operand(self._op, n)))
+        return self._experts[i]
 
 
 class QATHook(QuantHook):
@@ -212,7 +254,7 @@ class QATHook(QuantHook):
         self._cache.clear()
         self._dense.clear()
         for g in self._groups.values():
-            g.stacked = None
+            g.clear()
 
     def add_group(self, names: Sequence[str], params: Sequence[Tensor]) -> None:
         """Refill these parameters together (one MoE projection's experts, same recipe entry and
@@ -231,18 +273,21 @@ class QATHook(QuantHook):
 
     def _refill(self, g: _Group) -> None:
         spec = self._params[g.names[0]]
+        kw = from_parts_kwargs(spec.format, spec.kwargs)
         with torch.no_grad():
-            kw = from_parts_kwargs(spec.format, spec.kwargs)
-            flat, qs = kernels.quantize_stacked(spec.format, [p.detach() for p in g.params], check_finite=False, **kw)
-            if flat is None:
-                ops, stacked_op = [kernels.operand(q) for q in qs], None
-            else:
-                ops, stacked_op = stacked_operands(flat, len(qs))
-        entries = []
-        for name, p, q, o in zip(g.names, g.params, qs, ops):
-            entries.append((p._version, QuantizedParam(spec.format, dict(spec.kwargs), q), o))
-            self._cache[name] = entries[-1]
-        g.stacked = (tuple(entries), stacked_op)
+            xs = [p.detach() for p in g.params]
+            flat = kernels.quantize_group(spec.format, xs, check_finite=False, **kw)
+            if flat is not None:
+                g.fill(flat, kernels.operand(flat))
+            else:  # quantized one by one
+                _, qs = kernels.quantize_stacked(spec.format, xs, check_finite=False, **kw)
+                g.fill(None, None, [(q, kernels.operand(q)) for q in qs])
+
+    def _group_operand(self, g: _Group) -> Operand | None:
+        """Group g's [E, N, K] operand of its parameters' current values (refilled if one changed)."""
+        if not g.fresh():
+            self._refill(g)
+        return g.stacked
 
     def _entry(self, name: str, p: Tensor) -> tuple[int, QuantizedParam, Operand]:
         hit = self._cache.get(name)
@@ -250,8 +295,13 @@ class QATHook(QuantHook):
             return hit
         g = self._groups.get(name)
         if g is not None and g.params[g.index[name]] is p:
-            self._refill(g)
-            return self._cache[name]
+            i = g.index[name]
+            if not g.fresh(i):
+                self._refill(g)
+            spec = self._params[name]
+            q, op = g.expert(i)
+            hit = self._cache[name] = (p._version, QuantizedParam(spec.format, dict(spec.kwargs), q), op)
+            return hit
         with torch.no_grad():
             # No NaN/Inf check here (a host sync per weight, every step): the trainer checks the
             # master weights once per publish (trainer.backends), a NaN forward shows in the loss.
@@ -324,18 +374,12 @@ class QATHook(QuantHook):
         self, sites: Sequence[str], x: Tensor, weights: Sequence[Tensor], offs: Tensor, groups: Tensor
     ) -> Tensor:
         names = [self._names(s)[0] for s in sites]
-        entries = [self._entry(n, w) for n, w in zip(names, weights)]
         g = self._groups.get(names[0])
-        stacked = g.stacked if g is not None else None
-        if (
-            stacked is not None
-            and stacked[1] is not None
-            and len(stacked[0]) == len(entries)
-            and all(a is b for a, b in zip(stacked[0], entries))
-        ):
-            w_op = stacked[1]
-        else:  # not refilled as a group (e.g. a PackedHook's operands): stack them now
-            w_op = _stack_operands([e[2] for e in entries])
+        w_op = None
+        if g is not None and g.names == tuple(names) and all(a is b for a, b in zip(g.params, weights)):
+            w_op = self._group_operand(g)
+        if w_op is None:  # not refilled as a group (e.g. a PackedHook's operands): stack them now
+            w_op = _stack_operands([self._entry(n, w)[2] for n, w in zip(names, weights)])
         dtype = compute.compute_dtype(x)
         x_op = self.act_quant(self._names(sites[0])[1], x)
         if x_op is None:

@@ -155,6 +155,7 @@ class _PackedOperands(qat.QATHook):
             self.add_group(names, params)
         self.builds = 0  # kernels.operand calls for weights (one per weight, or one per expert group)
         self._layer = ""  # the layer whose operands the cache holds
+        self._stacked: dict = {}  # group -> its [E, N, K] operand, for that layer
 
     def _entry(self, name: str, p: Tensor) -> tuple[int, object, formats.Operand]:
         hit = self._cache.get(name)
@@ -162,7 +163,7 @@ class _PackedOperands(qat.QATHook):
             return hit
         layer = name.split(".")[2] if name.startswith("model.layers.") else "top"
         if layer != self._layer:  # the previous layer's operands: one layer at a time
-            self._cache.clear()
+            self.invalidate()
             self._layer = layer
         g = self._groups.get(name)
         if g is None:
@@ -173,10 +174,17 @@ class _PackedOperands(qat.QATHook):
         qs = [self._packed[n] for n in g.names]
         self.builds += 1
         ops, stacked = qat.stacked_operands(_concatenated(qs), len(qs))
-        entries = tuple((-1, q, o) for q, o in zip(qs, ops))
-        self._cache.update(zip(g.names, entries))
-        g.stacked = (entries, stacked)
+        self._cache.update((n, (-1, q, o)) for n, q, o in zip(g.names, qs, ops))
+        self._stacked[g] = stacked
         return self._cache[name]
+
+    def _group_operand(self, g) -> formats.Operand | None:
+        self._entry(g.names[0], g.params[0])  # builds the group's operands from the version's objects
+        return self._stacked.get(g)
+
+    def invalidate(self, *_: object) -> None:
+        super().invalidate()
+        self._stacked.clear()
 
 
 def _concatenated(qs: list) -> object:

@@ -8,7 +8,8 @@ the Triton quantizers in `quant_triton` run; everywhere else the CPU reference i
     quantize(fmt, x, **kw)          -> the format's quantized object (NVFP4Tensor, ...)
     quantize_stacked(fmt, xs, **kw) -> E same-shape tensors (a list or [E, M, K]), each quantized as
                                        its own tensor in one call (an MoE layer's experts); the same
-                                       bytes as E calls
+                                       bytes as E calls (`quantize_group`: the stacked result alone,
+                                       `rows_of`: its per-tensor views)
     operand(q)                      -> the Compute contract's operand (`formats.operand(q)`, the
                                        same bytes), nvfp4 and int4 values in one Triton pass on CUDA
     dequantize(q) / fake_quant(...) -> fp32 / x.dtype, via the reference (device-agnostic torch)
@@ -155,12 +156,22 @@ def quantize_stacked(fmt: str, xs, *, check_finite: bool = True, **kw):
     first (nvfp4 tensor scope on the CPU: the reference with each tensor's amax given per row, the
     same arithmetic as tensor scope). Shapes that fit none of these (fp8_block with M not a
     multiple of its block rows, M = 0) are quantized tensor by tensor; `flat` is then None."""
+    flat = quantize_group(fmt, xs, check_finite=check_finite, **kw)
+    xs = _same_shape(xs)
+    if flat is None:
+        return None, [quantize(fmt, x, check_finite=check_finite, **kw) for x in xs]
+    return flat, rows_of(flat, len(xs), tuple(xs[0].shape))
+
+
+def quantize_group(fmt: str, xs, *, check_finite: bool = True, **kw):
+    """`quantize_stacked`'s flat object alone, without the per-tensor views (what a QAT refill needs
+    every step), or None where the tensors are to be quantized one by one."""
     stacked = xs.reshape(-1, xs.shape[-1]) if isinstance(xs, torch.Tensor) and xs.dim() == 3 else None
     xs = _same_shape(xs)
     e, (m, k) = len(xs), xs[0].shape
     kw = dict(kw)
     if m == 0 or (fmt == "fp8_block" and m % tuple(kw.get("block", _fp8_block.WEIGHT_BLOCK))[0]):
-        return None, [quantize(fmt, x, check_finite=check_finite, **kw) for x in xs]
+        return None
     flat = _quantize_in_place(fmt, xs, check_finite, kw)
     if flat is None and fmt == "bf16" and not check_finite:  # the cast is the stacking copy
         _check(fmt, xs[0], 1)
@@ -172,7 +183,7 @@ def quantize_stacked(fmt: str, xs, *, check_finite: bool = True, **kw):
             flat = _nvfp4_stacked(flat_x, e, check_finite)
         else:
             flat = quantize(fmt, flat_x, check_finite=check_finite, **kw)
-    return flat, _rows_of(flat, e, (m, k))
+    return flat
 
 
 def _same_shape(xs) -> list[torch.Tensor]:
@@ -246,7 +257,7 @@ def _nvfp4_stacked(x: torch.Tensor, groups: int, check_finite: bool):
     return to_device(flat, x.device)
 
 
-def _rows_of(flat, n: int, shape: tuple[int, int]) -> list:
+def rows_of(flat, n: int, shape: tuple[int, int]) -> list:
     """The n tensors stacked in `flat`: tensor i's parts are rows i * (rows / n) ... (i + 1) * (rows / n)
     of flat's (codes and scales per row, per block row, or per tensor: a global_scale [n]); one
     split per part (a refill makes these views for every expert of every layer)."""
@@ -293,6 +304,8 @@ __all__ = [
     "fake_quant",
     "operand",
     "quantize",
+    "quantize_group",
     "quantize_stacked",
+    "rows_of",
     "to_device",
 ]

@@ -176,3 +176,22 @@ def test_group_refill_follows_the_weights():
     assert torch.equal(bits(after.values), bits(before))  # a power-of-two scaling moves the global scale only
     hook.invalidate()
     assert all(g.stacked is None for g in hook._groups.values())
+
+
+def test_grouped_forward_follows_an_edited_expert():
+    """After an in-place edit of one expert (its version bumps, no optimizer step) the grouped
+    forward refills the group: it equals the forward of a fresh QAT hook."""
+    model = _model()
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.grouped = True
+    apply_qat(model, Recipe.load("int4_qat"))
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(tokens)
+        model.model.layers[0].mlp.experts[3].gate_up_proj.weight.mul_(-3.0)
+        edited = model(tokens)
+        apply_qat(model, Recipe.load("int4_qat"))
+        fresh = model(tokens)
+    assert not torch.equal(edited, before)
+    assert torch.equal(edited, fresh)
