@@ -227,33 +227,63 @@ def tune_quant(x, nbytes_row: int, copy_gbs: float) -> None:
 
 
 @triton.jit
-def _stream_kernel(w_ptr, s_ptr, out_ptr, K8, KS, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+def _stream_kernel(
+    w_ptr, s_ptr, out_ptr, K8, KS, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TILED: tl.constexpr
+):
     """The decode matmul's weight reads alone: same grid, tiles, split of K and loads of the packed
     words [N, K/8] and scales [N, K/16 bytes or K/G bf16 as KS words], xor-folded (no dequant, no
-    dot). Its time is the floor the kernel's memory pattern allows."""
+    dot). Its time is the floor the kernel's memory pattern allows. TILED: the words re-laid so each
+    [BN, BK/8] tile is one contiguous block (tile (n, k) at (n * K8 / (BK/8) + k) * BN * BK/8)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(2)
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     per = tl.cdiv(K8 // (BK // 8), SPLIT) * (BK // 8)
     acc = tl.zeros([BN, BK // 8], dtype=tl.int32)
     acc_s = tl.zeros([BN, BK // 64], dtype=tl.int32)
+    tile = tl.arange(0, BN)[:, None] * (BK // 8) + tl.arange(0, BK // 8)[None, :]
     for k0 in range(pid_s * per, tl.minimum(K8, (pid_s + 1) * per), BK // 8):
-        acc ^= tl.load(w_ptr + n[:, None] * K8 + k0 + tl.arange(0, BK // 8)[None, :])
+        if TILED:
+            acc ^= tl.load(w_ptr + (pid_n.to(tl.int64) * K8 + k0) * BN + tile)
+        else:
+            acc ^= tl.load(w_ptr + n[:, None] * K8 + k0 + tl.arange(0, BK // 8)[None, :])
         ks = k0 * KS // K8
         acc_s ^= tl.load(s_ptr + n[:, None] * KS + ks + tl.arange(0, BK // 64)[None, :])
     tl.store(out_ptr + pid_n * SPLIT + pid_s, tl.xor_sum(tl.xor_sum(acc, 1), 0) ^ tl.xor_sum(tl.xor_sum(acc_s, 1), 0))
 
 
-def stream_floor(w: RK.PackedLinear) -> float:
-    """Microseconds of `_stream_kernel` for w's packed weights under the decode matmul's config."""
+def stream_floor(w: RK.PackedLinear, config=None, tiled: bool = False) -> float:
+    """Microseconds of `_stream_kernel` for w's packed weights under a config (the decode matmul's
+    by default): (BN, BK, num_warps, num_stages, SPLIT)."""
     fid = mt.FMT_NVFP4 if w.fmt == "nvfp4" else mt.FMT_INT4
     n, k8 = w.codes.shape
-    bn, bk, warps, stages, split = mt.pick_config(n, 8 * k8, fid, w.group_size)[:5]
+    bn, bk, warps, stages, split = (config or mt.pick_config(n, 8 * k8, fid, w.group_size))[:5]
     scales = mt._scale_view(w.scales).contiguous().view(torch.int32)  # 4 bytes of scales per word
     out = torch.empty(triton.cdiv(n, bn) * split, dtype=torch.int32, device="cuda")
     grid = (triton.cdiv(n, bn), 1, split)
     return bench(lambda: _stream_kernel[grid](w.codes, scales, out, k8, scales.shape[1], BN=bn, BK=bk, SPLIT=split,
-                                              num_warps=warps, num_stages=stages))  # fmt: skip
+                                              TILED=tiled, num_warps=warps, num_stages=stages))  # fmt: skip
+
+
+def floor_sweep(n: int = 8192, k: int = 8192) -> None:
+    """The weight-read floor over tilings, row-major and tile-contiguous words: how fast a decode
+    matmul with that memory pattern could be at best (nvfp4 bytes; int4's differ by the scales)."""
+    ws = make_weights(n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    t_bf = bench(lambda: F.linear(x, ws["bf16"]))
+    rows = []
+    for bn in (64, 128):
+        for bk in (128, 256, 512):
+            for split in (4, 8, 16):
+                for stages in (2, 4):
+                    for tiled in (False, True):
+                        t = stream_floor(ws["nvfp4"], (bn, bk, 4, stages, split), tiled)
+                        rows.append((t, bn, bk, split, stages, tiled))
+    rows.sort()
+    line(f"weight-read floor {n}x{k} nvfp4, bf16 F.linear M=1 {t_bf:.1f} us; fastest tilings of each layout:")
+    for t, bn, bk, split, stages, tiled in [r for r in rows if r[-1]][:4] + [r for r in rows if not r[-1]][:4]:
+        line(f"  BN {bn} BK {bk} split {split} stages {stages} {'tile-contiguous' if tiled else 'row-major'}: "
+             f"{t:.1f} us ({t_bf / t:.2f}x bf16)")  # fmt: skip
+    RESULTS["floor_sweep"] = [dict(zip(("us", "bn", "bk", "split", "stages", "tiled"), r)) for r in rows]
 
 
 def make_weights(n: int, k: int):
@@ -472,6 +502,7 @@ def main() -> int:
     ap.add_argument("--tune-quant", action="store_true", help="try quantizer tilings on the 64M input")
     ap.add_argument("--json", help="write all numbers here")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: quant,dense,moe")
+    ap.add_argument("--floor-sweep", action="store_true", help="weight-read floor of 8192x8192 over tilings")
     args = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     line(
@@ -493,6 +524,8 @@ def main() -> int:
     RESULTS["configs"] = {f"{n}x{k}": list(c) for (n, k), c in mt.CONFIGS.items()}
     if "dense" not in skip:
         bench_dense(dense_shapes)
+    if args.floor_sweep:
+        floor_sweep()
     if "moe" not in skip:
         bench_moe()
         if args.tune:
