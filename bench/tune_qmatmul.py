@@ -23,15 +23,20 @@ import time
 import torch
 import torch.nn.functional as F
 
-CONFIGS = [  # earlier sweeps (23 + 7 configs) found nothing faster: docs/design-decisions.md
+CONFIGS = [  # earlier sweeps (23 + 7 configs, two warps per 64 rows) found nothing faster: docs/design-decisions.md
     (64, 128, 2, 2, 8, 128),  # the table's 8192x8192 entry on 2026-11-29
-    (64, 128, 2, 3, 8, 128),
-    (64, 128, 2, 4, 8, 128),
     (64, 128, 2, 2, 16, 128),
-    (32, 256, 2, 2, 4),
-    (64, 256, 2, 2, 4, 168),
-    (128, 128, 4, 2, 8),
-    (128, 128, 4, 3, 8),
+    # four warps per 64 rows, wider K tiles, more splits: the fastest weight-read floors of
+    # `bench_kernels.py --floor-sweep` (22.5 us against the table entry's 28.9 us on the H100);
+    # none beat the table entry on the H100 either (2026-12-05, docs/benchmarks.md)
+    (64, 256, 4, 4, 16),
+    (64, 256, 4, 2, 16),
+    (64, 256, 4, 4, 8),
+    (64, 256, 4, 2, 8),
+    (64, 128, 4, 2, 16),
+    (64, 128, 4, 4, 16),
+    (64, 512, 4, 4, 4),
+    (128, 256, 4, 2, 16),
 ]
 MS = (1, 4, 16)
 
