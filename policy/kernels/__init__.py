@@ -260,7 +260,7 @@ def _nvfp4_stacked(x: torch.Tensor, groups: int, check_finite: bool):
 def rows_of(flat, n: int, shape: tuple[int, int]) -> list:
     """The n tensors stacked in `flat`: tensor i's parts are rows i * (rows / n) ... (i + 1) * (rows / n)
     of flat's (codes and scales per row, per block row, or per tensor: a global_scale [n]); one
-    split per part (a refill makes these views for every expert of every layer)."""
+    split per part."""
     fields = {f.name: getattr(flat, f.name) for f in dataclasses.fields(flat)}
     names = [name for name, v in fields.items() if isinstance(v, torch.Tensor)]
     pieces = [fields.pop(name).split(getattr(flat, name).shape[0] // n) for name in names]

@@ -14,6 +14,8 @@ order of operations is DESIGN.md's contract, literally (one proven shortcut: int
   bf16 is `cvt.rn.bf16.f32`; rint is `cvt.rni.f32.f32`; E2M1 rounding is one fp32 add with a magic
   constant (`policy.kernels.bitmath.e2m1_code`).
 Every kernel flags a status word when a block max is not finite (ValueError without a second pass).
+nvfp4 and int4 also take a group of same-shape tensors, each its own allocation (an MoE projection's
+expert masters), through a table of their addresses: one launch over all, no stacked copy first.
 Simplified: one program handles ROWS rows by CHUNK blocks; no persistent grid, no TMA."""
 
 from __future__ import annotations
