@@ -112,28 +112,36 @@ def quantize(fmt: str, x: torch.Tensor, *, check_finite: bool = True, **kw):
 
     if not qt.kernel_supports(fmt, x, kw):
         return _reference_quantize(fmt, x, kw)
-    x = x.detach().contiguous()
+    return _quantize_triton(fmt, x.detach().contiguous(), tuple(x.shape), check_finite, kw)
+
+
+def _quantize_triton(fmt: str, x, shape: tuple[int, int], check_finite: bool, kw: dict):
+    """The Triton kernel's quantized object of `x`: a contiguous tensor of `shape`, or (nvfp4, int4)
+    a list of same-shape tensors quantized as their rows stacked (`shape`), read where they are."""
+    from . import quant_triton as qt
+
+    x0 = x if isinstance(x, torch.Tensor) else x[0]
     if fmt == "nvfp4":
         scope = kw.get("scope", "tensor")
         if scope not in _nvfp4.SCOPES:
             raise ValueError(f"nvfp4.quantize: scope must be one of {_nvfp4.SCOPES}, got {scope!r}")
-        _check(fmt, x, _nvfp4.BLOCK)
+        _check(fmt, x0, _nvfp4.BLOCK)
         codes, sf, gs, status = qt.nvfp4_quantize(x, scope)
-        out = _nvfp4.NVFP4Tensor(codes, sf, gs, tuple(x.shape), scope)
+        out = _nvfp4.NVFP4Tensor(codes, sf, gs, shape, scope)
     elif fmt == "mxfp8":
-        _check(fmt, x, _mxfp8.BLOCK)
+        _check(fmt, x0, _mxfp8.BLOCK)
         codes, scales, status = qt.mxfp8_quantize(x)
-        out = _mxfp8.MXFP8Tensor(codes, scales, tuple(x.shape))
+        out = _mxfp8.MXFP8Tensor(codes, scales, shape)
     elif fmt == "int4":
         g = kw.get("group_size", _int4.DEFAULT_GROUP)
-        _check(fmt, x, g)
+        _check(fmt, x0, g)
         codes, scales, status = qt.int4_quantize(x, g)
-        out = _int4.INT4Tensor(codes, scales, g, tuple(x.shape))
+        out = _int4.INT4Tensor(codes, scales, g, shape)
     elif fmt == "fp8_block":
         block = tuple(kw.get("block", _fp8_block.WEIGHT_BLOCK))
-        _check(fmt, x, block[1])
+        _check(fmt, x0, block[1])
         codes, sinv, status = qt.fp8_block_quantize(x, block)
-        out = _fp8_block.FP8BlockTensor(codes, sinv, block, tuple(x.shape))
+        out = _fp8_block.FP8BlockTensor(codes, sinv, block, shape)
     else:  # pragma: no cover - formats.get already rejected it
         raise ValueError(f"unknown format {fmt!r}")
     if check_finite:
@@ -215,42 +223,21 @@ def _quantize_in_place(fmt: str, xs: list[torch.Tensor], check_finite: bool, kw:
 
     if not qt.kernel_supports(fmt, x0, kw) or any(not x.is_contiguous() or x.data_ptr() % 16 for x in xs):
         return None
-    xs = [x.detach() for x in xs]
     shape = (len(xs) * x0.shape[0], x0.shape[1])
-    if fmt == "nvfp4":
-        scope = kw.get("scope", "tensor")
-        if scope not in _nvfp4.SCOPES:
-            raise ValueError(f"nvfp4.quantize: scope must be one of {_nvfp4.SCOPES}, got {scope!r}")
-        _check(fmt, x0, _nvfp4.BLOCK)
-        codes, sf, gs, status = qt.nvfp4_quantize(xs, scope)
-        out = _nvfp4.NVFP4Tensor(codes, sf, gs, shape, scope)
-    else:
-        g = kw.get("group_size", _int4.DEFAULT_GROUP)
-        _check(fmt, x0, g)
-        codes, scales, status = qt.int4_quantize(xs, g)
-        out = _int4.INT4Tensor(codes, scales, g, shape)
-    if check_finite:
-        _raise_if_nonfinite(fmt, status)
-    return out
+    return _quantize_triton(fmt, [x.detach() for x in xs], shape, check_finite, kw)
 
 
 def _nvfp4_stacked(x: torch.Tensor, groups: int, check_finite: bool):
     """nvfp4 tensor scope over `groups` stacked tensors: NVFP4Tensor over all rows, global_scale [groups]."""
-    if isinstance(x, torch.Tensor) and x.device.type == "cuda" and backend(x) == "triton":
-        from . import quant_triton as qt
-
-        if qt.kernel_supports("nvfp4", x, {}):
-            x = x.detach().contiguous()
-            _check("nvfp4", x, _nvfp4.BLOCK)
-            codes, sf, gs, status = qt.nvfp4_quantize(x, "tensor", groups=groups)
-            if check_finite:
-                _raise_if_nonfinite("nvfp4", status)
-            return _nvfp4.NVFP4Tensor(codes, sf, gs, tuple(x.shape), "tensor")
+    m = x.shape[0] // groups
+    if x.device.type == "cuda":  # the kernels, on the stack's rows as a group (contiguous and aligned)
+        flat = _quantize_in_place("nvfp4", list(x.contiguous().view(groups, m, -1).unbind(0)), check_finite, {})
+        if flat is not None:
+            return flat
     # The reference: row scope with every row given its tensor's amax is tensor scope's arithmetic
     # (the same fp32 operations on the same values, per row instead of broadcast).
     xc = x.detach().cpu()
     _check("nvfp4", xc, _nvfp4.BLOCK)
-    m = xc.shape[0] // groups
     amax = xc.float().abs().view(groups, -1).amax(dim=1)  # exact; the reference rejects non-finite x
     q = _nvfp4.quantize(xc, scope="row", amax=amax.repeat_interleave(m))
     flat = _nvfp4.NVFP4Tensor(q.codes, q.block_scales, q.global_scale[::m].contiguous(), q.shape, "tensor")

@@ -128,12 +128,12 @@ def _e2m1_code_biased(a, x_bits):
 
 
 @triton.jit
-def _tensor_base(x_ptr, table_ptr, g, stride, TABLE: tl.constexpr, ELEM_BYTES: tl.constexpr):
-    """Pointer to tensor g of the group: x_ptr + table[g] bytes (TABLE: each tensor its own
-    allocation, 16-byte aligned), else x_ptr + g * stride elements (the tensors stacked in x)."""
+def _tensor_base(x_ptr, table_ptr, g, TABLE: tl.constexpr, ELEM_BYTES: tl.constexpr):
+    """Pointer to tensor g of a group: x_ptr + table[g] bytes (TABLE: each tensor its own allocation,
+    16-byte aligned), else x_ptr (one tensor, g = 0)."""
     if TABLE:
         return x_ptr + tl.multiple_of(tl.load(table_ptr + g) // ELEM_BYTES, 16 // ELEM_BYTES)
-    return x_ptr + g.to(tl.int64) * stride
+    return x_ptr
 
 
 @triton.jit
@@ -142,7 +142,7 @@ def _rows_at(x_ptr, table_ptr, r64, first_row, group_rows, TABLE: tl.constexpr):
     holding first_row (rows first_row ... stay in it), from that tensor's own pointer."""
     if TABLE:
         g = first_row // group_rows
-        return _tensor_base(x_ptr, table_ptr, g, 0, TABLE, 4), r64 - g * group_rows
+        return _tensor_base(x_ptr, table_ptr, g, TABLE, 4), r64 - g * group_rows
     return x_ptr, r64
 
 
@@ -157,7 +157,7 @@ def _amax_bits_kernel(
     A grid of a few programs per SM strides over the tensor, so only a few hundred atomics hit
     the one status word (same-address atomics serialize in L2)."""
     g = tl.program_id(1)
-    xp = _tensor_base(x_ptr, table_ptr, g, numel, TABLE, 4 if IN_KIND == 2 else 2)
+    xp = _tensor_base(x_ptr, table_ptr, g, TABLE, 4 if IN_KIND == 2 else 2)
     first = tl.program_id(0).to(tl.int64) * BLOCK
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -559,13 +559,13 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _group(x, groups: int):
-    """(x0, table, M, K, group_rows) of a quantizer's input x: an [M, K] tensor holding `groups`
-    tensors stacked along rows (x0 = x, table None), or a list of same-shape [M / len, K]
-    contiguous tensors, each 16-byte aligned (the caller checks), read where they are: x0 = the
-    first, table = int64 byte offsets of each from it, on the device."""
+def _group(x):
+    """(x0, table, M, K, group_rows) of a quantizer's input x: an [M, K] tensor (x0 = x, table None,
+    group_rows = M), or a list of same-shape [M / len, K] contiguous tensors, each 16-byte aligned
+    (the caller checks), read where they are: x0 = the first, table = int64 byte offsets of each
+    from it, on the device."""
     if isinstance(x, torch.Tensor):
-        return x, None, x.shape[0], x.shape[1], x.shape[0] // groups
+        return x, None, x.shape[0], x.shape[1], x.shape[0]
     x0 = x[0]
     table = _offsets_table(tuple(t.data_ptr() - x0.data_ptr() for t in x), x0.device)
     return x0, table, len(x) * x0.shape[0], x0.shape[1], x0.shape[0]
@@ -583,13 +583,13 @@ def _rows_dividing(rows: int, group_rows: int) -> int:
     return min(rows, group_rows & -group_rows)
 
 
-def nvfp4_quantize(x, scope: str, e4m3_sw: bool = False, config=None, groups: int = 1):
+def nvfp4_quantize(x, scope: str, e4m3_sw: bool = False, config=None):
     """-> (codes uint8 [M, K/2], block_scales fp8 [M, K/16], global_scale fp32, status int32 [1]).
 
-    x: an [M, K] tensor; groups > 1 (tensor scope): that many tensors of M / groups rows stacked,
-    each quantized as its own tensor (its own amax and global scale: global_scale is [groups]), in
-    one launch. Or a list of same-shape tensors (`_group`): the same, without stacking them first."""
-    x, table, m, k, group_rows = _group(x, groups)
+    x: an [M, K] tensor, or a list of same-shape tensors (`_group`) quantized in one launch as the
+    rows of their stack, each its own tensor in tensor scope (its own amax and global scale:
+    global_scale is [len(x)])."""
+    x, table, m, k, group_rows = _group(x)
     groups = m // group_rows
     nblocks = k // 16
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
@@ -688,7 +688,7 @@ def mxfp8_quantize(x: torch.Tensor, e4m3_sw: bool = False, config=None):
 def int4_quantize(x, group_size: int, config=None):
     """config: (elements per program, num_warps). x: an [M, K] tensor or a list of same-shape
     tensors quantized as their concatenation along rows, without making it (`_group`)."""
-    x, table, m, k, group_rows = _group(x, 1)
+    x, table, m, k, group_rows = _group(x)
     ngroups = k // group_size
     codes = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scales = torch.empty(m, ngroups, dtype=torch.bfloat16, device=x.device)
