@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-CONFIGS = [  # earlier sweeps (23 + 7 configs, two warps per 64 rows) found nothing faster: docs/design-decisions.md
+CONFIGS = [  # earlier sweeps (23 + 7 configs) found nothing faster: docs/design-decisions.md
     (64, 128, 2, 2, 8, 128),  # the table's 8192x8192 entry on 2026-11-29
     (64, 128, 2, 2, 16, 128),
     # four warps per 64 rows, wider K tiles, more splits: the fastest weight-read floors of
