@@ -10,9 +10,9 @@ steps, then `--steps` timed ones (`backend.update`: forward + backward of a toke
 clip, optimizer step; under QAT each step pays the refill of the QAT cache, as the trainer does).
 `--moe loop` times the loop over experts instead of the grouped GEMM. Printed per configuration:
 ms per step, tokens/s, the ratio to plain (target: QAT <= 1.2x, met or missed at the end:
-bench/targets.py), peak memory over plain (target: <= one copy of the quantized weights), the cache
-refill alone, and a publish of the version (QAT cache parts -> broker.frames ->
-PolicyServer.publish) in seconds and GB/s.
+bench/targets.py), peak memory over plain (target: <= one copy of the quantized weights),
+`quantized_params` after an invalidate (a refill plus every parameter's published object), and a
+publish of the version (QAT cache parts -> broker.frames -> PolicyServer.publish) in seconds and GB/s.
 `--publish-steps N`: N more steps, each followed by a background publish (trainer.publisher), with
 the step time meanwhile and `publish_blocked_s` (the wait for the previous publish + staging)."""
 
@@ -117,13 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
             results[backend_name, name] = (step_s, peak)
             requant = ""
-            if backend.qat_hook is not None:  # what one refill of the QAT cache costs (in every step)
+            if backend.qat_hook is not None:  # a refill plus every parameter's published object
                 backend.qat_hook.invalidate()
                 sync()
                 t0 = time.perf_counter()
                 backend.qat_hook.quantized_params(getattr(backend, "gpt", backend.module))
                 sync()
-                requant = f"  (cache refill {(time.perf_counter() - t0) * 1e3:.0f} ms)"
+                requant = f"  (quantized_params {(time.perf_counter() - t0) * 1e3:.0f} ms)"
             base_s, base_peak = results.get((backend_name, "bf16"), (step_s, peak))
             line = (
                 f"{backend_name:<8} {name:<10} {params / 1e9:.2f}B params  step {step_s * 1e3:8.1f} ms"
