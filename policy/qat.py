@@ -280,7 +280,7 @@ class QATHook(QuantHook):
             if flat is not None:
                 g.fill(flat, kernels.operand(flat))
             else:  # quantized one by one
-                _, qs = kernels.quantize_stacked(spec.format, xs, check_finite=False, **kw)
+                qs = [kernels.quantize(spec.format, x, check_finite=False, **kw) for x in xs]
                 g.fill(None, None, [(q, kernels.operand(q)) for q in qs])
 
     def _group_operand(self, g: _Group) -> Operand | None:

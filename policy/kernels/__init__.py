@@ -164,8 +164,8 @@ def quantize_stacked(fmt: str, xs, *, check_finite: bool = True, **kw):
     first (nvfp4 tensor scope on the CPU: the reference with each tensor's amax given per row, the
     same arithmetic as tensor scope). Shapes that fit none of these (fp8_block with M not a
     multiple of its block rows, M = 0) are quantized tensor by tensor; `flat` is then None."""
-    flat = quantize_group(fmt, xs, check_finite=check_finite, **kw)
-    xs = _same_shape(xs)
+    stacked, xs = _as_group(xs)
+    flat = _quantize_group(fmt, xs, stacked, check_finite, kw)
     if flat is None:
         return None, [quantize(fmt, x, check_finite=check_finite, **kw) for x in xs]
     return flat, rows_of(flat, len(xs), tuple(xs[0].shape))
@@ -174,10 +174,13 @@ def quantize_stacked(fmt: str, xs, *, check_finite: bool = True, **kw):
 def quantize_group(fmt: str, xs, *, check_finite: bool = True, **kw):
     """`quantize_stacked`'s flat object alone, without the per-tensor views (what a QAT refill needs
     every step), or None where the tensors are to be quantized one by one."""
-    stacked = xs.reshape(-1, xs.shape[-1]) if isinstance(xs, torch.Tensor) and xs.dim() == 3 else None
-    xs = _same_shape(xs)
+    stacked, xs = _as_group(xs)
+    return _quantize_group(fmt, xs, stacked, check_finite, kw)
+
+
+def _quantize_group(fmt: str, xs: list[torch.Tensor], stacked: torch.Tensor | None, check_finite: bool, kw: dict):
+    """`quantize_group` of validated tensors xs (`stacked`: their rows as one tensor, if given so)."""
     e, (m, k) = len(xs), xs[0].shape
-    kw = dict(kw)
     if m == 0 or (fmt == "fp8_block" and m % tuple(kw.get("block", _fp8_block.WEIGHT_BLOCK))[0]):
         return None
     flat = _quantize_in_place(fmt, xs, check_finite, kw)
@@ -194,12 +197,13 @@ def quantize_group(fmt: str, xs, *, check_finite: bool = True, **kw):
     return flat
 
 
-def _same_shape(xs) -> list[torch.Tensor]:
-    """xs as a list of 2-D tensors of one shape, dtype and device, or ValueError."""
+def _as_group(xs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """(the rows of an [E, M, K] tensor as one [E * M, K] view, or None for a list; xs as a list of
+    2-D tensors of one shape, dtype and device), or ValueError."""
     if isinstance(xs, torch.Tensor):
         if xs.dim() != 3:
             raise ValueError(f"quantize_stacked: expected an [E, M, K] tensor, got shape {tuple(xs.shape)}")
-        return list(xs.unbind(0))
+        return xs.reshape(-1, xs.shape[-1]), list(xs.unbind(0))
     xs = list(xs)
     if not xs or any(not isinstance(x, torch.Tensor) for x in xs):
         raise ValueError("quantize_stacked: expected a non-empty list of tensors")
@@ -210,7 +214,7 @@ def _same_shape(xs) -> list[torch.Tensor]:
                 f"quantize_stacked: expected 2-D tensors of one shape, dtype and device; got {tuple(x.shape)} "
                 f"{x.dtype} on {x.device} beside {tuple(first.shape)} {first.dtype} on {first.device}"
             )
-    return xs
+    return None, xs
 
 
 def _quantize_in_place(fmt: str, xs: list[torch.Tensor], check_finite: bool, kw: dict):

@@ -596,7 +596,7 @@ def nvfp4_quantize(x, scope: str, e4m3_sw: bool = False, config=None):
     sf = torch.empty(m, nblocks, dtype=torch.float8_e4m3fn, device=x.device)
     gs = torch.empty(m if scope == "row" else groups, dtype=torch.float32, device=x.device)
     status = _status(x.device)
-    amax = status if groups == 1 else torch.zeros(groups, dtype=torch.int32, device=x.device)
+    amax = status if groups == 1 or scope == "row" else torch.zeros(groups, dtype=torch.int32, device=x.device)
     kind = _IN_KIND[x.dtype]
     tab = x if table is None else table  # a placeholder pointer where there is no table
     if scope == "tensor":
@@ -632,7 +632,7 @@ def nvfp4_quantize(x, scope: str, e4m3_sw: bool = False, config=None):
         TABLE=table is not None,
         num_warps=warps,
     )
-    if groups > 1:  # non-finite input shows in some tensor's amax
+    if amax is not status:  # non-finite input shows in some tensor's amax
         status = torch.maximum(status, amax.amax().view(1))
     return codes, sf, gs, status
 
