@@ -6,6 +6,8 @@
 #     ENGINE_BENCH=1 bash bench/run_device.sh       # also the rollout engine (bench/bench_engine.py)
 #     TRAINER_BENCH=1 bash bench/run_device.sh      # also the trainer step and publish (bench_trainer/bench_publish)
 #     EXACT_BENCH=1 bash bench/run_device.sh        # also exact mode's cost on CUDA (bench_exact.py --device cuda)
+#     MOE_TUNE=1 bash bench/run_device.sh           # also the MoE config sweep (bench/tune_moe.py)
+#     ATTN_BENCH=1 bash bench/run_device.sh         # also decode attention / sampling vs FlashInfer (needs flashinfer)
 # Logs and bench.json land in $OUT (default /tmp/tandem-bench).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +61,14 @@ fi
 if [ "${EXACT_BENCH:-0}" = 1 ]; then  # exact mode on CUDA against the default (bench_exact.py)
   # shellcheck disable=SC2086
   timeout "${EXACT_TIMEOUT:-300}" python3 bench/bench_exact.py --device cuda ${EXACT_ARGS:-} 2>&1 | tee "$OUT/exact.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${MOE_TUNE:-0}" = 1 ]; then  # MoE configs, persistent or not, against grouped bf16 (tune_moe.py)
+  timeout "${MOE_TIMEOUT:-300}" python3 bench/tune_moe.py --json "$OUT/tune_moe.json" 2>&1 | tee "$OUT/tune_moe.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "${ATTN_BENCH:-0}" = 1 ]; then  # the engine's decode attention and sampler against FlashInfer's
+  timeout "${ATTN_TIMEOUT:-240}" python3 bench/bench_attention.py --sampling --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

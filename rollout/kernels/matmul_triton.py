@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from policy.kernels.quant_triton import e2m1_f32
+from policy.kernels.quant_triton import _sm_count, e2m1_f32
 
 from .routing import BLOCK_M, moe_align
 
@@ -124,6 +124,94 @@ def _plain_pair(q, j: tl.constexpr, f, FMT: tl.constexpr):
 
 
 @triton.jit
+def _tile_dot(
+    acc,
+    w_base,
+    s_ptr,
+    stride_sn,
+    n64,
+    nmask,
+    x_base,
+    xmask,
+    k0,
+    FMT: tl.constexpr,
+    G: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """acc [BN, BM] plus the K tile at k0: weight words from w_base [BN, BK/8] (K tile 0), block scales
+    from s_ptr's rows n64, x from x_base [BK/4, BM] (operand column c's K offset for j = 0)."""
+    NB: tl.constexpr = BK // 16
+    q = tl.load(w_base + k0 // 8, mask=nmask[:, None], other=0)
+    if FMT == 0:
+        sb = tl.load(
+            s_ptr + n64[:, None] * stride_sn + (k0 // 16 + tl.arange(0, NB)[None, :]), mask=nmask[:, None], other=0
+        )
+        sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, NB]
+        if USE_ASM:
+            fb = (sf * 6.646139978924579e35).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            f = fb | (fb << 16)  # sf * 2^119 in both lanes
+        else:
+            f = sf
+    else:
+        if G <= BK:
+            ng = tl.arange(0, BK // G)
+            sg = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // G + ng[None, :]), mask=nmask[:, None], other=0.0)
+            sg = tl.reshape(tl.broadcast_to(sg[:, :, None], (BN, BK // G, G // 16)), (BN, NB))
+        else:
+            sg = tl.load(
+                s_ptr + n64[:, None] * stride_sn + (k0 + tl.arange(0, NB)[None, :] * 16) // G,
+                mask=nmask[:, None],
+                other=0.0,
+            )
+        if USE_ASM:
+            fb = sg.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            f = fb | (fb << 16)
+        else:
+            f = sg.to(tl.float32)
+    # One scale per 16-block = per two words.
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, NB, 2)), (BN, BK // 8))
+    if USE_ASM:
+        if FMT == 0:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _NVFP4_ASM,
+                "=r,=r,=r,=r,r,r",
+                [q, f],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _INT4_ASM,
+                "=r,=r,=r,=r,r,r",
+                [q, f],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        u0 = _lanes(p0, BN, BK)
+        u1 = _lanes(p1, BN, BK)
+        u2 = _lanes(p2, BN, BK)
+        u3 = _lanes(p3, BN, BK)
+    else:
+        lo, hi = _plain_pair(q, 0, f, FMT)
+        u0 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+        lo, hi = _plain_pair(q, 1, f, FMT)
+        u1 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+        lo, hi = _plain_pair(q, 2, f, FMT)
+        u2 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+        lo, hi = _plain_pair(q, 3, f, FMT)
+        u3 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+    acc = tl.dot(u0, tl.load(x_base + k0, mask=xmask, other=0.0), acc)
+    acc = tl.dot(u1, tl.load(x_base + (k0 + 4), mask=xmask, other=0.0), acc)
+    acc = tl.dot(u2, tl.load(x_base + (k0 + 8), mask=xmask, other=0.0), acc)
+    acc = tl.dot(u3, tl.load(x_base + (k0 + 12), mask=xmask, other=0.0), acc)
+    return acc
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     w_ptr,
@@ -188,7 +276,6 @@ def _w4a16_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < N
     n64 = n.to(tl.int64)
-    NB: tl.constexpr = BK // 16
     w_base = w_ptr + n64[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # [BN, BK/8]
     c = tl.arange(0, BK // 4)
     x_k = 16 * (c // 4) + (c % 4)  # K offset of operand column c, for j = 0
@@ -200,71 +287,7 @@ def _w4a16_kernel(
     k_lo = pid_s * tiles_per_split * BK
     k_hi = tl.minimum(K, k_lo + tiles_per_split * BK)
     for k0 in range(k_lo, k_hi, BK):
-        q = tl.load(w_base + k0 // 8, mask=nmask[:, None], other=0)
-        if FMT == 0:
-            sb = tl.load(
-                s_ptr + n64[:, None] * stride_sn + (k0 // 16 + tl.arange(0, NB)[None, :]), mask=nmask[:, None], other=0
-            )
-            sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BN, NB]
-            if USE_ASM:
-                fb = (sf * 6.646139978924579e35).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                f = fb | (fb << 16)  # sf * 2^119 in both lanes
-            else:
-                f = sf
-        else:
-            if G <= BK:
-                ng = tl.arange(0, BK // G)
-                sg = tl.load(s_ptr + n64[:, None] * stride_sn + (k0 // G + ng[None, :]), mask=nmask[:, None], other=0.0)
-                sg = tl.reshape(tl.broadcast_to(sg[:, :, None], (BN, BK // G, G // 16)), (BN, NB))
-            else:
-                sg = tl.load(
-                    s_ptr + n64[:, None] * stride_sn + (k0 + tl.arange(0, NB)[None, :] * 16) // G,
-                    mask=nmask[:, None],
-                    other=0.0,
-                )
-            if USE_ASM:
-                fb = sg.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                f = fb | (fb << 16)
-            else:
-                f = sg.to(tl.float32)
-        # One scale per 16-block = per two words.
-        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, NB, 2)), (BN, BK // 8))
-        if USE_ASM:
-            if FMT == 0:
-                p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                    _NVFP4_ASM,
-                    "=r,=r,=r,=r,r,r",
-                    [q, f],
-                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                    is_pure=True,
-                    pack=1,
-                )
-            else:
-                p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                    _INT4_ASM,
-                    "=r,=r,=r,=r,r,r",
-                    [q, f],
-                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                    is_pure=True,
-                    pack=1,
-                )
-            u0 = _lanes(p0, BN, BK)
-            u1 = _lanes(p1, BN, BK)
-            u2 = _lanes(p2, BN, BK)
-            u3 = _lanes(p3, BN, BK)
-        else:
-            lo, hi = _plain_pair(q, 0, f, FMT)
-            u0 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
-            lo, hi = _plain_pair(q, 1, f, FMT)
-            u1 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
-            lo, hi = _plain_pair(q, 2, f, FMT)
-            u2 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
-            lo, hi = _plain_pair(q, 3, f, FMT)
-            u3 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
-        acc = tl.dot(u0, tl.load(x_base + k0, mask=xmask, other=0.0), acc)
-        acc = tl.dot(u1, tl.load(x_base + (k0 + 4), mask=xmask, other=0.0), acc)
-        acc = tl.dot(u2, tl.load(x_base + (k0 + 8), mask=xmask, other=0.0), acc)
-        acc = tl.dot(u3, tl.load(x_base + (k0 + 12), mask=xmask, other=0.0), acc)
+        acc = _tile_dot(acc, w_base, s_ptr, stride_sn, n64, nmask, x_base, xmask, k0, FMT, G, BN, BK, USE_ASM)
 
     y = y_ptr + y_row.to(tl.int64)[None, :] * stride_ym + n64[:, None]
     ymask = nmask[:, None] & rmask[None, :]
@@ -286,6 +309,80 @@ def _w4a16_kernel(
                 total += tl.load(base + s_i * (BN * BM), cache_modifier=".cg")
             _store_tile(total, y, ymask, gs_ptr, xs, FMT, HAS_XS)
             tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
+
+
+@triton.jit
+def _moe_persistent_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    gs_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    stride_wn,
+    stride_sn,
+    pair_ptr,
+    block_expert_ptr,
+    num_blocks_ptr,
+    stride_we,
+    stride_se,
+    xs_ptr,
+    FMT: tl.constexpr,
+    G: tl.constexpr,
+    HAS_XS: tl.constexpr,
+    TOPK: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BM: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """The MoE launch on a fixed grid of P programs: program p takes the items (16-row block, N tile)
+    p, p + P, p + 2P, ... and runs all their K tiles as one loop, so the next item's loads are in
+    flight while a tile's epilogue runs (one program per item starts and ends with few loads in
+    flight). Each tile's K order and epilogue are `_w4a16_kernel`'s: the same bits."""
+    pid = tl.program_id(0)
+    progs = tl.num_programs(0)
+    n_tiles = tl.cdiv(N, BN)
+    k_tiles = K // BK
+    items = tl.load(num_blocks_ptr) * n_tiles
+    steps = tl.cdiv(tl.maximum(items - pid, 0), progs) * k_tiles
+    tok = tl.arange(0, BM)
+    c = tl.arange(0, BK // 4)
+    x_k = 16 * (c // 4) + (c % 4)  # K offset of operand column c, for j = 0
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    item = pid - progs
+    ki = k_tiles - 1
+    expert = tl.zeros([], tl.int64)
+    pair = tl.full([BM], -1, tl.int32)
+    n64 = tl.zeros([BN], tl.int64)
+    for _ in range(0, steps):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            item += progs
+            blk = item // n_tiles
+            expert = tl.load(block_expert_ptr + blk).to(tl.int64)
+            pair = tl.load(pair_ptr + blk * BM + tok)  # -1 pads the block
+            n64 = ((item % n_tiles) * BN + tl.arange(0, BN)).to(tl.int64)
+        rmask = pair >= 0
+        x_row = tl.where(rmask, pair // TOPK, 0)
+        nmask = n64 < N
+        w_base = w_ptr + expert * stride_we + n64[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]
+        x_base = x_ptr + x_row.to(tl.int64)[None, :] * stride_xm + x_k[:, None]
+        se_ptr = s_ptr + expert * stride_se
+        acc = _tile_dot(
+            acc, w_base, se_ptr, stride_sn, n64, nmask, x_base, rmask[None, :], ki * BK, FMT, G, BN, BK, USE_ASM
+        )
+        if ki == k_tiles - 1:
+            y = y_ptr + tl.where(rmask, pair, 0).to(tl.int64)[None, :] * stride_ym + n64[:, None]
+            if HAS_XS:
+                xs = tl.load(xs_ptr + x_row, mask=rmask, other=1.0)
+            else:
+                xs = tl.full([BM], 1.0, tl.float32)
+            _store_tile(acc, y, nmask[:, None] & rmask[None, :], gs_ptr + expert, xs, FMT, HAS_XS)
+            acc = tl.zeros([BN, BM], dtype=tl.float32)
 
 
 @triton.jit
@@ -536,6 +633,21 @@ def moe_w4a16_matmul(
     scales = _scale_view(scales)
     y = torch.empty(t * topk, n, dtype=x.dtype, device=x.device)
     gs = global_scale if global_scale is not None else y
+    if len(config) > 6 and config[6]:
+        return _moe_persistent(
+            x,
+            codes,
+            scales,
+            gs,
+            y,
+            topk,
+            (pairs, block_expert, num_blocks, max_blocks),
+            fmt,
+            group,
+            config,
+            use_asm,
+            x_scale,
+        ).view(t, topk, n)
     grid = (triton.cdiv(n, bn), max_blocks, split)
     ws, locks = _workspace(x.device, grid[0] * grid[1], split, bn)
     _w4a16_kernel[grid](
@@ -572,3 +684,40 @@ def moe_w4a16_matmul(
         **_launch_options(config),
     )
     return y.view(t, topk, n)
+
+
+def _moe_persistent(x, codes, scales, gs, y, topk, align, fmt, group, config, use_asm, x_scale):
+    """`_moe_persistent_kernel` on config[6] programs per SM (never more than the launch's items)."""
+    pairs, block_expert, num_blocks, max_blocks = align
+    n, k = codes.shape[1], x.shape[1]
+    bn, bk = config[:2]
+    programs = min(config[6] * _sm_count(x.device), triton.cdiv(n, bn) * max_blocks)
+    _moe_persistent_kernel[(programs,)](
+        x,
+        codes,
+        scales,
+        gs,
+        y,
+        n,
+        k,
+        x.stride(0),
+        y.stride(0),
+        codes.stride(1),
+        scales.stride(1),
+        pairs,
+        block_expert,
+        num_blocks,
+        codes.stride(0),
+        scales.stride(0),
+        _xs(x_scale, y),
+        FMT=fmt,
+        G=group,
+        HAS_XS=x_scale is not None,
+        TOPK=topk,
+        BN=bn,
+        BK=bk,
+        BM=BLOCK_M,
+        USE_ASM=use_asm,
+        **_launch_options(config),
+    )
+    return y

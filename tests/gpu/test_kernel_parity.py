@@ -352,6 +352,26 @@ def test_two_mma_tiles_per_warp_configs(fmt, cfg):
     assert torch.equal(run(x[7:8])[0], y[7]) and torch.equal(run(x[0:1])[0], y[0])
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "int4"])
+@pytest.mark.parametrize("cfg", [(32, 256, 2, 3, 1), (64, 128, 4, 4, 1)])
+def test_moe_persistent_launch_equals_one_program_per_tile(fmt, cfg):
+    """The persistent MoE kernel (one program taking several (block, N tile) items, their K tiles
+    as one loop) gives the bits of one program per item with the same tile, with and without
+    per-token activation scales, whatever the number of programs."""
+    e, n, k, topk = 16, 256, 512, 8
+    stack = RK.pack_experts([K.to_device(_weights(fmt, n, k, seed=200 + i)[0], DEV) for i in range(e)])
+    fid = mt.FMT_NVFP4 if fmt == "nvfp4" else mt.FMT_INT4
+    for t in (1, 5, 40, 64):
+        x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(e)[:topk] for _ in range(t)]).to(DEV)
+        for xs in (None, torch.rand(t, device=DEV) + 0.5):
+            args = (x, stack.codes, stack.scales, stack.global_scale, ids, fid, stack.group_size)
+            ref = mt.moe_w4a16_matmul(*args, config=cfg, x_scale=xs)
+            for per_sm in (1, 2, 5):
+                got = mt.moe_w4a16_matmul(*args, config=(*cfg, 0, per_sm), x_scale=xs)
+                assert torch.equal(got, ref), (fmt, cfg, t, per_sm, xs is None)
+
+
 def test_moe_align_kernel_matches_torch():
     for t, e, topk in [(1, 128, 8), (5, 128, 8), (64, 128, 8), (7, 16, 4), (40, 60, 6)]:
         ids = torch.stack([torch.randperm(e)[:topk] for _ in range(t)]).to(DEV)
