@@ -10,7 +10,8 @@ bf16) and fed to the tensor cores with x:
 The tile is [BN weight rows] x [BM = 16 tokens] for every M, with no split-K by M and a fixed K
 order, so a row's result does not depend on its batch (the batch invariance DESIGN.md asks of the
 rollout engine). MoE: all routed experts of a layer in one launch, weights stacked [E, N, K/8],
-tokens grouped by expert into 16-row blocks (`moe_align`, no host sync, CUDA-graph safe). The bit
+tokens grouped by expert into 16-row blocks (`moe_align`, no host sync, CUDA-graph safe), one
+program per (block, N tile) or a persistent grid walking those items (the same bits). The bit
 tricks and the code layout (`bitmath.repack`) are described where they are written, below."""
 
 from __future__ import annotations
@@ -398,12 +399,14 @@ def _store_tile(acc, y, ymask, gs_ptr, xs, FMT: tl.constexpr, HAS_XS: tl.constex
     tl.store(y, acc.to(y.dtype.element_ty), mask=ymask)
 
 
-# Config per weight shape (BN, BK, num_warps, num_stages, SPLIT[, maxnreg]), chosen on the
+# Config per weight shape (BN, BK, num_warps, num_stages, SPLIT[, maxnreg[, programs per SM]]), chosen on the
 # H200 by bench/bench_kernels.py --tune and bench/tune_qmatmul.py; a fixed table (never per M)
 # keeps results batch-invariant and identical from one process to the next. num_warps <= BN / 16:
 # each warp owns 16 or 32 weight rows (BN = 64 on two warps: two MMA row tiles per warp share
 # each x fragment, half the x bytes through shared memory per weight).
-# MoE launches already have one tile row per routed expert, so they default to no split.
+# MoE launches already have one tile row per routed expert, so they default to no split; a
+# seventh entry > 0 launches them persistent (`_moe_persistent_kernel`, that many programs per SM,
+# no split). bench/tune_moe.py sweeps them.
 # Values: `BENCH_ARGS="--tune --tune-quant" bash bench/run_device.sh` on the H200, 2026-11-29;
 # 8192x8192 from `bench/tune_qmatmul.py` and `BENCH_ARGS=--tune`, same day.
 DEFAULT_CONFIG = (32, 256, 2, 2, 4)
@@ -421,7 +424,7 @@ MOE_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
 
 
 def pick_config(n: int, k: int, fmt: int, group: int, moe: bool = False):
-    """(BN, BK, num_warps, num_stages, SPLIT[, maxnreg]) for a weight shape (never per M)."""
+    """(BN, BK, num_warps, num_stages, SPLIT[, maxnreg[, programs per SM]]) for a weight shape (never per M)."""
     table, default = (MOE_CONFIGS, MOE_DEFAULT_CONFIG) if moe else (CONFIGS, DEFAULT_CONFIG)
     bn, bk, warps, stages, split, *rest = table.get((n, k), default)
     while bk > _min_bk(fmt) and k % bk:
@@ -442,6 +445,8 @@ def _check_config(config, fmt: int) -> None:
         raise ValueError(
             f"w4a16 config {config}: K tile {config[1]} is below {_min_bk(fmt)}, the narrowest this format allows"
         )
+    if len(config) > 6 and config[6] and config[4] != 1:
+        raise ValueError(f"w4a16 config {config}: a persistent MoE launch does not split K (SPLIT must be 1)")
 
 
 def _launch_options(config) -> dict:
