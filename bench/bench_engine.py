@@ -62,6 +62,10 @@ def events_ms(fn, repeats: int = 1) -> float:
     return e0.elapsed_time(e1) / repeats
 
 
+# The kernels of the routed-expert matmuls, by name: the 4-bit kernels and torch._grouped_mm's (bf16).
+EXPERT_KERNELS = ("_w4a16_kernel", "_moe_persistent_kernel", "grouped", "Grouped")
+
+
 def kernel_ms(fn, by_name: dict | None = None) -> float:
     """Summed device time of the CUDA kernels (and memcpy/memset) fn launches, by the profiler;
     with `by_name`, also {kernel name: [count, microseconds]}."""
@@ -167,6 +171,13 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
                 row["gpu_busy"] = busy / wall
                 row["kernels_per_step"] = sum(c for c, _ in names.values()) / 8
                 if B == args.profile_batch:
+                    experts = {k: v for k, v in names.items() if any(m in k for m in EXPERT_KERNELS)}
+                    row["expert_us"] = sum(us for _, us in experts.values()) / 8
+                    row["other_us"] = busy * 1e3 - row["expert_us"]
+                    print(
+                        f"    routed-expert kernels {row['expert_us']:.1f} us/step ({', '.join(k[:40] for k in experts)}); "
+                        f"every other kernel {row['other_us']:.1f} us/step"
+                    )
                     top = sorted(names.items(), key=lambda kv: -kv[1][1])[: args.profile_top]
                     row["top_kernels"] = [(k, c / 8, us / 8) for k, (c, us) in top]
                     print(f"    {row['kernels_per_step']:.0f} kernels/step; top by time (count/step, us/step):")
@@ -387,6 +398,25 @@ def main() -> None:
         report(results)
 
 
+def expert_bound(bf16: dict, quant: dict, name: str) -> str:
+    """What the routed experts leave: the speed-up over bf16 (GPU time per step at the profiled batch)
+    if the routed-expert kernels (4-bit, and grouped bf16 for a layer a recipe keeps in bf16) cost
+    nothing, and what they would have to cost for ENGINE_X."""
+    b = next((d for d in bf16["decode"] if "expert_us" in d), None)
+    q = next((d for d in quant["decode"] if "expert_us" in d and b and d["batch"] == b["batch"]), None)
+    if b is None or q is None:
+        return f"  {name}: no kernel profile at a batch both recipes ran"
+    total_b = b["expert_us"] + b["other_us"]
+    need = total_b / ENGINE_X - q["other_us"]
+    if need <= 0:
+        return f"  {name}: the kernels besides the experts alone ({q['other_us']:.0f} us) exceed bf16's {total_b:.0f} us / {ENGINE_X}"
+    return (
+        f"  {name} at B={q['batch']} (GPU time per step): experts {q['expert_us']:.0f} us + the rest {q['other_us']:.0f} us "
+        f"against bf16's {b['expert_us']:.0f} + {b['other_us']:.0f}; with free experts {total_b / q['other_us']:.3f}x; "
+        f"{ENGINE_X}x needs the experts at <= {need:.0f} us ({b['expert_us'] / max(need, 1e-9):.2f}x faster than bf16's)"
+    )
+
+
 def report(results: dict) -> None:
     by = {r["recipe"]: r for r in results["recipes"]}
 
@@ -413,6 +443,7 @@ def report(results: dict) -> None:
                 s = tok(q, 64, 1.0) / tok("bf16", 64, 1.0)
                 if not math.isnan(s):
                     print(check(f"{q} vs bf16 at B=64, T=1", s, ENGINE_X))
+                print(expert_bound(by["bf16"], by[q], q))
     for name, r in by.items():
         d64 = [d for d in r["decode"] if d["batch"] == 64 and d["temperature"] == 1.0]
         if d64 and name != "bf16":
