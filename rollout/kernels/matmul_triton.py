@@ -125,26 +125,11 @@ def _plain_pair(q, j: tl.constexpr, f, FMT: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(
-    acc,
-    w_base,
-    s_ptr,
-    stride_sn,
-    n64,
-    nmask,
-    x_base,
-    xmask,
-    k0,
-    FMT: tl.constexpr,
-    G: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    USE_ASM: tl.constexpr,
-):
-    """acc [BN, BM] plus the K tile at k0: weight words from w_base [BN, BK/8] (K tile 0), block scales
-    from s_ptr's rows n64, x from x_base [BK/4, BM] (operand column c's K offset for j = 0)."""
+def _scale_words(s_ptr, stride_sn, n64, nmask, k0, FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """The K tile's scales, one per weight word [BN, BK/8]: the bf16x2 word the PTX multiplies by
+    (nvfp4: sf * 2^119, int4: the group scale, in both lanes), or fp32 for the plain dequant."""
     NB: tl.constexpr = BK // 16
-    q = tl.load(w_base + k0 // 8, mask=nmask[:, None], other=0)
     if FMT == 0:
         sb = tl.load(
             s_ptr + n64[:, None] * stride_sn + (k0 // 16 + tl.arange(0, NB)[None, :]), mask=nmask[:, None], other=0
@@ -172,7 +157,12 @@ def _tile_dot(
         else:
             f = sg.to(tl.float32)
     # One scale per 16-block = per two words.
-    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, NB, 2)), (BN, BK // 8))
+    return tl.reshape(tl.broadcast_to(f[:, :, None], (BN, NB, 2)), (BN, BK // 8))
+
+
+@triton.jit
+def _operands(q, f, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Words q [BN, BK/8] and their scales f -> the four bf16 operands P_0..P_3 [BN, BK/4]."""
     if USE_ASM:
         if FMT == 0:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
@@ -192,19 +182,26 @@ def _tile_dot(
                 is_pure=True,
                 pack=1,
             )
-        u0 = _lanes(p0, BN, BK)
-        u1 = _lanes(p1, BN, BK)
-        u2 = _lanes(p2, BN, BK)
-        u3 = _lanes(p3, BN, BK)
-    else:
-        lo, hi = _plain_pair(q, 0, f, FMT)
-        u0 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
-        lo, hi = _plain_pair(q, 1, f, FMT)
-        u1 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
-        lo, hi = _plain_pair(q, 2, f, FMT)
-        u2 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
-        lo, hi = _plain_pair(q, 3, f, FMT)
-        u3 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+        return _lanes(p0, BN, BK), _lanes(p1, BN, BK), _lanes(p2, BN, BK), _lanes(p3, BN, BK)
+    lo, hi = _plain_pair(q, 0, f, FMT)
+    u0 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+    lo, hi = _plain_pair(q, 1, f, FMT)
+    u1 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+    lo, hi = _plain_pair(q, 2, f, FMT)
+    u2 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+    lo, hi = _plain_pair(q, 3, f, FMT)
+    u3 = tl.reshape(tl.join(lo, hi), (BN, BK // 4))
+    return u0, u1, u2, u3
+
+
+@triton.jit
+def _tile_dot(acc, w_base, s_ptr, stride_sn, n64, nmask, x_base, xmask, k0, FMT: tl.constexpr, G: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """acc [BN, BM] plus the K tile at k0: weight words from w_base [BN, BK/8] (K tile 0), block scales
+    from s_ptr's rows n64, x from x_base [BK/4, BM] (operand column c's K offset for j = 0)."""
+    q = tl.load(w_base + k0 // 8, mask=nmask[:, None], other=0)
+    f = _scale_words(s_ptr, stride_sn, n64, nmask, k0, FMT, G, BN, BK, USE_ASM)
+    u0, u1, u2, u3 = _operands(q, f, FMT, BN, BK, USE_ASM)
     acc = tl.dot(u0, tl.load(x_base + k0, mask=xmask, other=0.0), acc)
     acc = tl.dot(u1, tl.load(x_base + (k0 + 4), mask=xmask, other=0.0), acc)
     acc = tl.dot(u2, tl.load(x_base + (k0 + 8), mask=xmask, other=0.0), acc)
