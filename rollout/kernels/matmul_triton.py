@@ -351,35 +351,35 @@ def _moe_persistent_kernel(
     c = tl.arange(0, BK // 4)
     x_k = 16 * (c // 4) + (c % 4)  # K offset of operand column c, for j = 0
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    w_off = tl.arange(0, BN)[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # within a tile row block
     item = pid - progs
     ki = k_tiles - 1
     expert = tl.zeros([], tl.int64)
     pair = tl.full([BM], -1, tl.int32)
-    n64 = tl.zeros([BN], tl.int64)
+    n0 = 0
     for _ in range(0, steps):
         ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
-        if ki == 0:
+        if ki == 0:  # the next item: its expert, its tokens, its first weight row
             item += progs
             blk = item // n_tiles
             expert = tl.load(block_expert_ptr + blk).to(tl.int64)
             pair = tl.load(pair_ptr + blk * BM + tok)  # -1 pads the block
-            n64 = ((item % n_tiles) * BN + tl.arange(0, BN)).to(tl.int64)
+            n0 = (item % n_tiles) * BN
         rmask = pair >= 0
-        x_row = tl.where(rmask, pair // TOPK, 0)
-        nmask = n64 < N
-        w_base = w_ptr + expert * stride_we + n64[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]
-        x_base = x_ptr + x_row.to(tl.int64)[None, :] * stride_xm + x_k[:, None]
-        se_ptr = s_ptr + expert * stride_se
+        n64 = (n0 + tl.arange(0, BN)).to(tl.int64)
+        w_base = w_ptr + (expert * stride_we + n0.to(tl.int64) * stride_wn) + w_off
+        x_base = x_ptr + (tl.where(rmask, pair // TOPK, 0).to(tl.int64) * stride_xm)[None, :] + x_k[:, None]
         acc = _tile_dot(
-            acc, w_base, se_ptr, stride_sn, n64, nmask, x_base, rmask[None, :], ki * BK, FMT, G, BN, BK, USE_ASM
-        )
+            acc, w_base, s_ptr + expert * stride_se, stride_sn, n64, n64 < N, x_base, rmask[None, :], ki * BK, FMT, G,
+            BN, BK, USE_ASM
+        )  # fmt: skip
         if ki == k_tiles - 1:
             y = y_ptr + tl.where(rmask, pair, 0).to(tl.int64)[None, :] * stride_ym + n64[:, None]
             if HAS_XS:
-                xs = tl.load(xs_ptr + x_row, mask=rmask, other=1.0)
+                xs = tl.load(xs_ptr + tl.where(rmask, pair // TOPK, 0), mask=rmask, other=1.0)
             else:
                 xs = tl.full([BM], 1.0, tl.float32)
-            _store_tile(acc, y, nmask[:, None] & rmask[None, :], gs_ptr + expert, xs, FMT, HAS_XS)
+            _store_tile(acc, y, (n64 < N)[:, None] & rmask[None, :], gs_ptr + expert, xs, FMT, HAS_XS)
             acc = tl.zeros([BN, BM], dtype=tl.float32)
 
 
