@@ -174,10 +174,9 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
                     experts = {k: v for k, v in names.items() if any(m in k for m in EXPERT_KERNELS)}
                     row["expert_us"] = sum(us for _, us in experts.values()) / 8
                     row["other_us"] = busy * 1e3 - row["expert_us"]
-                    print(
-                        f"    routed-expert kernels {row['expert_us']:.1f} us/step ({', '.join(k[:40] for k in experts)}); "
-                        f"every other kernel {row['other_us']:.1f} us/step"
-                    )
+                    names_e = ", ".join(k[:40] for k in experts)
+                    print(f"    routed-expert kernels {row['expert_us']:.1f} us/step ({names_e}); ", end="")
+                    print(f"every other kernel {row['other_us']:.1f} us/step")
                     top = sorted(names.items(), key=lambda kv: -kv[1][1])[: args.profile_top]
                     row["top_kernels"] = [(k, c / 8, us / 8) for k, (c, us) in top]
                     print(f"    {row['kernels_per_step']:.0f} kernels/step; top by time (count/step, us/step):")
@@ -409,11 +408,13 @@ def expert_bound(bf16: dict, quant: dict, name: str) -> str:
     total_b = b["expert_us"] + b["other_us"]
     need = total_b / ENGINE_X - q["other_us"]
     if need <= 0:
-        return f"  {name}: the kernels besides the experts alone ({q['other_us']:.0f} us) exceed bf16's {total_b:.0f} us / {ENGINE_X}"
+        rest = q["other_us"]
+        return f"  {name}: the kernels besides the experts ({rest:.0f} us) exceed bf16's {total_b:.0f} us / {ENGINE_X}"
     return (
-        f"  {name} at B={q['batch']} (GPU time per step): experts {q['expert_us']:.0f} us + the rest {q['other_us']:.0f} us "
-        f"against bf16's {b['expert_us']:.0f} + {b['other_us']:.0f}; with free experts {total_b / q['other_us']:.3f}x; "
-        f"{ENGINE_X}x needs the experts at <= {need:.0f} us ({b['expert_us'] / max(need, 1e-9):.2f}x faster than bf16's)"
+        f"  {name} at B={q['batch']} (GPU time per step): experts {q['expert_us']:.0f} us + the rest "
+        f"{q['other_us']:.0f} us against bf16's {b['expert_us']:.0f} + {b['other_us']:.0f}; with free experts "
+        f"{total_b / q['other_us']:.3f}x; {ENGINE_X}x needs the experts at <= {need:.0f} us "
+        f"({b['expert_us'] / need:.2f}x faster than bf16's)"
     )
 
 

@@ -85,8 +85,8 @@ def census(kernel) -> dict:
     ins = [
         (int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     ]
-    back = [(t, a) for a, t in ((int(a, 16), int(t, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/[^;]*BRA 0x([0-9a-f]+)", sass)) if t < a]  # fmt: skip
-    lo, hi = max(back, key=lambda r: r[1] - r[0])
+    branches = [(int(a, 16), int(t, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/[^;]*BRA 0x([0-9a-f]+)", sass)]
+    lo, hi = max(((t, a) for a, t in branches if t < a), key=lambda r: r[1] - r[0])  # the longest backward branch
     loop = collections.Counter(op for a, op in ins if lo <= a <= hi and op != "NOP")
     regs = re.search(r"REG:(\d+)", res)
     return {
@@ -114,7 +114,8 @@ def main() -> int:
             print(
                 f"{name} {cfg} {fname}: {total} instructions a trip per warp ({code_bytes} code bytes: "
                 f"{per_kb:.0f} per KB), {c['outside']} outside the loop, {c['regs']} registers, "
-                f"{c['smem']} B shared; issue floor {floor_us:.1f} us for {layer_bytes / 1e6:.0f} MB of codes\n    {top}"
+                f"{c['smem']} B shared; issue floor {floor_us:.1f} us for {layer_bytes / 1e6:.0f} MB of codes"
+                f"\n    {top}"
             )
     return 0
 

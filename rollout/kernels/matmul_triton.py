@@ -351,7 +351,7 @@ def _moe_persistent_kernel(
     c = tl.arange(0, BK // 4)
     x_k = 16 * (c // 4) + (c % 4)  # K offset of operand column c, for j = 0
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    w_off = tl.arange(0, BN)[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # within a tile row block
+    w_off = tl.arange(0, BN)[:, None] * stride_wn + tl.arange(0, BK // 8)[None, :]  # a tile's words from its first
     item = pid - progs
     ki = k_tiles - 1
     expert = tl.zeros([], tl.int64)
