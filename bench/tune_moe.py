@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+from targets import MOE_X, check  # bench/targets.py, beside this script
 
 CONFIGS = [
     (32, 256, 2, 3, 1),  # the table's entry for both shapes (H200, 2026-11-29)
@@ -180,6 +181,7 @@ def main() -> int:
         w = packed = refs = None
         torch.cuda.empty_cache()
 
+    best = {}
     for name in SHAPES:
         ranked = sorted((r for r in out["rows"] if r["shape"] == name and r["ok"]), key=lambda r: r["score"])
         print(f"\nbest on {name} (us / x grouped bf16; nvfp4 T={TS} then int4):", flush=True)
@@ -194,6 +196,14 @@ def main() -> int:
                 ),
                 flush=True,
             )
+        if ranked:
+            best[SHAPES[name]] = tuple(ranked[0]["cfg"])
+            t_grp = out["grouped_bf16_us"][name]
+            for f in ("nvfp4", "int4"):
+                for t in TS:
+                    speedup = t_grp[t] / ranked[0]["us"][f"{f}{t}"]
+                    print(check(f"{f} MoE {name} T={t} vs grouped bf16, best config", speedup, MOE_X), flush=True)
+    print("MOE_CONFIGS = " + repr(best), flush=True)
     print(f"total {time.time() - t0:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
