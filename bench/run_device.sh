@@ -64,7 +64,7 @@ if [ "${EXACT_BENCH:-0}" = 1 ]; then  # exact mode on CUDA against the default (
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${MOE_TUNE:-0}" = 1 ]; then  # MoE configs, persistent or not, against grouped bf16 (tune_moe.py)
-  timeout "${MOE_TIMEOUT:-300}" python3 bench/tune_moe.py --json "$OUT/tune_moe.json" 2>&1 | tee "$OUT/tune_moe.log"
+  timeout "${MOE_TIMEOUT:-420}" python3 bench/tune_moe.py --json "$OUT/tune_moe.json" 2>&1 | tee "$OUT/tune_moe.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "${ATTN_BENCH:-0}" = 1 ]; then  # the engine's decode attention and sampler against FlashInfer's
