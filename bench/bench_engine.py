@@ -62,10 +62,6 @@ def events_ms(fn, repeats: int = 1) -> float:
     return e0.elapsed_time(e1) / repeats
 
 
-# The kernels of the routed-expert matmuls, by name: the 4-bit kernels and torch._grouped_mm's (bf16).
-EXPERT_KERNELS = ("_w4a16_kernel", "_moe_persistent_kernel", "grouped", "Grouped")
-
-
 def kernel_ms(fn, by_name: dict | None = None) -> float:
     """Summed device time of the CUDA kernels (and memcpy/memset) fn launches, by the profiler;
     with `by_name`, also {kernel name: [count, microseconds]}."""
@@ -85,6 +81,32 @@ def kernel_ms(fn, by_name: dict | None = None) -> float:
                 c[0] += 1
                 c[1] += us
     return total_us / 1e3
+
+
+def expert_us(eng: PackedEngine, batch: int, gen) -> float:
+    """GPU microseconds a decode step spends in its routed-expert blocks (`ExpertWeights`: routing
+    metadata, both matmuls, the activation, the weighted sum) at this batch: every MoE layer's block
+    replayed in one CUDA graph on random top-k routing (distinct experts per row)."""
+    cfg = eng.cfg
+    layers = [L.experts for L in eng.layers if L.experts is not None]
+    if not layers:
+        return 0.0
+    x = torch.randn(batch, cfg.dim, generator=gen).to(eng.device, eng.embed.dtype)
+    ids = torch.stack([torch.randperm(cfg.n_experts, generator=gen)[: cfg.top_k] for _ in range(batch)])
+    ids = ids.to(eng.device)
+    weights = torch.full(ids.shape, 1.0 / cfg.top_k, device=eng.device)
+
+    def blocks():
+        for ex in layers:
+            ex(x, ids, weights, eng.ops)
+
+    blocks()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        blocks()
+    g.replay()
+    return events_ms(g.replay, repeats=20) * 1e3
 
 
 def step_bytes(eng: PackedEngine, batch: int, ctx: float) -> float:
@@ -171,12 +193,9 @@ def run_recipe(name, model, cfg, args, bw, gen) -> dict:
                 row["gpu_busy"] = busy / wall
                 row["kernels_per_step"] = sum(c for c, _ in names.values()) / 8
                 if B == args.profile_batch:
-                    experts = {k: v for k, v in names.items() if any(m in k for m in EXPERT_KERNELS)}
-                    row["expert_us"] = sum(us for _, us in experts.values()) / 8
+                    row["expert_us"] = expert_us(eng, B, gen)
                     row["other_us"] = busy * 1e3 - row["expert_us"]
-                    names_e = ", ".join(k[:40] for k in experts)
-                    print(f"    routed-expert kernels {row['expert_us']:.1f} us/step ({names_e}); ", end="")
-                    print(f"every other kernel {row['other_us']:.1f} us/step")
+                    print(f"    routed experts {row['expert_us']:.1f} us/step, the rest {row['other_us']:.1f} us/step")
                     top = sorted(names.items(), key=lambda kv: -kv[1][1])[: args.profile_top]
                     row["top_kernels"] = [(k, c / 8, us / 8) for k, (c, us) in top]
                     print(f"    {row['kernels_per_step']:.0f} kernels/step; top by time (count/step, us/step):")
@@ -399,7 +418,7 @@ def main() -> None:
 
 def expert_bound(bf16: dict, quant: dict, name: str) -> str:
     """What the routed experts leave: the speed-up over bf16 (GPU time per step at the profiled batch)
-    if the routed-expert kernels (4-bit, and grouped bf16 for a layer a recipe keeps in bf16) cost
+    if the routed-expert blocks (`expert_us`; for nvfp4_moe the layer it keeps in bf16 too) cost
     nothing, and what they would have to cost for ENGINE_X."""
     b = next((d for d in bf16["decode"] if "expert_us" in d), None)
     q = next((d for d in quant["decode"] if "expert_us" in d and b and d["batch"] == b["batch"]), None)
