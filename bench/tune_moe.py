@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import sys
 import time
 
@@ -51,6 +50,7 @@ CONFIGS = [
 SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}
 TS = (1, 4, 16, 64)
 EXPERTS, TOPK = 128, 8
+FORMATS = ("nvfp4", "int4")
 
 
 def _ids(t: int) -> torch.Tensor:
@@ -123,15 +123,12 @@ def main() -> int:
     import policy.kernels as K
     import rollout.kernels as RK
     from bench.bench_kernels import bench, stream_floor
+    from bench.tune_qmatmul import compile_all
 
     t0 = time.time()
-    jobs = [(f, c, n, k) for c in CONFIGS for f in ("nvfp4", "int4") for n, k in SHAPES.values()]
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        errors = [e for e in pool.map(_compile_one, jobs, chunksize=1) if e]
-    print(f"compiled {len(jobs)} (config, format, shape) runs in {time.time() - t0:.0f} s; failures: {len(errors)}")
-    for e in errors:
-        print("  compile failed:", e, flush=True)
-    bad = {e.split(":")[0] for e in errors}
+    bad = compile_all(
+        _compile_one, [(f, c, n, k) for c in CONFIGS for f in FORMATS for n, k in SHAPES.values()], args.workers
+    )
 
     out = {"device": torch.cuda.get_device_name(), "grouped_bf16_us": {}, "rows": []}
     for name, (n, k) in SHAPES.items():
@@ -157,7 +154,7 @@ def main() -> int:
             if k % cfg[1]:
                 continue
             row = {"shape": name, "cfg": list(cfg), "us": {}, "ok": True}
-            for fmt in ("nvfp4", "int4"):
+            for fmt in FORMATS:
                 if f"{fmt} {cfg}" in bad:
                     row["ok"] = False
                     continue
@@ -169,12 +166,10 @@ def main() -> int:
                 floors[cfg[:5]] = stream_floor(flat, cfg[:5]) * active
             row["floor_us"] = floors[cfg[:5]]
             if len(row["us"]) == 2 * len(TS):
-                row["score"] = sum(row["us"][f"{f}{t}"] / t_grp[t] for f in ("nvfp4", "int4") for t in TS)
+                row["score"] = sum(row["us"][f"{f}{t}"] / t_grp[t] for f in FORMATS for t in TS)
                 out["rows"].append(row)
                 sp = " ".join(
-                    f"{row['us'][f'{f}{t}']:6.1f}/{t_grp[t] / row['us'][f'{f}{t}']:5.3f}x"
-                    for f in ("nvfp4", "int4")
-                    for t in TS
+                    f"{row['us'][f'{f}{t}']:6.1f}/{t_grp[t] / row['us'][f'{f}{t}']:5.3f}x" for f in FORMATS for t in TS
                 )
                 floor = f"floor {row['floor_us']:6.1f}/{t_grp[64] / row['floor_us']:5.3f}x"
                 print(f"{str(cfg):28s} ok={row['ok']!s:5s} | {sp} | {floor}", flush=True)
@@ -190,16 +185,14 @@ def main() -> int:
             print(
                 f"  {str(tuple(r['cfg'])):28s} "
                 + " ".join(
-                    f"{r['us'][f'{f}{t}']:6.1f}/{t_grp[t] / r['us'][f'{f}{t}']:5.3f}x"
-                    for f in ("nvfp4", "int4")
-                    for t in TS
+                    f"{r['us'][f'{f}{t}']:6.1f}/{t_grp[t] / r['us'][f'{f}{t}']:5.3f}x" for f in FORMATS for t in TS
                 ),
                 flush=True,
             )
         if ranked:
             best[SHAPES[name]] = tuple(ranked[0]["cfg"])
             t_grp = out["grouped_bf16_us"][name]
-            for f in ("nvfp4", "int4"):
+            for f in FORMATS:
                 for t in TS:
                     speedup = t_grp[t] / ranked[0]["us"][f"{f}{t}"]
                     print(check(f"{f} MoE {name} T={t} vs grouped bf16, best config", speedup, MOE_X), flush=True)

@@ -63,6 +63,19 @@ def _compile_one(job) -> str:
         return f"{fmt} {cfg}: {type(e).__name__}: {str(e)[:200]}"
 
 
+def compile_all(compile_one, jobs: list, workers: int) -> set[str]:
+    """compile_one(job) over jobs in a pool of spawned processes, so Triton's on-disk cache holds every
+    binary before the timing starts; prints the failures. -> the failed jobs' keys (an error's text
+    before its first colon: "fmt config")."""
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = [e for e in pool.map(compile_one, jobs, chunksize=1) if e]
+    print(f"compiled {len(jobs)} jobs in {time.time() - t0:.0f} s; failures: {len(errors)}", flush=True)
+    for e in errors:
+        print("  compile failed:", e, flush=True)
+    return {e.split(":")[0] for e in errors}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -75,15 +88,9 @@ def main() -> int:
     from rollout.kernels import matmul_triton as mt
 
     t0 = time.time()
-    jobs = [(f, c, 8192, 8192) for c in CONFIGS for f in (mt.FMT_NVFP4, mt.FMT_INT4)]
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        errors = [e for e in pool.map(_compile_one, jobs, chunksize=1) if e]
-    print(
-        f"compiled {len(jobs)} (config, format) pairs in {time.time() - t0:.0f} s; failures: {len(errors)}", flush=True
+    bad = compile_all(
+        _compile_one, [(f, c, 8192, 8192) for c in CONFIGS for f in (mt.FMT_NVFP4, mt.FMT_INT4)], args.workers
     )
-    for e in errors:
-        print("  compile failed:", e, flush=True)
-    bad = {e.split(":")[0] for e in errors}
 
     out = {"rows": [], "bf16": {}}
     for (n, k), cfgs in (((8192, 8192), CONFIGS), ((4096, 4096), None)):
