@@ -370,6 +370,8 @@ def test_moe_persistent_launch_equals_one_program_per_tile(fmt, cfg):
             for per_sm in (1, 2, 5):
                 got = mt.moe_w4a16_matmul(*args, config=(*cfg, 0, per_sm), x_scale=xs)
                 assert torch.equal(got, ref), (fmt, cfg, t, per_sm, xs is None)
+    with pytest.raises(ValueError, match="persistent MoE launch does not split K"):
+        mt.moe_w4a16_matmul(*args, config=(*cfg[:4], 2, 0, 1))
 
 
 def test_moe_align_kernel_matches_torch():
