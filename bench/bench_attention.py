@@ -2,8 +2,9 @@
 
 Attention: B rows, each at the same context length L, Qwen3-30B-A3B's heads (32 query, 4 KV, head
 dim 128), the engine's cache [B, Hkv, S, hd] read by FlashInfer as HND pages of S slots (one page a
-row, no copy). The engine's kernel also writes the new token's k and v into the cache; FlashInfer's
-timed call does the same write first (two index_put), so both do the same work. FlashInfer plans on
+row, no copy), or with --page-size P a copy of it in pages of P slots, FlashInfer's usual layout
+(the copy is not timed). The engine's kernel also writes the new token's k and v into the cache;
+FlashInfer's timed call does the same write first (two index_put), so both do the same work. FlashInfer plans on
 the host for the lengths of each step (its split of the KV depends on them), outside the timed
 region; its plan time is printed beside. The engine's kernel reads the lengths from device memory.
 
@@ -32,7 +33,13 @@ from rollout.kernels import attention_triton, sampling_triton  # noqa: E402
 H, HKV, HD = 32, 4, 128
 
 
-def attention(fi, batch: int, lengths, slots: int, out: dict) -> None:
+def paged(cache: torch.Tensor, page: int) -> torch.Tensor:
+    """[B, Hkv, S, hd] -> FlashInfer's HND pages [B * S / page, Hkv, page, hd]; row b's pages are b * S / page + j."""
+    b, h, s, d = cache.shape
+    return cache.view(b, h, s // page, page, d).transpose(1, 2).reshape(b * s // page, h, page, d).contiguous()
+
+
+def attention(fi, batch: int, lengths, slots: int, page: int, out: dict) -> None:
     dev = "cuda"
     kc = torch.randn(batch, HKV, slots, HD, device=dev, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -42,7 +49,10 @@ def attention(fi, batch: int, lengths, slots: int, out: dict) -> None:
     scale = HD**-0.5
     rows = torch.arange(batch, device=dev)
     work = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
-    print(f"decode attention, batch {batch}, {H}/{HKV} heads x {HD}, cache slots {slots}", flush=True)
+    page = page or slots
+    kp, vp = (kc, vc) if page == slots else (paged(kc, page), paged(vc, page))
+    per_row = slots // page
+    print(f"decode attention, batch {batch}, {H}/{HKV} heads x {HD}, cache slots {slots}, page {page}", flush=True)
     print(
         f"{'L':>6s} {'engine us':>10s} | {'flashinfer us':>14s} {'x':>6s} {'plan us':>8s} {'max |diff|':>10s} | tensor cores",
         flush=True,
@@ -54,18 +64,21 @@ def attention(fi, batch: int, lengths, slots: int, out: dict) -> None:
         row = {"batch": batch, "length": L, "engine_us": t_ours}
         for tc in (False, True):
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(work, "HND", use_tensor_cores=tc)
-            indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-            last = torch.full((batch,), L, dtype=torch.int32, device=dev)
+            used = -(-L // page)  # pages row b reads: b * per_row + 0 .. used - 1
+            indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * used
+            indices = (rows[:, None] * per_row + torch.arange(used, device=dev)).flatten().to(torch.int32)
+            last = torch.full((batch,), L - (used - 1) * page, dtype=torch.int32, device=dev)
+            slot = rows * per_row + (L - 1) // page
 
-            def theirs(wrapper=wrapper):
-                kc[rows, :, pos] = kn
-                vc[rows, :, pos] = vn
-                return wrapper.run(q, (kc, vc))
+            def theirs(wrapper=wrapper, slot=slot):
+                kp[slot, :, (L - 1) % page] = kn
+                vp[slot, :, (L - 1) % page] = vn
+                return wrapper.run(q, (kp, vp))
 
             try:
                 for _ in range(2):  # the first plan may compile (JIT); the second is timed
                     t0 = time.perf_counter()
-                    wrapper.plan(indptr, rows.to(torch.int32), last, H, HKV, HD, slots, q_data_type=torch.bfloat16,
+                    wrapper.plan(indptr, indices, last, H, HKV, HD, page, q_data_type=torch.bfloat16,
                                  sm_scale=scale)  # fmt: skip
                     torch.cuda.synchronize()
                     t_plan = (time.perf_counter() - t0) * 1e6
@@ -110,6 +123,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lengths", default="128,512,2048,4096")
+    ap.add_argument("--page-size", type=int, default=0, help="FlashInfer reads a copy in pages of this many slots")
     ap.add_argument("--sampling", action="store_true", help="also sampling (FlashInfer compiles it for ~90 s)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -122,7 +136,13 @@ def main() -> int:
     out: dict = {"device": torch.cuda.get_device_name(), "attention": []}
     lengths = [int(v) for v in args.lengths.split(",")]
     t0 = time.time()
-    attention(fi, args.batch, lengths, max(lengths), out)
+    slots = max(lengths)
+    if args.page_size and slots % args.page_size:
+        print(
+            f"bench_attention: --page-size {args.page_size} does not divide the cache's {slots} slots", file=sys.stderr
+        )
+        return 2
+    attention(fi, args.batch, lengths, slots, args.page_size, out)
     print(f"attention done in {time.time() - t0:.0f} s (FlashInfer's JIT included)", flush=True)
     if args.sampling:
         sampling(fi, args.batch, 151936, out)

@@ -10,7 +10,9 @@ repeat, and a persistent config bit-equal to the one-program-per-item launch of 
 "floor": `bench_kernels.stream_floor` over all 128 experts' words and scales with the config's tile
 (the loads alone, no x, no dequant, no dot), scaled to the experts T = 64 routes: the best a kernel
 with that memory pattern could do at T = 64.
-Timing is `bench_kernels.bench` (CUDA graphs, L2 cleared before every run).
+Timing is `bench_kernels.bench` (CUDA graphs, L2 cleared before every run). A config's times include
+the routing metadata (`moe_align_fast`, 3-11 us) and the baseline's leave out its sort, so the ratios
+here are lower than `bench_kernels.py`'s, which times the metadata apart.
 
     PYTHONPATH=. python bench/tune_moe.py [--json out.json]
 """

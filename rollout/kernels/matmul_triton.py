@@ -405,7 +405,8 @@ def _store_tile(acc, y, ymask, gs_ptr, xs, FMT: tl.constexpr, HAS_XS: tl.constex
 # seventh entry > 0 launches them persistent (`_moe_persistent_kernel`, that many programs per SM,
 # no split). bench/tune_moe.py sweeps them.
 # Values: `BENCH_ARGS="--tune --tune-quant" bash bench/run_device.sh` on the H200, 2026-11-29;
-# 8192x8192 from `bench/tune_qmatmul.py` and `BENCH_ARGS=--tune`, same day.
+# 8192x8192 from `bench/tune_qmatmul.py` and `BENCH_ARGS=--tune`, same day; MoE from
+# `bench/tune_moe.py` on the H100, 2026-12-05 (down: persistent, 8 programs per SM).
 DEFAULT_CONFIG = (32, 256, 2, 2, 4)
 CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (8192, 8192): (64, 128, 2, 2, 8, 128),
@@ -416,7 +417,7 @@ CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
 MOE_DEFAULT_CONFIG = (32, 256, 2, 3, 1)
 MOE_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (1536, 2048): (32, 256, 2, 3, 1),
-    (2048, 768): (32, 256, 2, 3, 1),
+    (2048, 768): (32, 256, 2, 3, 1, 0, 8),
 }
 
 
