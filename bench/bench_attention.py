@@ -4,9 +4,9 @@ Attention: B rows, each at the same context length L, Qwen3-30B-A3B's heads (32 
 dim 128), the engine's cache [B, Hkv, S, hd] read by FlashInfer as HND pages of S slots (one page a
 row, no copy), or with --page-size P a copy of it in pages of P slots, FlashInfer's usual layout
 (the copy is not timed). The engine's kernel also writes the new token's k and v into the cache;
-FlashInfer's timed call does the same write first (two index_put), so both do the same work. FlashInfer plans on
-the host for the lengths of each step (its split of the KV depends on them), outside the timed
-region; its plan time is printed beside. The engine's kernel reads the lengths from device memory.
+FlashInfer's timed call does the same write first (two index_put), so both do the same work.
+FlashInfer plans on the host for the lengths of each step (its split of the KV depends on them),
+outside the timed region; its plan time is printed beside. The engine's kernel reads the lengths from device memory.
 
 Sampling: B x V fp32 logits at T = 1; the engine's `sampling_triton.sample` (each row's own seed and
 step: the sampler the contract defines) against `flashinfer.sampling.sampling_from_logits` (one seed

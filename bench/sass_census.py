@@ -40,6 +40,7 @@ CASES = [
     ("gate_up, persistent", "persistent", mt.MOE_CONFIGS[(1536, 2048)], GATE_UP),
     ("gate_up BN 64, one program per item", "moe", (64, 256, 2, 3, 1), GATE_UP),
     ("down, one program per item", "moe", mt.MOE_CONFIGS[(2048, 768)], DOWN),
+    ("down, persistent", "persistent", mt.MOE_CONFIGS[(2048, 768)], DOWN),
 ]
 
 _ARGS = {
