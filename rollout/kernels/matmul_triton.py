@@ -289,10 +289,7 @@ def _w4a16_kernel(
 
     y = y_ptr + y_row.to(tl.int64)[None, :] * stride_ym + n64[:, None]
     ymask = nmask[:, None] & rmask[None, :]
-    if HAS_XS:
-        xs = tl.load(xs_ptr + x_row, mask=rmask, other=1.0)  # [BM] per-token activation S_dec
-    else:
-        xs = tl.full([BM], 1.0, tl.float32)
+    xs = _x_scales(xs_ptr, x_row, rmask, HAS_XS, BM)
     if SPLIT == 1:
         _store_tile(acc, y, ymask, gs_ptr, xs, FMT, HAS_XS)
     else:
@@ -375,12 +372,17 @@ def _moe_persistent_kernel(
         )  # fmt: skip
         if ki == k_tiles - 1:
             y = y_ptr + tl.where(rmask, pair, 0).to(tl.int64)[None, :] * stride_ym + n64[:, None]
-            if HAS_XS:
-                xs = tl.load(xs_ptr + tl.where(rmask, pair // TOPK, 0), mask=rmask, other=1.0)
-            else:
-                xs = tl.full([BM], 1.0, tl.float32)
+            xs = _x_scales(xs_ptr, tl.where(rmask, pair // TOPK, 0), rmask, HAS_XS, BM)
             _store_tile(acc, y, (n64 < N)[:, None] & rmask[None, :], gs_ptr + expert, xs, FMT, HAS_XS)
             acc = tl.zeros([BN, BM], dtype=tl.float32)
+
+
+@triton.jit
+def _x_scales(xs_ptr, x_row, rmask, HAS_XS: tl.constexpr, BM: tl.constexpr):
+    """[BM] per-token activation S_dec of the tile's x rows (ones without per-token scales)."""
+    if HAS_XS:
+        return tl.load(xs_ptr + x_row, mask=rmask, other=1.0)
+    return tl.full([BM], 1.0, tl.float32)
 
 
 @triton.jit
