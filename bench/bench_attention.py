@@ -127,6 +127,13 @@ def main() -> int:
     ap.add_argument("--sampling", action="store_true", help="also sampling (FlashInfer compiles it for ~90 s)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    lengths = [int(v) for v in args.lengths.split(",")]
+    slots = max(lengths)
+    if args.page_size and slots % args.page_size:
+        print(
+            f"bench_attention: --page-size {args.page_size} does not divide the cache's {slots} slots", file=sys.stderr
+        )
+        return 2
     try:
         import flashinfer as fi
     except ImportError as e:
@@ -134,14 +141,7 @@ def main() -> int:
         return 2
     print(f"device: {torch.cuda.get_device_name()}; flashinfer {fi.__version__}", flush=True)
     out: dict = {"device": torch.cuda.get_device_name(), "attention": []}
-    lengths = [int(v) for v in args.lengths.split(",")]
     t0 = time.time()
-    slots = max(lengths)
-    if args.page_size and slots % args.page_size:
-        print(
-            f"bench_attention: --page-size {args.page_size} does not divide the cache's {slots} slots", file=sys.stderr
-        )
-        return 2
     attention(fi, args.batch, lengths, slots, args.page_size, out)
     print(f"attention done in {time.time() - t0:.0f} s (FlashInfer's JIT included)", flush=True)
     if args.sampling:
